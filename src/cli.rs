@@ -1,0 +1,140 @@
+//! Command-line flags shared by subcommands: model, device, sampling, cache.
+
+use crate::generate::SamplingParams;
+use crate::kv::CacheSpec;
+use anyhow::{bail, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvchat",
+    version,
+    about = "Run a local LLM and see what its KV cache buys and costs",
+    long_about = "Run a local LLM (GGUF, llama family) for chat or one-shot completion, over an explicit KV cache \
+whose strategy is chosen by flags. With no --model, the default model is SmolLM2-135M-Instruct Q4_1 \
+(fetch it with scripts/fetch-models.sh).",
+    after_help = "Examples:\n  kvchat run \"What is the capital of France?\"\n  echo \"The capital of France is\" | kvchat run --raw\n  kvchat run --no-cache -n 64 \"Tell me about caches\"\n  kvchat tokenize \"Hello, world!\""
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Answer one prompt (from the argument or stdin) and exit; streams the answer to stdout.
+    Run(crate::commands::run::RunArgs),
+    /// Print the token ids of TEXT as a JSON array.
+    Tokenize(crate::commands::tokenize::TokenizeArgs),
+}
+
+/// Which model, where it runs.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [default: $KVCHAT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf, where
+    /// KVCHAT_HOME defaults to ~/.cache/kvchat]
+    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
+    pub model: Option<PathBuf>,
+    /// tokenizer.json to use instead of the tokenizer built from the GGUF's metadata
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Device: cpu, cuda[:N], metal or auto (the best one built in)
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// CPU threads [default: all cores]
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Context size in tokens: the most positions a sequence may reach [default: the model's trained context]
+    #[arg(long)]
+    pub ctx: Option<usize>,
+}
+
+/// Which KV cache strategy.
+#[derive(Args, Debug, Clone)]
+pub struct CacheArgs {
+    /// Keep no KV cache: recompute the whole sequence at every step (the O(n²) baseline)
+    #[arg(long)]
+    pub no_cache: bool,
+}
+
+impl CacheArgs {
+    pub fn spec(&self, max_positions: usize) -> CacheSpec {
+        if self.no_cache {
+            CacheSpec::None
+        } else {
+            CacheSpec::Full { max_positions }
+        }
+    }
+}
+
+/// How the next token is picked.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy (always the most likely token)
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off)
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off)
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P × the most likely one (0 = off)
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalty for repeating recent tokens (1 = off)
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens the repeat penalty looks at
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed for sampling
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplingParams> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!(
+                "--temperature must be a number ≥ 0, got {}",
+                self.temperature
+            );
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            bail!("--top-p must be between 0 and 1, got {}", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            bail!("--min-p must be between 0 and 1, got {}", self.min_p);
+        }
+        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
+            bail!("--repeat-penalty must be > 0, got {}", self.repeat_penalty);
+        }
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        })
+    }
+}
+
+/// `$KVCHAT_HOME`, or `~/.cache/kvchat`.
+pub fn kvchat_home() -> PathBuf {
+    if let Some(h) = std::env::var_os("KVCHAT_HOME") {
+        return PathBuf::from(h);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache").join("kvchat")
+}
+
+/// Where the default model lives once `scripts/fetch-models.sh` has run.
+pub fn default_model_path() -> PathBuf {
+    kvchat_home()
+        .join("models")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}

@@ -1,0 +1,194 @@
+//! A loaded model, ready to run: decoder, tokenizer, chat template, stop tokens and device.
+
+use crate::cli::{default_model_path, ModelArgs};
+use crate::generate::Session;
+use crate::kv::CacheSpec;
+use crate::model::gguf::GgufFile;
+use crate::model::Llama;
+use crate::template::{ChatTemplate, Message};
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use std::path::PathBuf;
+
+pub struct Engine {
+    pub path: PathBuf,
+    pub model: Llama,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    /// Ids that end generation: EOS and the template's end-of-turn tokens.
+    pub stop_ids: Vec<u32>,
+    /// The most positions a sequence may reach (`--ctx`).
+    pub ctx: usize,
+    pub device: Device,
+}
+
+/// Parses `--device`.
+pub fn select_device(spec: &str) -> Result<Device> {
+    let spec = spec.trim().to_ascii_lowercase();
+    let (name, ordinal) = match spec.split_once(':') {
+        Some((n, o)) => (
+            n.to_string(),
+            o.parse::<usize>()
+                .with_context(|| format!("--device {spec}: '{o}' is not a device number"))?,
+        ),
+        None => (spec.clone(), 0),
+    };
+    match name.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => {
+            if !cfg!(feature = "cuda") {
+                bail!("--device cuda: this kvchat was built without CUDA; rebuild with `cargo build --release --features cuda`");
+            }
+            Device::new_cuda(ordinal)
+                .with_context(|| format!("--device {spec}: cannot open CUDA device {ordinal}"))
+        }
+        "metal" => {
+            if !cfg!(feature = "metal") {
+                bail!("--device metal: this kvchat was built without Metal; rebuild with `cargo build --release --features metal`");
+            }
+            Device::new_metal(ordinal)
+                .with_context(|| format!("--device {spec}: cannot open Metal device {ordinal}"))
+        }
+        "auto" => {
+            if cfg!(feature = "cuda") {
+                if let Ok(d) = Device::new_cuda(ordinal) {
+                    return Ok(d);
+                }
+            }
+            if cfg!(feature = "metal") {
+                if let Ok(d) = Device::new_metal(ordinal) {
+                    return Ok(d);
+                }
+            }
+            Ok(Device::Cpu)
+        }
+        other => bail!("--device '{other}' is not one of cpu, cuda[:N], metal, auto"),
+    }
+}
+
+/// Sets the CPU thread count before any parallel work starts.
+pub fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        // candle's matmul and quantized kernels size their rayon pools from this variable.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    Ok(())
+}
+
+impl Engine {
+    pub fn load(args: &ModelArgs) -> Result<Self> {
+        set_threads(args.threads)?;
+        let device = select_device(&args.device)?;
+        let path = match &args.model {
+            Some(p) => p.clone(),
+            None => {
+                let p = default_model_path();
+                if !p.exists() {
+                    bail!(
+                        "the default model is not at {}: run scripts/fetch-models.sh, or pass --model FILE.gguf",
+                        p.display()
+                    );
+                }
+                p
+            }
+        };
+        let mut gguf = GgufFile::open(&path)?;
+        let cfg = crate::model::Config::from_gguf(&gguf.content)
+            .with_context(|| format!("model file {}", path.display()))?;
+        let ctx = match args.ctx {
+            Some(0) => bail!("--ctx must be at least 1"),
+            Some(c) => c,
+            None => cfg.ctx_train,
+        };
+        let model = gguf.load_llama(&device, ctx)?;
+        let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
+            .with_context(|| format!("tokenizer of {}", path.display()));
+        let tokenizer = match &args.tokenizer {
+            Some(tj) => Tokenizer::from_file(tj, gguf_tokenizer.as_ref().ok())?,
+            None => gguf_tokenizer?,
+        };
+        let token_text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.inner.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let template = match gguf
+            .content
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+        {
+            Some(src) => Some(
+                ChatTemplate::new(
+                    src,
+                    &token_text(tokenizer.bos_id),
+                    &token_text(tokenizer.eos_id),
+                )
+                .with_context(|| format!("chat template of {}", path.display()))?,
+            ),
+            None => None,
+        };
+        let mut stop_ids: Vec<u32> = tokenizer.eos_id.into_iter().collect();
+        if let Some(t) = &template {
+            for tok in t.end_of_turn_tokens() {
+                if let Some(id) = tokenizer.token_id(tok) {
+                    if !stop_ids.contains(&id) {
+                        stop_ids.push(id);
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            path,
+            model,
+            tokenizer,
+            template,
+            stop_ids,
+            ctx,
+            device,
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    /// A fresh sequence with a cache of the given strategy.
+    pub fn session(&self, spec: &CacheSpec) -> Session<'_> {
+        let cache = spec.build(&self.model.cfg, self.dtype(), &self.device);
+        Session::new(&self.model, cache, self.ctx)
+    }
+
+    /// The chat template to use: `--chat-template` (a name or template text) or the model's own.
+    pub fn chat_template(&self, override_spec: Option<&str>) -> Result<ChatTemplate> {
+        let tk = &self.tokenizer;
+        let text = |id: Option<u32>| id.and_then(|i| tk.inner.id_to_token(i)).unwrap_or_default();
+        match (override_spec, &self.template) {
+            (Some(spec), _) => ChatTemplate::new(spec, &text(tk.bos_id), &text(tk.eos_id)),
+            (None, Some(t)) => Ok(t.clone()),
+            (None, None) => bail!(
+                "{} has no chat template: pass --chat-template chatml|llama3|llama2, or --raw",
+                self.path.display()
+            ),
+        }
+    }
+
+    /// Token ids of a chat prompt: the conversation rendered by the template, ready for the answer.
+    pub fn chat_prompt(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
+        let text = template.render(messages, true)?;
+        self.tokenizer.encode(&text)
+    }
+
+    /// Token ids of a raw completion prompt (BOS first when the model wants one).
+    pub fn raw_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if self.tokenizer.add_bos {
+            ids.extend(self.tokenizer.bos_id);
+        }
+        ids.extend(self.tokenizer.encode(text)?);
+        Ok(ids)
+    }
+}

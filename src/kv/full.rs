@@ -1,0 +1,113 @@
+//! `full`: every position kept, in one contiguous buffer per layer, written in place.
+//!
+//! Keys and values each live in `[1, n_kv_heads, capacity, head_dim]`; positions `0..len` are valid.
+//! Capacity starts small and doubles (up to `max_positions`) so a short chat does not reserve the
+//! model's whole trained context up front; attention reads a `narrow` view, never a copy.
+
+use super::{Attend, LayerCache};
+use crate::model::rope::Rope;
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// The first allocation, in positions.
+const MIN_CAPACITY: usize = 256;
+
+pub struct FullCache {
+    n_kv_heads: usize,
+    head_dim: usize,
+    max_positions: usize,
+    dtype: DType,
+    device: Device,
+    /// `[1, n_kv_heads, capacity, head_dim]` each, or None before the first append.
+    buffers: Option<(Tensor, Tensor)>,
+    capacity: usize,
+    len: usize,
+}
+
+impl FullCache {
+    pub fn new(
+        n_kv_heads: usize,
+        head_dim: usize,
+        max_positions: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Self {
+        Self {
+            n_kv_heads,
+            head_dim,
+            max_positions,
+            dtype,
+            device,
+            buffers: None,
+            capacity: 0,
+            len: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Makes room for `needed` positions, copying what is held into a larger buffer if needed.
+    fn reserve(&mut self, needed: usize) -> Result<()> {
+        if needed > self.max_positions {
+            bail!(
+                "the KV cache is full: {needed} positions needed, {} allowed (raise --ctx)",
+                self.max_positions
+            );
+        }
+        if needed <= self.capacity {
+            return Ok(());
+        }
+        let new_cap = needed
+            .next_power_of_two()
+            .max(MIN_CAPACITY)
+            .min(self.max_positions);
+        let shape = (1, self.n_kv_heads, new_cap, self.head_dim);
+        let k = Tensor::zeros(shape, self.dtype, &self.device)?;
+        let v = Tensor::zeros(shape, self.dtype, &self.device)?;
+        if let Some((old_k, old_v)) = &self.buffers {
+            if self.len > 0 {
+                k.slice_set(&old_k.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
+                v.slice_set(&old_v.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
+            }
+        }
+        self.buffers = Some((k, v));
+        self.capacity = new_cap;
+        Ok(())
+    }
+}
+
+impl LayerCache for FullCache {
+    fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend> {
+        let t = k.dim(2)?;
+        let pos = self.len;
+        self.reserve(pos + t)?;
+        let k = rope.apply(k, pos)?; // [1, n_kv_heads, t, head_dim]
+        let (kb, vb) = self.buffers.as_ref().expect("reserved above");
+        kb.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 2, pos)?;
+        vb.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 2, pos)?;
+        self.len = pos + t;
+        Ok(Attend {
+            k: kb.narrow(2, 0, self.len)?, // [1, n_kv_heads, len, head_dim], a view
+            v: vb.narrow(2, 0, self.len)?,
+            q_pos: pos,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            bail!("cannot truncate a cache of {} positions to {len}", self.len);
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.n_kv_heads * self.capacity * self.head_dim * self.dtype.size_in_bytes()
+    }
+}

@@ -1,0 +1,147 @@
+//! Hyperparameters of a llama-family decoder, read once at load from GGUF metadata (or, later, config.json).
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+
+/// How rotary embeddings pair up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs (x0, x1), (x2, x3), …: llama.cpp's "normal" mode, used by GGUF `llama` files.
+    Interleaved,
+    /// Pairs (x_i, x_{i + d/2}): HF's `rotate_half`, and llama.cpp's NEOX mode (`qwen2`).
+    HalfSplit,
+}
+
+/// Architectures whose decoder is the one in `model::llama`.
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2"];
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub arch: String,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    /// Context length the model was trained with.
+    pub ctx_train: usize,
+    pub rope_base: f32,
+    /// Number of dimensions of each head that are rotated (the rest pass through).
+    pub rope_dim: usize,
+    /// Linear RoPE scaling: positions are divided by this factor (1.0 = none).
+    pub rope_linear_scale: f32,
+    pub rope_style: RopeStyle,
+    pub rms_eps: f64,
+}
+
+impl Config {
+    /// Reads the hyperparameters from GGUF metadata (`{arch}.block_count`, …).
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
+        let md = &ct.metadata;
+        let arch = md
+            .get("general.architecture")
+            .context("GGUF has no general.architecture")?
+            .to_string()?
+            .clone();
+        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
+            bail!(
+                "unsupported model architecture '{arch}' (supported: {})",
+                SUPPORTED_ARCHS.join(", ")
+            );
+        }
+        let get = |key: &str| {
+            md.get(&format!("{arch}.{key}"))
+                .with_context(|| format!("GGUF metadata lacks {arch}.{key}"))
+        };
+        let get_u = |key: &str| -> Result<usize> {
+            let v = get(key)?;
+            Ok(v.to_u64()
+                .or_else(|_| v.to_u32().map(u64::from))
+                .or_else(|_| v.to_i32().map(|x| x as u64))
+                .with_context(|| format!("GGUF {arch}.{key} is not an integer"))?
+                as usize)
+        };
+        let get_f = |key: &str| -> Result<f32> {
+            let v = get(key)?;
+            v.to_f32()
+                .or_else(|_| v.to_f64().map(|x| x as f32))
+                .with_context(|| format!("GGUF {arch}.{key} is not a float"))
+        };
+        let n_layer = get_u("block_count")?;
+        let hidden = get_u("embedding_length")?;
+        let n_head = get_u("attention.head_count")?;
+        let n_kv_head = get_u("attention.head_count_kv").unwrap_or(n_head);
+        let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_head.max(1));
+        let ffn = get_u("feed_forward_length")?;
+        let ctx_train = get_u("context_length")?;
+        let rms_eps = get_f("attention.layer_norm_rms_epsilon")? as f64;
+        let rope_base = get_f("rope.freq_base").unwrap_or(10_000.0);
+        let rope_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
+        let rope_linear_scale = match md.get(&format!("{arch}.rope.scaling.type")) {
+            None => 1.0,
+            Some(t) => match t.to_string()?.as_str() {
+                "none" => 1.0,
+                "linear" => get_f("rope.scaling.factor")?,
+                other => bail!("unsupported RoPE scaling type '{other}' (supported: none, linear)"),
+            },
+        };
+        let vocab = match get_u("vocab_size") {
+            Ok(v) => v,
+            Err(_) => md
+                .get("tokenizer.ggml.tokens")
+                .context("GGUF has neither vocab_size nor tokenizer.ggml.tokens")?
+                .to_vec()?
+                .len(),
+        };
+        let rope_style = match arch.as_str() {
+            "qwen2" => RopeStyle::HalfSplit,
+            _ => RopeStyle::Interleaved,
+        };
+        let cfg = Self {
+            arch,
+            n_layer,
+            n_head,
+            n_kv_head,
+            head_dim,
+            hidden,
+            ffn,
+            vocab,
+            ctx_train,
+            rope_base,
+            rope_dim,
+            rope_linear_scale,
+            rope_style,
+            rms_eps,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.n_layer == 0 || self.n_head == 0 || self.n_kv_head == 0 || self.head_dim == 0 {
+            bail!("model has zero layers, heads or head size: {self:?}");
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
+            bail!(
+                "{} attention heads are not a multiple of {} KV heads",
+                self.n_head,
+                self.n_kv_head
+            );
+        }
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
+            bail!(
+                "RoPE dimension {} does not fit head size {}",
+                self.rope_dim,
+                self.head_dim
+            );
+        }
+        Ok(())
+    }
+
+    /// Bytes one token occupies in an f32 K+V cache: 2 × layers × kv_heads × head_dim × 4.
+    pub fn kv_bytes_per_token_f32(&self) -> usize {
+        2 * self.n_layer * self.n_kv_head * self.head_dim * 4
+    }
+}

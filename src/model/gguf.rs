@@ -1,0 +1,145 @@
+//! GGUF files: metadata and quantized weights, read once; matrices stay quantized (candle's QMatMul).
+
+use super::config::Config;
+use super::llama::{expect_dims, Embedding, Layer, Linear, Llama};
+use super::rope::Rope;
+use anyhow::{Context, Result};
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// An opened GGUF file: its metadata is read, its tensors are read on demand.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: gguf_file::Content,
+    reader: BufReader<File>,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path)
+            .with_context(|| format!("cannot open model file {}", path.display()))?;
+        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+            anyhow::bail!(
+                "model path {} is a directory, not a GGUF file",
+                path.display()
+            );
+        }
+        let mut reader = BufReader::new(file);
+        let content = gguf_file::Content::read(&mut reader).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
+                path.display()
+            )
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            reader,
+        })
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    pub fn tensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot read tensor {name} from {} ({e}); the file may be truncated or corrupt",
+                    self.path.display()
+                )
+            })
+    }
+
+    /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.
+    fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
+        Ok(self.tensor(name, device)?.dequantize(device)?)
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        bias: bool,
+        want: [usize; 2],
+        device: &Device,
+    ) -> Result<Linear> {
+        let w = self.tensor(&format!("{name}.weight"), device)?;
+        expect_dims(&format!("{name}.weight"), w.shape().dims(), &want)?;
+        let b = if bias {
+            Some(self.dense(&format!("{name}.bias"), device)?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            w: QMatMul::from_qtensor(w)?,
+            b,
+        })
+    }
+
+    /// Builds the decoder. `max_positions` sizes the RoPE table (the most positions a run may reach).
+    pub fn load_llama(&mut self, device: &Device, max_positions: usize) -> Result<Llama> {
+        let cfg = Config::from_gguf(&self.content)
+            .with_context(|| format!("model file {}", self.path.display()))?;
+        let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
+        let embed = Arc::new(self.tensor("token_embd.weight", device)?);
+        expect_dims("token_embd.weight", embed.shape().dims(), &[cfg.vocab, h])?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = format!("blk.{i}");
+            let qkv_bias = self.has_tensor(&format!("{p}.attn_q.bias"));
+            layers.push(Layer {
+                attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
+                wq: self.linear(&format!("{p}.attn_q"), qkv_bias, [nh * hd, h], device)?,
+                wk: self.linear(&format!("{p}.attn_k"), qkv_bias, [nkv * hd, h], device)?,
+                wv: self.linear(&format!("{p}.attn_v"), qkv_bias, [nkv * hd, h], device)?,
+                wo: self.linear(&format!("{p}.attn_output"), false, [h, nh * hd], device)?,
+                ffn_norm: self.dense(&format!("{p}.ffn_norm.weight"), device)?,
+                w_gate: self.linear(&format!("{p}.ffn_gate"), false, [ffn, h], device)?,
+                w_up: self.linear(&format!("{p}.ffn_up"), false, [ffn, h], device)?,
+                w_down: self.linear(&format!("{p}.ffn_down"), false, [h, ffn], device)?,
+            });
+        }
+        let norm = self.dense("output_norm.weight", device)?;
+        // Tied embeddings: with no output.weight, the output projection is the embedding matrix.
+        let output = if self.has_tensor("output.weight") {
+            self.linear("output", false, [cfg.vocab, h], device)?
+        } else {
+            Linear {
+                w: QMatMul::from_arc(embed.clone())?,
+                b: None,
+            }
+        };
+        let freq_factors = if self.has_tensor("rope_freqs.weight") {
+            Some(self.dense("rope_freqs.weight", device)?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        let rope = Rope::new(
+            &cfg,
+            max_positions,
+            freq_factors.as_deref(),
+            DType::F32,
+            device,
+        )?;
+        let embed = match embed.dtype() {
+            candle_core::quantized::GgmlDType::F32 => Embedding::Dense(embed.dequantize(device)?),
+            _ => Embedding::Quantized(embed),
+        };
+        Ok(Llama {
+            cfg,
+            embed,
+            layers,
+            norm,
+            output,
+            rope,
+            device: device.clone(),
+            prefill_chunk: 512,
+        })
+    }
+}

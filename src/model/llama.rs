@@ -1,0 +1,227 @@
+//! The llama-family decoder (llama, mistral, qwen2, smollm), written on candle ops.
+//!
+//! Reads top to bottom like the math. Shapes: `t` = tokens in this step, `L` = positions attended over,
+//! `nh` = query heads, `nkv` = KV heads, `g = nh / nkv` query heads per KV head, `hd` = head size.
+
+use super::config::Config;
+use super::rope::Rope;
+use crate::kv::{KvCache, LayerCache};
+use anyhow::{bail, Result};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use std::sync::Arc;
+
+/// A weight matrix (quantized or dense) with an optional bias (qwen2's q/k/v).
+pub struct Linear {
+    pub w: QMatMul,
+    pub b: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.w.forward(x)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+pub struct Layer {
+    pub attn_norm: Tensor,
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    pub wo: Linear,
+    pub ffn_norm: Tensor,
+    pub w_gate: Linear,
+    pub w_up: Linear,
+    pub w_down: Linear,
+}
+
+/// Token embeddings: kept quantized when the file has them quantized, rows dequantized on lookup.
+pub enum Embedding {
+    Quantized(Arc<QTensor>),
+    Dense(Tensor),
+}
+
+/// Which positions' logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    Last,
+    All,
+}
+
+pub struct Llama {
+    pub cfg: Config,
+    pub embed: Embedding,
+    pub layers: Vec<Layer>,
+    pub norm: Tensor,
+    pub output: Linear,
+    pub rope: Rope,
+    pub device: Device,
+    /// Longest step a single forward computes at once; longer prompts are prefilled in chunks of this
+    /// many tokens, so the score matrix of a long prompt never has to exist whole.
+    pub prefill_chunk: usize,
+}
+
+impl Llama {
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Runs `tokens` through the decoder, continuing after what `cache` holds, and returns logits
+    /// `[vocab]` (Logits::Last) or `[t, vocab]` (Logits::All).
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Tensor> {
+        if tokens.is_empty() {
+            bail!("forward over zero tokens");
+        }
+        if cache.spec().recomputes() || tokens.len() <= self.prefill_chunk {
+            return self.forward_chunk(tokens, cache, which);
+        }
+        let mut all = Vec::new();
+        let mut last = None;
+        for chunk in tokens.chunks(self.prefill_chunk) {
+            let logits = self.forward_chunk(chunk, cache, which)?;
+            match which {
+                Logits::All => all.push(logits),
+                Logits::Last => last = Some(logits),
+            }
+        }
+        match which {
+            Logits::All => Ok(Tensor::cat(&all, 0)?),
+            Logits::Last => Ok(last.expect("at least one chunk")),
+        }
+    }
+
+    fn forward_chunk(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Tensor> {
+        let t = tokens.len();
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = match &self.embed {
+            Embedding::Quantized(q) => q.embedding(&ids)?,
+            Embedding::Dense(e) => e.embedding(&ids)?,
+        }
+        .unsqueeze(0)?; // [1, t, hidden]
+        let mut mask = None;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = self.block(layer, &x, cache.layer(i), &mut mask)?;
+        }
+        let x = match which {
+            Logits::Last => x.narrow(1, t - 1, 1)?, // [1, 1, hidden]
+            Logits::All => x,
+        };
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
+        let logits = self.output.forward(&x)?.squeeze(0)?; // [t or 1, vocab]
+        Ok(match which {
+            Logits::Last => logits.squeeze(0)?, // [vocab]
+            Logits::All => logits,
+        })
+    }
+
+    /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)).
+    fn block(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        cache: &mut dyn LayerCache,
+        mask: &mut Option<Tensor>,
+    ) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(x, &layer.attn_norm, self.cfg.rms_eps as f32)?;
+        let x = (x + self.attention(layer, &h, cache, mask)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
+        let ffn = {
+            let gate = candle_nn::ops::silu(&layer.w_gate.forward(&h)?)?; // [1, t, ffn]
+            let up = layer.w_up.forward(&h)?; // [1, t, ffn]
+            layer.w_down.forward(&(gate * up)?)? // [1, t, hidden]
+        };
+        Ok((x + ffn)?)
+    }
+
+    fn attention(
+        &self,
+        layer: &Layer,
+        h: &Tensor,
+        cache: &mut dyn LayerCache,
+        mask: &mut Option<Tensor>,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (_, t, _) = h.dims3()?;
+        let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let g = nh / nkv;
+
+        // [1, t, n*hd] -> [1, t, n, hd] -> [1, n, t, hd]
+        let q = layer
+            .wq
+            .forward(h)?
+            .reshape((1, t, nh, hd))?
+            .transpose(1, 2)?;
+        let k = layer
+            .wk
+            .forward(h)?
+            .reshape((1, t, nkv, hd))?
+            .transpose(1, 2)?;
+        let v = layer
+            .wv
+            .forward(h)?
+            .reshape((1, t, nkv, hd))?
+            .transpose(1, 2)?;
+        let v = v.contiguous()?;
+
+        // The cache stores this step's K/V and returns everything to attend over.
+        let att = cache.append(&k, &v, &self.rope)?;
+        let q = self.rope.apply(&q, att.q_pos)?; // [1, nh, t, hd], contiguous
+        let kv_len = att.k.dim(2)?;
+
+        // Grouped-query attention without copying K/V per query head: the g query heads that share a
+        // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
+        let q = q.reshape((nkv, g * t, hd))?;
+        let k = att.k.squeeze(0)?; // [nkv, L, hd]
+        let v = att.v.squeeze(0)?; // [nkv, L, hd]
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?; // [nkv, g*t, L]
+        let scores = if t > 1 {
+            if mask.is_none() {
+                *mask = Some(causal_mask(t, kv_len, &self.device)?);
+            }
+            let mask = mask.as_ref().expect("set above"); // [t, L]
+            scores
+                .reshape((nkv, g, t, kv_len))?
+                .broadcast_add(mask)?
+                .reshape((nkv, g * t, kv_len))?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v.contiguous()?)?; // [nkv, g*t, hd]
+        let out = out
+            .reshape((1, nh, t, hd))?
+            .transpose(1, 2)? // [1, t, nh, hd]
+            .reshape((1, t, nh * hd))?;
+        layer.wo.forward(&out)
+    }
+}
+
+/// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future.
+pub fn causal_mask(t: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
+    let offset = kv_len - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..kv_len).map(move |j| {
+                if j <= offset + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, kv_len), device)?.to_dtype(DType::F32)?)
+}
+
+/// Dims check used by loaders: `[rows, cols]` of a matrix named `name`.
+pub fn expect_dims(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got != want {
+        bail!("tensor {name} has shape {got:?}, expected {want:?} from the model's config");
+    }
+    Ok(())
+}

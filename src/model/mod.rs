@@ -1,0 +1,9 @@
+//! Loading a model: hyperparameters, weights and the decoder built on them.
+
+pub mod config;
+pub mod gguf;
+pub mod llama;
+pub mod rope;
+
+pub use config::Config;
+pub use llama::{Llama, Logits};

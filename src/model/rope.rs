@@ -1,0 +1,93 @@
+//! Rotary position embeddings: a cos/sin table computed once at load, applied to [b, heads, t, head_dim].
+
+use super::config::{Config, RopeStyle};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+pub struct Rope {
+    /// [max_positions, rope_dim / 2]
+    cos: Tensor,
+    /// [max_positions, rope_dim / 2]
+    sin: Tensor,
+    style: RopeStyle,
+    rope_dim: usize,
+    head_dim: usize,
+    max_positions: usize,
+}
+
+impl Rope {
+    /// `freq_factors` (GGUF `rope_freqs.weight`, Llama 3 style) divide the base frequencies when present.
+    pub fn new(
+        cfg: &Config,
+        max_positions: usize,
+        freq_factors: Option<&[f32]>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let half = cfg.rope_dim / 2;
+        if let Some(f) = freq_factors {
+            if f.len() != half {
+                bail!("rope_freqs has {} entries, expected {half}", f.len());
+            }
+        }
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                let base = 1.0 / cfg.rope_base.powf(2.0 * i as f32 / cfg.rope_dim as f32);
+                base / freq_factors.map_or(1.0, |f| f[i])
+            })
+            .collect();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            let p = p as f32 / cfg.rope_linear_scale;
+            for f in &inv_freq {
+                let (s, c) = (p * f).sin_cos();
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
+        Ok(Self {
+            cos,
+            sin,
+            style: cfg.rope_style,
+            rope_dim: cfg.rope_dim,
+            head_dim: cfg.head_dim,
+            max_positions,
+        })
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Rotates `x` [b, heads, t, head_dim] as if its t tokens sat at positions `pos .. pos + t`.
+    pub fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let (_b, _h, t, d) = x.dims4()?;
+        if pos + t > self.max_positions {
+            bail!(
+                "position {} is beyond the {} positions this run was set up for (raise --ctx)",
+                pos + t,
+                self.max_positions
+            );
+        }
+        debug_assert_eq!(d, self.head_dim);
+        let cos = self.cos.narrow(0, pos, t)?; // [t, rope_dim/2]
+        let sin = self.sin.narrow(0, pos, t)?;
+        let rotate = |x: &Tensor| -> Result<Tensor> {
+            let x = x.contiguous()?;
+            Ok(match self.style {
+                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+                RopeStyle::HalfSplit => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            })
+        };
+        if self.rope_dim == self.head_dim {
+            return rotate(x);
+        }
+        // Partial rotary: only the first rope_dim dimensions of each head turn.
+        let rot = rotate(&x.narrow(D::Minus1, 0, self.rope_dim)?)?;
+        let pass = x.narrow(D::Minus1, self.rope_dim, self.head_dim - self.rope_dim)?;
+        Ok(Tensor::cat(&[&rot, &pass], D::Minus1)?)
+    }
+}
