@@ -107,6 +107,20 @@ impl LayerCache for FullCache {
         Ok(())
     }
 
+    fn state(&self) -> Result<Option<(Tensor, Tensor)>> {
+        match &self.buffers {
+            Some((k, v)) if self.len > 0 => Ok(Some((
+                k.narrow(2, 0, self.len)?
+                    .to_dtype(DType::F32)?
+                    .contiguous()?,
+                v.narrow(2, 0, self.len)?
+                    .to_dtype(DType::F32)?
+                    .contiguous()?,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
     fn bytes(&self) -> usize {
         2 * self.n_kv_heads * self.capacity * self.head_dim * self.dtype.size_in_bytes()
     }

@@ -36,6 +36,8 @@ pub trait LayerCache: Send {
     fn truncate(&mut self, len: usize) -> Result<()>;
     /// Bytes of cache storage resident now (allocated, not just used).
     fn bytes(&self) -> usize;
+    /// The keys (rotated) and values held, `[1, n_kv_heads, len, head_dim]` each, as f32; None when empty.
+    fn state(&self) -> Result<Option<(Tensor, Tensor)>>;
 }
 
 /// Which strategy, with its parameters: what `--no-cache` and the other cache flags select.

@@ -26,4 +26,7 @@ impl LayerCache for NoCache {
     fn bytes(&self) -> usize {
         0
     }
+    fn state(&self) -> Result<Option<(Tensor, Tensor)>> {
+        Ok(None)
+    }
 }

@@ -8,7 +8,7 @@ use super::rope::Rope;
 use crate::kv::{KvCache, LayerCache};
 use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 use std::sync::Arc;
 
 /// A weight matrix (quantized or dense) with an optional bias (qwen2's q/k/v).
@@ -102,9 +102,8 @@ impl Llama {
             Embedding::Dense(e) => e.embedding(&ids)?,
         }
         .unsqueeze(0)?; // [1, t, hidden]
-        let mut mask = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = self.block(layer, &x, cache.layer(i), &mut mask)?;
+            x = self.block(layer, &x, cache.layer(i))?;
         }
         let x = match which {
             Logits::Last => x.narrow(1, t - 1, 1)?, // [1, 1, hidden]
@@ -119,15 +118,9 @@ impl Llama {
     }
 
     /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)).
-    fn block(
-        &self,
-        layer: &Layer,
-        x: &Tensor,
-        cache: &mut dyn LayerCache,
-        mask: &mut Option<Tensor>,
-    ) -> Result<Tensor> {
+    fn block(&self, layer: &Layer, x: &Tensor, cache: &mut dyn LayerCache) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &layer.attn_norm, self.cfg.rms_eps as f32)?;
-        let x = (x + self.attention(layer, &h, cache, mask)?)?;
+        let x = (x + self.attention(layer, &h, cache)?)?;
         let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
         let ffn = {
             let gate = candle_nn::ops::silu(&layer.w_gate.forward(&h)?)?; // [1, t, ffn]
@@ -137,13 +130,7 @@ impl Llama {
         Ok((x + ffn)?)
     }
 
-    fn attention(
-        &self,
-        layer: &Layer,
-        h: &Tensor,
-        cache: &mut dyn LayerCache,
-        mask: &mut Option<Tensor>,
-    ) -> Result<Tensor> {
+    fn attention(&self, layer: &Layer, h: &Tensor, cache: &mut dyn LayerCache) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
@@ -170,52 +157,20 @@ impl Llama {
         // The cache stores this step's K/V and returns everything to attend over.
         let att = cache.append(&k, &v, &self.rope)?;
         let q = self.rope.apply(&q, att.q_pos)?; // [1, nh, t, hd], contiguous
-        let kv_len = att.k.dim(2)?;
 
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
         let q = q.reshape((nkv, g * t, hd))?;
         let k = att.k.squeeze(0)?; // [nkv, L, hd]
         let v = att.v.squeeze(0)?; // [nkv, L, hd]
-        let scale = 1.0 / (hd as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?; // [nkv, g*t, L]
-        let scores = if t > 1 {
-            if mask.is_none() {
-                *mask = Some(causal_mask(t, kv_len, &self.device)?);
-            }
-            let mask = mask.as_ref().expect("set above"); // [t, L]
-            scores
-                .reshape((nkv, g, t, kv_len))?
-                .broadcast_add(mask)?
-                .reshape((nkv, g * t, kv_len))?
-        } else {
-            scores
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&v.contiguous()?)?; // [nkv, g*t, hd]
+        let scale = 1.0 / (hd as f32).sqrt();
+        let out = super::attention::attend(&q, &k, &v, t, scale)?; // [nkv, g*t, hd]
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]
             .reshape((1, t, nh * hd))?;
         layer.wo.forward(&out)
     }
-}
-
-/// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future.
-pub fn causal_mask(t: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
-    let offset = kv_len - t;
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| {
-            (0..kv_len).map(move |j| {
-                if j <= offset + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Ok(Tensor::from_vec(mask, (t, kv_len), device)?.to_dtype(DType::F32)?)
 }
 
 /// Dims check used by loaders: `[rows, cols]` of a matrix named `name`.

@@ -1,5 +1,6 @@
 //! Loading a model: hyperparameters, weights and the decoder built on them.
 
+pub mod attention;
 pub mod config;
 pub mod gguf;
 pub mod llama;

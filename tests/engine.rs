@@ -1,0 +1,210 @@
+//! The core engine on the real model: cache correctness, tokenizer, chat prompt, greedy output.
+
+mod common;
+
+use common::{engine, rel_diff};
+use kvchat::generate::{Sampler, SamplingParams};
+use kvchat::kv::CacheSpec;
+use kvchat::model::Logits;
+use kvchat::template::Message;
+
+fn chat_ids(question: &str) -> Vec<u32> {
+    let e = engine();
+    let t = e.chat_template(None).unwrap();
+    e.chat_prompt(&t, &[Message::new("user", question)])
+        .unwrap()
+}
+
+/// Greedy tokens and the logits of the last step, with the given cache strategy.
+fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    let e = engine();
+    let mut s = e.session(spec);
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut logits = s.feed(prompt).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = sampler.sample(&logits, &s.tokens).unwrap();
+        out.push(next);
+        logits = s.feed(&[next]).unwrap();
+    }
+    (out, logits.to_vec1().unwrap())
+}
+
+fn full() -> CacheSpec {
+    CacheSpec::Full {
+        max_positions: 4096,
+    }
+}
+
+#[test]
+fn greedy_output_with_full_cache_equals_no_cache_for_64_tokens_on_two_prompts() {
+    for prompt in [
+        chat_ids("What is the capital of France?"),
+        engine().raw_prompt("def fibonacci(n):").unwrap(),
+    ] {
+        let (a, la) = greedy(&full(), &prompt, 64);
+        let (b, lb) = greedy(&CacheSpec::None, &prompt, 64);
+        assert_eq!(a, b, "full and no-cache greedy tokens differ");
+        let d = rel_diff(&la, &lb);
+        assert!(d < 1e-4, "last-step logits differ by {d} relative");
+    }
+}
+
+#[test]
+fn one_prefill_equals_prefix_prefill_then_token_by_token_decode() {
+    let e = engine();
+    let prompt = chat_ids("Explain what a KV cache is, in two sentences.");
+    let mut whole = e.session(&full());
+    let a: Vec<f32> = whole.feed(&prompt).unwrap().to_vec1().unwrap();
+
+    let split = prompt.len() - 9;
+    let mut parts = e.session(&full());
+    let mut logits = parts.feed(&prompt[..split]).unwrap();
+    for &t in &prompt[split..] {
+        logits = parts.feed(&[t]).unwrap();
+    }
+    let b: Vec<f32> = logits.to_vec1().unwrap();
+    let d = rel_diff(&b, &a);
+    assert!(d < 1e-4, "next-token logits differ by {d} relative");
+}
+
+#[test]
+fn all_position_logits_match_step_by_step_logits() {
+    // The causal mask: position i of a prefill must see exactly what a decode at i sees.
+    let e = engine();
+    let prompt = e
+        .raw_prompt("The quick brown fox jumps over the lazy dog")
+        .unwrap();
+    let mut whole = e.session(&full());
+    let all = whole.feed_with(&prompt, Logits::All).unwrap();
+    let mut steps = e.session(&full());
+    for (i, &t) in prompt.iter().enumerate() {
+        let step: Vec<f32> = steps.feed(&[t]).unwrap().to_vec1().unwrap();
+        let row: Vec<f32> = all.get(i).unwrap().to_vec1().unwrap();
+        let d = rel_diff(&row, &step);
+        assert!(d < 1e-4, "position {i}: logits differ by {d} relative");
+    }
+}
+
+#[test]
+fn prefill_longer_than_one_chunk_equals_token_by_token() {
+    // Prompts longer than the prefill chunk (512) are prefilled in pieces; the result must not change.
+    let e = engine();
+    let text = "kv cache ".repeat(300);
+    let prompt = e.raw_prompt(&text).unwrap();
+    assert!(prompt.len() > 600, "{} tokens", prompt.len());
+    let mut chunked = e.session(&full());
+    let a: Vec<f32> = chunked.feed(&prompt).unwrap().to_vec1().unwrap();
+    let mut two = e.session(&full());
+    two.feed(&prompt[..prompt.len() - 1]).unwrap();
+    let b: Vec<f32> = two
+        .feed(&prompt[prompt.len() - 1..])
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let d = rel_diff(&a, &b);
+    assert!(d < 1e-4, "logits differ by {d} relative");
+}
+
+#[test]
+fn tokenizer_encodes_hello_world_as_reference_ids() {
+    assert_eq!(
+        engine().tokenizer.encode("Hello, world!").unwrap(),
+        vec![19556, 28, 905, 17]
+    );
+}
+
+#[test]
+fn tokenizer_round_trips_mixed_text() {
+    let tk = &engine().tokenizer;
+    for text in [
+        "fn main() {\n    println!(\"{}\", 1 + 2);\n}\n",
+        "東京は日本の首都です。中文也可以。",
+        "emoji: 🦀🚀👩‍💻 and accents: café naïve",
+        "  leading, trailing  \t tabs\n\n\nand runs of     spaces   ",
+        "numbers 1234567890 and 3.14159",
+    ] {
+        let ids = tk.encode(text).unwrap();
+        assert_eq!(tk.decode(&ids, false).unwrap(), text);
+    }
+}
+
+#[test]
+fn tokenizer_splits_digits_one_by_one_as_smollm_does() {
+    let tk = &engine().tokenizer;
+    let ids = tk.encode("2024").unwrap();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+}
+
+#[test]
+fn chat_prompt_uses_the_models_template_and_specials() {
+    let ids = chat_ids("What is the capital of France?");
+    assert_eq!(ids.len(), 37, "{ids:?}");
+    assert_eq!(&ids[..4], &[1, 9690, 198, 2683]);
+    // Ends with "<|im_start|>assistant\n".
+    let tk = &engine().tokenizer;
+    assert_eq!(
+        tk.decode(&ids[ids.len() - 3..], false).unwrap(),
+        "<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn end_of_turn_token_stops_generation() {
+    let e = engine();
+    let im_end = e.tokenizer.token_id("<|im_end|>").unwrap();
+    assert!(e.stop_ids.contains(&im_end), "{:?}", e.stop_ids);
+    assert!(e.stop_ids.contains(&2), "EOS missing: {:?}", e.stop_ids);
+}
+
+#[test]
+fn raw_greedy_completion_of_capital_of_france_begins_paris() {
+    let e = engine();
+    let prompt = e.raw_prompt("The capital of France is").unwrap();
+    let (out, _) = greedy(&full(), &prompt, 8);
+    let text = e.tokenizer.decode(&out, true).unwrap();
+    assert!(text.starts_with(" Paris."), "got {text:?}");
+}
+
+#[test]
+fn full_cache_reports_its_bytes_exactly() {
+    let e = engine();
+    let cfg = &e.model.cfg;
+    let mut s = e.session(&full());
+    let prompt = e.raw_prompt("Counting the bytes of a cache").unwrap();
+    s.feed(&prompt).unwrap();
+    let per_token = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4;
+    assert_eq!(per_token, 46_080); // 2 × 30 layers × 3 KV heads × 64 × 4 bytes
+    assert_eq!(s.cache.len(), prompt.len());
+    assert_eq!(s.cache.bytes_used(), prompt.len() * per_token);
+    // Lazily allocated: the first block is 256 positions, not the whole context.
+    assert_eq!(s.cache.bytes(), 256 * per_token);
+}
+
+#[test]
+fn no_cache_holds_nothing_between_steps() {
+    let e = engine();
+    let mut s = e.session(&CacheSpec::None);
+    s.feed(&e.raw_prompt("nothing kept").unwrap()).unwrap();
+    assert_eq!(s.cache.len(), 0);
+    assert_eq!(s.cache.bytes(), 0);
+}
+
+#[test]
+fn sampling_with_a_seed_is_reproducible_and_differs_from_greedy_sometimes() {
+    let e = engine();
+    let prompt = chat_ids("Write a short poem about the sea.");
+    let run = |seed| {
+        let mut s = e.session(&full());
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::default()
+        });
+        s.generate(&prompt, &mut sampler, 24, &[], true, |_| Ok(true))
+            .unwrap()
+            .0
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8));
+}
