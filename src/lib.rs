@@ -10,3 +10,13 @@ pub mod kv;
 pub mod model;
 pub mod template;
 pub mod tokenizer;
+
+/// The first line of an error's text: candle appends a captured backtrace to its messages.
+pub fn first_line(e: impl std::fmt::Display) -> String {
+    e.to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_end()
+        .to_string()
+}

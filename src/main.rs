@@ -11,9 +11,10 @@ fn main() {
         Command::Tokenize(args) => commands::tokenize::run(args),
     };
     if let Err(e) = result {
-        // `{:#}` joins the context chain on one line: "cannot open model file x: No such file".
-        let msg = format!("{e:#}").replace('\n', " ");
-        eprintln!("error: {msg}");
+        // One line: the context chain joined ("cannot open model file x: No such file"), each part
+        // cut to its first line (candle appends a backtrace to its errors when RUST_BACKTRACE is set).
+        let msg: Vec<String> = e.chain().map(kvchat::first_line).collect();
+        eprintln!("error: {}", msg.join(": "));
         std::process::exit(1);
     }
 }

@@ -141,11 +141,10 @@ fn chat_prompt_uses_the_models_template_and_specials() {
     let ids = chat_ids("What is the capital of France?");
     assert_eq!(ids.len(), 37, "{ids:?}");
     assert_eq!(&ids[..4], &[1, 9690, 198, 2683]);
-    // Ends with "<|im_start|>assistant\n".
-    let tk = &engine().tokenizer;
-    assert_eq!(
-        tk.decode(&ids[ids.len() - 3..], false).unwrap(),
-        "<|im_start|>assistant\n"
+    let text = engine().tokenizer.decode(&ids, false).unwrap();
+    assert!(
+        text.ends_with("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+        "{text:?}"
     );
 }
 

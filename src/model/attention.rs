@@ -137,33 +137,56 @@ impl CustomOp3 for CausalAttention {
         let offset = kv_len - t;
         let scale = self.scale;
 
+        // Work items: a tile of up to TILE query rows of one KV head. The tile walks K once and V once,
+        // so the g query heads sharing a KV head read it together; every row is still computed alone
+        // (its own dot products, softmax and sum, in key order), so tiling never changes the bits.
+        const TILE: usize = 8;
+        let tiles_per_head = gt.div_ceil(TILE);
         let mut out = vec![0f32; nkv * gt * hd];
-        // One work item per query row: (kv head, row within the g*t rows of that head).
-        out.par_chunks_mut(hd).enumerate().for_each_init(
-            || Vec::with_capacity(kv_len),
-            |scores: &mut Vec<f32>, (row, o)| {
-                let (h, r) = (row / gt, row % gt);
-                let visible = offset + r % t + 1; // keys 0..visible are in this query's past
-                let qr = &q[row * hd..(row + 1) * hd];
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..visible {
+        let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(nkv * tiles_per_head);
+        for head in out.chunks_mut(gt * hd) {
+            chunks.extend(head.chunks_mut(TILE * hd));
+        }
+        chunks.into_par_iter().enumerate().for_each_init(
+            || vec![0f32; TILE * kv_len],
+            |scores: &mut Vec<f32>, (item, o)| {
+                let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
+                let r0 = tile * TILE;
+                let rows = o.len() / hd;
+                let visible = |r: usize| offset + (r0 + r) % t + 1; // keys 0..visible(r) are in row r's past
+                let most = (0..rows).map(visible).max().unwrap_or(0);
+                let q_row = |r: usize| &q[(h * gt + r0 + r) * hd..][..hd];
+                // Scores, one pass over K.
+                for j in 0..most {
                     let kj = &k[h * k_hs + j * k_ps..][..hd];
-                    let s = dot(qr, kj) * scale;
-                    max = max.max(s);
-                    scores.push(s);
+                    for r in 0..rows {
+                        if j < visible(r) {
+                            scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
+                        }
+                    }
                 }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
+                // Softmax of each row over its visible keys.
+                let mut inv = [0f32; TILE];
+                for r in 0..rows {
+                    let row = &mut scores[r * kv_len..r * kv_len + visible(r)];
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let mut sum = 0f32;
+                    for x in row.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x;
+                    }
+                    inv[r] = 1.0 / sum;
                 }
-                let inv = 1.0 / sum;
-                for (j, p) in scores.iter().enumerate() {
+                // Weighted sum of V, one pass over V.
+                for j in 0..most {
                     let vj = &v[h * v_hs + j * v_ps..][..hd];
-                    let p = p * inv;
-                    for (oe, ve) in o.iter_mut().zip(vj) {
-                        *oe += p * ve;
+                    for r in 0..rows {
+                        if j < visible(r) {
+                            let p = scores[r * kv_len + j] * inv[r];
+                            for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                                *oe += p * ve;
+                            }
+                        }
                     }
                 }
             },

@@ -32,7 +32,8 @@ impl GgufFile {
         let content = gguf_file::Content::read(&mut reader).map_err(|e| {
             anyhow::anyhow!(
                 "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
-                path.display()
+                path.display(),
+                e = crate::first_line(e)
             )
         })?;
         Ok(Self {
@@ -52,7 +53,8 @@ impl GgufFile {
             .map_err(|e| {
                 anyhow::anyhow!(
                     "cannot read tensor {name} from {} ({e}); the file may be truncated or corrupt",
-                    self.path.display()
+                    self.path.display(),
+                    e = crate::first_line(e)
                 )
             })
     }

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: fetches the model (cached under ~/.cache/kvchat), checks
+# formatting and lints, then runs every test on the real model. Everything builds in the release
+# profile, the same build `scripts/kvchat` uses, so the suite builds once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+"$PWD/scripts/fetch-models.sh"
+cargo fmt --all -- --check
+cargo clippy --release --all-targets -- -D warnings
+cargo test --release --all-targets

@@ -1,0 +1,185 @@
+//! The binary as a user meets it: bad input gets one clear line on stderr and a non-zero exit.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn kvchat(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
+        .args(args)
+        .env("KVCHAT_MODEL", common::model_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(s) = stdin {
+        input.write_all(s.as_bytes()).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+/// Asserts a failed run: exit code 1, exactly one line on stderr, starting "error:" and containing `needle`.
+fn assert_one_line_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert_eq!(err.lines().count(), 1, "not one line: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvchat-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn tokenize_prints_ids_as_json() {
+    let out = kvchat(&["tokenize", "Hello, world!"], None);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "[19556,28,905,17]"
+    );
+}
+
+#[test]
+fn raw_completion_from_stdin_says_paris() {
+    let out = kvchat(
+        &["run", "--raw", "--temperature", "0", "-n", "4"],
+        Some("The capital of France is\n"),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(" Paris."));
+}
+
+#[test]
+fn stats_report_prefill_decode_and_kv_bytes() {
+    let out = kvchat(
+        &[
+            "run",
+            "--temperature",
+            "0",
+            "-n",
+            "8",
+            "--ignore-eos",
+            "--stats",
+            "Hi",
+        ],
+        None,
+    );
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("generated 8 tok"), "{err}");
+    assert!(err.contains("46080 per token"), "{err}");
+    assert!(err.contains("tok/s"), "{err}");
+}
+
+#[test]
+fn missing_model_file_is_an_error() {
+    let out = kvchat(&["run", "-m", "/nonexistent/model.gguf", "hi"], None);
+    assert_one_line_error(&out, "cannot open model file /nonexistent/model.gguf");
+}
+
+#[test]
+fn directory_as_model_is_an_error() {
+    let d = temp_dir("dir");
+    let out = kvchat(&["run", "-m", p(&d), "hi"], None);
+    assert_one_line_error(&out, "is a directory");
+}
+
+#[test]
+fn file_that_is_not_gguf_is_an_error() {
+    let d = temp_dir("notgguf");
+    let f = d.join("model.gguf");
+    std::fs::write(&f, b"this is not a model, just text\n").unwrap();
+    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    assert_one_line_error(&out, "is not a readable GGUF file");
+}
+
+#[test]
+fn truncated_gguf_is_an_error() {
+    let d = temp_dir("trunc");
+    let f = d.join("truncated.gguf");
+    let bytes = std::fs::read(common::model_path()).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    assert_one_line_error(&out, "truncated or corrupt");
+}
+
+#[test]
+fn gguf_of_unsupported_architecture_is_an_error() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let d = temp_dir("arch");
+    let f = d.join("gpt2.gguf");
+    let t = QTensor::quantize(
+        &candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    let arch = gguf_file::Value::String("gpt2".into());
+    let mut w = std::fs::File::create(&f).unwrap();
+    gguf_file::write(
+        &mut w,
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
+    drop(w);
+    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    assert_one_line_error(&out, "unsupported model architecture 'gpt2'");
+}
+
+#[test]
+fn empty_prompt_is_an_error() {
+    assert_one_line_error(&kvchat(&["run", ""], None), "the prompt is empty");
+    assert_one_line_error(
+        &kvchat(&["run", "--raw"], Some("\n")),
+        "the prompt is empty",
+    );
+}
+
+#[test]
+fn zero_max_tokens_is_an_error() {
+    assert_one_line_error(
+        &kvchat(&["run", "-n", "0", "hi"], None),
+        "--max-tokens must be at least 1",
+    );
+}
+
+#[test]
+fn prompt_longer_than_ctx_is_an_error() {
+    let prompt = "word ".repeat(100);
+    let out = kvchat(&["run", "--raw", "--ctx", "32", &prompt], None);
+    assert_one_line_error(&out, "does not fit the context of 32");
+}
+
+#[test]
+fn cuda_without_the_feature_is_an_error() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let out = kvchat(&["run", "--device", "cuda", "hi"], None);
+    assert_one_line_error(&out, "built without CUDA");
+}
+
+#[test]
+fn bad_sampling_value_is_an_error() {
+    let out = kvchat(&["run", "--top-p", "1.5", "hi"], None);
+    assert_one_line_error(&out, "--top-p must be between 0 and 1");
+}
