@@ -207,3 +207,23 @@ fn sampling_with_a_seed_is_reproducible_and_differs_from_greedy_sometimes() {
     assert_eq!(run(7), run(7));
     assert_ne!(run(7), run(8));
 }
+
+#[test]
+fn tokenizer_json_override_gives_the_same_ids_as_the_gguf_tokenizer() {
+    let e = engine();
+    let path = std::env::temp_dir().join(format!("kvchat-tokenizer-{}.json", std::process::id()));
+    e.tokenizer.inner.save(&path, false).unwrap();
+    let tk = kvchat::tokenizer::Tokenizer::from_file(&path, Some(&e.tokenizer)).unwrap();
+    for text in [
+        "Hello, world!",
+        "<|im_start|>user\nhi 123<|im_end|>",
+        "東京 🦀  x",
+    ] {
+        assert_eq!(
+            tk.encode(text).unwrap(),
+            e.tokenizer.encode(text).unwrap(),
+            "{text:?}"
+        );
+    }
+    assert_eq!(tk.eos_id, e.tokenizer.eos_id);
+}

@@ -87,13 +87,17 @@ impl Config {
                 other => bail!("unsupported RoPE scaling type '{other}' (supported: none, linear)"),
             },
         };
-        let vocab = match get_u("vocab_size") {
-            Ok(v) => v,
-            Err(_) => md
-                .get("tokenizer.ggml.tokens")
-                .context("GGUF has neither vocab_size nor tokenizer.ggml.tokens")?
-                .to_vec()?
-                .len(),
+        // The embedding matrix is the authority on vocabulary size; metadata is the fallback.
+        let vocab = match ct.tensor_infos.get("token_embd.weight") {
+            Some(info) => info.shape.dims()[0],
+            None => match get_u("vocab_size") {
+                Ok(v) => v,
+                Err(_) => md
+                    .get("tokenizer.ggml.tokens")
+                    .context("GGUF has no token_embd.weight, vocab_size or tokenizer.ggml.tokens")?
+                    .to_vec()?
+                    .len(),
+            },
         };
         let rope_style = match arch.as_str() {
             "qwen2" => RopeStyle::HalfSplit,
