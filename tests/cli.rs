@@ -183,3 +183,43 @@ fn bad_sampling_value_is_an_error() {
     let out = kvchat(&["run", "--top-p", "1.5", "hi"], None);
     assert_one_line_error(&out, "--top-p must be between 0 and 1");
 }
+
+#[test]
+fn chat_template_that_fails_to_render_is_an_error() {
+    let out = kvchat(
+        &[
+            "run",
+            "--chat-template",
+            "{{ raise_exception('no system role') }}",
+            "hi",
+        ],
+        None,
+    );
+    assert_one_line_error(&out, "chat template failed to render");
+}
+
+#[test]
+fn chat_template_that_does_not_parse_is_an_error() {
+    let out = kvchat(&["run", "--chat-template", "{% for m in %}", "hi"], None);
+    assert_one_line_error(&out, "chat template does not parse");
+}
+
+#[test]
+fn no_cache_run_prints_the_same_answer_as_the_cached_run() {
+    let args = [
+        "run",
+        "--temperature",
+        "0",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "Tell me about caches",
+    ];
+    let cached = kvchat(&args, None);
+    let mut with_flag = args.to_vec();
+    with_flag.push("--no-cache");
+    let recomputed = kvchat(&with_flag, None);
+    assert!(cached.status.success() && recomputed.status.success());
+    assert_eq!(cached.stdout, recomputed.stdout);
+    assert!(!cached.stdout.is_empty());
+}
