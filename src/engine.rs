@@ -111,10 +111,6 @@ impl Engine {
             Some(tj) => Tokenizer::from_file(tj, gguf_tokenizer.as_ref().ok())?,
             None => gguf_tokenizer?,
         };
-        let token_text = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.inner.id_to_token(i))
-                .unwrap_or_default()
-        };
         let template = match gguf
             .content
             .metadata
@@ -122,12 +118,8 @@ impl Engine {
             .and_then(|v| v.to_string().ok())
         {
             Some(src) => Some(
-                ChatTemplate::new(
-                    src,
-                    &token_text(tokenizer.bos_id),
-                    &token_text(tokenizer.eos_id),
-                )
-                .with_context(|| format!("chat template of {}", path.display()))?,
+                ChatTemplate::new(src, &tokenizer.bos_text(), &tokenizer.eos_text())
+                    .with_context(|| format!("chat template of {}", path.display()))?,
             ),
             None => None,
         };
@@ -165,9 +157,8 @@ impl Engine {
     /// The chat template to use: `--chat-template` (a name or template text) or the model's own.
     pub fn chat_template(&self, override_spec: Option<&str>) -> Result<ChatTemplate> {
         let tk = &self.tokenizer;
-        let text = |id: Option<u32>| id.and_then(|i| tk.inner.id_to_token(i)).unwrap_or_default();
         match (override_spec, &self.template) {
-            (Some(spec), _) => ChatTemplate::new(spec, &text(tk.bos_id), &text(tk.eos_id)),
+            (Some(spec), _) => ChatTemplate::new(spec, &tk.bos_text(), &tk.eos_text()),
             (None, Some(t)) => Ok(t.clone()),
             (None, None) => bail!(
                 "{} has no chat template: pass --chat-template chatml|llama3|llama2, or --raw",

@@ -237,6 +237,20 @@ impl Tokenizer {
             .map_err(|e| anyhow!("detokenizing failed: {e}"))
     }
 
+    /// The BOS token's text ("" when the model has none), as chat templates print it.
+    pub fn bos_text(&self) -> String {
+        self.bos_id
+            .and_then(|i| self.inner.id_to_token(i))
+            .unwrap_or_default()
+    }
+
+    /// The EOS token's text ("" when the model has none).
+    pub fn eos_text(&self) -> String {
+        self.eos_id
+            .and_then(|i| self.inner.id_to_token(i))
+            .unwrap_or_default()
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

@@ -143,9 +143,4 @@ impl Config {
         }
         Ok(())
     }
-
-    /// Bytes one token occupies in an f32 K+V cache: 2 × layers × kv_heads × head_dim × 4.
-    pub fn kv_bytes_per_token_f32(&self) -> usize {
-        2 * self.n_layer * self.n_kv_head * self.head_dim * 4
-    }
 }
