@@ -97,14 +97,13 @@ impl Engine {
             }
         };
         let mut gguf = GgufFile::open(&path)?;
-        let cfg = crate::model::Config::from_gguf(&gguf.content)
-            .with_context(|| format!("model file {}", path.display()))?;
+        let cfg = gguf.config()?;
         let ctx = match args.ctx {
             Some(0) => bail!("--ctx must be at least 1"),
             Some(c) => c,
             None => cfg.ctx_train,
         };
-        let model = gguf.load_llama(&device, ctx)?;
+        let model = gguf.load_llama_with(cfg, &device, ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
         let tokenizer = match &args.tokenizer {

@@ -84,10 +84,25 @@ impl GgufFile {
         })
     }
 
+    /// The hyperparameters in this file's metadata.
+    pub fn config(&self) -> Result<Config> {
+        Config::from_gguf(&self.content)
+            .with_context(|| format!("model file {}", self.path.display()))
+    }
+
     /// Builds the decoder. `max_positions` sizes the RoPE table (the most positions a run may reach).
     pub fn load_llama(&mut self, device: &Device, max_positions: usize) -> Result<Llama> {
-        let cfg = Config::from_gguf(&self.content)
-            .with_context(|| format!("model file {}", self.path.display()))?;
+        let cfg = self.config()?;
+        self.load_llama_with(cfg, device, max_positions)
+    }
+
+    /// Builds the decoder from hyperparameters already read with [`GgufFile::config`].
+    pub fn load_llama_with(
+        &mut self,
+        cfg: Config,
+        device: &Device,
+        max_positions: usize,
+    ) -> Result<Llama> {
         let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
         let embed = Arc::new(self.tensor("token_embd.weight", device)?);
         expect_dims("token_embd.weight", embed.shape().dims(), &[cfg.vocab, h])?;
