@@ -25,6 +25,8 @@ pub struct Cli {
 pub enum Command {
     /// Answer one prompt (from the argument or stdin) and exit; streams the answer to stdout.
     Run(crate::commands::run::RunArgs),
+    /// Perplexity of a text file through the chosen cache strategy (llama-perplexity's method).
+    Ppl(crate::commands::ppl::PplArgs),
     /// Print the token ids of TEXT as a JSON array.
     Tokenize(crate::commands::tokenize::TokenizeArgs),
 }
@@ -51,20 +53,77 @@ pub struct ModelArgs {
 }
 
 /// Which KV cache strategy.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct CacheArgs {
     /// Keep no KV cache: recompute the whole sequence at every step (the O(n²) baseline)
     #[arg(long)]
     pub no_cache: bool,
+    /// Keep only the last N positions (plus --kv-sinks): bounded memory, unbounded length
+    #[arg(long, value_name = "N")]
+    pub kv_window: Option<usize>,
+    /// With --kv-window: how many first positions to keep as attention sinks (0 = plain window)
+    #[arg(long, value_name = "S", default_value_t = 4, requires = "kv_window")]
+    pub kv_sinks: usize,
+    /// Quantize the cache: int8 (keys per channel, values per token)
+    #[arg(long, value_name = "TYPE", value_parser = ["int8"])]
+    pub kv_quant: Option<String>,
+    /// With --kv-quant: how many most recent positions stay in full precision
+    #[arg(long, value_name = "R", default_value_t = 32, requires = "kv_quant")]
+    pub kv_quant_residual: usize,
+    /// Keep the cache in host memory; each layer is copied to the compute device for its attention
+    #[arg(long)]
+    pub kv_offload: bool,
 }
 
 impl CacheArgs {
-    pub fn spec(&self, max_positions: usize) -> CacheSpec {
-        if self.no_cache {
-            CacheSpec::None
-        } else {
-            CacheSpec::Full { max_positions }
+    /// The strategy these flags select; `ctx` is the context size (`--ctx`).
+    pub fn spec(&self, ctx: usize) -> Result<CacheSpec> {
+        let chosen: Vec<&str> = [
+            (self.no_cache, "--no-cache"),
+            (self.kv_window.is_some(), "--kv-window"),
+            (self.kv_quant.is_some(), "--kv-quant"),
+            (self.kv_offload, "--kv-offload"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect();
+        if chosen.len() > 1 {
+            bail!(
+                "{} cannot be combined (yet): choose one cache strategy",
+                chosen.join(" and ")
+            );
         }
+        if self.no_cache {
+            return Ok(CacheSpec::None);
+        }
+        if let Some(window) = self.kv_window {
+            if window == 0 {
+                bail!("--kv-window must be at least 1");
+            }
+            // Positions inside the cache reach sinks + 2 × window during a step (rotation table = --ctx).
+            if self.kv_sinks + 2 * window > ctx {
+                bail!(
+                    "--kv-window {window} with --kv-sinks {} needs --ctx of at least {} (it is {ctx})",
+                    self.kv_sinks,
+                    self.kv_sinks + 2 * window
+                );
+            }
+            return Ok(CacheSpec::Window {
+                window,
+                sinks: self.kv_sinks,
+            });
+        }
+        if self.kv_quant.is_some() {
+            return Ok(CacheSpec::Int8 {
+                max_positions: ctx,
+                residual: self.kv_quant_residual,
+            });
+        }
+        if self.kv_offload {
+            return Ok(CacheSpec::Offload { max_positions: ctx });
+        }
+        Ok(CacheSpec::Full { max_positions: ctx })
     }
 }
 

@@ -150,7 +150,12 @@ impl Engine {
     /// A fresh sequence with a cache of the given strategy.
     pub fn session(&self, spec: &CacheSpec) -> Session<'_> {
         let cache = spec.build(&self.model.cfg, self.dtype(), &self.device);
-        Session::new(&self.model, cache, self.ctx)
+        // A window holds a bounded number of positions whatever the length of the sequence.
+        let max = match spec {
+            CacheSpec::Window { .. } => usize::MAX,
+            _ => self.ctx,
+        };
+        Session::new(&self.model, cache, max)
     }
 
     /// The chat template to use: `--chat-template` (a name or template text) or the model's own.

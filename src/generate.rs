@@ -223,7 +223,7 @@ impl<'m> Session<'m> {
             Err(e) => {
                 // Keep the sequence and the cache consistent after a failed step.
                 self.tokens.truncate(total - new.len());
-                let _ = self.cache.truncate(self.tokens.len().min(self.cache.len()));
+                let _ = self.cache.truncate(self.tokens.len());
                 Err(e)
             }
         }

@@ -9,6 +9,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(args) => commands::run::run(args),
         Command::Tokenize(args) => commands::tokenize::run(args),
+        Command::Ppl(args) => commands::ppl::run(args),
     };
     if let Err(e) = result {
         // One line: the context chain joined ("cannot open model file x: No such file"), each part

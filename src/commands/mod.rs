@@ -1,4 +1,5 @@
 //! One file per subcommand.
 
+pub mod ppl;
 pub mod run;
 pub mod tokenize;

@@ -3,7 +3,7 @@
 use crate::cli::{CacheArgs, ModelArgs, SamplingArgs};
 use crate::engine::Engine;
 use crate::generate::{GenStats, Sampler, StopReason};
-use crate::kv::KvCache;
+use crate::kv::{CacheSpec, KvCache};
 use crate::template::Message;
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Context, Result};
@@ -74,14 +74,14 @@ pub fn run(args: RunArgs) -> Result<()> {
         messages.push(Message::new("user", &prompt));
         engine.chat_prompt(&template, &messages)?
     };
-    if ids.len() >= engine.ctx {
+    let spec = args.cache.spec(engine.ctx)?;
+    if ids.len() >= engine.ctx && !matches!(spec, CacheSpec::Window { .. }) {
         bail!(
             "the prompt is {} tokens, which does not fit the context of {} (raise --ctx)",
             ids.len(),
             engine.ctx
         );
     }
-    let spec = args.cache.spec(engine.ctx);
     let mut session = engine.session(&spec);
     let mut sampler = Sampler::new(sampling);
     let mut stream = TextStream::new();
@@ -129,11 +129,11 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {}: {} tokens held, {} bytes used ({} per token), {} bytes allocated | device {:?}, dtype f32, {threads} threads",
+        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, dtype f32, {threads} threads",
         cache.spec().describe(),
         cache.len(),
+        cache.seen(),
         cache.bytes_used(),
-        cache.bytes_per_token(),
         cache.bytes(),
         engine.device.location(),
     );

@@ -4,7 +4,7 @@
 //! Capacity starts small and doubles (up to `max_positions`) so a short chat does not reserve the
 //! model's whole trained context up front; attention reads a `narrow` view, never a copy.
 
-use super::{Attend, LayerCache};
+use super::{Attend, KvView, LayerCache};
 use crate::model::rope::Rope;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -79,7 +79,7 @@ impl FullCache {
 }
 
 impl LayerCache for FullCache {
-    fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend> {
+    fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>> {
         let t = k.dim(2)?;
         let pos = self.len;
         self.reserve(pos + t)?;
@@ -89,8 +89,10 @@ impl LayerCache for FullCache {
         vb.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 2, pos)?;
         self.len = pos + t;
         Ok(Attend {
-            k: kb.narrow(2, 0, self.len)?, // [1, n_kv_heads, len, head_dim], a view
-            v: vb.narrow(2, 0, self.len)?,
+            view: KvView::Dense {
+                k: kb.narrow(2, 0, self.len)?, // [1, n_kv_heads, len, head_dim], a view
+                v: vb.narrow(2, 0, self.len)?,
+            },
             q_pos: pos,
         })
     }
@@ -100,10 +102,7 @@ impl LayerCache for FullCache {
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        if len > self.len {
-            bail!("cannot truncate a cache of {} positions to {len}", self.len);
-        }
-        self.len = len;
+        self.len = self.len.min(len);
         Ok(())
     }
 
@@ -123,5 +122,9 @@ impl LayerCache for FullCache {
 
     fn bytes(&self) -> usize {
         2 * self.n_kv_heads * self.capacity * self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn bytes_used(&self) -> usize {
+        2 * self.n_kv_heads * self.len * self.head_dim * self.dtype.size_in_bytes()
     }
 }

@@ -8,11 +8,22 @@
 //! `k`, `v` `[nkv, L, hd]` (any strides with a contiguous last dimension); the step's t queries sit
 //! at the last t of the L positions. Result `[nkv, g*t, hd]`.
 
+use crate::kv::int8::{Int8View, GROUP};
+use crate::kv::KvView;
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
+/// Attention of `q` `[nkv, g*t, hd]` over whatever view the layer's cache returned.
+pub fn attend_view(q: &Tensor, view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    match view {
+        KvView::Dense { k, v } => attend(&k.squeeze(0)?, &v.squeeze(0)?, q, t, scale),
+        KvView::Int8(iv) => attend_int8(q, iv, t, scale),
+    }
+}
+
+/// `k`, `v`: `[nkv, L, hd]`.
+pub fn attend(k: &Tensor, v: &Tensor, q: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
     if q.device().is_cpu()
         && q.dtype() == DType::F32
         && k.dtype() == DType::F32
@@ -195,6 +206,90 @@ impl CustomOp3 for CausalAttention {
     }
 }
 
+/// Attention over an INT8 cache without dequantizing it: for key group b, a row's scores are
+/// `Σ_c (q_c · s_bc) · kq_jc` (the group's channel scales folded into the query once), and the output is
+/// `Σ_j p_j · s_j · vq_j` (the token's scale folded into its weight). The f32 tail follows.
+pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    let (nkv, gt, hd) = q.dims3()?;
+    anyhow::ensure!(
+        view.heads.len() == nkv && view.head_dim == hd,
+        "int8 view does not match q"
+    );
+    let q_all: Vec<f32> = q.flatten_all()?.to_vec1()?;
+    let (nq, nt) = (view.n_quant, view.n_tail);
+    let kv_len = nq + nt;
+    let offset = kv_len - t;
+    let mut out = vec![0f32; nkv * gt * hd];
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        || (vec![0f32; kv_len], vec![0f32; hd]),
+        |(scores, qs), (row, o)| {
+            let (h, r) = (row / gt, row % gt);
+            let head = &view.heads[h];
+            let visible = offset + r % t + 1;
+            let qr = &q_all[row * hd..(row + 1) * hd];
+            // Scores: the INT8 groups (channel scales folded into the query), then the f32 tail.
+            let (sq, st) = scores[..visible].split_at_mut(nq);
+            for (g, (sg, kg)) in sq
+                .chunks_mut(GROUP)
+                .zip(head.kq.chunks(GROUP * hd))
+                .enumerate()
+            {
+                let ks = &head.k_scale[g * hd..(g + 1) * hd];
+                for ((x, a), b) in qs.iter_mut().zip(qr).zip(ks) {
+                    *x = a * b * scale;
+                }
+                for (s, kj) in sg.iter_mut().zip(kg.chunks_exact(hd)) {
+                    *s = dot_i8(qs, kj);
+                }
+            }
+            for (s, kj) in st.iter_mut().zip(head.tail_k.chunks_exact(hd)) {
+                *s = dot(qr, kj) * scale;
+            }
+            let row_scores = &mut scores[..visible];
+            let max = row_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0f32;
+            for s in row_scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            let (pq, pt) = row_scores.split_at(nq);
+            for ((p, vj), vs) in pq.iter().zip(head.vq.chunks_exact(hd)).zip(&head.v_scale) {
+                let w = p * inv * vs; // the token's scale folded into its weight
+                for (oe, ve) in o.iter_mut().zip(vj) {
+                    *oe += w * *ve as f32;
+                }
+            }
+            for (p, vj) in pt.iter().zip(head.tail_v.chunks_exact(hd)) {
+                let w = p * inv;
+                for (oe, ve) in o.iter_mut().zip(vj) {
+                    *oe += w * ve;
+                }
+            }
+        },
+    );
+    Ok(Tensor::from_vec(out, (nkv, gt, hd), q.device())?)
+}
+
+/// Σ a[i]·b[i] for f32 × i8, in 16 fixed lanes.
+#[inline(always)]
+fn dot_i8(a: &[f32], b: &[i8]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l] as f32;
+        }
+    }
+    let mut s = 0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * *y as f32;
+    }
+    acc.iter().sum::<f32>() + s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,7 +319,7 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (nkv, g * t, hd), &dev).unwrap();
             let k = kb.narrow(1, 0, kv_len).unwrap();
             let v = vb.narrow(1, 0, kv_len).unwrap();
-            let fused = attend(&q, &k, &v, t, 0.125).unwrap();
+            let fused = attend(&k, &v, &q, t, 0.125).unwrap();
             let reference = attend_candle_ops(&q, &k, &v, t, 0.125).unwrap();
             let d = max_diff(&fused, &reference);
             assert!(d < 1e-5, "t={t} L={kv_len}: differs by {d}");
@@ -238,14 +333,14 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (nkv, t, hd), &dev).unwrap();
         let v = Tensor::randn(0f32, 1.0, (nkv, t, hd), &dev).unwrap();
         let q = Tensor::randn(0f32, 1.0, (nkv, g, t, hd), &dev).unwrap();
-        let all = attend(&q.reshape((nkv, g * t, hd)).unwrap(), &k, &v, t, 0.125).unwrap();
+        let all = attend(&k, &v, &q.reshape((nkv, g * t, hd)).unwrap(), t, 0.125).unwrap();
         // The last query alone, as a decode step would see it.
         let last = q
             .narrow(2, t - 1, 1)
             .unwrap()
             .reshape((nkv, g, hd))
             .unwrap();
-        let one = attend(&last, &k, &v, 1, 0.125).unwrap();
+        let one = attend(&k, &v, &last, 1, 0.125).unwrap();
         let all_last = all
             .reshape((nkv, g, t, hd))
             .unwrap()

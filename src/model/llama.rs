@@ -76,12 +76,16 @@ impl Llama {
         if tokens.is_empty() {
             bail!("forward over zero tokens");
         }
-        if cache.spec().recomputes() || tokens.len() <= self.prefill_chunk {
+        let chunk = cache
+            .spec()
+            .max_step()
+            .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk));
+        if cache.spec().recomputes() || tokens.len() <= chunk {
             return self.forward_chunk(tokens, cache, which);
         }
         let mut all = Vec::new();
         let mut last = None;
-        for chunk in tokens.chunks(self.prefill_chunk) {
+        for chunk in tokens.chunks(chunk) {
             let logits = self.forward_chunk(chunk, cache, which)?;
             match which {
                 Logits::All => all.push(logits),
@@ -102,7 +106,12 @@ impl Llama {
             Embedding::Dense(e) => e.embedding(&ids)?,
         }
         .unsqueeze(0)?; // [1, t, hidden]
+        cache.layer(0).prefetch()?;
         for (i, layer) in self.layers.iter().enumerate() {
+            // Offload: the next layer's cache starts its way to the device before this layer computes.
+            if i + 1 < self.layers.len() {
+                cache.layer(i + 1).prefetch()?;
+            }
             x = self.block(layer, &x, cache.layer(i))?;
         }
         let x = match which {
@@ -161,10 +170,8 @@ impl Llama {
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
         let q = q.reshape((nkv, g * t, hd))?;
-        let k = att.k.squeeze(0)?; // [nkv, L, hd]
-        let v = att.v.squeeze(0)?; // [nkv, L, hd]
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = super::attention::attend(&q, &k, &v, t, scale)?; // [nkv, g*t, hd]
+        let out = super::attention::attend_view(&q, &att.view, t, scale)?; // [nkv, g*t, hd]
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]

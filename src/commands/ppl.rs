@@ -1,0 +1,174 @@
+//! `kvchat ppl FILE`: perplexity of a text through the cache strategy in use — what a strategy costs
+//! in answer quality.
+//!
+//! The method is llama.cpp's `llama-perplexity`: the text is cut into non-overlapping chunks of `--ctx`
+//! tokens, each scored from a fresh cache, and only the second half of each chunk is scored (every
+//! scored token has at least ctx/2 tokens of context); a BOS starts each chunk only if the model adds
+//! one. The first half is prefilled in one forward; the scored half goes through the cache token by
+//! token, as generation does, so a quantized or windowed cache really is what is measured.
+//! `--long` scores the whole text as one sequence instead (after a warm-up of ctx/2 tokens): for a
+//! window, a text much longer than the window in one pass.
+
+use crate::cli::{CacheArgs, ModelArgs};
+use crate::engine::Engine;
+use crate::generate::Session;
+use anyhow::{bail, Context, Result};
+use candle_core::Tensor;
+use clap::Args;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct PplArgs {
+    /// Text file to score
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Chunk size in tokens (llama-perplexity's -c)
+    #[arg(long = "chunk", default_value_t = 512)]
+    pub chunk: usize,
+    /// Score at most this many chunks (0 = all)
+    #[arg(long, default_value_t = 0)]
+    pub chunks: usize,
+    /// Score the whole text as one sequence (after a warm-up of chunk/2 tokens) instead of chunks
+    #[arg(long)]
+    pub long: bool,
+    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks"} as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The result of a perplexity run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Perplexity {
+    pub ppl: f64,
+    pub ppl_stderr: f64,
+    pub tokens_scored: usize,
+    pub chunks: usize,
+}
+
+/// −log p(target) under `logits` [vocab].
+fn nll(logits: &Tensor, target: u32) -> Result<f64> {
+    let l: Vec<f32> = logits.to_vec1()?;
+    let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let lse = l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    Ok(lse - l[target as usize] as f64)
+}
+
+/// Prefills `seq[..warm]`, then feeds the rest token by token, returning the NLL of every token after
+/// the warm-up (each predicted from the logits of the one before).
+fn score(session: &mut Session<'_>, seq: &[u32], warm: usize) -> Result<Vec<f64>> {
+    let mut logits = session.feed(&seq[..warm])?;
+    let mut out = Vec::with_capacity(seq.len() - warm);
+    for &tok in &seq[warm..] {
+        out.push(nll(&logits, tok)?);
+        logits = session.feed(&[tok])?;
+    }
+    Ok(out)
+}
+
+/// Perplexity of `tokens` through the engine with the given cache flags.
+pub fn perplexity(
+    engine: &Engine,
+    cache: &CacheArgs,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+    long: bool,
+) -> Result<Perplexity> {
+    if chunk < 4 {
+        bail!("--chunk must be at least 4 tokens");
+    }
+    let spec = cache.spec(engine.ctx.max(chunk))?;
+    let bos = engine
+        .tokenizer
+        .add_bos
+        .then_some(engine.tokenizer.bos_id)
+        .flatten();
+    let mut nlls = Vec::new();
+    let n_chunks;
+    if long {
+        if tokens.len() <= chunk / 2 + 1 {
+            bail!(
+                "the text has {} tokens, too few to score after a warm-up of {}",
+                tokens.len(),
+                chunk / 2
+            );
+        }
+        let mut seq = Vec::with_capacity(tokens.len() + 1);
+        seq.extend(bos);
+        seq.extend_from_slice(tokens);
+        let mut s = engine.session(&spec);
+        nlls = score(&mut s, &seq, chunk / 2)?;
+        n_chunks = 1;
+    } else {
+        let available = tokens.len() / chunk;
+        if available == 0 {
+            bail!(
+                "the text has {} tokens, fewer than one chunk of {chunk}",
+                tokens.len()
+            );
+        }
+        n_chunks = if max_chunks == 0 {
+            available
+        } else {
+            available.min(max_chunks)
+        };
+        for c in 0..n_chunks {
+            let mut seq = tokens[c * chunk..(c + 1) * chunk].to_vec();
+            if let Some(b) = bos {
+                seq[0] = b; // as llama-perplexity does
+            }
+            let mut s = engine.session(&spec);
+            // Positions chunk/2 .. chunk-1 predict tokens chunk/2+1 .. chunk-1.
+            nlls.extend(score(&mut s, &seq, chunk / 2 + 1)?);
+        }
+    }
+    let n = nlls.len() as f64;
+    let mean = nlls.iter().sum::<f64>() / n;
+    let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let ppl = mean.exp();
+    Ok(Perplexity {
+        ppl,
+        // Delta method: stderr(exp(mean)) = exp(mean) · stderr(mean).
+        ppl_stderr: ppl * (var / n).sqrt(),
+        tokens_scored: nlls.len(),
+        chunks: n_chunks,
+    })
+}
+
+pub fn run(args: PplArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read text file {}", args.file.display()))?;
+    if text.trim().is_empty() {
+        bail!("text file {} is empty", args.file.display());
+    }
+    let engine = Engine::load(&args.model)?;
+    let tokens = engine.tokenizer.encode(&text)?;
+    let p = perplexity(
+        &engine,
+        &args.cache,
+        &tokens,
+        args.chunk,
+        args.chunks,
+        args.long,
+    )?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string(&p)?)?;
+    } else {
+        writeln!(
+            out,
+            "ppl {:.4} ± {:.4} over {} tokens in {} chunk(s) of {} | cache: {}",
+            p.ppl,
+            p.ppl_stderr,
+            p.tokens_scored,
+            p.chunks,
+            args.chunk,
+            args.cache.spec(engine.ctx.max(args.chunk))?.describe()
+        )?;
+    }
+    Ok(())
+}
