@@ -85,8 +85,23 @@ fn stats_report_prefill_decode_and_kv_bytes() {
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("generated 8 tok"), "{err}");
-    assert!(err.contains("46080 per token"), "{err}");
     assert!(err.contains("tok/s"), "{err}");
+    // The cache holds the prompt and every generated token but the last (never fed back).
+    let prompt: usize = err
+        .split("prompt ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let held = prompt + 7;
+    assert!(err.contains(&format!("{held} positions held")), "{err}");
+    assert!(
+        err.contains(&format!("{} bytes used", held * 46_080)),
+        "{err}"
+    );
 }
 
 #[test]
