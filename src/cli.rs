@@ -25,6 +25,10 @@ pub struct Cli {
 pub enum Command {
     /// Answer one prompt (from the argument or stdin) and exit; streams the answer to stdout.
     Run(crate::commands::run::RunArgs),
+    /// Measure prefill and decode speed and KV memory for each cache mode and context length.
+    Bench(crate::commands::bench::BenchArgs),
+    /// KV cache memory arithmetic: bytes per token, per context, per user, for each storage mode.
+    KvSize(crate::commands::kv_size::KvSizeArgs),
     /// Perplexity of a text file through the chosen cache strategy (llama-perplexity's method).
     Ppl(crate::commands::ppl::PplArgs),
     /// Print the token ids of TEXT as a JSON array.

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod plot;
 pub mod template;
 pub mod tokenizer;
 

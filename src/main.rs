@@ -10,6 +10,8 @@ fn main() {
         Command::Run(args) => commands::run::run(args),
         Command::Tokenize(args) => commands::tokenize::run(args),
         Command::Ppl(args) => commands::ppl::run(args),
+        Command::KvSize(args) => commands::kv_size::run(args),
+        Command::Bench(args) => commands::bench::run(args),
     };
     if let Err(e) = result {
         // One line: the context chain joined ("cannot open model file x: No such file"), each part

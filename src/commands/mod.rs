@@ -1,5 +1,7 @@
 //! One file per subcommand.
 
+pub mod bench;
+pub mod kv_size;
 pub mod ppl;
 pub mod run;
 pub mod tokenize;

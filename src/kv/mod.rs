@@ -10,6 +10,7 @@ pub mod full;
 pub mod int8;
 pub mod none;
 pub mod offload;
+pub mod size;
 pub mod window;
 
 use crate::model::{config::Config, rope::Rope};

@@ -1,6 +1,8 @@
 //! Shared by the integration tests: the real model, loaded once per test binary.
 #![allow(dead_code)]
 
+pub mod tiny;
+
 use kvchat::cli::ModelArgs;
 use kvchat::engine::Engine;
 use std::path::PathBuf;

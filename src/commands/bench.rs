@@ -1,0 +1,480 @@
+//! `kvchat bench`: what the KV cache buys and costs, measured. For each cache mode and context length:
+//! prefill a real text of that length (assets/bench-text.txt, built in), then decode `--gen` greedy
+//! tokens; report prefill tok/s, decode ms/token (median and min–max over `--repeat` runs after
+//! `--warmup`), KV bytes held and RSS. `--no-cache` gets slow with the context: a per-cell time budget
+//! caps it, and the table says so. A summary states the cache's end-to-end speed-up for a typical chat
+//! turn (512-token prompt + 256 generated tokens).
+
+use crate::cli::{CacheArgs, ModelArgs};
+use crate::engine::Engine;
+use crate::generate::argmax;
+use crate::kv::CacheSpec;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The bundled benchmark text: the Apache-2.0 license (the project's own), real English prose.
+pub const BENCH_TEXT: &str = include_str!("../../assets/bench-text.txt");
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Cache modes: none, full, int8, offload, window:N or window:N+S (S sinks, default 4)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "none,full,int8,window:256"
+    )]
+    pub modes: Vec<String>,
+    /// Context lengths (prompt tokens before decoding)
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
+    pub contexts: Vec<usize>,
+    /// Tokens decoded per run
+    #[arg(long, default_value_t = 32)]
+    pub gen: usize,
+    /// Measured runs per cell
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Unmeasured runs per cell before the measured ones
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Seconds one cell may take; a slower cell (no-cache at long context) stops early and says so
+    #[arg(long, default_value_t = 60.0)]
+    pub budget_s: f64,
+    /// Skip the chat-turn summary (512 + 256 tokens, cached vs no-cache)
+    #[arg(long)]
+    pub no_summary: bool,
+    /// Write the results as JSON to this file
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw decode ms/token against context per mode to this .svg file
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Median and spread of a measure over the measured runs.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(xs: &[f64]) -> Self {
+        let mut v = xs.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n == 0 {
+            f64::NAN
+        } else if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Self {
+            median,
+            min: v.first().copied().unwrap_or(f64::NAN),
+            max: v.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+}
+
+/// One (mode, context) cell. JSON keys are stable.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cell {
+    pub mode: String,
+    pub context: usize,
+    pub prefill_tok_s: Spread,
+    pub decode_ms_per_token: Spread,
+    /// Tokens decoded in each measured run (fewer than --gen when capped).
+    pub decode_tokens: usize,
+    pub runs: usize,
+    pub kv_positions: usize,
+    pub kv_bytes: usize,
+    pub kv_bytes_allocated: usize,
+    pub rss_bytes: Option<u64>,
+    /// The cell hit its time budget.
+    pub capped: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChatTurn {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub cached_mode: String,
+    pub cached_s: f64,
+    pub no_cache_s: f64,
+    pub speedup: f64,
+    /// How the no-cache figure was obtained.
+    pub no_cache_method: String,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub gen: usize,
+    pub repeat: usize,
+    pub cells: Vec<Cell>,
+    pub chat_turn: Option<ChatTurn>,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// `name` of `kvchat bench --modes` to the cache flags it stands for.
+pub fn mode_args(name: &str) -> Result<CacheArgs> {
+    let mut a = CacheArgs {
+        kv_sinks: 4,
+        kv_quant_residual: 32,
+        ..Default::default()
+    };
+    match name {
+        "none" => a.no_cache = true,
+        "full" => {}
+        "int8" => a.kv_quant = Some("int8".into()),
+        "offload" => a.kv_offload = true,
+        w if w.starts_with("window:") => {
+            let spec = &w["window:".len()..];
+            let (n, s) = spec.split_once('+').unwrap_or((spec, "4"));
+            a.kv_window = Some(
+                n.parse()
+                    .with_context(|| format!("--modes {w}: '{n}' is not a window size"))?,
+            );
+            a.kv_sinks = s
+                .parse()
+                .with_context(|| format!("--modes {w}: '{s}' is not a sink count"))?;
+        }
+        other => bail!("--modes: unknown mode '{other}' (none, full, int8, offload, window:N[+S])"),
+    }
+    Ok(a)
+}
+
+/// The first `n` tokens of the bench text, repeated as needed.
+pub fn bench_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
+    let ids = engine.tokenizer.encode(BENCH_TEXT)?;
+    let mut out = Vec::with_capacity(n);
+    out.extend(
+        engine
+            .tokenizer
+            .add_bos
+            .then_some(engine.tokenizer.bos_id)
+            .flatten(),
+    );
+    out.extend(ids.iter().copied().cycle().take(n - out.len()));
+    Ok(out)
+}
+
+/// Resident and peak memory of this process (Linux), in bytes.
+pub fn rss() -> (Option<u64>, Option<u64>) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (None, None);
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+struct Run {
+    prefill: Duration,
+    steps: Vec<Duration>,
+    kv_positions: usize,
+    kv_bytes: usize,
+    kv_bytes_allocated: usize,
+}
+
+/// One prefill + decode, stopping early once `deadline` would be passed.
+fn one_run(
+    engine: &Engine,
+    spec: &CacheSpec,
+    prompt: &[u32],
+    gen: usize,
+    deadline: Instant,
+) -> Result<Run> {
+    let mut s = engine.session(spec);
+    let t0 = Instant::now();
+    let mut logits = s.feed(prompt)?;
+    let prefill = t0.elapsed();
+    let mut steps = Vec::with_capacity(gen);
+    // Expected cost of the next step: a recomputing step is a forward over the whole sequence.
+    let mut last = if spec.recomputes() {
+        prefill
+    } else {
+        Duration::ZERO
+    };
+    for _ in 0..gen {
+        if Instant::now() + last > deadline {
+            break;
+        }
+        let next = argmax(&logits.to_vec1::<f32>()?);
+        let t = Instant::now();
+        logits = s.feed(&[next])?;
+        last = t.elapsed();
+        steps.push(last);
+    }
+    Ok(Run {
+        prefill,
+        steps,
+        kv_positions: s.cache.len(),
+        kv_bytes: s.cache.bytes_used(),
+        kv_bytes_allocated: s.cache.bytes(),
+    })
+}
+
+pub fn measure_cell(
+    engine: &Engine,
+    mode: &str,
+    spec: &CacheSpec,
+    ctx: usize,
+    a: &BenchArgs,
+) -> Result<Cell> {
+    let prompt = bench_tokens(engine, ctx)?;
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(a.budget_s);
+    let total = a.warmup + a.repeat;
+    let mut runs: Vec<(bool, Run)> = Vec::new(); // (measured, run)
+    let mut capped = false;
+    for i in 0..total {
+        let r = one_run(engine, spec, &prompt, a.gen, deadline)?;
+        let short = r.steps.len() < a.gen;
+        runs.push((i >= a.warmup, r));
+        if short || Instant::now() >= deadline {
+            capped = short || i + 1 < total;
+            break;
+        }
+    }
+    // The measured runs that decoded; when the budget cut those short, whatever runs decoded.
+    let mut used: Vec<&Run> = runs
+        .iter()
+        .filter(|(m, r)| *m && !r.steps.is_empty())
+        .map(|(_, r)| r)
+        .collect();
+    if used.is_empty() {
+        used = runs
+            .iter()
+            .filter(|(_, r)| !r.steps.is_empty())
+            .map(|(_, r)| r)
+            .collect();
+    }
+    if used.is_empty() {
+        used = runs.iter().map(|(_, r)| r).collect();
+    }
+    let prefill: Vec<f64> = used
+        .iter()
+        .map(|r| ctx as f64 / r.prefill.as_secs_f64())
+        .collect();
+    let decode: Vec<f64> = used
+        .iter()
+        .filter(|r| !r.steps.is_empty())
+        .map(|r| r.steps.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1e3 / r.steps.len() as f64)
+        .collect();
+    let r = used.last().expect("at least one run");
+    Ok(Cell {
+        mode: mode.to_string(),
+        context: ctx,
+        prefill_tok_s: Spread::of(&prefill),
+        decode_ms_per_token: Spread::of(&decode),
+        decode_tokens: r.steps.len(),
+        runs: used.len(),
+        kv_positions: r.kv_positions,
+        kv_bytes: r.kv_bytes,
+        kv_bytes_allocated: r.kv_bytes_allocated,
+        rss_bytes: rss().0,
+        capped,
+    })
+}
+
+/// A typical chat turn, 512 prompt + 256 generated tokens: measured end to end with `cached`; for
+/// no-cache, each of the 256 steps is a forward over the whole sequence, so its total is the sum of
+/// forwards over 512..767 tokens, integrated (trapezoid) from forwards measured at 512 and 768.
+pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Result<ChatTurn> {
+    let (p, g) = (512, 256);
+    let far = Instant::now() + Duration::from_secs(3600);
+    let r = one_run(engine, cached, &bench_tokens(engine, p)?, g, far)?;
+    let cached_s = r.prefill.as_secs_f64() + r.steps.iter().map(|d| d.as_secs_f64()).sum::<f64>();
+    let forward = |n: usize| -> Result<f64> {
+        let mut s = engine.session(&CacheSpec::None);
+        let toks = bench_tokens(engine, n)?;
+        let t = Instant::now();
+        s.feed(&toks)?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let (f0, f1) = (forward(p)?, forward(p + g)?);
+    // Prefill (one forward over 512) + 255 recomputing steps over 513..767 tokens.
+    let no_cache_s = (0..g)
+        .map(|i| f0 + (f1 - f0) * i as f64 / g as f64)
+        .sum::<f64>();
+    Ok(ChatTurn {
+        prompt_tokens: p,
+        generated_tokens: g,
+        cached_mode: cached_mode.to_string(),
+        cached_s,
+        no_cache_s,
+        speedup: no_cache_s / cached_s,
+        no_cache_method: format!(
+            "256 forwards over 512..767 tokens, interpolated from measured forwards over 512 ({f0:.2} s) and 768 ({f1:.2} s)"
+        ),
+    })
+}
+
+pub fn render_table(r: &BenchReport) -> String {
+    let mut s = format!(
+        "{:<14} {:>7} {:>12} {:>26} {:>10} {:>12} {:>10}  {}\n",
+        "mode",
+        "context",
+        "prefill t/s",
+        "decode ms/tok med [min-max]",
+        "kv pos",
+        "kv bytes",
+        "rss MiB",
+        "note"
+    );
+    for c in &r.cells {
+        let d = c.decode_ms_per_token;
+        let decode = if d.median.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{:.2} [{:.2}-{:.2}]", d.median, d.min, d.max)
+        };
+        let note = if c.capped {
+            format!(
+                "capped by budget: {} of {} tokens, {} run(s)",
+                c.decode_tokens, r.gen, c.runs
+            )
+        } else {
+            String::new()
+        };
+        s += &format!(
+            "{:<14} {:>7} {:>12.1} {:>26} {:>10} {:>12} {:>10}  {}\n",
+            c.mode,
+            c.context,
+            c.prefill_tok_s.median,
+            decode,
+            c.kv_positions,
+            c.kv_bytes,
+            c.rss_bytes
+                .map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0)),
+            note
+        );
+    }
+    if let Some(t) = &r.chat_turn {
+        s += &format!(
+            "\nchat turn ({} prompt + {} generated tokens): {} {:.2} s vs no-cache {:.2} s — the cache is {:.1}× faster end to end\n  (no-cache: {})\n",
+            t.prompt_tokens, t.generated_tokens, t.cached_mode, t.cached_s, t.no_cache_s, t.speedup, t.no_cache_method
+        );
+    }
+    s
+}
+
+pub fn plot_svg(r: &BenchReport) -> String {
+    let mut modes: Vec<&str> = Vec::new();
+    for c in &r.cells {
+        if !modes.contains(&c.mode.as_str()) {
+            modes.push(&c.mode);
+        }
+    }
+    let series: Vec<crate::plot::Series> = modes
+        .iter()
+        .map(|m| crate::plot::Series {
+            name: m.to_string(),
+            points: r
+                .cells
+                .iter()
+                .filter(|c| c.mode == *m && !c.decode_ms_per_token.median.is_nan())
+                .map(|c| (c.context as f64, c.decode_ms_per_token.median))
+                .collect(),
+        })
+        .collect();
+    crate::plot::line_chart_svg(
+        &format!(
+            "decode cost vs context ({}, {} threads)",
+            r.model, r.threads
+        ),
+        "context (tokens, log scale)",
+        "decode ms/token (log scale)",
+        &series,
+    )
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.gen == 0 || args.repeat == 0 {
+        bail!("--gen and --repeat must be at least 1");
+    }
+    if args.contexts.is_empty() || args.contexts.contains(&0) {
+        bail!("--contexts must be a list of positive token counts");
+    }
+    if let Some(p) = &args.plot {
+        if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+            bail!("--plot {}: only .svg is supported", p.display());
+        }
+    }
+    let mut model = args.model.clone();
+    let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.gen;
+    model.ctx = Some(model.ctx.unwrap_or(0).max(longest).max(768 + 256));
+    let engine = Engine::load(&model)?;
+    let specs: Vec<(String, CacheSpec)> = args
+        .modes
+        .iter()
+        .map(|m| Ok((m.clone(), mode_args(m)?.spec(engine.ctx)?)))
+        .collect::<Result<_>>()?;
+    let n_cells = specs.len() * args.contexts.len();
+    let bar = ProgressBar::new(n_cells as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} cells, {elapsed} {msg}")
+            .expect("valid template"),
+    );
+    let mut cells = Vec::new();
+    for (name, spec) in &specs {
+        for &ctx in &args.contexts {
+            bar.set_message(format!("{name} @ {ctx}"));
+            cells.push(measure_cell(&engine, name, spec, ctx, &args)?);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let chat_turn = if args.no_summary {
+        None
+    } else {
+        let (name, spec) = specs
+            .iter()
+            .find(|(_, s)| !s.recomputes())
+            .cloned()
+            .unwrap_or((
+                "full".into(),
+                CacheSpec::Full {
+                    max_positions: engine.ctx,
+                },
+            ));
+        Some(chat_turn(&engine, &name, &spec)?)
+    };
+    let report = BenchReport {
+        model: engine
+            .path
+            .file_name()
+            .map_or("model".into(), |f| f.to_string_lossy().into_owned()),
+        threads: candle_core::utils::get_num_threads(),
+        gen: args.gen,
+        repeat: args.repeat,
+        cells,
+        chat_turn,
+        peak_rss_bytes: rss().1,
+    };
+    print!("{}", render_table(&report));
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(p) = &args.plot {
+        std::fs::write(p, plot_svg(&report))
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,228 @@
+//! `kvchat kv-size`: the KV cache's memory arithmetic, from a model's metadata or explicit dimensions —
+//! bytes per token, per context and per N concurrent users, for each storage mode and for a window,
+//! and what grouped-query attention saves over full multi-head attention.
+
+use crate::cli::default_model_path;
+use crate::kv::size::{KvDims, Storage};
+use crate::model::gguf::GgufFile;
+use anyhow::{bail, Result};
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct KvSizeArgs {
+    /// GGUF model to read the dimensions from [default: the default model, unless dimensions are given]
+    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Decoder layers
+    #[arg(long, requires_all = ["kv_heads", "head_dim"])]
+    pub layers: Option<usize>,
+    /// KV heads per layer
+    #[arg(long, requires = "layers")]
+    pub kv_heads: Option<usize>,
+    /// Size of one head
+    #[arg(long, requires = "layers")]
+    pub head_dim: Option<usize>,
+    /// Query heads per layer: shows what GQA saves over full multi-head attention
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// The storage mode of the headline figures: f32, f16, bf16, int8, int4
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Context length, in tokens
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Concurrent users (sequences), each with its own cache
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    /// Also show a sliding window of N positions (+ --sinks)
+    #[arg(long)]
+    pub window: Option<usize>,
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
+    /// INT8 residual (positions kept in f32), as --kv-quant-residual
+    #[arg(long, default_value_t = 32)]
+    pub residual: usize,
+    /// Print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModeRow {
+    pub mode: String,
+    pub bytes_per_token: f64,
+    pub bytes_per_context: f64,
+    pub bytes_all_users: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KvSizeReport {
+    pub dims: KvDims,
+    pub ctx: usize,
+    pub users: usize,
+    pub dtype: String,
+    pub modes: Vec<ModeRow>,
+    /// (query heads, MHA bytes per token in `dtype`, saving factor)
+    pub gqa: Option<(usize, f64, f64)>,
+}
+
+/// 1536 → "1.50 KiB"; powers of 1024.
+pub fn human(bytes: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+/// 327680 → "327,680".
+pub fn grouped(n: f64) -> String {
+    let s = format!("{:.0}", n);
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
+    let (dims, model_heads) = match (args.layers, args.kv_heads, args.head_dim) {
+        (Some(layers), Some(kv_heads), Some(head_dim)) => (
+            KvDims {
+                layers,
+                kv_heads,
+                head_dim,
+            },
+            None,
+        ),
+        _ => {
+            let path = args.model.clone().unwrap_or_else(default_model_path);
+            let cfg = GgufFile::open(&path)?.config()?;
+            (
+                KvDims {
+                    layers: cfg.n_layer,
+                    kv_heads: cfg.n_kv_head,
+                    head_dim: cfg.head_dim,
+                },
+                Some(cfg.n_head),
+            )
+        }
+    };
+    if dims.layers == 0 || dims.kv_heads == 0 || dims.head_dim == 0 {
+        bail!("--layers, --kv-heads and --head-dim must be at least 1");
+    }
+    if args.ctx == 0 || args.users == 0 {
+        bail!("--ctx and --users must be at least 1");
+    }
+    let headline = Storage::parse(&args.dtype).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--dtype '{}' is not one of f32, f16, bf16, int8, int4",
+            args.dtype
+        )
+    })?;
+    let mut modes: Vec<ModeRow> = Storage::ALL
+        .iter()
+        .map(|&m| {
+            let per_ctx = dims.bytes_for(m, args.ctx, args.residual);
+            ModeRow {
+                mode: m.name().to_string(),
+                bytes_per_token: dims.bytes_per_token(m),
+                bytes_per_context: per_ctx,
+                bytes_all_users: per_ctx * args.users as f64,
+            }
+        })
+        .collect();
+    if let Some(w) = args.window {
+        let held = args.ctx.min(w + args.sinks);
+        let per_ctx = dims.bytes_for(headline, held, args.residual);
+        modes.push(ModeRow {
+            mode: format!("window:{w}+{} ({})", args.sinks, headline.name()),
+            bytes_per_token: dims.bytes_per_token(headline),
+            bytes_per_context: per_ctx,
+            bytes_all_users: per_ctx * args.users as f64,
+        });
+    }
+    let gqa = args.heads.or(model_heads).map(|h| {
+        let mha = KvDims {
+            kv_heads: h,
+            ..dims
+        }
+        .bytes_per_token(headline);
+        (h, mha, mha / dims.bytes_per_token(headline))
+    });
+    Ok(KvSizeReport {
+        dims,
+        ctx: args.ctx,
+        users: args.users,
+        dtype: headline.name().to_string(),
+        modes,
+        gqa,
+    })
+}
+
+pub fn run(args: KvSizeArgs) -> Result<()> {
+    let r = report(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    print!("{}", render(&r));
+    Ok(())
+}
+
+pub fn render(r: &KvSizeReport) -> String {
+    let d = r.dims;
+    let mut s = format!(
+        "KV cache of {} layers × {} KV heads × {} head dim, context {} tokens, {} user(s)\n",
+        d.layers, d.kv_heads, d.head_dim, r.ctx, r.users
+    );
+    let head = r
+        .modes
+        .iter()
+        .find(|m| m.mode == r.dtype)
+        .expect("headline mode is in the table");
+    s += &format!(
+        "{}: {} bytes ({}) per token, {} per user at {} tokens, {} for {} user(s)\n",
+        r.dtype,
+        grouped(head.bytes_per_token),
+        human(head.bytes_per_token),
+        human(head.bytes_per_context),
+        r.ctx,
+        human(head.bytes_all_users),
+        r.users
+    );
+    if let Some((h, mha, saving)) = r.gqa {
+        s += &format!(
+            "GQA: {} KV heads serve {h} query heads; full multi-head attention would hold {} bytes ({}) per token, {saving:.1}× more\n",
+            d.kv_heads,
+            grouped(mha),
+            human(mha)
+        );
+    }
+    s += &format!(
+        "\n{:<22} {:>16} {:>14} {:>14}\n",
+        "mode", "bytes/token", "per context", "all users"
+    );
+    for m in &r.modes {
+        s += &format!(
+            "{:<22} {:>16} {:>14} {:>14}\n",
+            m.mode,
+            grouped(m.bytes_per_token),
+            human(m.bytes_per_context),
+            human(m.bytes_all_users)
+        );
+    }
+    s += "int8: K scales per channel over 128-token groups, V per token, f32 residual included per context; int4: projection\n";
+    s
+}

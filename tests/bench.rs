@@ -1,0 +1,222 @@
+//! `kvchat bench` and `kvchat kv-size`: the arithmetic, the table/JSON, the time budget (on a tiny
+//! model, fast), and the measured KV bytes against the prediction (on the real model).
+
+mod common;
+
+use kvchat::cli::ModelArgs;
+use kvchat::commands::bench::{measure_cell, mode_args, render_table, BenchArgs, BenchReport};
+use kvchat::commands::kv_size::{report, KvSizeArgs};
+use kvchat::engine::Engine;
+use kvchat::kv::size::{KvDims, Storage};
+
+fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
+    KvSizeArgs {
+        model: None,
+        layers: Some(layers),
+        kv_heads: Some(kv_heads),
+        head_dim: Some(head_dim),
+        heads: None,
+        dtype: "f16".into(),
+        ctx: 4096,
+        users: 8,
+        window: None,
+        sinks: 4,
+        residual: 32,
+        json: false,
+    }
+}
+
+#[test]
+fn llama3_70b_f16_holds_320_kib_per_token_and_10_gib_for_8_users() {
+    let r = report(&kv_size_args(80, 8, 128)).unwrap();
+    let f16 = r.modes.iter().find(|m| m.mode == "f16").unwrap();
+    assert_eq!(f16.bytes_per_token, 327_680.0);
+    assert_eq!(f16.bytes_per_context, 1.25 * (1u64 << 30) as f64);
+    assert_eq!(f16.bytes_all_users, 10.0 * (1u64 << 30) as f64);
+    let text = kvchat::commands::kv_size::render(&r);
+    assert!(
+        text.contains("327,680 bytes (320.00 KiB) per token"),
+        "{text}"
+    );
+    assert!(
+        text.contains("1.25 GiB per user at 4096 tokens, 10.00 GiB for 8 user(s)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn sixty_four_kv_heads_hold_eight_times_more() {
+    let gqa = report(&kv_size_args(80, 8, 128)).unwrap();
+    let mha = report(&kv_size_args(80, 64, 128)).unwrap();
+    let f16 = |r: &kvchat::commands::kv_size::KvSizeReport| {
+        r.modes
+            .iter()
+            .find(|m| m.mode == "f16")
+            .unwrap()
+            .bytes_per_token
+    };
+    assert_eq!(f16(&mha) / f16(&gqa), 8.0);
+    let mut with_heads = kv_size_args(80, 8, 128);
+    with_heads.heads = Some(64);
+    let (_, mha_bytes, saving) = report(&with_heads).unwrap().gqa.unwrap();
+    assert_eq!((mha_bytes, saving), (2_621_440.0, 8.0));
+}
+
+#[test]
+fn int8_costs_at_most_0_27_of_f32_per_token_in_the_formula() {
+    let d = KvDims {
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+    };
+    assert_eq!(d.bytes_per_token(Storage::F32), 46_080.0);
+    let r = d.bytes_per_token(Storage::Int8) / d.bytes_per_token(Storage::F32);
+    assert!(r <= 0.27, "{r}");
+}
+
+fn tiny_engine(name: &str) -> Engine {
+    let path = common::tiny::write_tiny_with_tokenizer(name);
+    Engine::load(&ModelArgs {
+        model: Some(path),
+        tokenizer: None,
+        device: "cpu".into(),
+        threads: None,
+        ctx: Some(512),
+    })
+    .unwrap()
+}
+
+fn bench_args(budget_s: f64) -> BenchArgs {
+    BenchArgs {
+        model: common::model_args(),
+        modes: vec![],
+        contexts: vec![],
+        gen: 8,
+        repeat: 2,
+        warmup: 1,
+        budget_s,
+        no_summary: true,
+        json: None,
+        plot: None,
+    }
+}
+
+#[test]
+fn cached_cells_decode_every_token_and_hold_context_plus_gen_minus_one() {
+    let e = tiny_engine("cell");
+    let spec = mode_args("full").unwrap().spec(e.ctx).unwrap();
+    let c = measure_cell(&e, "full", &spec, 40, &bench_args(60.0)).unwrap();
+    assert!(!c.capped);
+    assert_eq!((c.decode_tokens, c.runs), (8, 2));
+    assert_eq!(c.kv_positions, 40 + 8);
+    assert!(c.decode_ms_per_token.min <= c.decode_ms_per_token.median);
+    assert!(c.decode_ms_per_token.median <= c.decode_ms_per_token.max);
+}
+
+#[test]
+fn a_cell_over_its_time_budget_stops_early_and_says_so() {
+    let e = tiny_engine("budget");
+    let spec = mode_args("none").unwrap().spec(e.ctx).unwrap();
+    let c = measure_cell(&e, "none", &spec, 200, &bench_args(0.0)).unwrap();
+    assert!(c.capped);
+    assert!(c.decode_tokens < 8);
+    let report = BenchReport {
+        model: "tiny".into(),
+        threads: 1,
+        gen: 8,
+        repeat: 2,
+        cells: vec![c],
+        chat_turn: None,
+        peak_rss_bytes: None,
+    };
+    let table = render_table(&report);
+    assert!(table.contains("capped by budget"), "{table}");
+    let json: serde_json::Value = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["cells"][0]["capped"], true);
+    assert_eq!(json["cells"][0]["mode"], "none");
+    for key in [
+        "prefill_tok_s",
+        "decode_ms_per_token",
+        "decode_tokens",
+        "kv_bytes",
+        "kv_positions",
+        "context",
+    ] {
+        assert!(json["cells"][0].get(key).is_some(), "missing {key}");
+    }
+}
+
+#[test]
+fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
+    let e = tiny_engine("table");
+    let cells = ["full", "window:16+2", "int8"]
+        .iter()
+        .map(|m| {
+            measure_cell(
+                &e,
+                m,
+                &mode_args(m).unwrap().spec(e.ctx).unwrap(),
+                32,
+                &bench_args(60.0),
+            )
+            .unwrap()
+        })
+        .collect();
+    let report = BenchReport {
+        model: "tiny".into(),
+        threads: 1,
+        gen: 8,
+        repeat: 2,
+        cells,
+        chat_turn: None,
+        peak_rss_bytes: None,
+    };
+    let table = render_table(&report);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 4, "{table}");
+    let width = lines[1].find("32").unwrap();
+    assert!(
+        lines.iter().skip(1).all(|l| l.find("32") == Some(width)),
+        "{table}"
+    );
+    let svg = kvchat::commands::bench::plot_svg(&report);
+    assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("window:16+2"));
+}
+
+#[test]
+fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
+    let e = common::engine();
+    let d = KvDims {
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+    };
+    let args = bench_args(120.0);
+    for (mode, ctx) in [
+        ("full", 300),
+        ("int8", 300),
+        ("window:64+4", 300),
+        ("full", 40),
+    ] {
+        let spec = mode_args(mode).unwrap().spec(e.ctx).unwrap();
+        let c = measure_cell(
+            e,
+            mode,
+            &spec,
+            ctx,
+            &BenchArgs {
+                repeat: 1,
+                warmup: 0,
+                ..args.clone()
+            },
+        )
+        .unwrap();
+        let n = ctx + 8; // the prompt, then 8 decode steps that each feed one token
+        let predicted = match mode {
+            "int8" => d.bytes_for(Storage::Int8, n, 32),
+            m if m.starts_with("window") => d.bytes_for(Storage::F32, n.min(68), 32),
+            _ => d.bytes_for(Storage::F32, n, 32),
+        };
+        assert_eq!(c.kv_bytes as f64, predicted, "{mode} @ {ctx}");
+    }
+}
