@@ -92,6 +92,35 @@ fn strides3(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
     Ok((s[0], s[1]))
 }
 
+/// Replaces each score by exp(score − max) and returns their sum (in a fixed order).
+#[inline(always)]
+fn softmax_numerators(row: &mut [f32]) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    for x in row.iter_mut() {
+        *x = exp_nonpositive(*x - max);
+    }
+    row.iter().sum()
+}
+
+/// e^x for x ≤ 0, to ~2 ulp: Cephes' expf (range reduction by ln 2, degree-6 polynomial), written so
+/// the loop above vectorizes (libm's expf does not).
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.max(-87.0); // e^-87 is below f32's normal range: the weight is 0 to f32 precision
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let p = p * r * r + r + 1.0;
+    // 2^n by building the exponent bits; n ≥ -126 here.
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
 /// Σ a[i]·b[i] in 16 fixed lanes: vectorizes, and always sums in the same order.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -180,13 +209,7 @@ impl CustomOp3 for CausalAttention {
                 let mut inv = [0f32; TILE];
                 for r in 0..rows {
                     let row = &mut scores[r * kv_len..r * kv_len + visible(r)];
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let mut sum = 0f32;
-                    for x in row.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    inv[r] = 1.0 / sum;
+                    inv[r] = 1.0 / softmax_numerators(row);
                 }
                 // Weighted sum of V, one pass over V.
                 for j in 0..most {
@@ -210,6 +233,7 @@ impl CustomOp3 for CausalAttention {
 /// `Σ_c (q_c · s_bc) · kq_jc` (the group's channel scales folded into the query once), and the output is
 /// `Σ_j p_j · s_j · vq_j` (the token's scale folded into its weight). The f32 tail follows.
 pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    const TILE: usize = 8;
     let (nkv, gt, hd) = q.dims3()?;
     anyhow::ensure!(
         view.heads.len() == nkv && view.head_dim == hd,
@@ -219,51 +243,66 @@ pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Res
     let (nq, nt) = (view.n_quant, view.n_tail);
     let kv_len = nq + nt;
     let offset = kv_len - t;
+    // Work items as in the dense kernel: up to TILE query rows of one KV head, one pass over its cache.
+    let tiles_per_head = gt.div_ceil(TILE);
     let mut out = vec![0f32; nkv * gt * hd];
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        || (vec![0f32; kv_len], vec![0f32; hd]),
-        |(scores, qs), (row, o)| {
-            let (h, r) = (row / gt, row % gt);
+    let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(nkv * tiles_per_head);
+    for head in out.chunks_mut(gt * hd) {
+        chunks.extend(head.chunks_mut(TILE * hd));
+    }
+    chunks.into_par_iter().enumerate().for_each_init(
+        || (vec![0f32; TILE * kv_len], vec![0f32; TILE * hd]),
+        |(scores, qs), (item, o)| {
+            let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
             let head = &view.heads[h];
-            let visible = offset + r % t + 1;
-            let qr = &q_all[row * hd..(row + 1) * hd];
-            // Scores: the INT8 groups (channel scales folded into the query), then the f32 tail.
-            let (sq, st) = scores[..visible].split_at_mut(nq);
-            for (g, (sg, kg)) in sq
-                .chunks_mut(GROUP)
-                .zip(head.kq.chunks(GROUP * hd))
-                .enumerate()
-            {
+            let r0 = tile * TILE;
+            let rows = o.len() / hd;
+            let visible = |r: usize| offset + (r0 + r) % t + 1;
+            let most = (0..rows).map(visible).max().unwrap_or(0);
+            let q_row = |r: usize| &q_all[(h * gt + r0 + r) * hd..][..hd];
+            // Scores over the INT8 groups: the group's channel scales folded into each query once.
+            for g in 0..nq / GROUP {
                 let ks = &head.k_scale[g * hd..(g + 1) * hd];
-                for ((x, a), b) in qs.iter_mut().zip(qr).zip(ks) {
-                    *x = a * b * scale;
+                for r in 0..rows {
+                    for ((x, a), b) in qs[r * hd..(r + 1) * hd].iter_mut().zip(q_row(r)).zip(ks) {
+                        *x = a * b * scale;
+                    }
                 }
-                for (s, kj) in sg.iter_mut().zip(kg.chunks_exact(hd)) {
-                    *s = dot_i8(qs, kj);
-                }
-            }
-            for (s, kj) in st.iter_mut().zip(head.tail_k.chunks_exact(hd)) {
-                *s = dot(qr, kj) * scale;
-            }
-            let row_scores = &mut scores[..visible];
-            let max = row_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0f32;
-            for s in row_scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            let (pq, pt) = row_scores.split_at(nq);
-            for ((p, vj), vs) in pq.iter().zip(head.vq.chunks_exact(hd)).zip(&head.v_scale) {
-                let w = p * inv * vs; // the token's scale folded into its weight
-                for (oe, ve) in o.iter_mut().zip(vj) {
-                    *oe += w * *ve as f32;
+                for j in g * GROUP..(g + 1) * GROUP {
+                    let kj = &head.kq[j * hd..(j + 1) * hd];
+                    for r in 0..rows {
+                        scores[r * kv_len + j] = dot_i8(&qs[r * hd..(r + 1) * hd], kj);
+                    }
                 }
             }
-            for (p, vj) in pt.iter().zip(head.tail_v.chunks_exact(hd)) {
-                let w = p * inv;
-                for (oe, ve) in o.iter_mut().zip(vj) {
-                    *oe += w * ve;
+            // Then over the f32 tail, which ends with the step's own positions (causal).
+            for j in nq..most {
+                let kj = &head.tail_k[(j - nq) * hd..][..hd];
+                for r in (0..rows).filter(|&r| j < visible(r)) {
+                    scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
+                }
+            }
+            let mut inv = [0f32; TILE];
+            for (r, w) in inv.iter_mut().enumerate().take(rows) {
+                *w = 1.0 / softmax_numerators(&mut scores[r * kv_len..r * kv_len + visible(r)]);
+            }
+            // Weighted sum: the token's scale folded into its weight.
+            for j in 0..nq {
+                let vj = &head.vq[j * hd..(j + 1) * hd];
+                for r in 0..rows {
+                    let w = scores[r * kv_len + j] * inv[r] * head.v_scale[j];
+                    for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                        *oe += w * *ve as f32;
+                    }
+                }
+            }
+            for j in nq..most {
+                let vj = &head.tail_v[(j - nq) * hd..][..hd];
+                for r in (0..rows).filter(|&r| j < visible(r)) {
+                    let w = scores[r * kv_len + j] * inv[r];
+                    for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                        *oe += w * ve;
+                    }
                 }
             }
         },
@@ -294,6 +333,22 @@ fn dot_i8(a: &[f32], b: &[i8]) -> f32 {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn fast_exp_is_within_4_ulp_of_libm_on_nonpositive_inputs() {
+        for i in 0..200_000 {
+            let x = -(i as f32) * 0.0005; // 0 .. -100
+            let (a, b) = (exp_nonpositive(x), x.exp());
+            if b < f32::MIN_POSITIVE * 1e6 {
+                assert!(a < 1e-30, "x={x}: {a}");
+                continue;
+            }
+            assert!(
+                ((a - b) / b).abs() < 4.0 * f32::EPSILON,
+                "x={x}: {a} vs {b}"
+            );
+        }
+    }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
