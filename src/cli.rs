@@ -23,6 +23,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Interactive chat that keeps its KV cache across turns (one line = one turn when not a terminal).
+    Chat(crate::commands::chat::ChatArgs),
     /// Answer one prompt (from the argument or stdin) and exit; streams the answer to stdout.
     Run(crate::commands::run::RunArgs),
     /// Measure prefill and decode speed and KV memory for each cache mode and context length.

@@ -21,6 +21,27 @@ pub struct Engine {
     /// The most positions a sequence may reach (`--ctx`).
     pub ctx: usize,
     pub device: Device,
+    /// Identifies the model for saved KV state: sha256 of its GGUF metadata and tensor layout.
+    pub digest: String,
+}
+
+/// sha256 over a GGUF's metadata and tensor layout (names, types, shapes, offsets): cheap, and two
+/// files with the same digest hold the same model in the same layout.
+pub fn gguf_digest(ct: &candle_core::quantized::gguf_file::Content) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut keys: Vec<&String> = ct.metadata.keys().collect();
+    keys.sort();
+    for k in keys {
+        h.update(format!("{k}={:?};", ct.metadata[k]).as_bytes());
+    }
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    for n in names {
+        let t = &ct.tensor_infos[n];
+        h.update(format!("{n}:{:?}:{:?}:{};", t.ggml_dtype, t.shape.dims(), t.offset).as_bytes());
+    }
+    format!("{:x}", h.finalize())
 }
 
 /// Parses `--device`.
@@ -133,6 +154,7 @@ impl Engine {
             }
         }
         Ok(Self {
+            digest: gguf_digest(&gguf.content),
             path,
             model,
             tokenizer,

@@ -239,15 +239,30 @@ impl<'m> Session<'m> {
         max_tokens: usize,
         stop_ids: &[u32],
         ignore_eos: bool,
+        on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<(Vec<u32>, StopReason, GenStats)> {
+        let t0 = Instant::now();
+        let logits = self.feed(prompt)?;
+        let prefill = t0.elapsed();
+        let (out, reason, mut stats) =
+            self.decode(logits, sampler, max_tokens, stop_ids, ignore_eos, on_token)?;
+        stats.prompt_tokens = prompt.len();
+        stats.prefill = prefill;
+        Ok((out, reason, stats))
+    }
+
+    /// Samples from `logits` (the next-token logits after what the session holds), then feeds each
+    /// sampled token back, up to `max_tokens` tokens (see `generate`).
+    pub fn decode(
+        &mut self,
+        mut logits: Tensor,
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        stop_ids: &[u32],
+        ignore_eos: bool,
         mut on_token: impl FnMut(u32) -> Result<bool>,
     ) -> Result<(Vec<u32>, StopReason, GenStats)> {
-        let mut stats = GenStats {
-            prompt_tokens: prompt.len(),
-            ..Default::default()
-        };
-        let t0 = Instant::now();
-        let mut logits = self.feed(prompt)?;
-        stats.prefill = t0.elapsed();
+        let mut stats = GenStats::default();
         let mut out = Vec::new();
         let reason = loop {
             let next = sampler.sample(&logits, &self.tokens)?;
@@ -271,5 +286,27 @@ impl<'m> Session<'m> {
             stats.decode_steps += 1;
         };
         Ok((out, reason, stats))
+    }
+
+    /// Keeps the longest prefix of what the session holds that `ids` starts with, but at least one token
+    /// short of `ids` (there must be something to feed for logits); returns how many positions were
+    /// kept. A cache that cannot go back that far (a window that dropped them) starts over.
+    pub fn keep_prefix_of(&mut self, ids: &[u32]) -> Result<usize> {
+        let common = self
+            .tokens
+            .iter()
+            .zip(ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let keep = common.min(ids.len().saturating_sub(1));
+        if keep < self.tokens.len() {
+            if self.cache.truncate(keep).is_err() {
+                self.cache.reset()?;
+                self.tokens.clear();
+                return Ok(0);
+            }
+            self.tokens.truncate(keep);
+        }
+        Ok(keep)
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod cli;
 pub mod commands;
+pub mod conversation;
 pub mod engine;
 pub mod generate;
 pub mod kv;

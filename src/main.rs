@@ -8,6 +8,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => commands::run::run(args),
+        Command::Chat(args) => commands::chat::run(args),
         Command::Tokenize(args) => commands::tokenize::run(args),
         Command::Ppl(args) => commands::ppl::run(args),
         Command::KvSize(args) => commands::kv_size::run(args),

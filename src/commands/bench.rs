@@ -239,7 +239,11 @@ pub fn measure_cell(
 ) -> Result<Cell> {
     let prompt = bench_tokens(engine, ctx)?;
     let start = Instant::now();
-    let budget = if spec.recomputes() { a.budget_s } else { 24.0 * 3600.0 };
+    let budget = if spec.recomputes() {
+        a.budget_s
+    } else {
+        24.0 * 3600.0
+    };
     let deadline = start + Duration::from_secs_f64(budget);
     let total = a.warmup + a.repeat;
     let mut runs: Vec<(bool, Run)> = Vec::new(); // (measured, run)

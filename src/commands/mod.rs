@@ -1,6 +1,7 @@
 //! One file per subcommand.
 
 pub mod bench;
+pub mod chat;
 pub mod kv_size;
 pub mod ppl;
 pub mod run;

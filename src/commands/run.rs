@@ -3,12 +3,14 @@
 use crate::cli::{CacheArgs, ModelArgs, SamplingArgs};
 use crate::engine::Engine;
 use crate::generate::{GenStats, Sampler, StopReason};
-use crate::kv::{CacheSpec, KvCache};
+use crate::kv::{persist, CacheSpec, KvCache};
 use crate::template::Message;
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{IsTerminal, Read, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -38,6 +40,10 @@ pub struct RunArgs {
     /// Print prompt/decode speed and KV cache size to stderr
     #[arg(long)]
     pub stats: bool,
+    /// Reuse the KV state of an earlier prompt that shares a prefix with this one, from FILE, and save
+    /// this prompt's state there
+    #[arg(long, value_name = "FILE")]
+    pub prompt_cache: Option<PathBuf>,
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
@@ -82,17 +88,40 @@ pub fn run(args: RunArgs) -> Result<()> {
             engine.ctx
         );
     }
+    if spec.recomputes() && args.prompt_cache.is_some() {
+        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
+    }
     let mut session = engine.session(&spec);
     let mut sampler = Sampler::new(sampling);
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
-    let (_, reason, stats) = session.generate(
-        &ids,
+    let t0 = Instant::now();
+    let reused = match &args.prompt_cache {
+        Some(p) => crate::commands::chat::load_prompt_cache(&engine, &mut session, p, &ids)?,
+        None => 0,
+    };
+    let logits = session.feed(&ids[reused..])?;
+    let prefill = t0.elapsed();
+    if let Some(p) = &args.prompt_cache {
+        let saved = session.cache.persist_key().and_then(|key| {
+            persist::save(p, &session, &engine.digest, &key, serde_json::json!({}))
+        });
+        if let Err(e) = saved {
+            eprintln!(
+                "kvchat: cannot save the prompt cache: {}",
+                crate::first_line(format!("{e:#}"))
+            );
+        }
+    }
+    let mut first_token: Option<Duration> = None;
+    let (_, reason, mut stats) = session.decode(
+        logits,
         &mut sampler,
         args.max_tokens,
         &engine.stop_ids,
         args.ignore_eos,
         |id| {
+            first_token.get_or_insert_with(|| t0.elapsed());
             if let Some(text) = stream.push(&engine.tokenizer, id)? {
                 stdout.write_all(text.as_bytes())?;
                 stdout.flush()?;
@@ -100,6 +129,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             Ok(true)
         },
     )?;
+    stats.prompt_tokens = ids.len() - reused;
+    stats.prefill = prefill;
     if let Some(text) = stream.finish(&engine.tokenizer)? {
         stdout.write_all(text.as_bytes())?;
     }
@@ -112,6 +143,13 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
     }
     if args.stats {
+        if args.prompt_cache.is_some() {
+            eprintln!(
+                "[stats] prompt cache: reused {reused} of {} prompt tokens; time to first token {:.1} ms",
+                ids.len(),
+                first_token.unwrap_or(prefill).as_secs_f64() * 1e3
+            );
+        }
         print_stats(&engine, &stats, &session.cache, reason);
     }
     Ok(())

@@ -106,6 +106,24 @@ impl LayerCache for FullCache {
         Ok(())
     }
 
+    fn restore(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let n = k.dim(2)?;
+        if k.dims() != [1, self.n_kv_heads, n, self.head_dim] || v.dims() != k.dims() {
+            bail!(
+                "saved KV of shape {:?} does not fit this model's cache",
+                k.dims()
+            );
+        }
+        self.len = 0;
+        self.reserve(n)?;
+        let (kb, vb) = self.buffers.as_ref().expect("reserved above");
+        let dev = &self.device;
+        kb.slice_set(&k.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?, 2, 0)?;
+        vb.slice_set(&v.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?, 2, 0)?;
+        self.len = n;
+        Ok(())
+    }
+
     fn state(&self) -> Result<Option<(Tensor, Tensor)>> {
         match &self.buffers {
             Some((k, v)) if self.len > 0 => Ok(Some((

@@ -10,6 +10,7 @@ pub mod full;
 pub mod int8;
 pub mod none;
 pub mod offload;
+pub mod persist;
 pub mod size;
 pub mod window;
 
@@ -49,6 +50,11 @@ pub trait LayerCache: Send {
     /// Drops every position of the sequence from `len` on, so the next append continues at `len`.
     /// Truncating to `len >= seen()` does nothing.
     fn truncate(&mut self, len: usize) -> Result<()>;
+    /// Replaces what this layer holds by `k` (rotated) and `v`, `[1, n_kv_heads, n, head_dim]` (from
+    /// `state` of the same strategy): how a saved prompt cache comes back.
+    fn restore(&mut self, _k: &Tensor, _v: &Tensor) -> Result<()> {
+        anyhow::bail!("this cache strategy cannot be saved or restored yet (use the full cache)")
+    }
     /// Starts moving this layer's storage to the compute device ahead of its `append` (offload).
     fn prefetch(&mut self) -> Result<()> {
         Ok(())
@@ -217,6 +223,20 @@ impl KvCache {
     }
     pub fn reset(&mut self) -> Result<()> {
         self.truncate(0)
+    }
+    /// Every layer's `state()`.
+    pub fn layers_state(&self) -> Result<Vec<Option<(Tensor, Tensor)>>> {
+        self.layers.iter().map(|l| l.state()).collect()
+    }
+    /// What must match for a saved state to be loaded into this cache: the storage, not the capacity.
+    pub fn persist_key(&self) -> Result<String> {
+        match &self.spec {
+            CacheSpec::Full { .. } | CacheSpec::Offload { .. } => Ok("full f32".into()),
+            other => anyhow::bail!(
+                "saving the KV state is not supported with the {} cache yet (use the full cache)",
+                other.name()
+            ),
+        }
     }
     /// Bytes resident in all layers now (allocated storage).
     pub fn bytes(&self) -> usize {

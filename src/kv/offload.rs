@@ -98,6 +98,11 @@ impl LayerCache for OffloadCache {
         self.host.bytes_used()
     }
 
+    fn restore(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.staged = None;
+        self.host.restore(k, v)
+    }
+
     fn state(&self) -> Result<Option<(Tensor, Tensor)>> {
         self.host.state()
     }

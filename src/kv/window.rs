@@ -191,6 +191,10 @@ impl LayerCache for WindowCache {
         if len >= self.seen {
             return Ok(());
         }
+        if len == 0 {
+            (self.sink_len, self.win_len, self.head, self.seen) = (0, 0, 0, 0);
+            return Ok(());
+        }
         if len <= self.sink_len && self.seen == self.sink_len + self.win_len {
             self.sink_len = len;
             self.win_len = 0;

@@ -1,0 +1,216 @@
+//! A chat conversation over one KV cache. Each turn renders the whole conversation with the model's
+//! template, keeps the longest token prefix the cache already holds, and prefills only the rest — so a
+//! conversation never pays twice for the same tokens, and if a template re-renders earlier turns
+//! differently, the cache goes back to the common prefix instead of attending over stale tokens.
+
+use crate::engine::Engine;
+use crate::generate::{GenStats, Sampler, Session, StopReason};
+use crate::kv::{persist, CacheSpec};
+use crate::template::{ChatTemplate, Message};
+use crate::tokenizer::TextStream;
+use anyhow::{bail, Result};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// What to do when the conversation no longer fits the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnFull {
+    /// Refuse the turn with a message.
+    Stop,
+    /// Drop the oldest whole turns (the system prompt stays) and re-prefill what remains.
+    Shift,
+}
+
+/// What one turn did.
+#[derive(Debug, Clone)]
+pub struct TurnStats {
+    /// Positions reused from the cache.
+    pub reused: usize,
+    /// Positions prefilled this turn.
+    pub prefilled: usize,
+    /// Turns dropped to make room (`--on-full shift`).
+    pub shifted: usize,
+    pub gen: GenStats,
+    pub reason: StopReason,
+}
+
+pub struct Conversation<'e> {
+    pub engine: &'e Engine,
+    pub template: ChatTemplate,
+    pub system: Option<String>,
+    /// (user, assistant) exchanges, oldest first.
+    pub turns: Vec<(String, String)>,
+    pub session: Session<'e>,
+    pub on_full: OnFull,
+    pub last: Option<TurnStats>,
+}
+
+impl<'e> Conversation<'e> {
+    pub fn new(
+        engine: &'e Engine,
+        spec: &CacheSpec,
+        template: ChatTemplate,
+        system: Option<String>,
+        on_full: OnFull,
+    ) -> Self {
+        Self {
+            engine,
+            template,
+            system,
+            turns: Vec::new(),
+            session: engine.session(spec),
+            on_full,
+            last: None,
+        }
+    }
+
+    pub fn messages(&self, pending: Option<&str>) -> Vec<Message> {
+        let mut m = Vec::new();
+        if let Some(s) = &self.system {
+            m.push(Message::new("system", s));
+        }
+        for (u, a) in &self.turns {
+            m.push(Message::new("user", u));
+            m.push(Message::new("assistant", a));
+        }
+        if let Some(q) = pending {
+            m.push(Message::new("user", q));
+        }
+        m
+    }
+
+    /// Token ids of the conversation (plus a pending question) rendered by the template; with
+    /// `answer` the text ends where the assistant speaks.
+    pub fn render_ids(&self, pending: Option<&str>, answer: bool) -> Result<Vec<u32>> {
+        let messages = self.messages(pending);
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let text = self.template.render(&messages, answer)?;
+        self.engine.tokenizer.encode(&text)
+    }
+
+    /// Asks `question`; `on_text` gets the answer as it streams. Generation stops early when
+    /// `interrupt` is set (the partial answer stays as the assistant's turn).
+    pub fn ask(
+        &mut self,
+        question: &str,
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        interrupt: &AtomicBool,
+        mut on_text: impl FnMut(&str) -> Result<()>,
+    ) -> Result<TurnStats> {
+        if question.trim().is_empty() {
+            bail!("the question is empty");
+        }
+        let limit = self.session.max_positions;
+        let mut ids = self.render_ids(Some(question), true)?;
+        let mut shifted = 0;
+        while ids.len() >= limit {
+            match self.on_full {
+                OnFull::Stop => bail!(
+                    "the conversation is {} tokens and no longer fits the context of {limit}: /undo, /reset, or run with --on-full shift or a larger --ctx",
+                    ids.len()
+                ),
+                OnFull::Shift => {
+                    if self.turns.is_empty() {
+                        bail!("the question alone is {} tokens, more than the context of {limit}", ids.len());
+                    }
+                    self.turns.remove(0);
+                    shifted += 1;
+                    ids = self.render_ids(Some(question), true)?;
+                }
+            }
+        }
+        let reused = self.session.keep_prefix_of(&ids)?;
+        let new = ids[reused..].to_vec();
+        let engine = self.engine;
+        let mut stream = TextStream::new();
+        interrupt.store(false, Ordering::SeqCst);
+        let (out, reason, gen) = self.session.generate(
+            &new,
+            sampler,
+            max_tokens.min(limit.saturating_sub(ids.len())).max(1),
+            &engine.stop_ids,
+            false,
+            |id| {
+                if let Some(t) = stream.push(&engine.tokenizer, id)? {
+                    on_text(&t)?;
+                }
+                Ok(!interrupt.load(Ordering::SeqCst))
+            },
+        )?;
+        if let Some(t) = stream.finish(&engine.tokenizer)? {
+            on_text(&t)?;
+        }
+        let answer = engine.tokenizer.decode(&out, true)?;
+        self.turns.push((question.to_string(), answer));
+        let stats = TurnStats {
+            reused,
+            prefilled: new.len(),
+            shifted,
+            gen,
+            reason,
+        };
+        self.last = Some(stats.clone());
+        Ok(stats)
+    }
+
+    /// Drops the last exchange and truncates the cache to the conversation that remains.
+    pub fn undo(&mut self) -> Result<bool> {
+        if self.turns.pop().is_none() {
+            return Ok(false);
+        }
+        let ids = self.render_ids(None, false)?;
+        let common = self
+            .session
+            .tokens
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.session
+            .cache
+            .truncate(common)
+            .or_else(|_| self.session.cache.reset())?;
+        self.session
+            .tokens
+            .truncate(self.session.cache.seen().min(common));
+        Ok(true)
+    }
+
+    pub fn reset(&mut self) -> Result<()> {
+        self.turns.clear();
+        self.session.cache.reset()?;
+        self.session.tokens.clear();
+        self.last = None;
+        Ok(())
+    }
+
+    /// Saves the conversation and its KV state.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let extra = serde_json::json!({ "system": self.system, "turns": self.turns });
+        let key = self.session.cache.persist_key()?;
+        persist::save(path, &self.session, &self.engine.digest, &key, extra)
+    }
+
+    /// Replaces the conversation and the cache by a saved one (same model and cache configuration).
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let key = self.session.cache.persist_key()?;
+        let snap = persist::load(
+            path,
+            &self.engine.digest,
+            &key,
+            self.session.cache.n_layers(),
+        )?;
+        let system: Option<String> =
+            serde_json::from_value(snap.extra["system"].clone()).unwrap_or(None);
+        let turns: Vec<(String, String)> = serde_json::from_value(snap.extra["turns"].clone())
+            .map_err(|_| anyhow::anyhow!("{} holds no conversation", path.display()))?;
+        persist::restore(&mut self.session, &snap)?;
+        self.system = system;
+        self.turns = turns;
+        self.last = None;
+        Ok(())
+    }
+}

@@ -1,0 +1,368 @@
+//! Chat that keeps its KV cache across turns, and the prompt cache that survives the process.
+
+mod common;
+
+use common::{engine, rel_diff};
+use kvchat::conversation::{Conversation, OnFull};
+use kvchat::generate::{Sampler, SamplingParams};
+use kvchat::kv::{persist, CacheSpec};
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::AtomicBool;
+
+fn conversation() -> Conversation<'static> {
+    let e = engine();
+    Conversation::new(
+        e,
+        &CacheSpec::Full {
+            max_positions: 4096,
+        },
+        e.chat_template(None).unwrap(),
+        None,
+        OnFull::Stop,
+    )
+}
+
+fn ask(c: &mut Conversation<'_>, q: &str) -> String {
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    c.ask(q, &mut sampler, 40, &AtomicBool::new(false), |_| Ok(()))
+        .unwrap();
+    c.turns.last().unwrap().1.clone()
+}
+
+fn kvchat(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
+        .args(args)
+        .env("KVCHAT_MODEL", common::model_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kvchat-chat-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn after_three_turns_the_cache_equals_one_prefill_of_the_transcript() {
+    let mut c = conversation();
+    for q in ["hi", "what did I just say?", "Name a colour."] {
+        ask(&mut c, q);
+    }
+    // The transcript as the template renders it, with a fourth question pending.
+    let ids = c.render_ids(Some("And another?"), true).unwrap();
+    let held = c.session.tokens.len();
+    assert_eq!(
+        &ids[..held],
+        c.session.tokens.as_slice(),
+        "the cache holds a prefix of the transcript"
+    );
+    let incremental: Vec<f32> = c.session.feed(&ids[held..]).unwrap().to_vec1().unwrap();
+    let mut fresh = engine().session(&CacheSpec::Full {
+        max_positions: 4096,
+    });
+    let one_prefill: Vec<f32> = fresh.feed(&ids).unwrap().to_vec1().unwrap();
+    let d = rel_diff(&incremental, &one_prefill);
+    assert!(d < 1e-4, "logits differ by {d} relative");
+}
+
+#[test]
+fn each_turn_prefills_only_its_new_tokens() {
+    let out = kvchat(
+        &["chat", "--temperature", "0", "-n", "24", "--stats"],
+        "hi\nwhat did I just say?\nName a colour.\n",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let turns: Vec<(usize, usize, usize)> = err
+        .lines()
+        .filter(|l| l.starts_with("[stats] turn"))
+        .map(|l| {
+            let num = |after: &str| -> usize {
+                l.split(after)
+                    .nth(1)
+                    .unwrap()
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            (num("reused "), num("prefilled "), num("cache "))
+        })
+        .collect();
+    assert_eq!(turns.len(), 3, "{err}");
+    assert_eq!(turns[0].0, 0);
+    for k in 1..3 {
+        // Everything the cache held after the previous turn is reused; only the new turn is prefilled.
+        assert_eq!(turns[k].0, turns[k - 1].2, "{err}");
+        assert!(
+            turns[k].1 < 30,
+            "turn {k} prefilled {} tokens: {err}",
+            turns[k].1
+        );
+    }
+}
+
+#[test]
+fn undo_then_a_new_question_answers_as_a_fresh_session_with_the_shorter_history() {
+    let mut a = conversation();
+    ask(&mut a, "What is the capital of France?");
+    ask(&mut a, "Tell me a joke.");
+    assert!(a.undo().unwrap());
+    let after_undo = ask(&mut a, "What is 2+2?");
+
+    let mut b = conversation();
+    ask(&mut b, "What is the capital of France?");
+    let fresh = ask(&mut b, "What is 2+2?");
+    assert_eq!(after_undo, fresh);
+    assert_eq!(a.session.tokens, b.session.tokens);
+}
+
+#[test]
+fn save_then_load_in_a_new_process_continues_with_identical_output() {
+    let file = temp("conv.kvc");
+    let f = file.to_str().unwrap();
+    let args = ["chat", "--temperature", "0", "-n", "30"];
+    let first = kvchat(
+        &args,
+        &format!("What is the capital of France?\n/save {f}\n"),
+    );
+    assert!(first.status.success());
+    let resumed = kvchat(&args, &format!("/load {f}\nAnd of Italy?\n"));
+    let straight = kvchat(&args, "What is the capital of France?\nAnd of Italy?\n");
+    let last_answer = |o: &Output| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .rfind(|l| !l.is_empty())
+            .unwrap()
+            .to_string()
+    };
+    assert!(
+        String::from_utf8_lossy(&resumed.stdout).contains("(loaded 1 turns"),
+        "{}",
+        String::from_utf8_lossy(&resumed.stdout)
+    );
+    assert_eq!(last_answer(&resumed), last_answer(&straight));
+}
+
+#[test]
+fn loading_a_conversation_into_another_cache_configuration_is_refused() {
+    let file = temp("conv-int8.kvc");
+    let f = file.to_str().unwrap();
+    let saved = kvchat(
+        &["chat", "--temperature", "0", "-n", "8"],
+        &format!("hi\n/save {f}\n"),
+    );
+    assert!(saved.status.success());
+    let out = kvchat(&["chat", "--kv-quant", "int8"], &format!("/load {f}\n"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("error:") && text.contains("int8"), "{text}");
+}
+
+fn run_with_cache(file: &str, question: &str) -> Output {
+    let system = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/assets/bench-text.txt"
+    ))
+    .unwrap();
+    let system: String = system.chars().take(1500).collect();
+    kvchat(
+        &[
+            "run",
+            "--temperature",
+            "0",
+            "-n",
+            "16",
+            "--stats",
+            "--prompt-cache",
+            file,
+            "--system",
+            &system,
+            question,
+        ],
+        "",
+    )
+}
+
+fn reused(o: &Output) -> usize {
+    let err = String::from_utf8_lossy(&o.stderr);
+    err.split("reused ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{err}"))
+}
+
+#[test]
+fn warm_prompt_cache_gives_the_cold_answer_and_prefills_only_the_new_part() {
+    let file = temp("sys.kvc");
+    let f = file.to_str().unwrap();
+    let cold = run_with_cache(f, "question 1: what is this text?");
+    assert!(cold.status.success());
+    assert_eq!(reused(&cold), 0);
+    let warm = run_with_cache(f, "question 1: what is this text?");
+    assert_eq!(warm.stdout, cold.stdout);
+    assert!(reused(&warm) > 300);
+    // Another question sharing the system prompt reuses the shared prefix.
+    let other = run_with_cache(f, "question 2: who wrote it?");
+    assert!(other.status.success());
+    assert!(reused(&other) > 300);
+}
+
+#[test]
+fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored() {
+    let good = temp("good.kvc");
+    let cold = run_with_cache(good.to_str().unwrap(), "question 1: what is this text?");
+    assert!(cold.status.success());
+    let bytes = std::fs::read(&good).unwrap();
+
+    let corrupt = temp("corrupt.kvc");
+    std::fs::write(&corrupt, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all").unwrap();
+    let truncated = temp("truncated.kvc");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    // Same container, another model's digest / another cache configuration.
+    let e = engine();
+    let mut s = e.session(&CacheSpec::Full {
+        max_positions: 4096,
+    });
+    s.feed(&e.raw_prompt("some prompt").unwrap()).unwrap();
+    let other_model = temp("other-model.kvc");
+    persist::save(
+        &other_model,
+        &s,
+        "0000-not-this-model",
+        "full f32",
+        serde_json::json!({}),
+    )
+    .unwrap();
+    let other_config = temp("other-config.kvc");
+    persist::save(&other_config, &s, &e.digest, "int8", serde_json::json!({})).unwrap();
+
+    for (file, why) in [
+        (&corrupt, "not a kvchat KV file"),
+        (&truncated, "truncated"),
+        (&other_model, "another model"),
+        (&other_config, "another cache configuration"),
+    ] {
+        let out = run_with_cache(file.to_str().unwrap(), "question 1: what is this text?");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(
+            err.contains("ignoring prompt cache") && err.contains(why),
+            "{why}: {err}"
+        );
+        assert!(!err.contains("panicked"));
+        assert_eq!(out.stdout, cold.stdout, "{why}: a wrong answer");
+    }
+}
+
+#[test]
+fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
+    // `script` gives kvchat a pseudo-terminal; \x03 there is the user's Ctrl-C.
+    let cmd = format!(
+        "{} chat --temperature 0 -n 400 --history {}",
+        env!("CARGO_BIN_EXE_kvchat"),
+        temp("history.txt").display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("KVCHAT_MODEL", common::model_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs kvchat in a pseudo-terminal");
+    let mut stdin = child.stdin.take().unwrap();
+    let pause = |s: u64| std::thread::sleep(std::time::Duration::from_secs(s));
+    pause(3);
+    stdin
+        .write_all(b"Tell me a very long story about dragons.\r")
+        .unwrap();
+    pause(4);
+    stdin.write_all(b"\x03").unwrap();
+    pause(1);
+    stdin.write_all(b"What is 2+2?\r").unwrap();
+    pause(5);
+    stdin.write_all(b"/exit\r").unwrap();
+    pause(1);
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let after = text
+        .split("(interrupted)")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no interruption: {text}"));
+    assert!(after.contains('4'), "the next turn did not answer: {after}");
+    assert!(out.status.success(), "{text}");
+}
+
+#[test]
+fn a_block_and_a_continued_line_are_one_turn_each() {
+    let out = kvchat(
+        &["chat", "--temperature", "0", "-n", "8", "--stats"],
+        "\"\"\"\nfirst line\nsecond line\n\"\"\"\nabc \\\ndef\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.starts_with("[stats] turn"))
+            .count(),
+        2,
+        "{err}"
+    );
+}
+
+#[test]
+fn a_full_context_stops_with_a_message_or_shifts_out_old_turns() {
+    let questions = "Tell me about the sea.\nTell me about the sky.\nTell me about the moon.\nTell me about the sun.\n";
+    let stop = kvchat(
+        &["chat", "--temperature", "0", "-n", "40", "--ctx", "160"],
+        questions,
+    );
+    let err = String::from_utf8_lossy(&stop.stderr);
+    assert!(stop.status.success());
+    assert!(err.contains("no longer fits the context of 160"), "{err}");
+
+    let shift = kvchat(
+        &[
+            "chat",
+            "--temperature",
+            "0",
+            "-n",
+            "40",
+            "--ctx",
+            "160",
+            "--on-full",
+            "shift",
+            "--stats",
+        ],
+        questions,
+    );
+    let err = String::from_utf8_lossy(&shift.stderr);
+    assert!(shift.status.success());
+    assert!(err.contains("dropped 1 old turn"), "{err}");
+    assert!(!err.contains("error:"), "{err}");
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.starts_with("[stats] turn"))
+            .count(),
+        4,
+        "{err}"
+    );
+}
