@@ -48,6 +48,27 @@ impl FullCache {
         self.capacity
     }
 
+    /// Writes already-rotated keys and values `[1, n_kv_heads, t, head_dim]` after what is held.
+    pub fn push_rotated(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(2)?;
+        let pos = self.len;
+        self.reserve(pos + t)?;
+        let (kb, vb) = self.buffers.as_ref().expect("reserved above");
+        let dev = &self.device;
+        kb.slice_set(
+            &k.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?,
+            2,
+            pos,
+        )?;
+        vb.slice_set(
+            &v.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?,
+            2,
+            pos,
+        )?;
+        self.len = pos + t;
+        Ok(())
+    }
+
     /// Makes room for `needed` positions, copying what is held into a larger buffer if needed.
     fn reserve(&mut self, needed: usize) -> Result<()> {
         if needed > self.max_positions {
@@ -80,14 +101,10 @@ impl FullCache {
 
 impl LayerCache for FullCache {
     fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>> {
-        let t = k.dim(2)?;
         let pos = self.len;
-        self.reserve(pos + t)?;
         let k = rope.apply(k, pos)?; // [1, n_kv_heads, t, head_dim]
-        let (kb, vb) = self.buffers.as_ref().expect("reserved above");
-        kb.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 2, pos)?;
-        vb.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 2, pos)?;
-        self.len = pos + t;
+        self.push_rotated(&k, v)?;
+        let (kb, vb) = self.buffers.as_ref().expect("pushed above");
         Ok(Attend {
             view: KvView::Dense {
                 k: kb.narrow(2, 0, self.len)?, // [1, n_kv_heads, len, head_dim], a view

@@ -50,28 +50,25 @@ impl LayerCache for OffloadCache {
         if self.compute.is_cpu() {
             return self.host.append(k, v, rope);
         }
-        // Store on the host; attend on the device over what was staged plus this step.
-        let t = k.dim(2)?;
+        // Rotate on the device, store on the host; attend on the device over what was staged (the
+        // positions held before this step, copied by `prefetch`) plus this step's own.
+        let q_pos = self.host.len();
         let staged = match self.staged.take() {
             Some(s) => Some(s),
-            None => self.host.state()?,
+            None => match self.host.state()? {
+                Some((hk, hv)) => {
+                    Some((hk.to_device(&self.compute)?, hv.to_device(&self.compute)?))
+                }
+                None => None,
+            },
         };
-        let q_pos = self.host.len();
-        let host_attend = self.host.append(
-            &k.to_device(&Device::Cpu)?,
-            &v.to_device(&Device::Cpu)?,
-            rope,
-        )?;
-        let (hk, hv) = match host_attend.view {
-            KvView::Dense { k, v } => (k, v),
-            KvView::Int8(_) => unreachable!("the host cache is dense"),
-        };
-        let new_k = hk.narrow(2, q_pos, t)?.to_device(&self.compute)?;
-        let new_v = hv.narrow(2, q_pos, t)?.to_device(&self.compute)?;
+        let new_k = rope.apply(k, q_pos)?;
+        let new_v = v.contiguous()?;
+        self.host.push_rotated(&new_k, &new_v)?;
         let (k_all, v_all) = match staged {
             Some((sk, sv)) => (
-                Tensor::cat(&[&sk.to_device(&self.compute)?, &new_k], 2)?,
-                Tensor::cat(&[&sv.to_device(&self.compute)?, &new_v], 2)?,
+                Tensor::cat(&[&sk, &new_k], 2)?,
+                Tensor::cat(&[&sv, &new_v], 2)?,
             ),
             None => (new_k, new_v),
         };
