@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{engine, rel_diff};
+use common::{engine, kvchat, rel_diff};
 use kvchat::conversation::{Conversation, OnFull};
 use kvchat::generate::{Sampler, SamplingParams};
 use kvchat::kv::{persist, CacheSpec};
@@ -28,24 +28,6 @@ fn ask(c: &mut Conversation<'_>, q: &str) -> String {
     c.ask(q, &mut sampler, 40, &AtomicBool::new(false), |_| Ok(()))
         .unwrap();
     c.turns.last().unwrap().1.clone()
-}
-
-fn kvchat(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
-        .args(args)
-        .env("KVCHAT_MODEL", common::model_path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
 }
 
 fn temp(name: &str) -> std::path::PathBuf {

@@ -2,26 +2,10 @@
 
 mod common;
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use common::kvchat;
 
-fn kvchat(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
-        .args(args)
-        .env("KVCHAT_MODEL", common::model_path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    if let Some(s) = stdin {
-        input.write_all(s.as_bytes()).unwrap();
-    }
-    drop(input);
-    child.wait_with_output().unwrap()
-}
+use std::path::{Path, PathBuf};
+use std::process::Output;
 
 /// Asserts a failed run: exit code 1, exactly one line on stderr, starting "error:" and containing `needle`.
 fn assert_one_line_error(out: &Output, needle: &str) {
@@ -45,7 +29,7 @@ fn p(path: &Path) -> &str {
 
 #[test]
 fn tokenize_prints_ids_as_json() {
-    let out = kvchat(&["tokenize", "Hello, world!"], None);
+    let out = kvchat(&["tokenize", "Hello, world!"], "");
     assert!(out.status.success());
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
@@ -57,7 +41,7 @@ fn tokenize_prints_ids_as_json() {
 fn raw_completion_from_stdin_says_paris() {
     let out = kvchat(
         &["run", "--raw", "--temperature", "0", "-n", "4"],
-        Some("The capital of France is\n"),
+        "The capital of France is\n",
     );
     assert!(
         out.status.success(),
@@ -80,7 +64,7 @@ fn stats_report_prefill_decode_and_kv_bytes() {
             "--stats",
             "Hi",
         ],
-        None,
+        "",
     );
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -106,14 +90,14 @@ fn stats_report_prefill_decode_and_kv_bytes() {
 
 #[test]
 fn missing_model_file_is_an_error() {
-    let out = kvchat(&["run", "-m", "/nonexistent/model.gguf", "hi"], None);
+    let out = kvchat(&["run", "-m", "/nonexistent/model.gguf", "hi"], "");
     assert_one_line_error(&out, "cannot open model file /nonexistent/model.gguf");
 }
 
 #[test]
 fn directory_as_model_is_an_error() {
     let d = temp_dir("dir");
-    let out = kvchat(&["run", "-m", p(&d), "hi"], None);
+    let out = kvchat(&["run", "-m", p(&d), "hi"], "");
     assert_one_line_error(&out, "is a directory");
 }
 
@@ -122,7 +106,7 @@ fn file_that_is_not_gguf_is_an_error() {
     let d = temp_dir("notgguf");
     let f = d.join("model.gguf");
     std::fs::write(&f, b"this is not a model, just text\n").unwrap();
-    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    let out = kvchat(&["run", "-m", p(&f), "hi"], "");
     assert_one_line_error(&out, "is not a readable GGUF file");
 }
 
@@ -132,7 +116,7 @@ fn truncated_gguf_is_an_error() {
     let f = d.join("truncated.gguf");
     let bytes = std::fs::read(common::model_path()).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
-    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    let out = kvchat(&["run", "-m", p(&f), "hi"], "");
     assert_one_line_error(&out, "truncated or corrupt");
 }
 
@@ -156,23 +140,20 @@ fn gguf_of_unsupported_architecture_is_an_error() {
     )
     .unwrap();
     drop(w);
-    let out = kvchat(&["run", "-m", p(&f), "hi"], None);
+    let out = kvchat(&["run", "-m", p(&f), "hi"], "");
     assert_one_line_error(&out, "unsupported model architecture 'gpt2'");
 }
 
 #[test]
 fn empty_prompt_is_an_error() {
-    assert_one_line_error(&kvchat(&["run", ""], None), "the prompt is empty");
-    assert_one_line_error(
-        &kvchat(&["run", "--raw"], Some("\n")),
-        "the prompt is empty",
-    );
+    assert_one_line_error(&kvchat(&["run", ""], ""), "the prompt is empty");
+    assert_one_line_error(&kvchat(&["run", "--raw"], "\n"), "the prompt is empty");
 }
 
 #[test]
 fn zero_max_tokens_is_an_error() {
     assert_one_line_error(
-        &kvchat(&["run", "-n", "0", "hi"], None),
+        &kvchat(&["run", "-n", "0", "hi"], ""),
         "--max-tokens must be at least 1",
     );
 }
@@ -180,7 +161,7 @@ fn zero_max_tokens_is_an_error() {
 #[test]
 fn prompt_longer_than_ctx_is_an_error() {
     let prompt = "word ".repeat(100);
-    let out = kvchat(&["run", "--raw", "--ctx", "32", &prompt], None);
+    let out = kvchat(&["run", "--raw", "--ctx", "32", &prompt], "");
     assert_one_line_error(&out, "does not fit the context of 32");
 }
 
@@ -189,13 +170,13 @@ fn cuda_without_the_feature_is_an_error() {
     if cfg!(feature = "cuda") {
         return;
     }
-    let out = kvchat(&["run", "--device", "cuda", "hi"], None);
+    let out = kvchat(&["run", "--device", "cuda", "hi"], "");
     assert_one_line_error(&out, "built without CUDA");
 }
 
 #[test]
 fn bad_sampling_value_is_an_error() {
-    let out = kvchat(&["run", "--top-p", "1.5", "hi"], None);
+    let out = kvchat(&["run", "--top-p", "1.5", "hi"], "");
     assert_one_line_error(&out, "--top-p must be between 0 and 1");
 }
 
@@ -208,14 +189,14 @@ fn chat_template_that_fails_to_render_is_an_error() {
             "{{ raise_exception('no system role') }}",
             "hi",
         ],
-        None,
+        "",
     );
     assert_one_line_error(&out, "chat template failed to render");
 }
 
 #[test]
 fn chat_template_that_does_not_parse_is_an_error() {
-    let out = kvchat(&["run", "--chat-template", "{% for m in %}", "hi"], None);
+    let out = kvchat(&["run", "--chat-template", "{% for m in %}", "hi"], "");
     assert_one_line_error(&out, "chat template does not parse");
 }
 
@@ -230,10 +211,10 @@ fn no_cache_run_prints_the_same_answer_as_the_cached_run() {
         "--ignore-eos",
         "Tell me about caches",
     ];
-    let cached = kvchat(&args, None);
+    let cached = kvchat(&args, "");
     let mut with_flag = args.to_vec();
     with_flag.push("--no-cache");
-    let recomputed = kvchat(&with_flag, None);
+    let recomputed = kvchat(&with_flag, "");
     assert!(cached.status.success() && recomputed.status.success());
     assert_eq!(cached.stdout, recomputed.stdout);
     assert!(!cached.stdout.is_empty());

@@ -2,39 +2,10 @@
 
 mod common;
 
-use common::{engine, rel_diff};
+use common::{chat_ids, engine, full, greedy, rel_diff};
 use kvchat::generate::{Sampler, SamplingParams};
 use kvchat::kv::CacheSpec;
 use kvchat::model::Logits;
-use kvchat::template::Message;
-
-fn chat_ids(question: &str) -> Vec<u32> {
-    let e = engine();
-    let t = e.chat_template(None).unwrap();
-    e.chat_prompt(&t, &[Message::new("user", question)])
-        .unwrap()
-}
-
-/// Greedy tokens and the logits of the last step, with the given cache strategy.
-fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let e = engine();
-    let mut s = e.session(spec);
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    let mut logits = s.feed(prompt).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = sampler.sample(&logits, &s.tokens).unwrap();
-        out.push(next);
-        logits = s.feed(&[next]).unwrap();
-    }
-    (out, logits.to_vec1().unwrap())
-}
-
-fn full() -> CacheSpec {
-    CacheSpec::Full {
-        max_positions: 4096,
-    }
-}
 
 #[test]
 fn greedy_output_with_full_cache_equals_no_cache_for_64_tokens_on_two_prompts() {

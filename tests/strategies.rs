@@ -3,41 +3,12 @@
 
 mod common;
 
-use common::{engine, rel_diff};
+use common::{chat_ids, engine, full, greedy, rel_diff};
 use kvchat::cli::CacheArgs;
 use kvchat::commands::ppl::perplexity;
-use kvchat::generate::{Sampler, SamplingParams};
 use kvchat::kv::CacheSpec;
-use kvchat::template::Message;
 
 const F32_PER_TOKEN: usize = 46_080; // 2 × 30 layers × 3 KV heads × 64 × 4 bytes
-
-fn chat_ids(q: &str) -> Vec<u32> {
-    let e = engine();
-    let t = e.chat_template(None).unwrap();
-    e.chat_prompt(&t, &[Message::new("user", q)]).unwrap()
-}
-
-/// Greedy tokens and last logits with the given strategy.
-fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let e = engine();
-    let mut s = e.session(spec);
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    let mut logits = s.feed(prompt).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = sampler.sample(&logits, &s.tokens).unwrap();
-        out.push(next);
-        logits = s.feed(&[next]).unwrap();
-    }
-    (out, logits.to_vec1().unwrap())
-}
-
-fn full() -> CacheSpec {
-    CacheSpec::Full {
-        max_positions: 4096,
-    }
-}
 
 #[test]
 fn offload_on_cpu_gives_bit_identical_output_to_full() {

@@ -5,7 +5,12 @@ pub mod tiny;
 
 use kvchat::cli::ModelArgs;
 use kvchat::engine::Engine;
+use kvchat::generate::{Sampler, SamplingParams};
+use kvchat::kv::CacheSpec;
+use kvchat::template::Message;
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
 /// The real model file: $KVCHAT_MODEL, or where scripts/fetch-models.sh puts it.
@@ -43,4 +48,53 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     diff / scale
+}
+
+/// The full cache at the tests' context size.
+pub fn full() -> CacheSpec {
+    CacheSpec::Full {
+        max_positions: 4096,
+    }
+}
+
+/// The chat prompt for one user question, with the model's template.
+pub fn chat_ids(question: &str) -> Vec<u32> {
+    let e = engine();
+    let t = e.chat_template(None).unwrap();
+    e.chat_prompt(&t, &[Message::new("user", question)])
+        .unwrap()
+}
+
+/// Greedy tokens and the logits of the last step, with the given cache strategy.
+pub fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    let e = engine();
+    let mut s = e.session(spec);
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut logits = s.feed(prompt).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = sampler.sample(&logits, &s.tokens).unwrap();
+        out.push(next);
+        logits = s.feed(&[next]).unwrap();
+    }
+    (out, logits.to_vec1().unwrap())
+}
+
+/// Runs the kvchat binary on the test model with `stdin` as its input.
+pub fn kvchat(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
+        .args(args)
+        .env("KVCHAT_MODEL", model_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
 }
