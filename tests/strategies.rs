@@ -82,11 +82,7 @@ fn int8_holds_at_most_0_27_of_f32_and_0_53_of_f16_per_token() {
         residual: 32,
     };
     let mut s = e.session(&spec);
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/assets/bench-text.txt"
-    ))
-    .unwrap();
+    let text = kvchat::commands::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
     // Two lengths 5 key groups apart, with the same f32 tail: the bytes between are all INT8.
     s.feed(&ids[..300]).unwrap();
@@ -116,11 +112,7 @@ fn int8_holds_at_most_0_27_of_f32_and_0_53_of_f16_per_token() {
 #[test]
 fn int8_next_token_logits_stay_close_to_full() {
     let e = engine();
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/assets/bench-text.txt"
-    ))
-    .unwrap();
+    let text = kvchat::commands::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
     let prompt = &ids[..700];
     let last = |spec: &CacheSpec| -> Vec<f32> {
@@ -145,11 +137,7 @@ fn int8_next_token_logits_stay_close_to_full() {
 #[test]
 fn perplexity_of_each_strategy_is_reported_and_int8_costs_little() {
     let e = engine();
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/assets/bench-text.txt"
-    ))
-    .unwrap();
+    let text = kvchat::commands::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
     let ppl = |args: CacheArgs| perplexity(e, &args, &ids, 512, 1, false).unwrap();
     let full = ppl(CacheArgs::default());

@@ -92,6 +92,17 @@ fn strides3(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
     Ok((s[0], s[1]))
 }
 
+/// Query rows per work item of the attention kernels.
+const TILE: usize = 8;
+
+/// The output `[nkv, g*t, hd]` cut into work items: up to TILE rows of one KV head each, in order
+/// (item i is head i / tiles_per_head, tile i % tiles_per_head).
+fn head_tiles(out: &mut [f32], gt: usize, hd: usize) -> Vec<&mut [f32]> {
+    out.chunks_mut(gt * hd)
+        .flat_map(|head| head.chunks_mut(TILE * hd))
+        .collect()
+}
+
 /// Replaces each score by exp(score − max) and returns their sum (in a fixed order).
 #[inline(always)]
 fn softmax_numerators(row: &mut [f32]) -> f32 {
@@ -180,51 +191,49 @@ impl CustomOp3 for CausalAttention {
         // Work items: a tile of up to TILE query rows of one KV head. The tile walks K once and V once,
         // so the g query heads sharing a KV head read it together; every row is still computed alone
         // (its own dot products, softmax and sum, in key order), so tiling never changes the bits.
-        const TILE: usize = 8;
         let tiles_per_head = gt.div_ceil(TILE);
         let mut out = vec![0f32; nkv * gt * hd];
-        let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(nkv * tiles_per_head);
-        for head in out.chunks_mut(gt * hd) {
-            chunks.extend(head.chunks_mut(TILE * hd));
-        }
-        chunks.into_par_iter().enumerate().for_each_init(
-            || vec![0f32; TILE * kv_len],
-            |scores: &mut Vec<f32>, (item, o)| {
-                let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
-                let r0 = tile * TILE;
-                let rows = o.len() / hd;
-                let visible = |r: usize| offset + (r0 + r) % t + 1; // keys 0..visible(r) are in row r's past
-                let most = (0..rows).map(visible).max().unwrap_or(0);
-                let q_row = |r: usize| &q[(h * gt + r0 + r) * hd..][..hd];
-                // Scores, one pass over K.
-                for j in 0..most {
-                    let kj = &k[h * k_hs + j * k_ps..][..hd];
-                    for r in 0..rows {
-                        if j < visible(r) {
-                            scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
-                        }
-                    }
-                }
-                // Softmax of each row over its visible keys.
-                let mut inv = [0f32; TILE];
-                for r in 0..rows {
-                    let row = &mut scores[r * kv_len..r * kv_len + visible(r)];
-                    inv[r] = 1.0 / softmax_numerators(row);
-                }
-                // Weighted sum of V, one pass over V.
-                for j in 0..most {
-                    let vj = &v[h * v_hs + j * v_ps..][..hd];
-                    for r in 0..rows {
-                        if j < visible(r) {
-                            let p = scores[r * kv_len + j] * inv[r];
-                            for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                                *oe += p * ve;
+        head_tiles(&mut out, gt, hd)
+            .into_par_iter()
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; TILE * kv_len],
+                |scores: &mut Vec<f32>, (item, o)| {
+                    let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
+                    let r0 = tile * TILE;
+                    let rows = o.len() / hd;
+                    let visible = |r: usize| offset + (r0 + r) % t + 1; // keys 0..visible(r) are in row r's past
+                    let most = (0..rows).map(visible).max().unwrap_or(0);
+                    let q_row = |r: usize| &q[(h * gt + r0 + r) * hd..][..hd];
+                    // Scores, one pass over K.
+                    for j in 0..most {
+                        let kj = &k[h * k_hs + j * k_ps..][..hd];
+                        for r in 0..rows {
+                            if j < visible(r) {
+                                scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
                             }
                         }
                     }
-                }
-            },
-        );
+                    // Softmax of each row over its visible keys.
+                    let mut inv = [0f32; TILE];
+                    for r in 0..rows {
+                        let row = &mut scores[r * kv_len..r * kv_len + visible(r)];
+                        inv[r] = 1.0 / softmax_numerators(row);
+                    }
+                    // Weighted sum of V, one pass over V.
+                    for j in 0..most {
+                        let vj = &v[h * v_hs + j * v_ps..][..hd];
+                        for r in 0..rows {
+                            if j < visible(r) {
+                                let p = scores[r * kv_len + j] * inv[r];
+                                for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                                    *oe += p * ve;
+                                }
+                            }
+                        }
+                    }
+                },
+            );
         Ok((CpuStorage::F32(out), Shape::from((nkv, gt, hd))))
     }
 }
@@ -233,7 +242,6 @@ impl CustomOp3 for CausalAttention {
 /// `Σ_c (q_c · s_bc) · kq_jc` (the group's channel scales folded into the query once), and the output is
 /// `Σ_j p_j · s_j · vq_j` (the token's scale folded into its weight). The f32 tail follows.
 pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Result<Tensor> {
-    const TILE: usize = 8;
     let (nkv, gt, hd) = q.dims3()?;
     anyhow::ensure!(
         view.heads.len() == nkv && view.head_dim == hd,
@@ -246,67 +254,67 @@ pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Res
     // Work items as in the dense kernel: up to TILE query rows of one KV head, one pass over its cache.
     let tiles_per_head = gt.div_ceil(TILE);
     let mut out = vec![0f32; nkv * gt * hd];
-    let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(nkv * tiles_per_head);
-    for head in out.chunks_mut(gt * hd) {
-        chunks.extend(head.chunks_mut(TILE * hd));
-    }
-    chunks.into_par_iter().enumerate().for_each_init(
-        || (vec![0f32; TILE * kv_len], vec![0f32; TILE * hd]),
-        |(scores, qs), (item, o)| {
-            let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
-            let head = &view.heads[h];
-            let r0 = tile * TILE;
-            let rows = o.len() / hd;
-            let visible = |r: usize| offset + (r0 + r) % t + 1;
-            let most = (0..rows).map(visible).max().unwrap_or(0);
-            let q_row = |r: usize| &q_all[(h * gt + r0 + r) * hd..][..hd];
-            // Scores over the INT8 groups: the group's channel scales folded into each query once.
-            for g in 0..nq / GROUP {
-                let ks = &head.k_scale[g * hd..(g + 1) * hd];
-                for r in 0..rows {
-                    for ((x, a), b) in qs[r * hd..(r + 1) * hd].iter_mut().zip(q_row(r)).zip(ks) {
-                        *x = a * b * scale;
-                    }
-                }
-                for j in g * GROUP..(g + 1) * GROUP {
-                    let kj = &head.kq[j * hd..(j + 1) * hd];
+    head_tiles(&mut out, gt, hd)
+        .into_par_iter()
+        .enumerate()
+        .for_each_init(
+            || (vec![0f32; TILE * kv_len], vec![0f32; TILE * hd]),
+            |(scores, qs), (item, o)| {
+                let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
+                let head = &view.heads[h];
+                let r0 = tile * TILE;
+                let rows = o.len() / hd;
+                let visible = |r: usize| offset + (r0 + r) % t + 1;
+                let most = (0..rows).map(visible).max().unwrap_or(0);
+                let q_row = |r: usize| &q_all[(h * gt + r0 + r) * hd..][..hd];
+                // Scores over the INT8 groups: the group's channel scales folded into each query once.
+                for g in 0..nq / GROUP {
+                    let ks = &head.k_scale[g * hd..(g + 1) * hd];
                     for r in 0..rows {
-                        scores[r * kv_len + j] = dot_i8(&qs[r * hd..(r + 1) * hd], kj);
+                        for ((x, a), b) in qs[r * hd..(r + 1) * hd].iter_mut().zip(q_row(r)).zip(ks)
+                        {
+                            *x = a * b * scale;
+                        }
+                    }
+                    for j in g * GROUP..(g + 1) * GROUP {
+                        let kj = &head.kq[j * hd..(j + 1) * hd];
+                        for r in 0..rows {
+                            scores[r * kv_len + j] = dot_i8(&qs[r * hd..(r + 1) * hd], kj);
+                        }
                     }
                 }
-            }
-            // Then over the f32 tail, which ends with the step's own positions (causal).
-            for j in nq..most {
-                let kj = &head.tail_k[(j - nq) * hd..][..hd];
-                for r in (0..rows).filter(|&r| j < visible(r)) {
-                    scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
-                }
-            }
-            let mut inv = [0f32; TILE];
-            for (r, w) in inv.iter_mut().enumerate().take(rows) {
-                *w = 1.0 / softmax_numerators(&mut scores[r * kv_len..r * kv_len + visible(r)]);
-            }
-            // Weighted sum: the token's scale folded into its weight.
-            for j in 0..nq {
-                let vj = &head.vq[j * hd..(j + 1) * hd];
-                for r in 0..rows {
-                    let w = scores[r * kv_len + j] * inv[r] * head.v_scale[j];
-                    for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                        *oe += w * *ve as f32;
+                // Then over the f32 tail, which ends with the step's own positions (causal).
+                for j in nq..most {
+                    let kj = &head.tail_k[(j - nq) * hd..][..hd];
+                    for r in (0..rows).filter(|&r| j < visible(r)) {
+                        scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
                     }
                 }
-            }
-            for j in nq..most {
-                let vj = &head.tail_v[(j - nq) * hd..][..hd];
-                for r in (0..rows).filter(|&r| j < visible(r)) {
-                    let w = scores[r * kv_len + j] * inv[r];
-                    for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                        *oe += w * ve;
+                let mut inv = [0f32; TILE];
+                for (r, w) in inv.iter_mut().enumerate().take(rows) {
+                    *w = 1.0 / softmax_numerators(&mut scores[r * kv_len..r * kv_len + visible(r)]);
+                }
+                // Weighted sum: the token's scale folded into its weight.
+                for j in 0..nq {
+                    let vj = &head.vq[j * hd..(j + 1) * hd];
+                    for r in 0..rows {
+                        let w = scores[r * kv_len + j] * inv[r] * head.v_scale[j];
+                        for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                            *oe += w * *ve as f32;
+                        }
                     }
                 }
-            }
-        },
-    );
+                for j in nq..most {
+                    let vj = &head.tail_v[(j - nq) * hd..][..hd];
+                    for r in (0..rows).filter(|&r| j < visible(r)) {
+                        let w = scores[r * kv_len + j] * inv[r];
+                        for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
+                            *oe += w * ve;
+                        }
+                    }
+                }
+            },
+        );
     Ok(Tensor::from_vec(out, (nkv, gt, hd), q.device())?)
 }
 
