@@ -252,15 +252,17 @@ fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and
 
 #[test]
 fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
-    // `script` gives kvchat a pseudo-terminal; \x03 there is the user's Ctrl-C.
+    // `script` gives kvchat a pseudo-terminal; \x03 there is the user's Ctrl-C. `exec`: no shell
+    // stays between script and kvchat to be killed by that SIGINT (dash would die of it).
     let cmd = format!(
-        "{} chat --temperature 0 -n 400 --history {}",
+        "exec {} chat --temperature 0 -n 400 --history {}",
         env!("CARGO_BIN_EXE_kvchat"),
         temp("history.txt").display()
     );
     let mut child = Command::new("script")
         .args(["-qfec", &cmd, "/dev/null"])
         .env("KVCHAT_MODEL", common::model_path())
+        .env("SHELL", "/bin/sh")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -287,7 +289,7 @@ fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
         .nth(1)
         .unwrap_or_else(|| panic!("no interruption: {text}"));
     assert!(after.contains('4'), "the next turn did not answer: {after}");
-    assert!(out.status.success(), "{text}");
+    assert!(out.status.success(), "{}: {text}", out.status);
 }
 
 #[test]
