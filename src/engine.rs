@@ -1,10 +1,12 @@
 //! A loaded model, ready to run: decoder, tokenizer, chat template, stop tokens and device.
 
-use crate::cli::{default_model_path, ModelArgs};
+use crate::cli::ModelArgs;
 use crate::generate::Session;
 use crate::kv::CacheSpec;
 use crate::model::gguf::GgufFile;
+use crate::model::safetensors::HfCheckpoint;
 use crate::model::Llama;
+use crate::source::Location;
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -23,6 +25,8 @@ pub struct Engine {
     pub device: Device,
     /// Identifies the model for saved KV state: sha256 of its GGUF metadata and tensor layout.
     pub digest: String,
+    /// How the weights are stored: "quantized" (GGUF) or the dense dtype (safetensors).
+    pub weights: String,
 }
 
 /// sha256 over a GGUF's metadata and tensor layout (names, types, shapes, offsets): cheap, and two
@@ -101,29 +105,37 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 }
 
 impl Engine {
+    /// Finds the model `--model` names (fetching it if needed), and loads it on `--device`.
     pub fn load(args: &ModelArgs) -> Result<Self> {
         set_threads(args.threads)?;
         let device = select_device(&args.device)?;
-        let path = match &args.model {
-            Some(p) => p.clone(),
-            None => {
-                let p = default_model_path();
-                if !p.exists() {
+        let location = crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())?;
+        match location {
+            Location::Gguf(path) => {
+                if args.dtype.as_deref().is_some_and(|d| d != "f32") {
                     bail!(
-                        "the default model is not at {}: run scripts/fetch-models.sh, or pass --model FILE.gguf",
-                        p.display()
+                        "--dtype applies to safetensors weights; {} is GGUF and keeps its quantized types",
+                        path.display()
                     );
                 }
-                p
+                Self::load_gguf(path, args, device)
             }
-        };
+            Location::Safetensors(files) => Self::load_hf(files, args, device),
+        }
+    }
+
+    fn ctx_for(args: &ModelArgs, trained: usize) -> Result<usize> {
+        match args.ctx {
+            Some(0) => bail!("--ctx must be at least 1"),
+            Some(c) => Ok(c),
+            None => Ok(trained),
+        }
+    }
+
+    fn load_gguf(path: PathBuf, args: &ModelArgs, device: Device) -> Result<Self> {
         let mut gguf = GgufFile::open(&path)?;
         let cfg = gguf.config()?;
-        let ctx = match args.ctx {
-            Some(0) => bail!("--ctx must be at least 1"),
-            Some(c) => c,
-            None => cfg.ctx_train,
-        };
+        let ctx = Self::ctx_for(args, cfg.ctx_train)?;
         let model = gguf.load_llama_with(cfg, &device, ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
@@ -131,14 +143,67 @@ impl Engine {
             Some(tj) => Tokenizer::from_file(tj, gguf_tokenizer.as_ref().ok())?,
             None => gguf_tokenizer?,
         };
-        let template = match gguf
+        let template_src = gguf
             .content
             .metadata
             .get("tokenizer.chat_template")
             .and_then(|v| v.to_string().ok())
-        {
+            .cloned();
+        let digest = gguf_digest(&gguf.content);
+        Self::finish(
+            path,
+            model,
+            tokenizer,
+            template_src,
+            ctx,
+            device,
+            digest,
+            "quantized",
+        )
+    }
+
+    fn load_hf(files: crate::source::HfFiles, args: &ModelArgs, device: Device) -> Result<Self> {
+        let dtype = crate::model::safetensors::parse_dtype(args.dtype.as_deref().unwrap_or("f32"))?;
+        let ckpt = HfCheckpoint::open(&files)?;
+        let ctx = Self::ctx_for(args, ckpt.cfg.ctx_train)?;
+        let model = ckpt.load_llama(&device, dtype, ctx)?;
+        let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
+            (Some(tj), _) | (None, Some(tj)) => {
+                Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?
+            }
+            (None, None) => bail!(
+                "{} has no tokenizer.json: pass --tokenizer tokenizer.json",
+                files.label
+            ),
+        };
+        let digest = ckpt.digest(dtype);
+        let weights = format!("{dtype:?}").to_lowercase();
+        Self::finish(
+            PathBuf::from(&files.label),
+            model,
+            tokenizer,
+            template_src,
+            ctx,
+            device,
+            digest,
+            &weights,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        path: PathBuf,
+        model: Llama,
+        tokenizer: Tokenizer,
+        template_src: Option<String>,
+        ctx: usize,
+        device: Device,
+        digest: String,
+        weights: &str,
+    ) -> Result<Self> {
+        let template = match template_src {
             Some(src) => Some(
-                ChatTemplate::new(src, &tokenizer.bos_text(), &tokenizer.eos_text())
+                ChatTemplate::new(&src, &tokenizer.bos_text(), &tokenizer.eos_text())
                     .with_context(|| format!("chat template of {}", path.display()))?,
             ),
             None => None,
@@ -154,7 +219,7 @@ impl Engine {
             }
         }
         Ok(Self {
-            digest: gguf_digest(&gguf.content),
+            digest,
             path,
             model,
             tokenizer,
@@ -162,6 +227,7 @@ impl Engine {
             stop_ids,
             ctx,
             device,
+            weights: weights.to_string(),
         })
     }
 

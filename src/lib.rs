@@ -10,6 +10,7 @@ pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod plot;
+pub mod source;
 pub mod template;
 pub mod tokenizer;
 

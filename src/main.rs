@@ -13,6 +13,7 @@ fn main() {
         Command::Ppl(args) => commands::ppl::run(args),
         Command::KvSize(args) => commands::kv_size::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Models(args) => commands::models::run(args),
     };
     if let Err(e) = result {
         // One line: the context chain joined ("cannot open model file x: No such file"), each part

@@ -221,6 +221,47 @@ impl Tokenizer {
         })
     }
 
+    /// An HF-layout tokenizer: tokenizer.json, with BOS/EOS and `add_bos_token` from
+    /// tokenizer_config.json when given (token text, or `{"content": …}` objects). Returns the
+    /// tokenizer and the config's `chat_template`, if any.
+    pub fn from_hf(tokenizer_json: &Path, config: Option<&Path>) -> Result<(Self, Option<String>)> {
+        let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
+            .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", tokenizer_json.display()))?;
+        let json: serde_json::Value = match config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read {}", p.display()))?;
+                serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not valid JSON", p.display()))?
+            }
+            None => serde_json::Value::Null,
+        };
+        let token = |key: &str| -> Option<u32> {
+            let v = json.get(key)?;
+            let text = v.as_str().or_else(|| v.get("content")?.as_str())?;
+            inner.token_to_id(text)
+        };
+        let template = match json.get("chat_template") {
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            // A list of named templates: the one named "default".
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => None,
+        };
+        let tk = Self {
+            bos_id: token("bos_token"),
+            eos_id: token("eos_token"),
+            add_bos: json
+                .get("add_bos_token")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            inner,
+        };
+        Ok((tk, template))
+    }
+
     /// Text to ids. Special-token text (`<|im_start|>`) becomes its one id.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self

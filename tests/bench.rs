@@ -12,6 +12,7 @@ use kvchat::kv::size::{KvDims, Storage};
 fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
     KvSizeArgs {
         model: None,
+        models_file: None,
         layers: Some(layers),
         kv_heads: Some(kv_heads),
         head_dim: Some(head_dim),
@@ -77,11 +78,8 @@ fn int8_costs_at_most_0_27_of_f32_per_token_in_the_formula() {
 fn tiny_engine(name: &str) -> Engine {
     let path = common::tiny::write_tiny_with_tokenizer(name);
     Engine::load(&ModelArgs {
-        model: Some(path),
-        tokenizer: None,
-        device: "cpu".into(),
-        threads: None,
         ctx: Some(512),
+        ..ModelArgs::for_path(path)
     })
     .unwrap()
 }

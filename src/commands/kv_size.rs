@@ -2,18 +2,20 @@
 //! bytes per token, per context and per N concurrent users, for each storage mode and for a window,
 //! and what grouped-query attention saves over full multi-head attention.
 
-use crate::cli::default_model_path;
 use crate::kv::size::{KvDims, Storage};
-use crate::model::gguf::GgufFile;
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct KvSizeArgs {
-    /// GGUF model to read the dimensions from [default: the default model, unless dimensions are given]
+    /// Model to read the dimensions from, as for `run -m` [default: the default model, unless
+    /// dimensions are given]
     #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
     /// Decoder layers
     #[arg(long, requires_all = ["kv_heads", "head_dim"])]
     pub layers: Option<usize>,
@@ -107,8 +109,10 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
             None,
         ),
         _ => {
-            let path = args.model.clone().unwrap_or_else(default_model_path);
-            let cfg = GgufFile::open(&path)?.config()?;
+            let cfg = crate::source::config_of(&crate::source::resolve(
+                args.model.as_deref(),
+                args.models_file.as_deref(),
+            )?)?;
             (
                 KvDims {
                     layers: cfg.n_layer,

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod chat;
 pub mod kv_size;
+pub mod models;
 pub mod ppl;
 pub mod run;
 pub mod tokenize;

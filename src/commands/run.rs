@@ -167,12 +167,13 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, dtype f32, {threads} threads",
+        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations and KV f32, {threads} threads",
         cache.spec().describe(),
         cache.len(),
         cache.seen(),
         cache.bytes_used(),
         cache.bytes(),
         engine.device.location(),
+        engine.weights,
     );
 }

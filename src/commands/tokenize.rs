@@ -1,7 +1,7 @@
 //! `kvchat tokenize TEXT`: the ids the model sees, as a JSON array.
 
-use crate::cli::default_model_path;
 use crate::model::gguf::GgufFile;
+use crate::source::Location;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -11,9 +11,12 @@ use std::path::PathBuf;
 pub struct TokenizeArgs {
     /// Text to tokenize (special-token text such as <|im_start|> becomes its one id)
     pub text: String,
-    /// GGUF model whose tokenizer to use [default: the default model]
+    /// Model whose tokenizer to use, as for `run -m` [default: the default model]
     #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
     /// tokenizer.json to use instead of the GGUF's metadata
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -22,17 +25,28 @@ pub struct TokenizeArgs {
 pub fn run(args: TokenizeArgs) -> Result<()> {
     let tokenizer = match (&args.tokenizer, &args.model) {
         (Some(tj), None) => Tokenizer::from_file(tj, None)?,
-        _ => {
-            let path = args.model.clone().unwrap_or_else(default_model_path);
-            // Only the metadata is read: no weights are loaded to tokenize.
-            let gguf = GgufFile::open(&path)?;
-            let tk = Tokenizer::from_gguf(&gguf.content)
-                .with_context(|| format!("tokenizer of {}", path.display()))?;
-            match &args.tokenizer {
-                Some(tj) => Tokenizer::from_file(tj, Some(&tk))?,
-                None => tk,
+        _ => match crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())? {
+            Location::Gguf(path) => {
+                // Only the metadata is read: no weights are loaded to tokenize.
+                let gguf = GgufFile::open(&path)?;
+                let tk = Tokenizer::from_gguf(&gguf.content)
+                    .with_context(|| format!("tokenizer of {}", path.display()))?;
+                match &args.tokenizer {
+                    Some(tj) => Tokenizer::from_file(tj, Some(&tk))?,
+                    None => tk,
+                }
             }
-        }
+            Location::Safetensors(files) => {
+                let tj = args
+                    .tokenizer
+                    .as_ref()
+                    .or(files.tokenizer.as_ref())
+                    .with_context(|| {
+                        format!("{} has no tokenizer.json: pass --tokenizer", files.label)
+                    })?;
+                Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?.0
+            }
+        },
     };
     let ids = tokenizer.encode(&args.text)?;
     println!("{}", serde_json::to_string(&ids)?);

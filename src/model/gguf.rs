@@ -1,7 +1,7 @@
 //! GGUF files: metadata and quantized weights, read once; matrices stay quantized (candle's QMatMul).
 
 use super::config::Config;
-use super::llama::{expect_dims, Embedding, Layer, Linear, Llama};
+use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -79,7 +79,7 @@ impl GgufFile {
             None
         };
         Ok(Linear {
-            w: QMatMul::from_qtensor(w)?,
+            w: Weight::Quantized(QMatMul::from_qtensor(w)?),
             b,
         })
     }
@@ -128,7 +128,7 @@ impl GgufFile {
             self.linear("output", false, [cfg.vocab, h], device)?
         } else {
             Linear {
-                w: QMatMul::from_arc(embed.clone())?,
+                w: Weight::Quantized(QMatMul::from_arc(embed.clone())?),
                 b: None,
             }
         };

@@ -11,15 +11,31 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::Arc;
 
-/// A weight matrix (quantized or dense) with an optional bias (qwen2's q/k/v).
+/// A weight matrix `[out, in]`: quantized (GGUF) or dense in its storage dtype (safetensors f32,
+/// f16 or bf16). Activations stay f32; a dense matrix of another dtype gets its input cast to it.
+pub enum Weight {
+    Quantized(QMatMul),
+    Dense(Tensor),
+}
+
+/// A weight matrix with an optional bias (qwen2's q/k/v).
 pub struct Linear {
-    pub w: QMatMul,
+    pub w: Weight,
     pub b: Option<Tensor>,
 }
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.w.forward(x)?;
+        let y = match &self.w {
+            Weight::Quantized(w) => w.forward(x)?,
+            Weight::Dense(w) => {
+                let dtype = x.dtype();
+                // [.., in] x [in, out] -> [.., out]
+                x.to_dtype(w.dtype())?
+                    .broadcast_matmul(&w.t()?)?
+                    .to_dtype(dtype)?
+            }
+        };
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -103,7 +119,7 @@ impl Llama {
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = match &self.embed {
             Embedding::Quantized(q) => q.embedding(&ids)?,
-            Embedding::Dense(e) => e.embedding(&ids)?,
+            Embedding::Dense(e) => e.embedding(&ids)?.to_dtype(candle_core::DType::F32)?,
         }
         .unsqueeze(0)?; // [1, t, hidden]
         cache.layer(0).prefetch()?;

@@ -5,6 +5,7 @@ pub mod config;
 pub mod gguf;
 pub mod llama;
 pub mod rope;
+pub mod safetensors;
 
 pub use config::Config;
 pub use llama::{Llama, Logits};

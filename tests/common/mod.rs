@@ -28,11 +28,8 @@ pub fn model_path() -> PathBuf {
 
 pub fn model_args() -> ModelArgs {
     ModelArgs {
-        model: Some(model_path()),
-        tokenizer: None,
-        device: "cpu".into(),
-        threads: None,
         ctx: Some(4096),
+        ..ModelArgs::for_path(model_path())
     }
 }
 
