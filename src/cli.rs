@@ -55,8 +55,8 @@ pub struct ModelArgs {
     /// Device: cpu, cuda[:N], metal or auto (the best one built in)
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Storage dtype of dense (safetensors) weights: f32, f16 or bf16; activations and the KV
-    /// cache stay f32 [default: f32]. GGUF weights stay in their quantized types.
+    /// Weight storage: f32, f16 or bf16 for safetensors [default: f32]; for GGUF, dequantize every
+    /// matrix to this dtype at load [default: keep them quantized]. Activations and KV stay f32.
     #[arg(long, value_parser = ["f32", "f16", "bf16"])]
     pub dtype: Option<String>,
     /// CPU threads [default: all cores]

@@ -111,15 +111,7 @@ impl Engine {
         let device = select_device(&args.device)?;
         let location = crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())?;
         match location {
-            Location::Gguf(path) => {
-                if args.dtype.as_deref().is_some_and(|d| d != "f32") {
-                    bail!(
-                        "--dtype applies to safetensors weights; {} is GGUF and keeps its quantized types",
-                        path.display()
-                    );
-                }
-                Self::load_gguf(path, args, device)
-            }
+            Location::Gguf(path) => Self::load_gguf(path, args, device),
             Location::Safetensors(files) => Self::load_hf(files, args, device),
         }
     }
@@ -134,6 +126,11 @@ impl Engine {
 
     fn load_gguf(path: PathBuf, args: &ModelArgs, device: Device) -> Result<Self> {
         let mut gguf = GgufFile::open(&path)?;
+        gguf.dense = args
+            .dtype
+            .as_deref()
+            .map(crate::model::safetensors::parse_dtype)
+            .transpose()?;
         let cfg = gguf.config()?;
         let ctx = Self::ctx_for(args, cfg.ctx_train)?;
         let model = gguf.load_llama_with(cfg, &device, ctx)?;

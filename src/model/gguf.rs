@@ -16,6 +16,8 @@ pub struct GgufFile {
     pub path: PathBuf,
     pub content: gguf_file::Content,
     reader: BufReader<File>,
+    /// Dequantize every matrix to this dtype at load (`--dtype`); None keeps them quantized.
+    pub dense: Option<DType>,
 }
 
 impl GgufFile {
@@ -40,6 +42,7 @@ impl GgufFile {
             path: path.to_path_buf(),
             content,
             reader,
+            dense: None,
         })
     }
 
@@ -79,8 +82,16 @@ impl GgufFile {
             None
         };
         Ok(Linear {
-            w: Weight::Quantized(QMatMul::from_qtensor(w)?),
+            w: self.weight(Arc::new(w), device)?,
             b,
+        })
+    }
+
+    /// A matrix as the decoder uses it: quantized, or dequantized to `self.dense`.
+    fn weight(&self, w: Arc<QTensor>, device: &Device) -> Result<Weight> {
+        Ok(match self.dense {
+            Some(dtype) => Weight::Dense(w.dequantize(device)?.to_dtype(dtype)?),
+            None => Weight::Quantized(QMatMul::from_arc(w)?),
         })
     }
 
@@ -128,7 +139,7 @@ impl GgufFile {
             self.linear("output", false, [cfg.vocab, h], device)?
         } else {
             Linear {
-                w: Weight::Quantized(QMatMul::from_arc(embed.clone())?),
+                w: self.weight(embed.clone(), device)?,
                 b: None,
             }
         };
@@ -144,8 +155,11 @@ impl GgufFile {
             DType::F32,
             device,
         )?;
-        let embed = match embed.dtype() {
-            candle_core::quantized::GgmlDType::F32 => Embedding::Dense(embed.dequantize(device)?),
+        let embed = match (embed.dtype(), self.dense) {
+            (_, Some(dtype)) => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
+            (candle_core::quantized::GgmlDType::F32, None) => {
+                Embedding::Dense(embed.dequantize(device)?)
+            }
             _ => Embedding::Quantized(embed),
         };
         Ok(Llama {

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod export;
 pub mod gguf;
 pub mod llama;
 pub mod rope;
