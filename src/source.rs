@@ -466,10 +466,15 @@ pub fn fetch_entry(entry: &Entry) -> Result<Location> {
     let mut failures = Vec::new();
     for s in &entry.sources {
         match fetch_source(s) {
-            Ok(loc) => return Ok(loc),
+            Ok(loc) => {
+                // Say why the preferred sources were passed over, once one has worked.
+                for f in &failures {
+                    eprintln!("note: skipped {f}");
+                }
+                return Ok(loc);
+            }
             Err(e) => {
                 let msg: Vec<String> = e.chain().map(crate::first_line).collect();
-                eprintln!("note: {s}: {}", msg.join(": "));
                 failures.push(format!("{s}: {}", msg.join(": ")));
             }
         }

@@ -91,14 +91,14 @@ fn stats_report_prefill_decode_and_kv_bytes() {
 #[test]
 fn missing_model_file_is_an_error() {
     let out = kvchat(&["run", "-m", "/nonexistent/model.gguf", "hi"], "");
-    assert_one_line_error(&out, "cannot open model file /nonexistent/model.gguf");
+    assert_one_line_error(&out, "model path /nonexistent/model.gguf does not exist");
 }
 
 #[test]
-fn directory_as_model_is_an_error() {
+fn directory_without_config_json_is_an_error() {
     let d = temp_dir("dir");
     let out = kvchat(&["run", "-m", p(&d), "hi"], "");
-    assert_one_line_error(&out, "is a directory");
+    assert_one_line_error(&out, "has no config.json");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Shared by the integration tests: the real model, loaded once per test binary.
 #![allow(dead_code)]
 
+pub mod hub;
 pub mod tiny;
 
 use kvchat::cli::ModelArgs;

