@@ -2,6 +2,7 @@
 
 use super::config::Config;
 use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
+use super::q4_1::Q4_1Matrix;
 use super::rope::Rope;
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -89,8 +90,14 @@ impl GgufFile {
 
     /// A matrix as the decoder uses it: quantized, or dequantized to `self.dense`.
     fn weight(&self, w: Arc<QTensor>, device: &Device) -> Result<Weight> {
+        // KVCHAT_CANDLE_Q4_1=1 keeps candle's own Q4_1 path (for side-by-side measurements).
+        let own_q4_1 = device.is_cpu() && std::env::var_os("KVCHAT_CANDLE_Q4_1").is_none();
         Ok(match self.dense {
             Some(dtype) => Weight::Dense(w.dequantize(device)?.to_dtype(dtype)?),
+            None if own_q4_1 => match Q4_1Matrix::from_qtensor(&w)? {
+                Some(m) => Weight::Q4_1(m),
+                None => Weight::Quantized(QMatMul::from_arc(w)?),
+            },
             None => Weight::Quantized(QMatMul::from_arc(w)?),
         })
     }

@@ -15,6 +15,8 @@ use std::sync::Arc;
 /// f16 or bf16). Activations stay f32; a dense matrix of another dtype gets its input cast to it.
 pub enum Weight {
     Quantized(QMatMul),
+    /// Q4_1 on the CPU: our AVX2 kernel, bit-identical to candle's scalar QMatMul path.
+    Q4_1(super::q4_1::Q4_1Matrix),
     Dense(Tensor),
 }
 
@@ -28,6 +30,7 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.w {
             Weight::Quantized(w) => w.forward(x)?,
+            Weight::Q4_1(w) => w.forward(x)?,
             Weight::Dense(w) => {
                 let dtype = x.dtype();
                 // [.., in] x [in, out] -> [.., out]

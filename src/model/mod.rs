@@ -5,6 +5,7 @@ pub mod config;
 pub mod export;
 pub mod gguf;
 pub mod llama;
+pub mod q4_1;
 pub mod rope;
 pub mod safetensors;
 

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# kvchat against llama.cpp on the same GGUF, side by side, alternating, on this CPU.
+#   scripts/bench-vs-llamacpp.sh [ROUNDS=3] [THREADS=2]
+# Builds llama.cpp's llama-bench once from the sources vendored in the PyPI sdist of llama-cpp-python
+# (CPU only, GGML_NATIVE, no network features) into ${KVCHAT_HOME:-~/.cache/kvchat}/llama.cpp, outside
+# the repository. Then, ROUNDS times: llama-bench (f16 KV + flash attention; q8_0 KV) and
+# `kvchat bench` (full; int8), each measuring prefill of 512 tokens and decode at contexts 128, 512,
+# 2048, 4096. Prints per-round figures, medians with min–max spread, and kvchat/llama.cpp ratios.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+rounds="${1:-3}"
+threads="${2:-2}"
+reps="${LLAMA_REPS:-3}"   # llama-bench repetitions per test, per round
+ver=0.3.36
+sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
+cache="$home/llama.cpp"
+model="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+bench="$cache/build-$ver/bin/llama-bench"
+out="${OUT:-$root/target/bench-vs-llamacpp}"
+mkdir -p "$cache" "$out"
+
+"$root/scripts/fetch-models.sh" >&2
+
+if [ ! -x "$bench" ]; then
+  tarball="$cache/llama_cpp_python-$ver.tar.gz"
+  if [ ! -f "$tarball" ]; then
+    # The sdist's URL from the index's simple API (pip download --no-binary would build a wheel's
+    # build environment, cmake included, from source).
+    index="${PIP_INDEX_URL:-https://pypi.org/simple}"
+    url=$(curl -fsSL "$index/llama-cpp-python/" | grep -o "https://[^\"#]*llama_cpp_python-$ver.tar.gz" | head -1)
+    curl -fsSL -o "$tarball.part" "$url"
+    echo "$sdist_sha  $tarball.part" | sha256sum --check --status || { echo "sha256 mismatch: $url" >&2; exit 1; }
+    mv "$tarball.part" "$tarball"
+  fi
+  src="$cache/src-$ver"
+  if [ ! -d "$src" ]; then
+    mkdir -p "$src.tmp" && tar -xzf "$tarball" -C "$src.tmp" && mv "$src.tmp" "$src"
+  fi
+  lsrc="$src/llama_cpp_python-$ver/vendor/llama.cpp"
+  cmake_bin=$(command -v cmake || true)
+  if [ -z "$cmake_bin" ]; then
+    python3 -m pip install --quiet --target "$cache/tools" cmake
+    cmake_bin="$cache/tools/bin/cmake"
+    export PYTHONPATH="$cache/tools${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  "$cmake_bin" -S "$lsrc" -B "$cache/build-$ver" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON >&2
+  "$cmake_bin" --build "$cache/build-$ver" --target llama-bench -j "$(nproc)" >&2
+fi
+
+cargo build --release --quiet --manifest-path "$root/Cargo.toml"
+kvchat="$root/target/release/kvchat"
+
+for r in $(seq 1 "$rounds"); do
+  echo "round $r/$rounds" >&2
+  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/llama-pp-$r.json"
+  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -p 0 -n 64 -d 128,512,2048,4096 -o json > "$out/llama-tg-f16-$r.json"
+  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -ctk q8_0 -ctv q8_0 -p 0 -n 64 -d 2048,4096 -o json > "$out/llama-tg-q8-$r.json"
+  "$kvchat" bench -m "$model" --threads "$threads" --modes full,int8 --contexts 128,512,2048,4096 \
+    --gen 64 --repeat 1 --warmup 1 --no-summary --json "$out/kvchat-$r.json" > /dev/null
+done
+
+python3 - "$out" "$rounds" <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def llama(kind, r):
+    return json.load(open(f"{out}/llama-{kind}-{r}.json"))
+rows = {}  # (what) -> {"llama.cpp": [..], "kvchat": [..]}
+def add(key, who, v):
+    rows.setdefault(key, {"llama.cpp": [], "kvchat": []})[who].append(v)
+for r in range(1, rounds + 1):
+    for e in llama("pp", r):
+        add("prefill 512 tok/s", "llama.cpp", e["avg_ts"])
+    for e in llama("tg-f16", r):
+        add(f"decode tok/s @{e['n_depth']} full/f16", "llama.cpp", e["avg_ts"])
+    for e in llama("tg-q8", r):
+        add(f"decode tok/s @{e['n_depth']} int8/q8_0", "llama.cpp", e["avg_ts"])
+    k = json.load(open(f"{out}/kvchat-{r}.json"))
+    for c in k["cells"]:
+        dec = 1000.0 / c["decode_ms_per_token"]["median"]
+        if c["mode"].startswith("full"):
+            add(f"decode tok/s @{c['context']} full/f16", "kvchat", dec)
+            if c["context"] == 512:
+                add("prefill 512 tok/s", "kvchat", c["prefill_tok_s"]["median"])
+        elif c["mode"].startswith("int8") and c["context"] in (2048, 4096):
+            add(f"decode tok/s @{c['context']} int8/q8_0", "kvchat", dec)
+print(f"{'measure':34} {'llama.cpp median (min-max)':>28} {'kvchat median (min-max)':>26} {'ratio':>6}")
+for key, v in rows.items():
+    a, b = v["llama.cpp"], v["kvchat"]
+    if not a or not b:
+        continue
+    ma, mb = statistics.median(a), statistics.median(b)
+    print(f"{key:34} {ma:10.1f} ({min(a):.1f}-{max(a):.1f}){'':6} {mb:9.1f} ({min(b):.1f}-{max(b):.1f}){'':5} {mb/ma:5.2f}x")
+PY

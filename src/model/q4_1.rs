@@ -1,0 +1,249 @@
+//! A CPU matrix kernel for Q4_1 weights: candle 0.11's Q4_1 × Q8_1 dot product is its generic scalar
+//! loop (only Q4_K/Q6_K/Q8_0 get SIMD paths), and Q4_1 is the default model's type.
+//!
+//! Same block formats and the same arithmetic as candle's `QMatMul` (activations quantized to Q8_1
+//! per 32 values; per block an exact integer dot product, then `sumf += sumi·dx·dy + mx·sy` in block
+//! order), so results are bit-identical to it — only the integer part runs in AVX2. Work is split
+//! over candle's own barrier pool, as candle splits its matmuls.
+//!
+//! Blocks of 32 weights: Q4_1 = {d: f16, m: f16, qs: [u8; 16]} with w = d·q + m, q ∈ 0..16 (low nibbles
+//! hold elements 0..16, high nibbles 16..32); Q8_1 = {d: f16, s: f16 = d·Σq, qs: [i8; 32]}.
+
+use anyhow::{bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+
+const QK: usize = 32;
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct BlockQ4_1 {
+    d: f16,
+    m: f16,
+    qs: [u8; QK / 2],
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct BlockQ8_1 {
+    d: f16,
+    s: f16,
+    qs: [i8; QK],
+}
+
+const ZERO_Q8_1: BlockQ8_1 = BlockQ8_1 {
+    d: f16::ZERO,
+    s: f16::ZERO,
+    qs: [0; QK],
+};
+
+/// A Q4_1 weight matrix `[rows, cols]`, rows of `cols / 32` blocks.
+pub struct Q4_1Matrix {
+    rows: usize,
+    cols: usize,
+    blocks: Vec<BlockQ4_1>,
+}
+
+/// candle's `quantize_row_q8_1`, value for value.
+fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
+    for (x, y) in xs.chunks_exact(QK).zip(ys.iter_mut()) {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / ((1 << 7) - 1) as f32;
+        let id = if d != 0f32 { 1. / d } else { 0. };
+        y.d = f16::from_f32(d);
+        let mut sum = 0i32;
+        for j in 0..QK / 2 {
+            let v0 = x[j] * id;
+            let v1 = x[j + QK / 2] * id;
+            y.qs[j] = f32::round(v0) as i8;
+            y.qs[j + QK / 2] = f32::round(v1) as i8;
+            sum += y.qs[j] as i32 + y.qs[j + QK / 2] as i32;
+        }
+        y.s = f16::from_f32(sum as f32) * y.d;
+    }
+}
+
+/// Σ over blocks of (integer dot)·dx·dy + mx·sy: the portable version, candle's loop.
+fn vec_dot_scalar(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
+    let mut sumf = 0f32;
+    for (x, y) in xs.iter().zip(ys) {
+        let mut sumi = 0i32;
+        for j in 0..QK / 2 {
+            let v0 = x.qs[j] as i32 & 0x0F;
+            let v1 = x.qs[j] as i32 >> 4;
+            sumi += v0 * y.qs[j] as i32 + v1 * y.qs[j + QK / 2] as i32;
+        }
+        sumf += sumi as f32 * x.d.to_f32() * y.d.to_f32() + x.m.to_f32() * y.s.to_f32();
+    }
+    sumf
+}
+
+/// The same sum with the integer dot product of each block in AVX2: nibbles unpacked to 32 u8,
+/// multiplied by the 32 i8 activations and pair-summed (`maddubs`: at most 2·15·128, no saturation),
+/// then widened and summed to one i32 — exactly the scalar `sumi`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vec_dot_avx2(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
+    use std::arch::x86_64::*;
+    let mask = _mm_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut sumf = 0f32;
+    for (x, y) in xs.iter().zip(ys) {
+        let q = _mm_loadu_si128(x.qs.as_ptr() as *const __m128i);
+        let lo = _mm_and_si128(q, mask); // elements 0..16
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask); // elements 16..32
+        let xq = _mm256_set_m128i(hi, lo);
+        let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(xq, yq), ones); // [8 x i32]
+        let s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+        let sumi = _mm_cvtsi128_si32(s);
+        sumf += sumi as f32 * x.d.to_f32() * y.d.to_f32() + x.m.to_f32() * y.s.to_f32();
+    }
+    sumf
+}
+
+fn vec_dot(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present (checked at run time).
+            return unsafe { vec_dot_avx2(xs, ys) };
+        }
+    }
+    vec_dot_scalar(xs, ys)
+}
+
+/// Output rows per work item: enough to amortize the hand-off, small enough to balance two threads.
+const ROWS_PER_ITEM: usize = 16;
+
+impl Q4_1Matrix {
+    /// The matrix of a Q4_1 `QTensor` `[rows, cols]`; None for other types.
+    pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
+        if t.dtype() != GgmlDType::Q4_1 {
+            return Ok(None);
+        }
+        let (rows, cols) = t.shape().dims2()?;
+        if !cols.is_multiple_of(QK) {
+            bail!("Q4_1 matrix with {cols} columns, not a multiple of {QK}");
+        }
+        let data = t.data()?;
+        let size = std::mem::size_of::<BlockQ4_1>();
+        if data.len() != rows * cols / QK * size {
+            bail!(
+                "Q4_1 matrix data of {} bytes for [{rows}, {cols}]",
+                data.len()
+            );
+        }
+        let blocks = data
+            .chunks_exact(size)
+            .map(|b| BlockQ4_1 {
+                d: f16::from_le_bytes([b[0], b[1]]),
+                m: f16::from_le_bytes([b[2], b[3]]),
+                qs: b[4..20].try_into().expect("16 bytes"),
+            })
+            .collect();
+        Ok(Some(Self { rows, cols, blocks }))
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// `x [.., cols]` (f32) times the transposed matrix: `[.., rows]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().unwrap_or(&0);
+        if k != self.cols {
+            bail!(
+                "Q4_1 matmul: input has {k} columns, the matrix {}",
+                self.cols
+            );
+        }
+        let m = x.elem_count() / k;
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let kb = k / QK;
+        let mut q = vec![ZERO_Q8_1; m * kb];
+        for (row, out) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
+            quantize_row_q8_1(row, out);
+        }
+        let n = self.rows;
+        let mut dst = vec![0f32; m * n];
+        let dst_ptr = dst.as_mut_ptr() as usize;
+        let items = n.div_ceil(ROWS_PER_ITEM);
+        // Work items: (token, block of output rows); every dst element is written by one item.
+        candle_core::utils::barrier_pool().execute_chunked(m * items, |range| {
+            for item in range {
+                let (t, r0) = (item / items, (item % items) * ROWS_PER_ITEM);
+                let y = &q[t * kb..(t + 1) * kb];
+                for r in r0..n.min(r0 + ROWS_PER_ITEM) {
+                    let v = vec_dot(&self.blocks[r * kb..(r + 1) * kb], y);
+                    // SAFETY: (t, r) is this item's alone and inside dst.
+                    unsafe { *(dst_ptr as *mut f32).add(t * n + r) = v };
+                }
+            }
+        });
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("at least one dim") = n;
+        Ok(Tensor::from_vec(dst, out_dims, &Device::Cpu)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QMatMul;
+    use candle_core::Module;
+
+    fn check(m: usize, k: usize, n: usize) {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        let qt = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (1, m, k), &dev).unwrap();
+        let ours = Q4_1Matrix::from_qtensor(&qt)
+            .unwrap()
+            .unwrap()
+            .forward(&x)
+            .unwrap();
+        let candle = QMatMul::from_qtensor(qt).unwrap().forward(&x).unwrap();
+        assert_eq!(ours.dims(), &[1, m, n]);
+        let (a, b) = (
+            ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            candle.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a, b, "m={m} k={k} n={n}");
+    }
+
+    #[test]
+    fn decode_matvec_is_bit_identical_to_candles_qmatmul() {
+        check(1, 576, 1536);
+        check(1, 64, 37);
+    }
+
+    #[test]
+    fn prefill_matmul_is_bit_identical_to_candles_qmatmul() {
+        check(7, 576, 192);
+        check(33, 1536, 41);
+    }
+
+    #[test]
+    fn avx2_and_scalar_dot_products_agree_exactly() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (3, 256), &dev).unwrap();
+        let mat = Q4_1Matrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+            .unwrap()
+            .unwrap();
+        let x: Vec<f32> = Tensor::randn(0f32, 1.0, 256, &dev)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut q = vec![ZERO_Q8_1; 8];
+        quantize_row_q8_1(&x, &mut q);
+        for r in 0..3 {
+            let row = &mat.blocks[r * 8..(r + 1) * 8];
+            assert_eq!(vec_dot(row, &q), vec_dot_scalar(row, &q));
+        }
+    }
+}
