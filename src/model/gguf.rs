@@ -128,7 +128,9 @@ impl GgufFile {
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
             let qkv_bias = self.has_tensor(&format!("{p}.attn_q.bias"));
-            layers.push(Layer {
+            let mut layer = Layer {
+                qkv: None,
+                gate_up: None,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
                 wq: self.linear(&format!("{p}.attn_q"), qkv_bias, [nh * hd, h], device)?,
                 wk: self.linear(&format!("{p}.attn_k"), qkv_bias, [nkv * hd, h], device)?,
@@ -138,7 +140,9 @@ impl GgufFile {
                 w_gate: self.linear(&format!("{p}.ffn_gate"), false, [ffn, h], device)?,
                 w_up: self.linear(&format!("{p}.ffn_up"), false, [ffn, h], device)?,
                 w_down: self.linear(&format!("{p}.ffn_down"), false, [h, ffn], device)?,
-            });
+            };
+            layer.stack_projections()?;
+            layers.push(layer);
         }
         let norm = self.dense("output_norm.weight", device)?;
         // Tied embeddings: with no output.weight, the output projection is the embedding matrix.

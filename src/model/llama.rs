@@ -47,6 +47,10 @@ impl Linear {
 }
 
 pub struct Layer {
+    /// q, k and v stacked into one matrix (CPU Q4_1, no biases): one pass instead of three.
+    pub qkv: Option<super::q4_1::Q4_1Matrix>,
+    /// gate and up stacked likewise.
+    pub gate_up: Option<super::q4_1::Q4_1Matrix>,
     pub attn_norm: Tensor,
     pub wq: Linear,
     pub wk: Linear,
@@ -82,6 +86,31 @@ pub struct Llama {
     /// Longest step a single forward computes at once; longer prompts are prefilled in chunks of this
     /// many tokens, so the score matrix of a long prompt never has to exist whole.
     pub prefill_chunk: usize,
+}
+
+impl Layer {
+    /// Stacks q/k/v and gate/up into one matrix each where all are CPU Q4_1 without biases; the
+    /// separate weights become views of the stacked ones (nothing is stored twice).
+    pub fn stack_projections(&mut self) -> Result<()> {
+        use super::q4_1::Q4_1Matrix;
+        let no_bias = self.wq.b.is_none() && self.wk.b.is_none() && self.wv.b.is_none();
+        if let (true, Weight::Q4_1(q), Weight::Q4_1(k), Weight::Q4_1(v)) =
+            (no_bias, &self.wq.w, &self.wk.w, &self.wv.w)
+        {
+            let (all, mut parts) = Q4_1Matrix::stack(&[q, k, v])?;
+            self.wv.w = Weight::Q4_1(parts.pop().expect("v"));
+            self.wk.w = Weight::Q4_1(parts.pop().expect("k"));
+            self.wq.w = Weight::Q4_1(parts.pop().expect("q"));
+            self.qkv = Some(all);
+        }
+        if let (Weight::Q4_1(g), Weight::Q4_1(u)) = (&self.w_gate.w, &self.w_up.w) {
+            let (all, mut parts) = Q4_1Matrix::stack(&[g, u])?;
+            self.w_up.w = Weight::Q4_1(parts.pop().expect("up"));
+            self.w_gate.w = Weight::Q4_1(parts.pop().expect("gate"));
+            self.gate_up = Some(all);
+        }
+        Ok(())
+    }
 }
 
 impl Llama {
@@ -151,8 +180,15 @@ impl Llama {
         let x = (x + self.attention(layer, &h, cache)?)?;
         let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
         let ffn = {
-            let gate = candle_nn::ops::silu(&layer.w_gate.forward(&h)?)?; // [1, t, ffn]
-            let up = layer.w_up.forward(&h)?; // [1, t, ffn]
+            let (gate, up) = match &layer.gate_up {
+                Some(w) => {
+                    let gu = w.forward(&h)?; // [1, t, 2 * ffn]
+                    let f = self.cfg.ffn;
+                    (gu.narrow(2, 0, f)?, gu.narrow(2, f, f)?)
+                }
+                None => (layer.w_gate.forward(&h)?, layer.w_up.forward(&h)?), // [1, t, ffn] each
+            };
+            let gate = candle_nn::ops::silu(&gate)?;
             layer.w_down.forward(&(gate * up)?)? // [1, t, hidden]
         };
         Ok((x + ffn)?)
@@ -164,22 +200,25 @@ impl Llama {
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
         let g = nh / nkv;
 
+        let (q, k, v) = match &layer.qkv {
+            Some(w) => {
+                let qkv = w.forward(h)?; // [1, t, (nh + 2 nkv) * hd]
+                (
+                    qkv.narrow(2, 0, nh * hd)?,
+                    qkv.narrow(2, nh * hd, nkv * hd)?,
+                    qkv.narrow(2, (nh + nkv) * hd, nkv * hd)?,
+                )
+            }
+            None => (
+                layer.wq.forward(h)?,
+                layer.wk.forward(h)?,
+                layer.wv.forward(h)?,
+            ),
+        };
         // [1, t, n*hd] -> [1, t, n, hd] -> [1, n, t, hd]
-        let q = layer
-            .wq
-            .forward(h)?
-            .reshape((1, t, nh, hd))?
-            .transpose(1, 2)?;
-        let k = layer
-            .wk
-            .forward(h)?
-            .reshape((1, t, nkv, hd))?
-            .transpose(1, 2)?;
-        let v = layer
-            .wv
-            .forward(h)?
-            .reshape((1, t, nkv, hd))?
-            .transpose(1, 2)?;
+        let q = q.reshape((1, t, nh, hd))?.transpose(1, 2)?;
+        let k = k.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
+        let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
         let v = v.contiguous()?;
 
         // The cache stores this step's K/V and returns everything to attend over.

@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
+use std::sync::Arc;
 
 const QK: usize = 32;
 
@@ -38,11 +39,13 @@ const ZERO_Q8_1: BlockQ8_1 = BlockQ8_1 {
     qs: [0; QK],
 };
 
-/// A Q4_1 weight matrix `[rows, cols]`, rows of `cols / 32` blocks.
+/// A Q4_1 weight matrix `[rows, cols]`, rows of `cols / 32` blocks: rows `row0 .. row0 + rows` of
+/// a block store that several matrices may share (see [`Q4_1Matrix::stack`]).
 pub struct Q4_1Matrix {
     rows: usize,
     cols: usize,
-    blocks: Vec<BlockQ4_1>,
+    row0: usize,
+    blocks: Arc<Vec<BlockQ4_1>>,
 }
 
 /// candle's `quantize_row_q8_1`, value for value.
@@ -105,6 +108,47 @@ unsafe fn vec_dot_avx2(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
     sumf
 }
 
+/// Four dot products of one weight row with four activation rows, each weight block unpacked once;
+/// every one of the four sums is formed exactly as `vec_dot_avx2` forms it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vec_dot_x4_avx2(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let mask = _mm_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut sumf = [0f32; 4];
+    for (b, x) in xs.iter().enumerate() {
+        let q = _mm_loadu_si128(x.qs.as_ptr() as *const __m128i);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+        let xq = _mm256_set_m128i(hi, lo);
+        let (dx, mx) = (x.d.to_f32(), x.m.to_f32());
+        for (i, ys) in ys.iter().enumerate() {
+            let y = &ys[b];
+            let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(xq, yq), ones);
+            let s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+            let sumi = _mm_cvtsi128_si32(s);
+            sumf[i] += sumi as f32 * dx * y.d.to_f32() + mx * y.s.to_f32();
+        }
+    }
+    sumf
+}
+
+/// `vec_dot` of one weight row with four activation rows.
+fn vec_dot_x4(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present (checked at run time).
+            return unsafe { vec_dot_x4_avx2(xs, ys) };
+        }
+    }
+    ys.map(|y| vec_dot_scalar(xs, y))
+}
+
 fn vec_dot(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
@@ -145,7 +189,39 @@ impl Q4_1Matrix {
                 qs: b[4..20].try_into().expect("16 bytes"),
             })
             .collect();
-        Ok(Some(Self { rows, cols, blocks }))
+        Ok(Some(Self {
+            rows,
+            cols,
+            row0: 0,
+            blocks: Arc::new(blocks),
+        }))
+    }
+
+    /// The rows of `parts` stacked into one matrix (so one pass computes all their outputs: q, k
+    /// and v, or gate and up), and each part as a view into it; no weight is stored twice.
+    pub fn stack(parts: &[&Q4_1Matrix]) -> Result<(Q4_1Matrix, Vec<Q4_1Matrix>)> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            bail!("stacking Q4_1 matrices of different widths");
+        }
+        let kb = cols / QK;
+        let mut blocks = Vec::new();
+        let mut views = Vec::new();
+        let mut row0 = 0;
+        for p in parts {
+            blocks.extend_from_slice(&p.blocks[p.row0 * kb..(p.row0 + p.rows) * kb]);
+            views.push((row0, p.rows));
+            row0 += p.rows;
+        }
+        let blocks = Arc::new(blocks);
+        let view = |row0, rows| Q4_1Matrix {
+            rows,
+            cols,
+            row0,
+            blocks: blocks.clone(),
+        };
+        let parts = views.into_iter().map(|(r0, n)| view(r0, n)).collect();
+        Ok((view(0, row0), parts))
     }
 
     pub fn rows(&self) -> usize {
@@ -170,21 +246,51 @@ impl Q4_1Matrix {
             quantize_row_q8_1(row, out);
         }
         let n = self.rows;
+        let w = &self.blocks[self.row0 * kb..(self.row0 + n) * kb];
         let mut dst = vec![0f32; m * n];
         let dst_ptr = dst.as_mut_ptr() as usize;
         let items = n.div_ceil(ROWS_PER_ITEM);
-        // Work items: (token, block of output rows); every dst element is written by one item.
-        candle_core::utils::barrier_pool().execute_chunked(m * items, |range| {
-            for item in range {
-                let (t, r0) = (item / items, (item % items) * ROWS_PER_ITEM);
-                let y = &q[t * kb..(t + 1) * kb];
-                for r in r0..n.min(r0 + ROWS_PER_ITEM) {
-                    let v = vec_dot(&self.blocks[r * kb..(r + 1) * kb], y);
-                    // SAFETY: (t, r) is this item's alone and inside dst.
-                    unsafe { *(dst_ptr as *mut f32).add(t * n + r) = v };
+        let pool = candle_core::utils::barrier_pool();
+        let row = |r: usize| &w[r * kb..(r + 1) * kb];
+        let act = |t: usize| &q[t * kb..(t + 1) * kb];
+        // SAFETY (the dst writes below): every (token, row) element belongs to one work item.
+        let put = |t: usize, r: usize, v: f32| unsafe { *(dst_ptr as *mut f32).add(t * n + r) = v };
+        if m == 1 {
+            // Decode: work items are blocks of output rows.
+            pool.execute_chunked(items, |range| {
+                for item in range {
+                    let r0 = item * ROWS_PER_ITEM;
+                    for r in r0..n.min(r0 + ROWS_PER_ITEM) {
+                        put(0, r, vec_dot(row(r), act(0)));
+                    }
                 }
-            }
-        });
+            });
+        } else {
+            // Prefill: work items are (block of output rows, tile of TOKENS tokens); each weight
+            // block is unpacked once per four tokens and stays in L1 across the tile.
+            const TOKENS: usize = 16;
+            let tiles = m.div_ceil(TOKENS);
+            pool.execute_chunked(items * tiles, |range| {
+                for item in range {
+                    let (r0, t0) = ((item / tiles) * ROWS_PER_ITEM, (item % tiles) * TOKENS);
+                    let t1 = m.min(t0 + TOKENS);
+                    for r in r0..n.min(r0 + ROWS_PER_ITEM) {
+                        let mut t = t0;
+                        while t + 4 <= t1 {
+                            let v =
+                                vec_dot_x4(row(r), [act(t), act(t + 1), act(t + 2), act(t + 3)]);
+                            for (i, v) in v.into_iter().enumerate() {
+                                put(t + i, r, v);
+                            }
+                            t += 4;
+                        }
+                        for t in t..t1 {
+                            put(t, r, vec_dot(row(r), act(t)));
+                        }
+                    }
+                }
+            });
+        }
         let mut out_dims = dims;
         *out_dims.last_mut().expect("at least one dim") = n;
         Ok(Tensor::from_vec(dst, out_dims, &Device::Cpu)?)
@@ -226,6 +332,25 @@ mod tests {
     fn prefill_matmul_is_bit_identical_to_candles_qmatmul() {
         check(7, 576, 192);
         check(33, 1536, 41);
+    }
+
+    #[test]
+    fn a_stacked_matrix_computes_each_part_exactly() {
+        let dev = Device::Cpu;
+        let q = |n| {
+            let w = Tensor::randn(0f32, 1.0, (n, 128), &dev).unwrap();
+            Q4_1Matrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+                .unwrap()
+                .unwrap()
+        };
+        let (a, b) = (q(40), q(24));
+        let x = Tensor::randn(0f32, 1.0, (1, 3, 128), &dev).unwrap();
+        let (all, views) = Q4_1Matrix::stack(&[&a, &b]).unwrap();
+        let all = all.forward(&x).unwrap();
+        let v = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(v(all.narrow(2, 0, 40).unwrap()), v(a.forward(&x).unwrap()));
+        assert_eq!(v(all.narrow(2, 40, 24).unwrap()), v(b.forward(&x).unwrap()));
+        assert_eq!(v(views[1].forward(&x).unwrap()), v(b.forward(&x).unwrap()));
     }
 
     #[test]

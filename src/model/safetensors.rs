@@ -125,6 +125,8 @@ impl HfCheckpoint {
             let norm = |n: &str| self.tensor(&format!("{p}.{n}.weight"), &[h], f32, device);
             let lin = |n: &str, want| self.linear(&format!("{p}.{n}"), want, dtype, device);
             layers.push(Layer {
+                qkv: None,
+                gate_up: None,
                 attn_norm: norm("input_layernorm")?,
                 wq: lin("self_attn.q_proj", [nh * hd, h])?,
                 wk: lin("self_attn.k_proj", [nkv * hd, h])?,
