@@ -152,6 +152,110 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + s
 }
 
+/// Keys per softmax chunk. Each row's attention is computed over fixed key ranges 0..C, C..2C, …:
+/// per chunk the max m, Σ exp(x − m) and Σ exp(x − m)·v; then the chunks are combined in order. The
+/// ranges are the same in a prefill, a decode and a recompute, so results stay bit-identical, while
+/// a decode can spread one row's chunks over threads.
+const CHUNK: usize = 256;
+
+/// The inputs of the dense kernel, for the work items.
+struct Src<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    k_hs: usize,
+    k_ps: usize,
+    v_hs: usize,
+    v_ps: usize,
+    gt: usize,
+    hd: usize,
+    t: usize,
+    offset: usize,
+    scale: f32,
+}
+
+impl Src<'_> {
+    /// Keys 0..visible(r) are in the past of row r (of gt rows, t queries each) of a head.
+    fn visible(&self, r: usize) -> usize {
+        self.offset + r % self.t + 1
+    }
+
+    /// The partial of chunk `c` for rows r0..r0+rows of KV head h, written to `parts` (row r at
+    /// r·(hd + 2)) as [m, s, acc(hd)]; a row with no key in the chunk gets m = −∞, s = 0, acc = 0.
+    fn chunk(
+        &self,
+        h: usize,
+        r0: usize,
+        rows: usize,
+        c: usize,
+        scores: &mut [f32],
+        parts: &mut [f32],
+    ) {
+        let w = self.hd + 2;
+        let (hd, j0) = (self.hd, c * CHUNK);
+        let end = |r: usize| self.visible(r0 + r).min(j0 + CHUNK);
+        let most = (0..rows).map(end).max().unwrap_or(0);
+        let q_row = |r: usize| &self.q[(h * self.gt + r0 + r) * hd..][..hd];
+        // Scores, one pass over the chunk's keys.
+        for j in j0..most {
+            let kj = &self.k[h * self.k_hs + j * self.k_ps..][..hd];
+            for r in 0..rows {
+                if j < end(r) {
+                    scores[r * CHUNK + j - j0] = dot(q_row(r), kj) * self.scale;
+                }
+            }
+        }
+        let mut stats = [(f32::NEG_INFINITY, 0f32); TILE];
+        for (r, st) in stats.iter_mut().enumerate().take(rows) {
+            if end(r) > j0 {
+                let row = &mut scores[r * CHUNK..r * CHUNK + end(r) - j0];
+                let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                for x in row.iter_mut() {
+                    *x = exp_nonpositive(*x - m);
+                }
+                *st = (m, row.iter().sum());
+            }
+        }
+        // Numerator of the weighted sum of V, one pass over the chunk's values.
+        for (r, &(m, s)) in stats.iter().enumerate().take(rows) {
+            let p = &mut parts[r * w..(r + 1) * w];
+            p[0] = m;
+            p[1] = s;
+            p[2..].fill(0.0);
+        }
+        for j in j0..most {
+            let vj = &self.v[h * self.v_hs + j * self.v_ps..][..hd];
+            for r in 0..rows {
+                if j < end(r) {
+                    let pj = scores[r * CHUNK + j - j0];
+                    for (oe, ve) in parts[r * w + 2..(r + 1) * w].iter_mut().zip(vj) {
+                        *oe += pj * ve;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One row's output from its chunk partials `[m, s, acc(hd)]` (each `w` = hd + 2 long), in order.
+fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
+    let chunks = partials.chunks_exact(w).filter(|p| p[1] > 0.0);
+    let m = chunks.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p[0]));
+    let mut s = 0f32;
+    o.fill(0.0);
+    for p in chunks {
+        let scale = exp_nonpositive(p[0] - m);
+        s += p[1] * scale;
+        for (oe, a) in o.iter_mut().zip(&p[2..]) {
+            *oe += a * scale;
+        }
+    }
+    let inv = 1.0 / s;
+    for oe in o.iter_mut() {
+        *oe *= inv;
+    }
+}
+
 impl CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         "kvchat-causal-attention"
@@ -188,52 +292,87 @@ impl CustomOp3 for CausalAttention {
         let offset = kv_len - t;
         let scale = self.scale;
 
-        // Work items: a tile of up to TILE query rows of one KV head. The tile walks K once and V once,
-        // so the g query heads sharing a KV head read it together; every row is still computed alone
-        // (its own dot products, softmax and sum, in key order), so tiling never changes the bits.
+        // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
+        // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits.
         let tiles_per_head = gt.div_ceil(TILE);
+        let n_tiles = nkv * tiles_per_head;
+        let n_chunks = kv_len.div_ceil(CHUNK);
+        let w = hd + 2;
         let mut out = vec![0f32; nkv * gt * hd];
-        head_tiles(&mut out, gt, hd)
-            .into_par_iter()
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; TILE * kv_len],
-                |scores: &mut Vec<f32>, (item, o)| {
-                    let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
-                    let r0 = tile * TILE;
-                    let rows = o.len() / hd;
-                    let visible = |r: usize| offset + (r0 + r) % t + 1; // keys 0..visible(r) are in row r's past
-                    let most = (0..rows).map(visible).max().unwrap_or(0);
-                    let q_row = |r: usize| &q[(h * gt + r0 + r) * hd..][..hd];
-                    // Scores, one pass over K.
-                    for j in 0..most {
-                        let kj = &k[h * k_hs + j * k_ps..][..hd];
+        let out_ptr = out.as_mut_ptr() as usize;
+        let src = Src {
+            q,
+            k,
+            v,
+            k_hs,
+            k_ps,
+            v_hs,
+            v_ps,
+            gt,
+            hd,
+            t,
+            offset,
+            scale,
+        };
+        let pool = candle_core::utils::barrier_pool();
+        let threads = pool.n_workers() + 1; // the workers and this thread
+        if n_tiles >= 4 * threads || n_chunks == 1 {
+            // Prefill (or short context): a work item is a tile, all its chunks, and the combine.
+            pool.execute_chunked(n_tiles, |range| {
+                let mut scores = vec![0f32; TILE * CHUNK];
+                let mut tmp = vec![0f32; TILE * w];
+                let mut partials = vec![0f32; TILE * n_chunks * w];
+                for item in range {
+                    let (h, r0) = (item / tiles_per_head, (item % tiles_per_head) * TILE);
+                    let rows = TILE.min(gt - r0);
+                    for c in 0..n_chunks {
+                        src.chunk(h, r0, rows, c, &mut scores, &mut tmp);
                         for r in 0..rows {
-                            if j < visible(r) {
-                                scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
-                            }
+                            partials[(r * n_chunks + c) * w..][..w]
+                                .copy_from_slice(&tmp[r * w..(r + 1) * w]);
                         }
                     }
-                    // Softmax of each row over its visible keys.
-                    let mut inv = [0f32; TILE];
                     for r in 0..rows {
-                        let row = &mut scores[r * kv_len..r * kv_len + visible(r)];
-                        inv[r] = 1.0 / softmax_numerators(row);
+                        // SAFETY: row (h, r0 + r) of the output belongs to this item alone.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                (out_ptr as *mut f32).add((h * gt + r0 + r) * hd),
+                                hd,
+                            )
+                        };
+                        combine(&partials[r * n_chunks * w..][..n_chunks * w], w, o);
                     }
-                    // Weighted sum of V, one pass over V.
-                    for j in 0..most {
-                        let vj = &v[h * v_hs + j * v_ps..][..hd];
-                        for r in 0..rows {
-                            if j < visible(r) {
-                                let p = scores[r * kv_len + j] * inv[r];
-                                for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                                    *oe += p * ve;
-                                }
-                            }
-                        }
+                }
+            });
+        } else {
+            // Decode: few rows, many keys. Work items are (tile, chunk); partials meet in a buffer
+            // and each row is combined afterwards.
+            let mut partials = vec![0f32; nkv * gt * n_chunks * w];
+            let p_ptr = partials.as_mut_ptr() as usize;
+            pool.execute_chunked(n_tiles * n_chunks, |range| {
+                let mut scores = vec![0f32; TILE * CHUNK];
+                let mut tmp = vec![0f32; TILE * w];
+                for item in range {
+                    let (tile, c) = (item / n_chunks, item % n_chunks);
+                    let (h, r0) = (tile / tiles_per_head, (tile % tiles_per_head) * TILE);
+                    let rows = TILE.min(gt - r0);
+                    src.chunk(h, r0, rows, c, &mut scores, &mut tmp);
+                    for r in 0..rows {
+                        // SAFETY: partial (row, c) belongs to this item alone.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                (p_ptr as *mut f32).add(((h * gt + r0 + r) * n_chunks + c) * w),
+                                w,
+                            )
+                        };
+                        dst.copy_from_slice(&tmp[r * w..(r + 1) * w]);
                     }
-                },
-            );
+                }
+            });
+            for (row, o) in out.chunks_exact_mut(hd).enumerate() {
+                combine(&partials[row * n_chunks * w..][..n_chunks * w], w, o);
+            }
+        }
         Ok((CpuStorage::F32(out), Shape::from((nkv, gt, hd))))
     }
 }
@@ -374,11 +513,21 @@ mod tests {
     #[test]
     fn fused_kernel_equals_candle_ops_for_prefill_and_decode() {
         let dev = Device::Cpu;
-        let (nkv, g, hd, cap) = (3, 3, 64, 40);
+        let (nkv, g, hd, cap) = (3, 3, 64, 700);
         // A cache buffer with room to spare, read through a narrow view as the full cache does.
         let kb = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &dev).unwrap();
         let vb = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &dev).unwrap();
-        for (t, kv_len) in [(1, 1), (1, 17), (5, 5), (7, 30), (4, 33)] {
+        // Short caches, and long ones whose keys span several softmax chunks (CHUNK = 256).
+        for (t, kv_len) in [
+            (1, 1),
+            (1, 17),
+            (5, 5),
+            (7, 30),
+            (4, 33),
+            (1, 257),
+            (1, 700),
+            (9, 600),
+        ] {
             let q = Tensor::randn(0f32, 1.0, (nkv, g * t, hd), &dev).unwrap();
             let k = kb.narrow(1, 0, kv_len).unwrap();
             let v = vb.narrow(1, 0, kv_len).unwrap();
@@ -391,8 +540,16 @@ mod tests {
 
     #[test]
     fn a_query_row_gives_the_same_bits_in_a_prefill_as_alone() {
+        for t in [6, 700] {
+            same_bits_in_a_prefill_as_alone(t);
+        }
+    }
+
+    /// A prefill of t queries over t keys; its last row against that query alone (a decode step,
+    /// which splits a long row's key chunks over threads).
+    fn same_bits_in_a_prefill_as_alone(t: usize) {
         let dev = Device::Cpu;
-        let (nkv, g, hd, t) = (2, 2, 64, 6);
+        let (nkv, g, hd) = (2, 2, 64);
         let k = Tensor::randn(0f32, 1.0, (nkv, t, hd), &dev).unwrap();
         let v = Tensor::randn(0f32, 1.0, (nkv, t, hd), &dev).unwrap();
         let q = Tensor::randn(0f32, 1.0, (nkv, g, t, hd), &dev).unwrap();
