@@ -98,7 +98,7 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
-        // candle's matmul and quantized kernels size their rayon pools from this variable.
+        // candle sizes its thread pool (used by its kernels and ours) from this variable.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     Ok(())

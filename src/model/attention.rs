@@ -12,7 +12,6 @@ use crate::kv::int8::{Int8View, GROUP};
 use crate::kv::KvView;
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 /// Attention of `q` `[nkv, g*t, hd]` over whatever view the layer's cache returned.
 pub fn attend_view(q: &Tensor, view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
@@ -95,24 +94,6 @@ fn strides3(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
 /// Query rows per work item of the attention kernels.
 const TILE: usize = 8;
 
-/// The output `[nkv, g*t, hd]` cut into work items: up to TILE rows of one KV head each, in order
-/// (item i is head i / tiles_per_head, tile i % tiles_per_head).
-fn head_tiles(out: &mut [f32], gt: usize, hd: usize) -> Vec<&mut [f32]> {
-    out.chunks_mut(gt * hd)
-        .flat_map(|head| head.chunks_mut(TILE * hd))
-        .collect()
-}
-
-/// Replaces each score by exp(score − max) and returns their sum (in a fixed order).
-#[inline(always)]
-fn softmax_numerators(row: &mut [f32]) -> f32 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    for x in row.iter_mut() {
-        *x = exp_nonpositive(*x - max);
-    }
-    row.iter().sum()
-}
-
 /// e^x for x ≤ 0, to ~2 ulp: Cephes' expf (range reduction by ln 2, degree-6 polynomial), written so
 /// the loop above vectorizes (libm's expf does not).
 #[inline(always)]
@@ -157,6 +138,34 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// ranges are the same in a prefill, a decode and a recompute, so results stay bit-identical, while
 /// a decode can spread one row's chunks over threads.
 const CHUNK: usize = 256;
+
+/// Per row of a chunk: scores → exp(score − m) in place, and `parts` row r starts [m, Σ, 0…]
+/// (m = −∞, Σ = 0 for a row with no key in the chunk).
+#[inline(always)]
+fn chunk_softmax(
+    scores: &mut [f32],
+    rows: usize,
+    j0: usize,
+    end: impl Fn(usize) -> usize,
+    parts: &mut [f32],
+    w: usize,
+) {
+    for r in 0..rows {
+        let p = &mut parts[r * w..(r + 1) * w];
+        p[0] = f32::NEG_INFINITY;
+        p[1] = 0.0;
+        p[2..].fill(0.0);
+        if end(r) > j0 {
+            let row = &mut scores[r * CHUNK..r * CHUNK + end(r) - j0];
+            let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            for x in row.iter_mut() {
+                *x = exp_nonpositive(*x - m);
+            }
+            p[0] = m;
+            p[1] = row.iter().sum();
+        }
+    }
+}
 
 /// The inputs of the dense kernel, for the work items.
 struct Src<'a> {
@@ -205,24 +214,7 @@ impl Src<'_> {
                 }
             }
         }
-        let mut stats = [(f32::NEG_INFINITY, 0f32); TILE];
-        for (r, st) in stats.iter_mut().enumerate().take(rows) {
-            if end(r) > j0 {
-                let row = &mut scores[r * CHUNK..r * CHUNK + end(r) - j0];
-                let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                for x in row.iter_mut() {
-                    *x = exp_nonpositive(*x - m);
-                }
-                *st = (m, row.iter().sum());
-            }
-        }
-        // Numerator of the weighted sum of V, one pass over the chunk's values.
-        for (r, &(m, s)) in stats.iter().enumerate().take(rows) {
-            let p = &mut parts[r * w..(r + 1) * w];
-            p[0] = m;
-            p[1] = s;
-            p[2..].fill(0.0);
-        }
+        chunk_softmax(scores, rows, j0, end, parts, w);
         for j in j0..most {
             let vj = &self.v[h * self.v_hs + j * self.v_ps..][..hd];
             for r in 0..rows {
@@ -254,6 +246,88 @@ fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
     for oe in o.iter_mut() {
         *oe *= inv;
     }
+}
+
+/// One (KV head, tile of rows, key chunk) partial: `(h, r0, rows, c, scratch, parts)` writes row r's
+/// `[m, s, acc(hd)]` at `parts[r·(hd+2)..]`; `scratch` holds TILE·(CHUNK + hd) floats.
+type ChunkFn<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32], &mut [f32]) + Sync + 'a;
+
+/// Runs `chunk` over every (tile, key chunk) of `[nkv, gt]` query rows and `kv_len` keys on candle's
+/// pool, and combines each row's chunks in order into the output `[nkv, gt, hd]`. A prefill has
+/// plenty of tiles: an item is a tile with all its chunks. A decode has few rows: an item is a
+/// (tile, chunk), so one row's keys spread over the threads. Both give the same bits.
+fn chunked_attention(
+    nkv: usize,
+    gt: usize,
+    hd: usize,
+    kv_len: usize,
+    chunk: &ChunkFn<'_>,
+) -> Vec<f32> {
+    let tiles_per_head = gt.div_ceil(TILE);
+    let n_tiles = nkv * tiles_per_head;
+    let n_chunks = kv_len.div_ceil(CHUNK);
+    let w = hd + 2;
+    let tile = |i: usize| {
+        let (h, r0) = (i / tiles_per_head, (i % tiles_per_head) * TILE);
+        (h, r0, TILE.min(gt - r0))
+    };
+    let mut out = vec![0f32; nkv * gt * hd];
+    let out_ptr = out.as_mut_ptr() as usize;
+    let pool = candle_core::utils::barrier_pool();
+    let threads = pool.n_workers() + 1; // the workers and this thread
+    if n_tiles >= 4 * threads || n_chunks == 1 {
+        pool.execute_chunked(n_tiles, |range| {
+            let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
+            let mut tmp = vec![0f32; TILE * w];
+            let mut partials = vec![0f32; TILE * n_chunks * w];
+            for item in range {
+                let (h, r0, rows) = tile(item);
+                for c in 0..n_chunks {
+                    chunk(h, r0, rows, c, &mut scratch, &mut tmp);
+                    for r in 0..rows {
+                        partials[(r * n_chunks + c) * w..][..w]
+                            .copy_from_slice(&tmp[r * w..(r + 1) * w]);
+                    }
+                }
+                for r in 0..rows {
+                    // SAFETY: row (h, r0 + r) of the output belongs to this item alone.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            (out_ptr as *mut f32).add((h * gt + r0 + r) * hd),
+                            hd,
+                        )
+                    };
+                    combine(&partials[r * n_chunks * w..][..n_chunks * w], w, o);
+                }
+            }
+        });
+    } else {
+        let mut partials = vec![0f32; nkv * gt * n_chunks * w];
+        let p_ptr = partials.as_mut_ptr() as usize;
+        pool.execute_chunked(n_tiles * n_chunks, |range| {
+            let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
+            let mut tmp = vec![0f32; TILE * w];
+            for item in range {
+                let c = item % n_chunks;
+                let (h, r0, rows) = tile(item / n_chunks);
+                chunk(h, r0, rows, c, &mut scratch, &mut tmp);
+                for r in 0..rows {
+                    // SAFETY: partial (row, c) belongs to this item alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            (p_ptr as *mut f32).add(((h * gt + r0 + r) * n_chunks + c) * w),
+                            w,
+                        )
+                    };
+                    dst.copy_from_slice(&tmp[r * w..(r + 1) * w]);
+                }
+            }
+        });
+        for (row, o) in out.chunks_exact_mut(hd).enumerate() {
+            combine(&partials[row * n_chunks * w..][..n_chunks * w], w, o);
+        }
+    }
+    out
 }
 
 impl CustomOp3 for CausalAttention {
@@ -294,12 +368,6 @@ impl CustomOp3 for CausalAttention {
 
         // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
         // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits.
-        let tiles_per_head = gt.div_ceil(TILE);
-        let n_tiles = nkv * tiles_per_head;
-        let n_chunks = kv_len.div_ceil(CHUNK);
-        let w = hd + 2;
-        let mut out = vec![0f32; nkv * gt * hd];
-        let out_ptr = out.as_mut_ptr() as usize;
         let src = Src {
             q,
             k,
@@ -314,65 +382,9 @@ impl CustomOp3 for CausalAttention {
             offset,
             scale,
         };
-        let pool = candle_core::utils::barrier_pool();
-        let threads = pool.n_workers() + 1; // the workers and this thread
-        if n_tiles >= 4 * threads || n_chunks == 1 {
-            // Prefill (or short context): a work item is a tile, all its chunks, and the combine.
-            pool.execute_chunked(n_tiles, |range| {
-                let mut scores = vec![0f32; TILE * CHUNK];
-                let mut tmp = vec![0f32; TILE * w];
-                let mut partials = vec![0f32; TILE * n_chunks * w];
-                for item in range {
-                    let (h, r0) = (item / tiles_per_head, (item % tiles_per_head) * TILE);
-                    let rows = TILE.min(gt - r0);
-                    for c in 0..n_chunks {
-                        src.chunk(h, r0, rows, c, &mut scores, &mut tmp);
-                        for r in 0..rows {
-                            partials[(r * n_chunks + c) * w..][..w]
-                                .copy_from_slice(&tmp[r * w..(r + 1) * w]);
-                        }
-                    }
-                    for r in 0..rows {
-                        // SAFETY: row (h, r0 + r) of the output belongs to this item alone.
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                (out_ptr as *mut f32).add((h * gt + r0 + r) * hd),
-                                hd,
-                            )
-                        };
-                        combine(&partials[r * n_chunks * w..][..n_chunks * w], w, o);
-                    }
-                }
-            });
-        } else {
-            // Decode: few rows, many keys. Work items are (tile, chunk); partials meet in a buffer
-            // and each row is combined afterwards.
-            let mut partials = vec![0f32; nkv * gt * n_chunks * w];
-            let p_ptr = partials.as_mut_ptr() as usize;
-            pool.execute_chunked(n_tiles * n_chunks, |range| {
-                let mut scores = vec![0f32; TILE * CHUNK];
-                let mut tmp = vec![0f32; TILE * w];
-                for item in range {
-                    let (tile, c) = (item / n_chunks, item % n_chunks);
-                    let (h, r0) = (tile / tiles_per_head, (tile % tiles_per_head) * TILE);
-                    let rows = TILE.min(gt - r0);
-                    src.chunk(h, r0, rows, c, &mut scores, &mut tmp);
-                    for r in 0..rows {
-                        // SAFETY: partial (row, c) belongs to this item alone.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                (p_ptr as *mut f32).add(((h * gt + r0 + r) * n_chunks + c) * w),
-                                w,
-                            )
-                        };
-                        dst.copy_from_slice(&tmp[r * w..(r + 1) * w]);
-                    }
-                }
-            });
-            for (row, o) in out.chunks_exact_mut(hd).enumerate() {
-                combine(&partials[row * n_chunks * w..][..n_chunks * w], w, o);
-            }
-        }
+        let out = chunked_attention(nkv, gt, hd, kv_len, &|h, r0, rows, c, scratch, parts| {
+            src.chunk(h, r0, rows, c, scratch, parts)
+        });
         Ok((CpuStorage::F32(out), Shape::from((nkv, gt, hd))))
     }
 }
@@ -390,70 +402,63 @@ pub fn attend_int8(q: &Tensor, view: &Int8View<'_>, t: usize, scale: f32) -> Res
     let (nq, nt) = (view.n_quant, view.n_tail);
     let kv_len = nq + nt;
     let offset = kv_len - t;
-    // Work items as in the dense kernel: up to TILE query rows of one KV head, one pass over its cache.
-    let tiles_per_head = gt.div_ceil(TILE);
-    let mut out = vec![0f32; nkv * gt * hd];
-    head_tiles(&mut out, gt, hd)
-        .into_par_iter()
-        .enumerate()
-        .for_each_init(
-            || (vec![0f32; TILE * kv_len], vec![0f32; TILE * hd]),
-            |(scores, qs), (item, o)| {
-                let (h, tile) = (item / tiles_per_head, item % tiles_per_head);
-                let head = &view.heads[h];
-                let r0 = tile * TILE;
-                let rows = o.len() / hd;
-                let visible = |r: usize| offset + (r0 + r) % t + 1;
-                let most = (0..rows).map(visible).max().unwrap_or(0);
-                let q_row = |r: usize| &q_all[(h * gt + r0 + r) * hd..][..hd];
-                // Scores over the INT8 groups: the group's channel scales folded into each query once.
-                for g in 0..nq / GROUP {
-                    let ks = &head.k_scale[g * hd..(g + 1) * hd];
-                    for r in 0..rows {
-                        for ((x, a), b) in qs[r * hd..(r + 1) * hd].iter_mut().zip(q_row(r)).zip(ks)
-                        {
-                            *x = a * b * scale;
+    let w = hd + 2;
+    // As the dense kernel, chunk by chunk; a chunk's keys are INT8 groups (quantized positions
+    // come in whole groups, GROUP divides CHUNK) and/or f32 tail positions.
+    let chunk =
+        |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
+            let head = &view.heads[h];
+            let (scores, qs) = scratch.split_at_mut(TILE * CHUNK);
+            let j0 = c * CHUNK;
+            let end = |r: usize| (offset + (r0 + r) % t + 1).min(j0 + CHUNK);
+            let most = (0..rows).map(end).max().unwrap_or(0);
+            let q_row = |r: usize| &q_all[(h * gt + r0 + r) * hd..][..hd];
+            // Scores over INT8 groups: the group's channel scales folded into each query once.
+            let mut j = j0;
+            while j < most.min(nq) {
+                let g = j / GROUP;
+                let g_end = ((g + 1) * GROUP).min(most);
+                let ks = &head.k_scale[g * hd..(g + 1) * hd];
+                for r in 0..rows {
+                    for ((x, a), b) in qs[r * hd..(r + 1) * hd].iter_mut().zip(q_row(r)).zip(ks) {
+                        *x = a * b * scale;
+                    }
+                }
+                for jj in j..g_end {
+                    let kj = &head.kq[jj * hd..(jj + 1) * hd];
+                    for r in (0..rows).filter(|&r| jj < end(r)) {
+                        scores[r * CHUNK + jj - j0] = dot_i8(&qs[r * hd..(r + 1) * hd], kj);
+                    }
+                }
+                j = g_end;
+            }
+            // Then the f32 tail, which ends with the step's own positions (causal).
+            for j in j.max(nq)..most {
+                let kj = &head.tail_k[(j - nq) * hd..][..hd];
+                for r in (0..rows).filter(|&r| j < end(r)) {
+                    scores[r * CHUNK + j - j0] = dot(q_row(r), kj) * scale;
+                }
+            }
+            chunk_softmax(scores, rows, j0, end, parts, w);
+            // Weighted sum: an INT8 token's scale folded into its weight.
+            for j in j0..most {
+                for r in (0..rows).filter(|&r| j < end(r)) {
+                    let p = scores[r * CHUNK + j - j0];
+                    let acc = &mut parts[r * w + 2..(r + 1) * w];
+                    if j < nq {
+                        let wt = p * head.v_scale[j];
+                        for (oe, ve) in acc.iter_mut().zip(&head.vq[j * hd..(j + 1) * hd]) {
+                            *oe += wt * *ve as f32;
                         }
-                    }
-                    for j in g * GROUP..(g + 1) * GROUP {
-                        let kj = &head.kq[j * hd..(j + 1) * hd];
-                        for r in 0..rows {
-                            scores[r * kv_len + j] = dot_i8(&qs[r * hd..(r + 1) * hd], kj);
-                        }
-                    }
-                }
-                // Then over the f32 tail, which ends with the step's own positions (causal).
-                for j in nq..most {
-                    let kj = &head.tail_k[(j - nq) * hd..][..hd];
-                    for r in (0..rows).filter(|&r| j < visible(r)) {
-                        scores[r * kv_len + j] = dot(q_row(r), kj) * scale;
-                    }
-                }
-                let mut inv = [0f32; TILE];
-                for (r, w) in inv.iter_mut().enumerate().take(rows) {
-                    *w = 1.0 / softmax_numerators(&mut scores[r * kv_len..r * kv_len + visible(r)]);
-                }
-                // Weighted sum: the token's scale folded into its weight.
-                for j in 0..nq {
-                    let vj = &head.vq[j * hd..(j + 1) * hd];
-                    for r in 0..rows {
-                        let w = scores[r * kv_len + j] * inv[r] * head.v_scale[j];
-                        for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                            *oe += w * *ve as f32;
-                        }
-                    }
-                }
-                for j in nq..most {
-                    let vj = &head.tail_v[(j - nq) * hd..][..hd];
-                    for r in (0..rows).filter(|&r| j < visible(r)) {
-                        let w = scores[r * kv_len + j] * inv[r];
-                        for (oe, ve) in o[r * hd..(r + 1) * hd].iter_mut().zip(vj) {
-                            *oe += w * ve;
+                    } else {
+                        for (oe, ve) in acc.iter_mut().zip(&head.tail_v[(j - nq) * hd..][..hd]) {
+                            *oe += p * ve;
                         }
                     }
                 }
-            },
-        );
+            }
+        };
+    let out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
     Ok(Tensor::from_vec(out, (nkv, gt, hd), q.device())?)
 }
 
