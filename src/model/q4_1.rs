@@ -108,33 +108,64 @@ unsafe fn vec_dot_avx2(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
     sumf
 }
 
-/// Four dot products of one weight row with four activation rows, each weight block unpacked once;
-/// every one of the four sums is formed exactly as `vec_dot_avx2` forms it.
+/// The four 8-lane i32 vectors' totals, as one [4 x i32] (integer sums: any order is exact).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum4(
+    p0: std::arch::x86_64::__m256i,
+    p1: std::arch::x86_64::__m256i,
+    p2: std::arch::x86_64::__m256i,
+    p3: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    let c = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+    _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1))
+}
+
+/// The 32 weights of a Q4_1 block as u8, in element order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn unpack(x: &BlockQ4_1) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let mask = _mm_set1_epi8(0x0F);
+    let q = _mm_loadu_si128(x.qs.as_ptr() as *const __m128i);
+    let lo = _mm_and_si128(q, mask); // elements 0..16
+    let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask); // elements 16..32
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Integer dot products of u8 weights with i8 activations, pair-summed to [8 x i32].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn idot(xq: std::arch::x86_64::__m256i, y: &BlockQ8_1) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(xq, yq), _mm256_set1_epi16(1))
+}
+
+/// Four dot products of one weight row with four activation rows, lane i for row i. Each lane
+/// forms `sumf += ((sumi·dx)·dy) + (mx·sy)` block after block, exactly the scalar order (no FMA).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn vec_dot_x4_avx2(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
-    let mask = _mm_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let mut sumf = [0f32; 4];
+    let mut acc = _mm_setzero_ps();
     for (b, x) in xs.iter().enumerate() {
-        let q = _mm_loadu_si128(x.qs.as_ptr() as *const __m128i);
-        let lo = _mm_and_si128(q, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-        let xq = _mm256_set_m128i(hi, lo);
-        let (dx, mx) = (x.d.to_f32(), x.m.to_f32());
-        for (i, ys) in ys.iter().enumerate() {
-            let y = &ys[b];
-            let yq = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(xq, yq), ones);
-            let s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-            let sumi = _mm_cvtsi128_si32(s);
-            sumf[i] += sumi as f32 * dx * y.d.to_f32() + mx * y.s.to_f32();
-        }
+        let xq = unpack(x);
+        let (y0, y1, y2, y3) = (&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]);
+        let sumi = hsum4(idot(xq, y0), idot(xq, y1), idot(xq, y2), idot(xq, y3));
+        let dy = _mm_setr_ps(y0.d.to_f32(), y1.d.to_f32(), y2.d.to_f32(), y3.d.to_f32());
+        let sy = _mm_setr_ps(y0.s.to_f32(), y1.s.to_f32(), y2.s.to_f32(), y3.s.to_f32());
+        let t1 = _mm_mul_ps(
+            _mm_mul_ps(_mm_cvtepi32_ps(sumi), _mm_set1_ps(x.d.to_f32())),
+            dy,
+        );
+        let t2 = _mm_mul_ps(_mm_set1_ps(x.m.to_f32()), sy);
+        acc = _mm_add_ps(acc, _mm_add_ps(t1, t2));
     }
-    sumf
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
 }
 
 /// `vec_dot` of one weight row with four activation rows.
@@ -351,6 +382,32 @@ mod tests {
         assert_eq!(v(all.narrow(2, 0, 40).unwrap()), v(a.forward(&x).unwrap()));
         assert_eq!(v(all.narrow(2, 40, 24).unwrap()), v(b.forward(&x).unwrap()));
         assert_eq!(v(views[1].forward(&x).unwrap()), v(b.forward(&x).unwrap()));
+    }
+
+    #[test]
+    fn the_four_token_kernel_equals_the_single_dot_product() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (4, 512), &dev).unwrap();
+        let mat = Q4_1Matrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+            .unwrap()
+            .unwrap();
+        let kb = 16;
+        let x: Vec<f32> = Tensor::randn(0f32, 1.0, 4 * 512, &dev)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut q = vec![ZERO_Q8_1; 4 * kb];
+        for (row, out) in x.chunks_exact(512).zip(q.chunks_exact_mut(kb)) {
+            quantize_row_q8_1(row, out);
+        }
+        let row = |r: usize| &mat.blocks[r * kb..(r + 1) * kb];
+        let act = |t: usize| &q[t * kb..(t + 1) * kb];
+        for r in 0..4 {
+            let x4 = vec_dot_x4(row(r), [act(0), act(1), act(2), act(3)]);
+            for (t, v) in x4.into_iter().enumerate() {
+                assert_eq!(v, vec_dot(row(r), act(t)));
+            }
+        }
     }
 
     #[test]
