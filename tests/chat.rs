@@ -252,10 +252,13 @@ fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and
 
 #[test]
 fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
+    use std::io::Read;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
     // `script` gives kvchat a pseudo-terminal; \x03 there is the user's Ctrl-C. `exec`: no shell
     // stays between script and kvchat to be killed by that SIGINT (dash would die of it).
     let cmd = format!(
-        "exec {} chat --temperature 0 -n 400 --history {}",
+        "exec {} chat --temperature 0 -n 2000 --history {}",
         env!("CARGO_BIN_EXE_kvchat"),
         temp("history.txt").display()
     );
@@ -269,27 +272,76 @@ fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
         .spawn()
         .expect("script (util-linux) runs kvchat in a pseudo-terminal");
     let mut stdin = child.stdin.take().unwrap();
-    let pause = |s: u64| std::thread::sleep(std::time::Duration::from_secs(s));
-    pause(3);
+    // The terminal's output, as it arrives.
+    let seen = Arc::new(Mutex::new(String::new()));
+    let mut stdout = child.stdout.take().unwrap();
+    let sink = seen.clone();
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    // Waits (up to a minute: the machine may be busy) until `cond` holds of the output so far.
+    let wait_for = |what: &str, cond: &dyn Fn(&str) -> bool| {
+        let start = Instant::now();
+        while !cond(&seen.lock().unwrap()) {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}: {}",
+                seen.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // What the terminal showed after the last `marker`.
+    let after = |text: &str, marker: &str| {
+        text.rsplit_once(marker)
+            .map_or(String::new(), |(_, a)| a.to_string())
+    };
+
+    wait_for("the banner", &|t| t.contains("/help for commands"));
     stdin
         .write_all(b"Tell me a very long story about dragons.\r")
         .unwrap();
-    pause(4);
+    // Ctrl-C once the answer is streaming, long before it could end.
+    wait_for("the answer to stream", &|t| {
+        after(t, "dragons.").len() > 120
+    });
     stdin.write_all(b"\x03").unwrap();
-    pause(1);
+    wait_for("the interruption", &|t| t.contains("(interrupted)"));
     stdin.write_all(b"What is 2+2?\r").unwrap();
-    pause(5);
+    wait_for("the next answer and prompt", &|t| {
+        let a = after(t, "What is 2+2?");
+        a.contains('4') && a.contains("> ")
+    });
     stdin.write_all(b"/exit\r").unwrap();
-    pause(1);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "kvchat did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
     drop(stdin);
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let after = text
-        .split("(interrupted)")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no interruption: {text}"));
-    assert!(after.contains('4'), "the next turn did not answer: {after}");
-    assert!(out.status.success(), "{}: {text}", out.status);
+    reader.join().unwrap();
+    let text = seen.lock().unwrap().clone();
+    // The story was cut short: the answer before "(interrupted)" is a few lines, not 2000 tokens.
+    let story = after(
+        text.split("(interrupted)").next().unwrap_or_default(),
+        "dragons.",
+    );
+    assert!(story.len() < 2000, "not interrupted early: {story}");
+    assert!(status.success(), "{status}: {text}");
 }
 
 #[test]
