@@ -146,7 +146,15 @@ impl Engine {
             .get("tokenizer.chat_template")
             .and_then(|v| v.to_string().ok())
             .cloned();
-        let digest = gguf_digest(&gguf.content);
+        let mut digest = gguf_digest(&gguf.content);
+        let weights = match gguf.dense {
+            Some(d) => {
+                // Other numerics, other KV state: a prompt cache of the quantized run does not apply.
+                digest = format!("{digest}+{d:?}");
+                format!("{d:?} (dequantized at load)").to_lowercase()
+            }
+            None => "quantized".to_string(),
+        };
         Self::finish(
             path,
             model,
@@ -155,7 +163,7 @@ impl Engine {
             ctx,
             device,
             digest,
-            "quantized",
+            &weights,
         )
     }
 

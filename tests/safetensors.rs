@@ -50,6 +50,13 @@ fn gguf_f32_engine() -> &'static Engine {
     })
 }
 
+#[test]
+fn a_dequantized_gguf_says_so_and_has_its_own_digest() {
+    assert_eq!(gguf_f32_engine().weights, "f32 (dequantized at load)");
+    assert_eq!(engine().weights, "quantized");
+    assert_ne!(gguf_f32_engine().digest, engine().digest);
+}
+
 fn full() -> CacheSpec {
     common::full()
 }
