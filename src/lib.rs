@@ -14,6 +14,14 @@ pub mod source;
 pub mod template;
 pub mod tokenizer;
 
+/// A JSON file, with errors that name it (config.json, tokenizer_config.json, safetensors indexes).
+pub fn read_json(path: &std::path::Path) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
+}
+
 /// The first line of an error's text: candle appends a captured backtrace to its messages.
 pub fn first_line(e: impl std::fmt::Display) -> String {
     e.to_string()

@@ -241,14 +241,7 @@ impl Location {
 pub fn config_of(loc: &Location) -> Result<crate::model::Config> {
     match loc {
         Location::Gguf(p) => crate::model::gguf::GgufFile::open(p)?.config(),
-        Location::Safetensors(f) => {
-            let text = std::fs::read_to_string(&f.config)
-                .with_context(|| format!("cannot read {}", f.config.display()))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not valid JSON", f.config.display()))?;
-            crate::model::Config::from_hf_json(&json)
-                .with_context(|| format!("model config {}", f.config.display()))
-        }
+        Location::Safetensors(f) => Ok(crate::model::safetensors::read_config(&f.config)?.0),
     }
 }
 
@@ -258,6 +251,8 @@ pub enum ModelRef {
     Path(PathBuf),
     Named(String),
     Hub(Source),
+    /// No `-m`: the registry's default entry.
+    Default,
 }
 
 /// Parses `hf:owner/repo[@revision][:file]`.
@@ -308,14 +303,15 @@ impl ModelRef {
 pub fn resolve(model: Option<&str>, models_file: Option<&Path>) -> Result<Location> {
     let spec = match model {
         Some(m) => ModelRef::parse(m)?,
-        None => {
-            let reg = Registry::load(models_file)?;
-            ModelRef::Named(reg.default.clone())
-        }
+        None => ModelRef::Default,
     };
     match spec {
         ModelRef::Path(p) => local(&p),
         ModelRef::Hub(src) => fetch_source(&src),
+        ModelRef::Default => {
+            let reg = Registry::load(models_file)?;
+            fetch_entry(reg.get(&reg.default).expect("checked when parsed"))
+        }
         ModelRef::Named(name) => {
             let reg = Registry::load(models_file)?;
             let entry = reg.get(&name).with_context(|| {
@@ -388,10 +384,7 @@ pub fn local(p: &Path) -> Result<Location> {
 
 /// The distinct shard files of a `model.safetensors.index.json`, in order of first appearance.
 fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index)
-        .with_context(|| format!("cannot read {}", index.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let json = crate::read_json(index)?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())

@@ -227,13 +227,8 @@ impl Tokenizer {
     pub fn from_hf(tokenizer_json: &Path, config: Option<&Path>) -> Result<(Self, Option<String>)> {
         let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", tokenizer_json.display()))?;
-        let json: serde_json::Value = match config {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read {}", p.display()))?;
-                serde_json::from_str(&text)
-                    .with_context(|| format!("{} is not valid JSON", p.display()))?
-            }
+        let json = match config {
+            Some(p) => crate::read_json(p)?,
             None => serde_json::Value::Null,
         };
         let token = |key: &str| -> Option<u32> {

@@ -181,7 +181,7 @@ impl GgufFile {
             output,
             rope,
             device: device.clone(),
-            prefill_chunk: 512,
+            prefill_chunk: super::llama::PREFILL_CHUNK,
         })
     }
 }

@@ -75,6 +75,9 @@ pub enum Logits {
     All,
 }
 
+/// Longest prefill step by default (`Llama::prefill_chunk`).
+pub const PREFILL_CHUNK: usize = 512;
+
 pub struct Llama {
     pub cfg: Config,
     pub embed: Embedding,

@@ -260,10 +260,6 @@ impl Q4_1Matrix {
         Ok((view(0, row0), parts))
     }
 
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     /// `x [.., cols]` (f32) times the transposed matrix: `[.., rows]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();

@@ -31,14 +31,17 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
+/// A `config.json`: the hyperparameters, and the JSON itself (for rope_scaling, tied embeddings).
+pub fn read_config(path: &std::path::Path) -> Result<(Config, serde_json::Value)> {
+    let json = crate::read_json(path)?;
+    let cfg =
+        Config::from_hf_json(&json).with_context(|| format!("model config {}", path.display()))?;
+    Ok((cfg, json))
+}
+
 impl HfCheckpoint {
     pub fn open(files: &HfFiles) -> Result<Self> {
-        let text = std::fs::read_to_string(&files.config)
-            .with_context(|| format!("cannot read {}", files.config.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
-        let cfg = Config::from_hf_json(&json)
-            .with_context(|| format!("model config {}", files.config.display()))?;
+        let (cfg, json) = read_config(&files.config)?;
         if files.weights.is_empty() {
             bail!("{}: no model*.safetensors weights", files.label);
         }
@@ -168,7 +171,7 @@ impl HfCheckpoint {
             output,
             rope,
             device: device.clone(),
-            prefill_chunk: 512,
+            prefill_chunk: super::llama::PREFILL_CHUNK,
         })
     }
 }
