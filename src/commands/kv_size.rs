@@ -109,7 +109,7 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
             None,
         ),
         _ => {
-            let cfg = crate::source::config_of(&crate::source::resolve(
+            let cfg = crate::model::files::config_of(&crate::source::resolve(
                 args.model.as_deref(),
                 args.models_file.as_deref(),
             )?)?;

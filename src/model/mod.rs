@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod config;
 pub mod export;
+pub mod files;
 pub mod gguf;
 pub mod llama;
 pub mod q4_1;

@@ -6,9 +6,9 @@
 //! Both are the same model; here the weights are kept as stored and the rotary style is half-split.
 
 use super::config::Config;
+use super::files::HfFiles;
 use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
 use super::rope::Rope;
-use crate::source::HfFiles;
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};

@@ -26,6 +26,8 @@ struct State {
     drop_once: HashSet<String>,
     /// "repo/file" to send in small slices with pauses (so a progress bar gets drawn)
     slow: HashSet<String>,
+    /// Per repo/file: the ETag and X-Repo-Commit headers a hostile server sends instead.
+    hostile: HashMap<String, (String, String)>,
 }
 
 pub struct Hub {
@@ -94,6 +96,14 @@ impl Hub {
             .unwrap()
             .slow
             .insert(format!("{repo}/{file}"));
+    }
+
+    /// Answers `repo/file` with these ETag and X-Repo-Commit header values (a hostile server).
+    pub fn hostile_headers(&self, repo: &str, file: &str, etag: &str, commit: &str) {
+        self.state.lock().unwrap().hostile.insert(
+            format!("{repo}/{file}"),
+            (etag.to_string(), commit.to_string()),
+        );
     }
 
     pub fn request_count(&self) -> usize {
@@ -183,7 +193,7 @@ fn serve(
     }
     let repo = format!("{}/{}", parts[0], parts[1]);
     let file = parts[4].to_string();
-    let (content, drop_now, slow) = {
+    let (content, drop_now, slow, hostile) = {
         let mut st = state.lock().unwrap();
         let Some(files) = st.repos.get(&repo) else {
             drop(st);
@@ -209,7 +219,8 @@ fn serve(
         let metadata_probe = range == Some((0, Some(0)));
         let drop_now = !metadata_probe && st.drop_once.remove(&key);
         let slow = !metadata_probe && st.slow.contains(&key);
-        (content, drop_now, slow)
+        let hostile = st.hostile.get(&key).cloned();
+        (content, drop_now, slow, hostile)
     };
     let total = content.len();
     let (start, end) = match range {
@@ -217,10 +228,11 @@ fn serve(
         None => (0, total),
     };
     let body = &content[start..end];
+    let (etag, commit) =
+        hostile.unwrap_or_else(|| (format!("\"{}\"", sha256_hex(&content)), COMMIT.to_string()));
     let mut head = format!(
-        "HTTP/1.1 {}\r\nConnection: close\r\nETag: \"{}\"\r\nX-Repo-Commit: {COMMIT}\r\nContent-Length: {}\r\n",
+        "HTTP/1.1 {}\r\nConnection: close\r\nETag: {etag}\r\nX-Repo-Commit: {commit}\r\nContent-Length: {}\r\n",
         if range.is_some() { "206 Partial Content" } else { "200 OK" },
-        sha256_hex(&content),
         body.len()
     );
     if range.is_some() {
