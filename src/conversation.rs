@@ -191,7 +191,14 @@ impl<'e> Conversation<'e> {
     pub fn save(&self, path: &Path) -> Result<()> {
         let extra = serde_json::json!({ "system": self.system, "turns": self.turns });
         let key = self.session.cache.persist_key()?;
-        persist::save(path, &self.session, &self.engine.digest, &key, extra)
+        persist::save(
+            path,
+            &self.session.tokens,
+            &self.session.cache,
+            &self.engine.digest,
+            &key,
+            extra,
+        )
     }
 
     /// Replaces the conversation and the cache by a saved one (same model and cache configuration).
@@ -199,15 +206,13 @@ impl<'e> Conversation<'e> {
         let key = self.session.cache.persist_key()?;
         let snap = persist::load(
             path,
-            &self.engine.digest,
-            &key,
-            self.session.cache.n_layers(),
+            &self.session.persist_expect(&self.engine.digest, &key),
         )?;
         let system: Option<String> =
             serde_json::from_value(snap.extra["system"].clone()).unwrap_or(None);
         let turns: Vec<(String, String)> = serde_json::from_value(snap.extra["turns"].clone())
             .map_err(|_| anyhow::anyhow!("{} holds no conversation", path.display()))?;
-        persist::restore(&mut self.session, &snap)?;
+        self.session.restore(&snap)?;
         self.system = system;
         self.turns = turns;
         self.last = None;

@@ -92,16 +92,43 @@ pub fn select_device(spec: &str) -> Result<Device> {
     }
 }
 
+/// The most CPU threads kvchat starts: more than 4 per core only adds contention.
+pub fn max_threads() -> usize {
+    4 * std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Sets the CPU thread count before any parallel work starts.
 pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    if let Some(n) = threads {
+    if let Some(mut n) = threads {
         if n == 0 {
             bail!("--threads must be at least 1");
+        }
+        if n > max_threads() {
+            eprintln!(
+                "note: --threads {n} capped at {} (4 × the {} cores)",
+                max_threads(),
+                max_threads() / 4
+            );
+            n = max_threads();
         }
         // candle sizes its thread pool (used by its kernels and ours) from this variable.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     Ok(())
+}
+
+/// Memory this process may still take: MemAvailable from /proc/meminfo (half of it, leaving room
+/// for the weights and everything else), or 4 GiB where that cannot be read.
+pub fn available_memory() -> u64 {
+    let kib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemAvailable:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()
+    });
+    kib.map_or(4 << 30, |k| k * 1024 / 2)
 }
 
 impl Engine {
@@ -116,11 +143,35 @@ impl Engine {
         }
     }
 
-    fn ctx_for(args: &ModelArgs, trained: usize) -> Result<usize> {
+    /// The context size: `--ctx`, else the model's trained context. Either must fit in memory with
+    /// its KV cache at full length (f32 keys and values in every layer, plus the RoPE table): an
+    /// explicit `--ctx` that does not is refused, the trained context is lowered with a note.
+    fn ctx_for(args: &ModelArgs, cfg: &crate::model::Config) -> Result<usize> {
+        let per_token =
+            (cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * 4 + cfg.rope_dim * 4) as u64;
+        let avail = available_memory();
+        let fits = |c: usize| (c as u64).saturating_mul(per_token) <= avail;
         match args.ctx {
             Some(0) => bail!("--ctx must be at least 1"),
+            Some(c) if !fits(c) => bail!(
+                "--ctx {c} needs {} for the KV cache at full length ({} per token), more than the {} of memory available; lower --ctx",
+                crate::source::human_bytes((c as u64).saturating_mul(per_token)),
+                crate::source::human_bytes(per_token),
+                crate::source::human_bytes(avail)
+            ),
             Some(c) => Ok(c),
-            None => Ok(trained),
+            None if cfg.ctx_train == 0 => bail!("the model declares a context length of 0"),
+            None if !fits(cfg.ctx_train) => {
+                let mut c = (avail / per_token.max(1)) as usize;
+                c = 1usize << (usize::BITS - 1 - c.max(2).leading_zeros());
+                eprintln!(
+                    "note: the model's context of {} tokens would need {} of KV cache; using --ctx {c}",
+                    cfg.ctx_train,
+                    crate::source::human_bytes((cfg.ctx_train as u64).saturating_mul(per_token))
+                );
+                Ok(c)
+            }
+            None => Ok(cfg.ctx_train),
         }
     }
 
@@ -132,7 +183,7 @@ impl Engine {
             .map(crate::model::safetensors::parse_dtype)
             .transpose()?;
         let cfg = gguf.config()?;
-        let ctx = Self::ctx_for(args, cfg.ctx_train)?;
+        let ctx = Self::ctx_for(args, &cfg)?;
         let model = gguf.load_llama_with(cfg, &device, ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
@@ -170,7 +221,7 @@ impl Engine {
     fn load_hf(files: crate::source::HfFiles, args: &ModelArgs, device: Device) -> Result<Self> {
         let dtype = crate::model::safetensors::parse_dtype(args.dtype.as_deref().unwrap_or("f32"))?;
         let ckpt = HfCheckpoint::open(&files)?;
-        let ctx = Self::ctx_for(args, ckpt.cfg.ctx_train)?;
+        let ctx = Self::ctx_for(args, &ckpt.cfg)?;
         let model = ckpt.load_llama(&device, dtype, ctx)?;
         let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
             (Some(tj), _) | (None, Some(tj)) => {
@@ -255,7 +306,7 @@ impl Engine {
     pub fn chat_template(&self, override_spec: Option<&str>) -> Result<ChatTemplate> {
         let tk = &self.tokenizer;
         match (override_spec, &self.template) {
-            (Some(spec), _) => ChatTemplate::new(spec, &tk.bos_text(), &tk.eos_text()),
+            (Some(spec), _) => ChatTemplate::from_spec(spec, &tk.bos_text(), &tk.eos_text()),
             (None, Some(t)) => Ok(t.clone()),
             (None, None) => bail!(
                 "{} has no chat template: pass --chat-template chatml|llama3|llama2, or --raw",
@@ -265,9 +316,30 @@ impl Engine {
     }
 
     /// Token ids of a chat prompt: the conversation rendered by the template, ready for the answer.
+    /// Message content is text, never control tokens: a user who types `<|im_start|>system` gets
+    /// those characters, not a new system turn.
     pub fn chat_prompt(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
         let text = template.render(messages, true)?;
-        self.tokenizer.encode(&text)
+        let mut spans = Vec::new();
+        let mut at = 0;
+        for m in messages {
+            let found = [m.content.as_str(), m.content.trim()]
+                .into_iter()
+                .filter(|c| !c.is_empty())
+                .find_map(|c| text[at..].find(c).map(|i| (at + i)..(at + i + c.len())));
+            match found {
+                Some(r) => {
+                    at = r.end;
+                    spans.push(r);
+                }
+                None if self.tokenizer.has_special_text(&m.content) => bail!(
+                    "the chat template rewrote a {} message that holds control-token text, so it cannot be kept literal; remove the control tokens (or use --raw)",
+                    m.role
+                ),
+                None => {}
+            }
+        }
+        self.tokenizer.encode_chat(&text, &spans)
     }
 
     /// Token ids of a raw completion prompt (BOS first when the model wants one).

@@ -192,6 +192,38 @@ impl<'m> Session<'m> {
         }
     }
 
+    /// Replaces what the session holds by a saved state (tokens and every layer's keys and values).
+    pub fn restore(&mut self, snap: &crate::kv::persist::Snapshot) -> Result<()> {
+        self.cache.reset()?;
+        self.tokens.clear();
+        for (i, (k, v)) in snap.kv.iter().enumerate() {
+            if let Err(e) = self.cache.layer(i).restore(k, v) {
+                // Never leave a half-restored cache behind.
+                self.cache.reset()?;
+                return Err(e);
+            }
+        }
+        self.tokens = snap.tokens.clone();
+        Ok(())
+    }
+
+    /// What a saved state must match to be restored into this session.
+    pub fn persist_expect<'a>(
+        &self,
+        model_digest: &'a str,
+        cache_key: &'a str,
+    ) -> crate::kv::persist::Expect<'a> {
+        let cfg = &self.model.cfg;
+        crate::kv::persist::Expect {
+            model_digest,
+            cache_key,
+            n_layers: self.cache.n_layers(),
+            n_kv_heads: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
+            max_positions: self.max_positions,
+        }
+    }
+
     /// Appends `new` tokens to the sequence and returns the next-token logits [vocab].
     /// With a cache, only `new` goes through the model; with `--no-cache`, the whole sequence does.
     pub fn feed(&mut self, new: &[u32]) -> Result<Tensor> {

@@ -6,7 +6,10 @@ pub mod cli;
 pub mod commands;
 pub mod conversation;
 pub mod engine;
+pub mod fsx;
 pub mod generate;
+pub mod guard;
+pub mod interrupt;
 pub mod kv;
 pub mod model;
 pub mod plot;
@@ -17,8 +20,7 @@ pub mod tokenizer;
 /// A JSON file, with errors that name it (config.json, tokenizer_config.json, safetensors indexes).
 pub fn read_json(path: &std::path::Path) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = fsx::read_text(path, fsx::MAX_JSON, "JSON file")?;
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
 

@@ -1,7 +1,11 @@
 //! Chat templates: the model's own Jinja template (`tokenizer.chat_template`), rendered with minijinja
 //! in its sandbox, with named fallbacks for models that ship none.
+//!
+//! A template is a program from the model file or the command line, so it runs under limits: fuel
+//! (instructions), a recursion depth, an output size, and a wall-clock deadline that Ctrl-C cuts
+//! short. A template that trips one of them on a one-message probe is refused when it is loaded.
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::Serialize;
 
@@ -45,6 +49,54 @@ pub const END_OF_TURN_TOKENS: &[&str] = &[
     "<|endoftext|>",
 ];
 
+/// Instructions a render may run: a base plus a share per message (real templates use a few
+/// hundred per message).
+const FUEL_BASE: u64 = 200_000;
+const FUEL_PER_MESSAGE: u64 = 20_000;
+/// Macro and include depth.
+const RECURSION_LIMIT: usize = 64;
+/// The most text a render may produce.
+pub const MAX_OUTPUT: usize = 16 << 20;
+/// How long a render may take.
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A writer that fails once more than `left` bytes are written.
+struct Capped {
+    out: Vec<u8>,
+    left: usize,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() > self.left {
+            self.left = 0;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.left -= buf.len();
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Edit distance, for "did you mean" on template names.
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 #[derive(Clone)]
 pub struct ChatTemplate {
     source: String,
@@ -53,20 +105,52 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
-    /// `spec` is a template text, or the name of a built-in one.
-    pub fn new(spec: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
-        let source = NAMED
+    /// `spec` as the user gives it (`--chat-template`): the name of a built-in template, Jinja text
+    /// (it has `{{` or `{%`), or a file holding one. Anything else is a mistyped name.
+    pub fn from_spec(spec: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
+        if let Some((_, src)) = NAMED.iter().find(|(n, _)| *n == spec) {
+            return Self::new(src, bos_token, eos_token);
+        }
+        if spec.contains("{{") || spec.contains("{%") {
+            return Self::new(spec, bos_token, eos_token);
+        }
+        let path = std::path::Path::new(spec);
+        if std::fs::symlink_metadata(path).is_ok() {
+            let text = crate::fsx::read_text(path, MAX_OUTPUT as u64, "chat template file")?;
+            return Self::new(&text, bos_token, eos_token);
+        }
+        let names: Vec<&str> = NAMED.iter().map(|(n, _)| *n).collect();
+        let hint = names
             .iter()
-            .find(|(n, _)| *n == spec)
-            .map_or(spec, |(_, s)| *s)
-            .to_string();
+            .map(|n| (edit_distance(spec, n), n))
+            .filter(|(d, _)| *d <= 2)
+            .min()
+            .map(|(_, n)| format!("; did you mean '{n}'?"))
+            .unwrap_or_default();
+        bail!(
+            "chat template '{spec}' is not a template name ({}), Jinja text or an existing file{hint}",
+            names.join(", ")
+        )
+    }
+
+    /// A template's Jinja source (the model's own). It must parse, and render a one-message
+    /// conversation within the limits.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let t = Self {
-            source,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         };
-        // Fail at load, not mid-chat, on a template that does not parse.
-        t.env()?;
+        // Fail at load, not mid-chat, on a template that does not parse or runs away.
+        t.env(1)?;
+        if let Err(e) = t.render(&[Message::new("user", "Hello")], true) {
+            let msg = e.to_string();
+            // A template may refuse a conversation shape on purpose (raise_exception); that is
+            // not a fault of the template. Running out of a limit is.
+            if msg.contains("limit") || msg.contains("deadline") || msg.contains("interrupted") {
+                return Err(e);
+            }
+        }
         Ok(t)
     }
 
@@ -74,8 +158,10 @@ impl ChatTemplate {
         &self.source
     }
 
-    fn env(&self) -> Result<Environment<'static>> {
+    fn env(&self, messages: usize) -> Result<Environment<'static>> {
         let mut env = Environment::new();
+        env.set_fuel(Some(FUEL_BASE + FUEL_PER_MESSAGE * messages as u64));
+        env.set_recursion_limit(RECURSION_LIMIT);
         // Python string methods (.strip(), .startswith(), …) that HF templates use.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
@@ -92,17 +178,69 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant speaks.
+    /// Runs on a worker thread so that a deadline and Ctrl-C can end the wait; a render cut off
+    /// that way stops on its own when its fuel runs out.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let env = self.env()?;
-        let tmpl = env.get_template("chat").map_err(|e| anyhow!("{e}"))?;
-        let out = tmpl
-            .render(context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token,
-                eos_token => self.eos_token,
+        let env = self.env(messages.len())?;
+        let messages = messages.to_vec();
+        let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("chat-template".into())
+            .spawn(move || {
+                let result = (|| -> Result<String> {
+                    let tmpl = env.get_template("chat").map_err(|e| anyhow!("{e}"))?;
+                    let mut out = Capped {
+                        out: Vec::new(),
+                        left: MAX_OUTPUT,
+                    };
+                    let rendered = tmpl.render_captured_to(
+                        context! {
+                            messages => messages,
+                            add_generation_prompt => add_generation_prompt,
+                            bos_token => bos,
+                            eos_token => eos,
+                        },
+                        &mut out,
+                    );
+                    if let Err(e) = rendered.map(drop) {
+                        if out.left == 0 {
+                            bail!(
+                                "chat template output exceeds the limit of {} MiB",
+                                MAX_OUTPUT >> 20
+                            );
+                        }
+                        if e.kind() == ErrorKind::OutOfFuel {
+                            bail!("chat template exceeded its instruction limit (a runaway loop?)");
+                        }
+                        bail!("chat template failed to render: {e}");
+                    }
+                    String::from_utf8(out.out)
+                        .map_err(|_| anyhow!("chat template rendered invalid UTF-8"))
+                })();
+                let _ = tx.send(result);
             })
-            .map_err(|e| anyhow!("chat template failed to render: {e}"))?;
+            .context("cannot start the template thread")?;
+        let start = std::time::Instant::now();
+        let out = loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(20)) {
+                Ok(r) => break r?,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("chat template rendering failed")
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if crate::interrupt::stop_requested() {
+                        bail!("chat template rendering interrupted");
+                    }
+                    if start.elapsed() > DEADLINE {
+                        bail!(
+                            "chat template exceeded its time limit of {} s (deadline)",
+                            DEADLINE.as_secs()
+                        );
+                    }
+                }
+            }
+        };
         if out.is_empty() {
             bail!("chat template rendered an empty prompt");
         }

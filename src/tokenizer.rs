@@ -60,6 +60,8 @@ pub struct Tokenizer {
     pub eos_id: Option<u32>,
     /// Whether a BOS token goes before the prompt (`tokenizer.ggml.add_bos_token`).
     pub add_bos: bool,
+    /// The same tokenizer with special-token text read as plain text (made on first use).
+    literal: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 fn md_u32(ct: &Content, key: &str) -> Option<u32> {
@@ -203,6 +205,7 @@ impl Tokenizer {
         }
         Ok(Self {
             inner,
+            literal: Default::default(),
             bos_id: md_u32(ct, "tokenizer.ggml.bos_token_id"),
             eos_id: md_u32(ct, "tokenizer.ggml.eos_token_id"),
             add_bos: md_bool(ct, "tokenizer.ggml.add_bos_token").unwrap_or(model == "llama"),
@@ -211,10 +214,12 @@ impl Tokenizer {
 
     /// Loads a tokenizer.json; BOS/EOS ids still come from the model (`fallback`) when it has them.
     pub fn from_file(path: &Path, fallback: Option<&Tokenizer>) -> Result<Self> {
+        crate::fsx::check_regular(path, crate::fsx::MAX_TOKENIZER_JSON, "tokenizer file")?;
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         Ok(Self {
             inner,
+            literal: Default::default(),
             bos_id: fallback.and_then(|t| t.bos_id),
             eos_id: fallback.and_then(|t| t.eos_id),
             add_bos: fallback.is_some_and(|t| t.add_bos),
@@ -225,6 +230,11 @@ impl Tokenizer {
     /// tokenizer_config.json when given (token text, or `{"content": …}` objects). Returns the
     /// tokenizer and the config's `chat_template`, if any.
     pub fn from_hf(tokenizer_json: &Path, config: Option<&Path>) -> Result<(Self, Option<String>)> {
+        crate::fsx::check_regular(
+            tokenizer_json,
+            crate::fsx::MAX_TOKENIZER_JSON,
+            "tokenizer file",
+        )?;
         let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
             .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", tokenizer_json.display()))?;
         let json = match config {
@@ -253,6 +263,7 @@ impl Tokenizer {
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
             inner,
+            literal: Default::default(),
         };
         Ok((tk, template))
     }
@@ -264,6 +275,55 @@ impl Tokenizer {
             .encode_fast(text, false)
             .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text to ids with special-token text taken literally: `<|im_start|>` typed by a user is the
+    /// characters `<`, `|`, … and never the control token.
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>> {
+        let tk = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = tk
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether `text` holds the text of a special token (`<|im_start|>`, `<|eot_id|>`, …).
+    pub fn has_special_text(&self, text: &str) -> bool {
+        self.inner
+            .get_added_tokens_decoder()
+            .values()
+            .any(|t| t.special && !t.content.is_empty() && text.contains(t.content.as_str()))
+    }
+
+    /// A rendered chat prompt to ids: the template's own text with special tokens parsed, the
+    /// `literal` byte ranges (the messages' content) with special-token text taken as plain text.
+    /// When no content holds special-token text this is exactly [`Tokenizer::encode`].
+    pub fn encode_chat(&self, text: &str, literal: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        if !literal
+            .iter()
+            .any(|r| self.has_special_text(&text[r.clone()]))
+        {
+            return self.encode(text);
+        }
+        let mut ids = Vec::new();
+        let mut at = 0;
+        for r in literal {
+            if r.start > at {
+                ids.extend(self.encode(&text[at..r.start])?);
+            }
+            if !r.is_empty() {
+                ids.extend(self.encode_literal(&text[r.clone()])?);
+            }
+            at = r.end;
+        }
+        if at < text.len() {
+            ids.extend(self.encode(&text[at..])?);
+        }
+        Ok(ids)
     }
 
     /// Ids to text; special tokens are left out when `skip_special`.

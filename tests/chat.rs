@@ -204,14 +204,12 @@ fn warm_prompt_cache_gives_the_cold_answer_and_prefills_only_the_new_part() {
 }
 
 #[test]
-fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored() {
+fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored() {
     let good = temp("good.kvc");
     let cold = run_with_cache(good.to_str().unwrap(), "question 1: what is this text?");
     assert!(cold.status.success());
     let bytes = std::fs::read(&good).unwrap();
 
-    let corrupt = temp("corrupt.kvc");
-    std::fs::write(&corrupt, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all").unwrap();
     let truncated = temp("truncated.kvc");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
     // Same container, another model's digest / another cache configuration.
@@ -223,17 +221,25 @@ fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and
     let other_model = temp("other-model.kvc");
     persist::save(
         &other_model,
-        &s,
+        &s.tokens,
+        &s.cache,
         "0000-not-this-model",
         "full f32",
         serde_json::json!({}),
     )
     .unwrap();
     let other_config = temp("other-config.kvc");
-    persist::save(&other_config, &s, &e.digest, "int8", serde_json::json!({})).unwrap();
+    persist::save(
+        &other_config,
+        &s.tokens,
+        &s.cache,
+        &e.digest,
+        "int8",
+        serde_json::json!({}),
+    )
+    .unwrap();
 
     for (file, why) in [
-        (&corrupt, "not a kvchat KV file"),
         (&truncated, "truncated"),
         (&other_model, "another model"),
         (&other_config, "another cache configuration"),
@@ -248,6 +254,22 @@ fn corrupt_truncated_wrong_model_and_wrong_configuration_caches_are_reported_and
         assert!(!err.contains("panicked"));
         assert_eq!(out.stdout, cold.stdout, "{why}: a wrong answer");
     }
+}
+
+#[test]
+fn a_prompt_cache_path_holding_something_else_is_refused_and_left_as_it_was() {
+    let corrupt = temp("corrupt.kvc");
+    let junk = b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all";
+    std::fs::write(&corrupt, junk).unwrap();
+    let out = run_with_cache(corrupt.to_str().unwrap(), "question 1: what is this text?");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("not a kvchat KV file") && err.contains("will not overwrite"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&corrupt).unwrap(), junk);
 }
 
 #[test]

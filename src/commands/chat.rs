@@ -12,10 +12,9 @@ use crate::generate::Sampler;
 use crate::kv::persist;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{BufRead, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -65,31 +64,6 @@ fn default_history() -> PathBuf {
     dirs::data_dir()
         .map_or_else(kvchat_home, |d| d.join("kvchat"))
         .join("history.txt")
-}
-
-/// Set by Ctrl-C while an answer streams.
-struct Interrupt {
-    generating: AtomicBool,
-    stop: AtomicBool,
-}
-
-fn install_interrupt() -> Result<Arc<Interrupt>> {
-    let flag = Arc::new(Interrupt {
-        generating: AtomicBool::new(false),
-        stop: AtomicBool::new(false),
-    });
-    let f = flag.clone();
-    ctrlc::set_handler(move || {
-        if f.generating.load(Ordering::SeqCst) {
-            f.stop.store(true, Ordering::SeqCst);
-        } else {
-            // Not answering: Ctrl-C leaves, as it would without a handler.
-            let _ = writeln!(std::io::stderr());
-            std::process::exit(130);
-        }
-    })
-    .context("cannot install the Ctrl-C handler")?;
-    Ok(flag)
 }
 
 pub fn print_turn_stats(c: &Conversation<'_>, t: &TurnStats) {
@@ -198,6 +172,29 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
     Ok(true)
 }
 
+/// The longest input line taken from a pipe (a turn cannot be longer than the context anyway).
+const MAX_LINE: u64 = 16 << 20;
+
+/// One line of piped input without its newline, at most `limit` bytes; None at end of input.
+fn read_line_bounded(r: &mut impl BufRead, limit: u64) -> Result<Option<String>> {
+    let mut buf = Vec::new();
+    let n = r.by_ref().take(limit + 1).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+    } else if n as u64 > limit {
+        bail!("an input line is longer than {limit} bytes");
+    }
+    String::from_utf8(buf)
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("an input line is not UTF-8 text"))
+}
+
 /// Reads one turn's input: handles `\\` continuations and `"""` blocks. None at end of input.
 fn read_turn(mut next_line: impl FnMut(bool) -> Result<Option<String>>) -> Result<Option<String>> {
     let Some(first) = next_line(false)? else {
@@ -232,6 +229,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
         bail!("-n/--max-tokens must be at least 1");
     }
     let sampling = args.sampling.params()?;
+    // What is at --prompt-cache must be a kvchat KV file or nothing: checked before anything loads.
+    if let Some(pc) = &args.prompt_cache {
+        persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
+    }
+    let interrupt = crate::interrupt::install()?;
     let engine = Engine::load(&args.model)?;
     let spec = args.cache.spec(engine.ctx)?;
     if spec.recomputes() && args.prompt_cache.is_some() {
@@ -255,7 +257,6 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
     }
     let mut sampler = Sampler::new(sampling);
-    let interrupt = install_interrupt()?;
     let tty = std::io::stdin().is_terminal();
 
     let mut editor = if tty {
@@ -275,7 +276,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         None
     };
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut input_lines = stdin.lock();
     let mut stdout = std::io::stdout();
     loop {
         let input = match &mut editor {
@@ -296,7 +297,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
                 }
                 r
             }
-            None => read_turn(|_| lines.next().transpose().map_err(Into::into))?,
+            None => read_turn(|_| read_line_bounded(&mut input_lines, MAX_LINE))?,
         };
         let Some(input) = input else { break };
         let input = input.trim();
@@ -352,9 +353,9 @@ pub fn load_prompt_cache(
         return Ok(0);
     }
     let key = session.cache.persist_key()?;
-    match persist::load(path, &engine.digest, &key, session.cache.n_layers()) {
+    match persist::load(path, &session.persist_expect(&engine.digest, &key)) {
         Ok(snap) => {
-            persist::restore(session, &snap)?;
+            session.restore(&snap)?;
             session.keep_prefix_of(ids)
         }
         Err(e) => {

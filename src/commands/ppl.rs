@@ -12,7 +12,7 @@
 use crate::cli::{CacheArgs, ModelArgs};
 use crate::engine::Engine;
 use crate::generate::Session;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::Tensor;
 use clap::Args;
 use std::io::Write;
@@ -140,8 +140,7 @@ pub fn perplexity(
 }
 
 pub fn run(args: PplArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("cannot read text file {}", args.file.display()))?;
+    let text = crate::fsx::read_text(&args.file, crate::fsx::MAX_TEXT, "text file")?;
     if text.trim().is_empty() {
         bail!("text file {} is empty", args.file.display());
     }

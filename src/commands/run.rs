@@ -6,9 +6,9 @@ use crate::generate::{GenStats, Sampler, StopReason};
 use crate::kv::{persist, CacheSpec, KvCache};
 use crate::template::Message;
 use crate::tokenizer::TextStream;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,8 @@ pub struct RunArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Complete the text as-is, without the chat template
+    /// Complete the text as-is, without the chat template; special-token text in it (<|im_start|>)
+    /// is parsed as control tokens, whereas a chat message's text never is
     #[arg(long)]
     pub raw: bool,
     /// System message for the chat template
@@ -46,6 +47,9 @@ pub struct RunArgs {
     pub prompt_cache: Option<PathBuf>,
 }
 
+/// The longest prompt read (from stdin or the argument), before any model is loaded.
+const MAX_PROMPT_BYTES: u64 = 64 << 20;
+
 pub fn run(args: RunArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("-n/--max-tokens must be at least 1");
@@ -57,10 +61,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             if std::io::stdin().is_terminal() {
                 bail!("no prompt: pass it as an argument or pipe it on stdin");
             }
-            let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("reading the prompt from stdin")?;
+            let s = crate::fsx::read_stream_bounded(
+                &mut std::io::stdin().lock(),
+                MAX_PROMPT_BYTES,
+                "the prompt on stdin",
+            )?;
             // A trailing newline from `echo` is not part of the prompt.
             s.trim_end_matches(['\n', '\r']).to_string()
         }
@@ -68,7 +73,28 @@ pub fn run(args: RunArgs) -> Result<()> {
     if prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
+    if prompt.len() as u64 > MAX_PROMPT_BYTES {
+        bail!(
+            "the prompt is {} bytes, more than the {MAX_PROMPT_BYTES} kvchat takes",
+            prompt.len()
+        );
+    }
+    // What is at --prompt-cache must be a kvchat KV file or nothing: checked before anything loads.
+    if let Some(pc) = &args.prompt_cache {
+        persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
+    }
+    // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
+    crate::interrupt::install()?;
     let engine = Engine::load(&args.model)?;
+    // No tokenizer packs more than ~64 bytes into a token on real text: a longer prompt cannot
+    // fit the context, and tokenizing it first would take memory for nothing.
+    if prompt.len() > engine.ctx.saturating_mul(64) {
+        bail!(
+            "the prompt is {} bytes, which cannot fit the context of {} tokens (raise --ctx)",
+            prompt.len(),
+            engine.ctx
+        );
+    }
     let ids = if args.raw {
         engine.raw_prompt(&prompt)?
     } else {
@@ -104,7 +130,14 @@ pub fn run(args: RunArgs) -> Result<()> {
     let prefill = t0.elapsed();
     if let Some(p) = &args.prompt_cache {
         let saved = session.cache.persist_key().and_then(|key| {
-            persist::save(p, &session, &engine.digest, &key, serde_json::json!({}))
+            persist::save(
+                p,
+                &session.tokens,
+                &session.cache,
+                &engine.digest,
+                &key,
+                serde_json::json!({}),
+            )
         });
         if let Err(e) = saved {
             eprintln!(

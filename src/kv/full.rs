@@ -132,8 +132,13 @@ impl LayerCache for FullCache {
             );
         }
         self.len = 0;
+        if n == 0 {
+            return Ok(());
+        }
         self.reserve(n)?;
-        let (kb, vb) = self.buffers.as_ref().expect("reserved above");
+        let Some((kb, vb)) = self.buffers.as_ref() else {
+            bail!("the cache could not make room for {n} saved positions");
+        };
         let dev = &self.device;
         kb.slice_set(&k.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?, 2, 0)?;
         vb.slice_set(&v.to_device(dev)?.to_dtype(self.dtype)?.contiguous()?, 2, 0)?;

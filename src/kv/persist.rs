@@ -1,14 +1,21 @@
 //! Saving and restoring a sequence's KV state — the prompt cache (`--prompt-cache`) and chat's
 //! `/save`/`/load`. The container is safetensors: each layer's keys and values (`k.{i}`, `v.{i}`,
-//! `[1, n_kv_heads, positions, head_dim]`) and the token ids (`tokens`), with a JSON header naming the
-//! format, the model (a digest of its GGUF metadata and tensor layout) and the cache configuration.
-//! A file from another model or configuration, or a corrupt or truncated one, is refused with a reason.
-//! Writes are atomic: a temporary file in the same directory, then a rename.
+//! `[1, n_kv_heads, positions, head_dim]`, f32) and the token ids (`tokens`), with a JSON header
+//! naming the format, the model (a digest of its GGUF metadata and tensor layout) and the cache
+//! configuration.
+//!
+//! Files are handled as if hostile: only a regular file is read (never a link, pipe or device), its
+//! size is checked against what this model's cache can hold before a byte is read, and what it holds
+//! is checked for shape, dtype and finite values. A file is only ever replaced when what is there is
+//! a kvchat KV file (or nothing): the state goes to a temporary file created anew in the same
+//! directory, which is removed on any failure or signal, then renamed over the old one.
 
-use crate::generate::Session;
+use super::KvCache;
+use crate::interrupt::TempFile;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::path::Path;
 
 pub const FORMAT: &str = "kvchat-kv/1";
@@ -22,25 +29,147 @@ pub struct Snapshot {
     pub extra: serde_json::Value,
 }
 
-/// Writes the session's state (its tokens and every layer's cache) to `path`, atomically.
+/// What a file must match to be loaded into a cache.
+pub struct Expect<'a> {
+    pub model_digest: &'a str,
+    pub cache_key: &'a str,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// The most positions the cache may hold (`--ctx`).
+    pub max_positions: usize,
+}
+
+impl Expect<'_> {
+    /// The largest file that can hold such a state: f32 keys and values of every layer at full
+    /// context, the token ids, and room for the header and the conversation's text.
+    fn max_file_bytes(&self) -> u64 {
+        let per_pos = (self.n_layers * 2 * self.n_kv_heads * self.head_dim * 4 + 4) as u64;
+        per_pos
+            .saturating_mul(self.max_positions as u64)
+            .saturating_add((64 << 20) + 64 * self.max_positions as u64)
+    }
+}
+
+/// The safetensors header's own limit (the crate refuses more).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// The metadata of a safetensors file's header, read without reading its tensors.
+fn read_header_metadata(f: &mut std::fs::File, path: &Path) -> Result<HashMap<String, String>> {
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|_| {
+        anyhow!(
+            "{} is not a kvchat KV file (shorter than a header)",
+            path.display()
+        )
+    })?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER {
+        bail!(
+            "{} is not a kvchat KV file (header length {n})",
+            path.display()
+        );
+    }
+    let mut header = Vec::new();
+    f.take(n).read_to_end(&mut header)?;
+    let json: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|_| anyhow!("{} is not a kvchat KV file", path.display()))?;
+    let meta = json
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(meta)
+}
+
+/// Opens `path` for reading if it is a regular file, without following a link and without
+/// blocking on a pipe.
+fn open_regular(path: &Path) -> Result<std::fs::File> {
+    let meta = std::fs::symlink_metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    if !meta.is_file() {
+        bail!(
+            "{} is {}, not a kvchat KV file",
+            path.display(),
+            crate::fsx::kind(&meta)
+        );
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_flags::O_NOFOLLOW | libc_flags::O_NONBLOCK)
+        .open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    // Re-check what was opened: the path may have been swapped since it was measured.
+    if !f.metadata()?.is_file() {
+        bail!("{} is not a regular file", path.display());
+    }
+    Ok(f)
+}
+
+/// Open flags from <fcntl.h> (Linux values; the same on every architecture Rust targets there
+/// except O_NOFOLLOW on a few, which std does not expose).
+mod libc_flags {
+    #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
+    pub const O_NOFOLLOW: i32 = 0o100000;
+    #[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
+    pub const O_NOFOLLOW: i32 = 0o400000;
+    pub const O_NONBLOCK: i32 = 0o4000;
+}
+
+/// What is at `path` now: `Ok(false)` nothing, `Ok(true)` a kvchat KV file that may be replaced,
+/// an error for anything else (a model, a text file, a link, a device, a directory), which kvchat
+/// will not overwrite.
+pub fn check_target(path: &Path) -> Result<bool> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(anyhow!("cannot check {}: {e}", path.display())),
+        Ok(_) => {}
+    }
+    let refuse = |why: String| {
+        anyhow!("{why}; kvchat will not overwrite it (choose another file for the KV state)")
+    };
+    let mut f = open_regular(path).map_err(|e| refuse(crate::first_line(e)))?;
+    let meta = read_header_metadata(&mut f, path).map_err(|e| refuse(crate::first_line(e)))?;
+    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+        return Err(refuse(format!(
+            "{} is not a kvchat KV file",
+            path.display()
+        )));
+    }
+    Ok(true)
+}
+
+/// Writes the session's state (its tokens and every layer's cache) to `path`, atomically; refuses
+/// to replace anything but a kvchat KV file.
 pub fn save(
     path: &Path,
-    session: &Session<'_>,
+    tokens: &[u32],
+    cache: &KvCache,
     model_digest: &str,
     cache_key: &str,
     extra: serde_json::Value,
 ) -> Result<()> {
-    let n = session.tokens.len();
-    if session.cache.seen() != n || session.cache.len() != n {
-        bail!("the cache holds {} of {} positions: only a full cache of the whole sequence can be saved", session.cache.len(), n);
+    check_target(path)?;
+    let n = tokens.len();
+    if n == 0 {
+        bail!("there is nothing to save yet (no positions in the cache)");
+    }
+    if cache.seen() != n || cache.len() != n {
+        bail!(
+            "the cache holds {} of {} positions: only a full cache of the whole sequence can be saved",
+            cache.len(),
+            n
+        );
     }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    tensors.push((
-        "tokens".into(),
-        Tensor::new(session.tokens.as_slice(), &Device::Cpu)?,
-    ));
-    let mut cache = session.cache.layers_state()?;
-    for (i, kv) in cache.drain(..).enumerate() {
+    tensors.push(("tokens".into(), Tensor::new(tokens, &Device::Cpu)?));
+    let mut state = cache.layers_state()?;
+    for (i, kv) in state.drain(..).enumerate() {
         let (k, v) = kv.ok_or_else(|| anyhow!("layer {i} holds nothing to save"))?;
         tensors.push((format!("k.{i}"), k.to_device(&Device::Cpu)?.contiguous()?));
         tensors.push((format!("v.{i}"), v.to_device(&Device::Cpu)?.contiguous()?));
@@ -53,30 +182,47 @@ pub fn save(
     ]
     .into_iter()
     .collect();
+    let bytes = safetensors::serialize(tensors.iter().map(|(k, t)| (k.as_str(), t)), Some(meta))
+        .map_err(|e| anyhow!("cannot serialize the KV state: {e}"))?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp = dir.join(format!(
+    let tmp = TempFile::new(dir.join(format!(
         ".{}.tmp-{}",
         path.file_name().and_then(|f| f.to_str()).unwrap_or("kv"),
         std::process::id()
-    ));
-    safetensors::serialize_to_file(
-        tensors.iter().map(|(k, t)| (k.as_str(), t)),
-        Some(meta),
-        &tmp,
-    )
-    .map_err(|e| anyhow!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))?;
-    Ok(())
+    )));
+    let write = || -> std::io::Result<()> {
+        // create_new: never reuse (or follow a link planted at) the temporary name.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(tmp.path())?;
+        f.write_all(&bytes)?;
+        f.sync_all()
+    };
+    write().with_context(|| format!("cannot write {}", tmp.path().display()))?;
+    // Checked again just before the rename: nothing else appeared at the path meanwhile.
+    check_target(path)?;
+    tmp.keep(path)
 }
 
 /// Reads and checks a file written by [`save`] for this model and cache configuration.
-pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -> Result<Snapshot> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
+    let mut f = open_regular(path)?;
+    let size = f.metadata()?.len();
+    let limit = expect.max_file_bytes();
+    if size > limit {
+        bail!(
+            "{} is {size} bytes, more than a KV state of this model at --ctx {} can be ({limit}); it is not for this model",
+            path.display(),
+            expect.max_positions
+        );
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    Read::by_ref(&mut f).take(limit).read_to_end(&mut bytes)?;
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| {
         anyhow!(
             "{} is not a kvchat KV file (or is truncated): {e}",
@@ -92,14 +238,15 @@ pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -
             get("format")
         );
     }
-    if get("model") != model_digest {
+    if get("model") != expect.model_digest {
         bail!("{} was made with another model", path.display());
     }
-    if get("cache") != cache_key {
+    if get("cache") != expect.cache_key {
         bail!(
-            "{} was made with another cache configuration ({}, this run uses {cache_key})",
+            "{} was made with another cache configuration ({}, this run uses {})",
             path.display(),
-            get("cache")
+            get("cache"),
+            expect.cache_key
         );
     }
     let mut tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
@@ -109,6 +256,7 @@ pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -
             crate::first_line(e)
         )
     })?;
+    drop(bytes);
     let tokens = tensors
         .remove("tokens")
         .ok_or_else(|| anyhow!("{} has no tokens", path.display()))?;
@@ -116,8 +264,20 @@ pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -
         bail!("{} has malformed tokens", path.display());
     }
     let tokens: Vec<u32> = tokens.to_vec1()?;
-    let mut kv = Vec::with_capacity(n_layers);
-    for i in 0..n_layers {
+    if tokens.is_empty() {
+        bail!("{} holds no positions", path.display());
+    }
+    if tokens.len() >= expect.max_positions {
+        bail!(
+            "{} holds {} positions, which leave no room in the context of {}",
+            path.display(),
+            tokens.len(),
+            expect.max_positions
+        );
+    }
+    let want = [1, expect.n_kv_heads, tokens.len(), expect.head_dim];
+    let mut kv = Vec::with_capacity(expect.n_layers);
+    for i in 0..expect.n_layers {
         let (k, v) = match (
             tensors.remove(&format!("k.{i}")),
             tensors.remove(&format!("v.{i}")),
@@ -125,12 +285,34 @@ pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -
             (Some(k), Some(v)) => (k, v),
             _ => bail!("{} lacks layer {i}'s keys or values", path.display()),
         };
-        if k.rank() != 4 || k.dims() != v.dims() || k.dim(2)? != tokens.len() {
+        if k.dims() != want || v.dims() != want {
             bail!(
-                "{}: layer {i}'s tensors do not match its {} tokens",
+                "{}: layer {i}'s keys {:?} and values {:?} are not the {want:?} this model's cache holds for {} tokens",
                 path.display(),
+                k.dims(),
+                v.dims(),
                 tokens.len()
             );
+        }
+        if k.dtype() != DType::F32 || v.dtype() != DType::F32 {
+            bail!(
+                "{}: layer {i} is stored as {:?}, not f32",
+                path.display(),
+                k.dtype()
+            );
+        }
+        for (name, t) in [("keys", &k), ("values", &v)] {
+            let finite = t
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|x| x.is_finite());
+            if !finite {
+                bail!(
+                    "{}: layer {i}'s {name} hold NaN or infinite values",
+                    path.display()
+                );
+            }
         }
         kv.push((k, v));
     }
@@ -139,15 +321,4 @@ pub fn load(path: &Path, model_digest: &str, cache_key: &str, n_layers: usize) -
     }
     let extra = serde_json::from_str(get("extra")).unwrap_or(serde_json::Value::Null);
     Ok(Snapshot { tokens, kv, extra })
-}
-
-/// Puts a snapshot's state into a fresh or used session (replacing what it held).
-pub fn restore(session: &mut Session<'_>, snap: &Snapshot) -> Result<()> {
-    session.cache.reset()?;
-    session.tokens.clear();
-    for (i, (k, v)) in snap.kv.iter().enumerate() {
-        session.cache.layer(i).restore(k, v)?;
-    }
-    session.tokens = snap.tokens.clone();
-    Ok(())
 }

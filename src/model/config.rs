@@ -12,6 +12,10 @@ pub enum RopeStyle {
     HalfSplit,
 }
 
+/// The largest count or size kvchat takes from a file's metadata (2^31): anything larger is a damaged
+/// or hostile file, not a model.
+const MAX_DIM: u64 = 1 << 31;
+
 /// Architectures whose decoder is the one in `model::llama`.
 pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2"];
 
@@ -56,12 +60,22 @@ impl Config {
                 .with_context(|| format!("GGUF metadata lacks {arch}.{key}"))
         };
         let get_u = |key: &str| -> Result<usize> {
-            let v = get(key)?;
-            Ok(v.to_u64()
-                .or_else(|_| v.to_u32().map(u64::from))
-                .or_else(|_| v.to_i32().map(|x| x as u64))
-                .with_context(|| format!("GGUF {arch}.{key} is not an integer"))?
-                as usize)
+            use gguf_file::Value as V;
+            let n: i128 = match get(key)? {
+                V::U8(x) => (*x).into(),
+                V::U16(x) => (*x).into(),
+                V::U32(x) => (*x).into(),
+                V::U64(x) => (*x).into(),
+                V::I8(x) => (*x).into(),
+                V::I16(x) => (*x).into(),
+                V::I32(x) => (*x).into(),
+                V::I64(x) => (*x).into(),
+                _ => bail!("GGUF {arch}.{key} is not an integer"),
+            };
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| n as u64 <= MAX_DIM)
+                .with_context(|| format!("GGUF {arch}.{key} = {n} is out of range"))
         };
         let get_f = |key: &str| -> Result<f32> {
             let v = get(key)?;
@@ -89,7 +103,9 @@ impl Config {
         };
         // The embedding matrix is the authority on vocabulary size; metadata is the fallback.
         let vocab = match ct.tensor_infos.get("token_embd.weight") {
-            Some(info) => info.shape.dims()[0],
+            Some(info) => *info.shape.dims().first().with_context(|| {
+                format!("tensor token_embd.weight has no dimensions (expected [vocab, {hidden}])")
+            })?,
             None => match get_u("vocab_size") {
                 Ok(v) => v,
                 Err(_) => md
@@ -242,7 +258,52 @@ impl Config {
 
     pub fn validate(&self) -> Result<()> {
         if self.n_layer == 0 || self.n_head == 0 || self.n_kv_head == 0 || self.head_dim == 0 {
-            bail!("model has zero layers, heads or head size: {self:?}");
+            bail!(
+                "model has zero layers, heads or head size ({} layers, {} heads, {} KV heads, head size {})",
+                self.n_layer,
+                self.n_head,
+                self.n_kv_head,
+                self.head_dim
+            );
+        }
+        // Limits far above any real model: a file beyond them is damaged, and taking it on trust
+        // would mean allocations that abort.
+        for (name, v, max) in [
+            ("block_count", self.n_layer, 4096),
+            ("head_count", self.n_head, 4096),
+            ("head_count_kv", self.n_kv_head, 4096),
+            ("head size", self.head_dim, 4096),
+            ("embedding_length", self.hidden, 1 << 17),
+            ("feed_forward_length", self.ffn, 1 << 20),
+            ("vocabulary", self.vocab, 1 << 23),
+            ("context_length", self.ctx_train, 1 << 26),
+        ] {
+            if v > max {
+                bail!("model {name} = {v} is beyond any real model's (at most {max}); the file is damaged");
+            }
+        }
+        if self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
+            bail!(
+                "model has a zero embedding, feed-forward or vocabulary size ({}, {}, {})",
+                self.hidden,
+                self.ffn,
+                self.vocab
+            );
+        }
+        if self.rope_dim == 0 {
+            bail!("RoPE dimension is 0");
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
+            bail!("RoPE base {} is not a positive number", self.rope_base);
+        }
+        if !(self.rope_linear_scale.is_finite() && self.rope_linear_scale > 0.0) {
+            bail!(
+                "RoPE scaling factor {} is not a positive number",
+                self.rope_linear_scale
+            );
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rms_eps < 1.0) {
+            bail!("RMSNorm epsilon {} is not in (0, 1)", self.rms_eps);
         }
         if !self.n_head.is_multiple_of(self.n_kv_head) {
             bail!(

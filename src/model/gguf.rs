@@ -23,22 +23,27 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
+        // A regular file only: opening a pipe would block, a device would never end.
+        crate::fsx::check_regular(path, u64::MAX, "model file")?;
         let file = File::open(path)
             .with_context(|| format!("cannot open model file {}", path.display()))?;
-        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-            anyhow::bail!(
-                "model path {} is a directory, not a GGUF file",
-                path.display()
-            );
-        }
         let mut reader = BufReader::new(file);
-        let content = gguf_file::Content::read(&mut reader).map_err(|e| {
-            anyhow::anyhow!(
-                "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
-                path.display(),
-                e = crate::first_line(e)
-            )
-        })?;
+        // candle's reader divides by `general.alignment` unchecked (0 panics): read the header
+        // under a guard that turns such a panic into an error about the file.
+        let content = crate::guard::no_panic(|| gguf_file::Content::read(&mut reader))
+            .map_err(|why| {
+                anyhow::anyhow!(
+                    "{} is not a readable GGUF file ({why}); is it damaged?",
+                    path.display()
+                )
+            })?
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
+                    path.display(),
+                    e = crate::first_line(e)
+                )
+            })?;
         Ok(Self {
             path: path.to_path_buf(),
             content,

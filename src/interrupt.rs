@@ -1,0 +1,97 @@
+//! The process's one Ctrl-C / SIGTERM handler. While an answer streams, Ctrl-C stops that answer
+//! (`stop` is set, the generation loop sees it). Otherwise the signal ends the process as it would
+//! without a handler (exit 130), after removing the temporary files registered with [`TempFile`], so
+//! a save cut short never leaves a half-written file behind.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+pub struct Interrupt {
+    /// An answer is streaming: Ctrl-C stops it instead of the process.
+    pub generating: AtomicBool,
+    /// Set by Ctrl-C while `generating`.
+    pub stop: AtomicBool,
+}
+
+static STATE: OnceLock<Interrupt> = OnceLock::new();
+static TEMP_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn remove_temp_files() {
+    // try_lock: the signal may arrive while this thread holds the lock; then the owner cleans up.
+    if let Ok(mut files) = TEMP_FILES.try_lock() {
+        for f in files.drain(..) {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// Installs the handler once; later calls return the same state.
+pub fn install() -> Result<&'static Interrupt> {
+    if let Some(s) = STATE.get() {
+        return Ok(s);
+    }
+    let state = STATE.get_or_init(|| Interrupt {
+        generating: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+    });
+    ctrlc::set_handler(|| {
+        let s = STATE.get().expect("set before the handler");
+        if s.generating.load(Ordering::SeqCst) {
+            s.stop.store(true, Ordering::SeqCst);
+        } else {
+            remove_temp_files();
+            eprintln!();
+            std::process::exit(130);
+        }
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    Ok(state)
+}
+
+/// Whether Ctrl-C asked to stop what is running now (false when no handler is installed).
+pub fn stop_requested() -> bool {
+    STATE.get().is_some_and(|s| s.stop.load(Ordering::SeqCst))
+}
+
+/// A file being written under a temporary name: removed when dropped unless [`TempFile::keep`]
+/// moved it into place, and removed by the signal handler if the process is stopped meanwhile.
+pub struct TempFile {
+    path: PathBuf,
+    done: bool,
+}
+
+impl TempFile {
+    /// Registers `path`; the caller creates it (with `create_new`, so nothing existing is reused).
+    pub fn new(path: PathBuf) -> Self {
+        if let Ok(mut f) = TEMP_FILES.lock() {
+            f.push(path.clone());
+        }
+        Self { path, done: false }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Renames the file to `dest`; from then on it is no longer temporary.
+    pub fn keep(mut self, dest: &Path) -> Result<()> {
+        std::fs::rename(&self.path, dest).with_context(|| {
+            format!("cannot move {} to {}", self.path.display(), dest.display())
+        })?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.path);
+        }
+        if let Ok(mut f) = TEMP_FILES.lock() {
+            f.retain(|p| p != &self.path);
+        }
+    }
+}
