@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod hub;
+pub mod raw_gguf;
 pub mod tiny;
 
 use kvchat::cli::ModelArgs;
