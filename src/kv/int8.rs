@@ -5,39 +5,16 @@
 //! both symmetric (`q = round(x / s)`, `s = max|x| / 127`). The most recent `residual` positions (and
 //! the positions of a key group not yet complete) stay in f32 and are quantized as they age out.
 //! Keys are quantized after RoPE. Attention reads the INT8 storage directly (no dequantized copy):
-//! see `model::attention::attend_int8`.
+//! see `model::kernels::attention::attend_int8`.
 //!
 //! Layout per KV head: `kq`, `vq` `[n_quantized, hd]` i8; `k_scale` `[n_quantized / GROUP, hd]`;
 //! `v_scale` `[n_quantized]`; `tail_k`, `tail_v` `[n_tail, hd]` f32, positions in order.
 
 use super::{Attend, KvView, LayerCache};
+pub use crate::model::cache::{Int8Head, Int8View, GROUP};
 use crate::model::rope::Rope;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
-
-/// Tokens per key-scale group. 128 keeps the scale overhead at 4·hd/128 bytes per token and head, so
-/// INT8 holds ≤ 0.27× the bytes of f32 (and ≤ 0.53× of f16) at head_dim 64.
-pub const GROUP: usize = 128;
-
-#[derive(Debug, Clone, Default)]
-pub struct Int8Head {
-    pub kq: Vec<i8>,
-    pub k_scale: Vec<f32>,
-    pub vq: Vec<i8>,
-    pub v_scale: Vec<f32>,
-    pub tail_k: Vec<f32>,
-    pub tail_v: Vec<f32>,
-}
-
-/// What attention reads: every head's INT8 blocks and f32 tail (the step's positions last).
-pub struct Int8View<'a> {
-    pub heads: &'a [Int8Head],
-    pub head_dim: usize,
-    /// Quantized positions (a multiple of GROUP).
-    pub n_quant: usize,
-    /// Positions in the f32 tail, the step's included.
-    pub n_tail: usize,
-}
 
 pub struct Int8Cache {
     n_kv_heads: usize,
@@ -127,16 +104,22 @@ impl Int8Cache {
 impl LayerCache for Int8Cache {
     fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>> {
         if !k.device().is_cpu() {
-            bail!("the int8 KV cache runs on the CPU device only (use --device cpu)");
+            return Err(crate::fixable(
+                crate::Fix::CpuDevice,
+                "the int8 KV cache runs on the CPU device only".into(),
+            ));
         }
         let t = k.dim(2)?;
         let pos = self.n_quant + self.n_tail;
         if pos + t > self.max_positions {
-            bail!(
-                "the KV cache is full: {} positions needed, {} allowed (raise --ctx)",
-                pos + t,
-                self.max_positions
-            );
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "the KV cache is full: {} positions needed, {} allowed",
+                    pos + t,
+                    self.max_positions
+                ),
+            ));
         }
         // Age out: whole key groups beyond the residual window are quantized.
         while self.n_tail >= self.residual + GROUP {
@@ -246,8 +229,8 @@ impl LayerCache for Int8Cache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::attention::{attend, attend_view};
     use crate::model::config::{Config, RopeStyle};
+    use crate::model::kernels::attention::{attend, attend_view};
 
     fn rope() -> Rope {
         let cfg = Config {

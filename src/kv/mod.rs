@@ -14,58 +14,115 @@ pub mod persist;
 pub mod size;
 pub mod window;
 
-use crate::model::{config::Config, rope::Rope};
+pub use crate::model::cache::{Attend, DecoderCache, KvView, LayerCache};
+use crate::model::config::Config;
+#[cfg(test)]
+use crate::model::rope::Rope;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
-/// What a layer's attention attends over for one step. In every view the step's own `t` positions
-/// come last, so the causal mask is the same: query i sees the first `L - t + i + 1` positions.
-pub enum KvView<'a> {
-    /// Rotated keys and values, `[1, n_kv_heads, L, head_dim]` each (views into a cache are fine).
-    Dense { k: Tensor, v: Tensor },
-    /// INT8 blocks of old positions, then a full-precision tail that ends with the step's own.
-    Int8(int8::Int8View<'a>),
+/// Attention sinks kept by a window unless told otherwise.
+pub const DEFAULT_SINKS: usize = 4;
+/// Most recent positions INT8 keeps in f32 unless told otherwise.
+pub const DEFAULT_RESIDUAL: usize = 32;
+
+/// A cache strategy as a person names it, before the context size is known: `none`, `full`,
+/// `int8`, `int8:R` (R recent positions in f32), `offload`, `window:N` or `window:N+S` (S sinks).
+/// This is the one place such a name is parsed; [`CacheMode::spec`] checks it against a context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    None,
+    Full,
+    Window { window: usize, sinks: usize },
+    Int8 { residual: usize },
+    Offload,
 }
 
-pub struct Attend<'a> {
-    pub view: KvView<'a>,
-    /// Position at which the step's first query is rotated.
-    pub q_pos: usize,
+impl std::str::FromStr for CacheMode {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let num = |what: &str, v: &str| -> Result<usize> {
+            v.parse()
+                .map_err(|_| anyhow::anyhow!("cache mode '{s}': '{v}' is not a {what}"))
+        };
+        Ok(match s {
+            "none" => CacheMode::None,
+            "full" => CacheMode::Full,
+            "offload" => CacheMode::Offload,
+            "int8" => CacheMode::Int8 {
+                residual: DEFAULT_RESIDUAL,
+            },
+            _ => {
+                if let Some(r) = s.strip_prefix("int8:") {
+                    CacheMode::Int8 {
+                        residual: num("residual position count", r)?,
+                    }
+                } else if let Some(w) = s.strip_prefix("window:") {
+                    let (n, k) = w.split_once('+').unwrap_or((w, ""));
+                    CacheMode::Window {
+                        window: num("window size", n)?,
+                        sinks: if k.is_empty() {
+                            DEFAULT_SINKS
+                        } else {
+                            num("sink count", k)?
+                        },
+                    }
+                } else {
+                    anyhow::bail!(
+                        "unknown cache mode '{s}' (none, full, int8[:R], offload, window:N[+S])"
+                    )
+                }
+            }
+        })
+    }
 }
 
-/// One layer's cache.
-pub trait LayerCache: Send {
-    /// Stores this step's keys `k` (not yet rotated) and values `v`, both `[1, n_kv_heads, t, head_dim]`,
-    /// and returns what the step's queries attend over.
-    fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>>;
-    /// Positions held.
-    fn len(&self) -> usize;
-    /// Positions of the sequence seen so far (more than `len` once a window has dropped some).
-    fn seen(&self) -> usize {
-        self.len()
+impl std::fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheMode::None => write!(f, "none"),
+            CacheMode::Full => write!(f, "full"),
+            CacheMode::Offload => write!(f, "offload"),
+            CacheMode::Int8 { residual } if *residual == DEFAULT_RESIDUAL => write!(f, "int8"),
+            CacheMode::Int8 { residual } => write!(f, "int8:{residual}"),
+            CacheMode::Window { window, sinks } => write!(f, "window:{window}+{sinks}"),
+        }
     }
-    fn is_empty(&self) -> bool {
-        self.len() == 0
+}
+
+impl CacheMode {
+    /// The strategy for a context of `ctx` positions; impossible settings are refused here, in
+    /// words that name the values.
+    pub fn spec(&self, ctx: usize) -> Result<CacheSpec> {
+        Ok(match *self {
+            CacheMode::None => CacheSpec::None,
+            CacheMode::Full => CacheSpec::Full { max_positions: ctx },
+            CacheMode::Offload => CacheSpec::Offload { max_positions: ctx },
+            CacheMode::Int8 { residual } => CacheSpec::Int8 {
+                max_positions: ctx,
+                residual,
+            },
+            CacheMode::Window { window, sinks } => {
+                if window == 0 {
+                    anyhow::bail!("a window must hold at least 1 position");
+                }
+                if sinks >= window {
+                    anyhow::bail!("{sinks} sinks do not fit a window of {window} (fewer sinks than positions)");
+                }
+                // Positions inside the cache reach sinks + 2 × window during a step (the rotation
+                // table has `ctx` positions).
+                match window.checked_mul(2).and_then(|w| w.checked_add(sinks)) {
+                    Some(n) if n <= ctx => {}
+                    Some(n) => anyhow::bail!(
+                        "a window of {window} with {sinks} sinks needs a context of at least {n} (it is {ctx})"
+                    ),
+                    None => anyhow::bail!("a window of {window} positions is too large (the context is {ctx})"),
+                }
+                CacheSpec::Window { window, sinks }
+            }
+        })
     }
-    /// Drops every position of the sequence from `len` on, so the next append continues at `len`.
-    /// Truncating to `len >= seen()` does nothing.
-    fn truncate(&mut self, len: usize) -> Result<()>;
-    /// Replaces what this layer holds by `k` (rotated) and `v`, `[1, n_kv_heads, n, head_dim]` (from
-    /// `state` of the same strategy): how a saved prompt cache comes back.
-    fn restore(&mut self, _k: &Tensor, _v: &Tensor) -> Result<()> {
-        anyhow::bail!("this cache strategy cannot be saved or restored yet (use the full cache)")
-    }
-    /// Starts moving this layer's storage to the compute device ahead of its `append` (offload).
-    fn prefetch(&mut self) -> Result<()> {
-        Ok(())
-    }
-    /// Bytes of cache storage resident now (allocated, not just used).
-    fn bytes(&self) -> usize;
-    /// Bytes that the positions held occupy (no spare capacity).
-    fn bytes_used(&self) -> usize;
-    /// The keys and values held, `[1, n_kv_heads, len, head_dim]` each, oldest first, keys as the
-    /// strategy stores them (rotated, except in the window); None when empty.
-    fn state(&self) -> Result<Option<(Tensor, Tensor)>>;
 }
 
 /// Which strategy, with its parameters: what `--no-cache` and the other cache flags select.
@@ -138,6 +195,12 @@ impl CacheSpec {
         }
     }
 
+    /// Whether the sequence may not outgrow the context (a window holds a bounded number of
+    /// positions however long the sequence runs).
+    pub fn bounded_by_context(&self) -> bool {
+        !matches!(self, CacheSpec::Window { .. })
+    }
+
     /// The most positions one forward may append (a window cannot take more than its width at once).
     pub fn max_step(&self) -> Option<usize> {
         match self {
@@ -194,6 +257,21 @@ pub struct KvCache {
     layers: Vec<Box<dyn LayerCache>>,
 }
 
+impl DecoderCache for KvCache {
+    fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    fn layer(&mut self, i: usize) -> &mut dyn LayerCache {
+        self.layers[i].as_mut()
+    }
+    fn recomputes(&self) -> bool {
+        self.spec.recomputes()
+    }
+    fn max_step(&self) -> Option<usize> {
+        self.spec.max_step()
+    }
+}
+
 impl KvCache {
     pub fn spec(&self) -> &CacheSpec {
         &self.spec
@@ -232,10 +310,13 @@ impl KvCache {
     pub fn persist_key(&self) -> Result<String> {
         match &self.spec {
             CacheSpec::Full { .. } | CacheSpec::Offload { .. } => Ok("full f32".into()),
-            other => anyhow::bail!(
-                "saving the KV state is not supported with the {} cache yet (use the full cache)",
-                other.name()
-            ),
+            other => Err(crate::fixable(
+                crate::Fix::FullCache,
+                format!(
+                    "saving the KV state is not supported with the {} cache yet",
+                    other.name()
+                ),
+            )),
         }
     }
     /// Bytes resident in all layers now (allocated storage).
@@ -245,5 +326,74 @@ impl KvCache {
     /// Bytes the positions held occupy (what `kv-size` predicts for this many positions).
     pub fn bytes_used(&self) -> usize {
         self.layers.iter().map(|l| l.bytes_used()).sum()
+    }
+}
+
+/// A RoPE table for unit tests of the strategies: one KV head of size 2.
+#[cfg(test)]
+pub(crate) fn test_rope(max_positions: usize) -> Rope {
+    let cfg = Config {
+        arch: "llama".into(),
+        n_layer: 1,
+        n_head: 1,
+        n_kv_head: 1,
+        head_dim: 2,
+        hidden: 2,
+        ffn: 2,
+        vocab: 2,
+        ctx_train: max_positions,
+        rope_base: 10_000.0,
+        rope_dim: 2,
+        rope_linear_scale: 1.0,
+        rope_style: crate::model::config::RopeStyle::Interleaved,
+        rms_eps: 1e-5,
+    };
+    Rope::new(&cfg, max_positions, None, DType::F32, &Device::Cpu).unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_mode_names_round_trip() {
+        for name in [
+            "none",
+            "full",
+            "int8",
+            "int8:16",
+            "offload",
+            "window:256+4",
+            "window:64+0",
+        ] {
+            let m: CacheMode = name.parse().unwrap();
+            assert_eq!(m.to_string(), name);
+        }
+        assert_eq!(
+            "window:256".parse::<CacheMode>().unwrap(),
+            CacheMode::Window {
+                window: 256,
+                sinks: DEFAULT_SINKS
+            }
+        );
+        for bad in ["window:x", "window:4+y", "int4", "", "full:3"] {
+            assert!(bad.parse::<CacheMode>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn impossible_windows_are_refused_against_the_context() {
+        let w = |window, sinks| CacheMode::Window { window, sinks };
+        assert!(w(0, 0).spec(100).is_err());
+        assert!(w(4, 4).spec(100).is_err());
+        assert!(w(50, 4).spec(100).is_err(), "needs 104 positions");
+        assert!(w(usize::MAX / 2 + 1, 0).spec(100).is_err());
+        assert_eq!(
+            w(48, 4).spec(100).unwrap(),
+            CacheSpec::Window {
+                window: 48,
+                sinks: 4
+            }
+        );
     }
 }

@@ -1,8 +1,8 @@
 //! GGUF files: metadata and quantized weights, read once; matrices stay quantized (candle's QMatMul).
 
 use super::config::Config;
+use super::kernels::q4_1::Q4_1Matrix;
 use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
-use super::q4_1::Q4_1Matrix;
 use super::rope::Rope;
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};

@@ -3,9 +3,9 @@
 //! Reads top to bottom like the math. Shapes: `t` = tokens in this step, `L` = positions attended over,
 //! `nh` = query heads, `nkv` = KV heads, `g = nh / nkv` query heads per KV head, `hd` = head size.
 
+use super::cache::{DecoderCache, LayerCache};
 use super::config::Config;
 use super::rope::Rope;
-use crate::kv::{KvCache, LayerCache};
 use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -16,7 +16,7 @@ use std::sync::Arc;
 pub enum Weight {
     Quantized(QMatMul),
     /// Q4_1 on the CPU: our AVX2 kernel, bit-identical to candle's scalar QMatMul path.
-    Q4_1(super::q4_1::Q4_1Matrix),
+    Q4_1(super::kernels::q4_1::Q4_1Matrix),
     Dense(Tensor),
 }
 
@@ -48,9 +48,9 @@ impl Linear {
 
 pub struct Layer {
     /// q, k and v stacked into one matrix (CPU Q4_1, no biases): one pass instead of three.
-    pub qkv: Option<super::q4_1::Q4_1Matrix>,
+    pub qkv: Option<super::kernels::q4_1::Q4_1Matrix>,
     /// gate and up stacked likewise.
-    pub gate_up: Option<super::q4_1::Q4_1Matrix>,
+    pub gate_up: Option<super::kernels::q4_1::Q4_1Matrix>,
     pub attn_norm: Tensor,
     pub wq: Linear,
     pub wk: Linear,
@@ -95,7 +95,7 @@ impl Layer {
     /// Stacks q/k/v and gate/up into one matrix each where all are CPU Q4_1 without biases; the
     /// separate weights become views of the stacked ones (nothing is stored twice).
     pub fn stack_projections(&mut self) -> Result<()> {
-        use super::q4_1::Q4_1Matrix;
+        use super::kernels::q4_1::Q4_1Matrix;
         let no_bias = self.wq.b.is_none() && self.wk.b.is_none() && self.wv.b.is_none();
         if let (true, Weight::Q4_1(q), Weight::Q4_1(k), Weight::Q4_1(v)) =
             (no_bias, &self.wq.w, &self.wk.w, &self.wv.w)
@@ -123,15 +123,19 @@ impl Llama {
 
     /// Runs `tokens` through the decoder, continuing after what `cache` holds, and returns logits
     /// `[vocab]` (Logits::Last) or `[t, vocab]` (Logits::All).
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn DecoderCache,
+        which: Logits,
+    ) -> Result<Tensor> {
         if tokens.is_empty() {
             bail!("forward over zero tokens");
         }
         let chunk = cache
-            .spec()
             .max_step()
             .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk));
-        if cache.spec().recomputes() || tokens.len() <= chunk {
+        if cache.recomputes() || tokens.len() <= chunk {
             return self.forward_chunk(tokens, cache, which);
         }
         let mut all = Vec::new();
@@ -149,7 +153,12 @@ impl Llama {
         }
     }
 
-    fn forward_chunk(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Tensor> {
+    fn forward_chunk(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn DecoderCache,
+        which: Logits,
+    ) -> Result<Tensor> {
         let t = tokens.len();
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = match &self.embed {
@@ -232,7 +241,7 @@ impl Llama {
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
         let q = q.reshape((nkv, g * t, hd))?;
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = super::attention::attend_view(&q, &att.view, t, scale)?; // [nkv, g*t, hd]
+        let out = super::kernels::attention::attend_view(&q, &att.view, t, scale)?; // [nkv, g*t, hd]
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]

@@ -1,12 +1,12 @@
 //! Loading a model: hyperparameters, weights and the decoder built on them.
 
-pub mod attention;
+pub mod cache;
 pub mod config;
 pub mod export;
 pub mod files;
 pub mod gguf;
+pub mod kernels;
 pub mod llama;
-pub mod q4_1;
 pub mod rope;
 pub mod safetensors;
 

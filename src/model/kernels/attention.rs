@@ -8,8 +8,8 @@
 //! `k`, `v` `[nkv, L, hd]` (any strides with a contiguous last dimension); the step's t queries sit
 //! at the last t of the L positions. Result `[nkv, g*t, hd]`.
 
-use crate::kv::int8::{Int8View, GROUP};
-use crate::kv::KvView;
+use super::disjoint::DisjointOut;
+use crate::model::cache::{Int8View, KvView, GROUP};
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
@@ -272,10 +272,10 @@ fn chunked_attention(
         (h, r0, TILE.min(gt - r0))
     };
     let mut out = vec![0f32; nkv * gt * hd];
-    let out_ptr = out.as_mut_ptr() as usize;
     let pool = candle_core::utils::barrier_pool();
     let threads = pool.n_workers() + 1; // the workers and this thread
     if n_tiles >= 4 * threads || n_chunks == 1 {
+        let dst = DisjointOut::new(&mut out);
         pool.execute_chunked(n_tiles, |range| {
             let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
             let mut tmp = vec![0f32; TILE * w];
@@ -290,20 +290,15 @@ fn chunked_attention(
                     }
                 }
                 for r in 0..rows {
-                    // SAFETY: row (h, r0 + r) of the output belongs to this item alone.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            (out_ptr as *mut f32).add((h * gt + r0 + r) * hd),
-                            hd,
-                        )
-                    };
+                    // SAFETY (DisjointOut's contract): row (h, r0 + r) belongs to this tile alone.
+                    let o = unsafe { dst.slice((h * gt + r0 + r) * hd, hd) };
                     combine(&partials[r * n_chunks * w..][..n_chunks * w], w, o);
                 }
             }
         });
     } else {
         let mut partials = vec![0f32; nkv * gt * n_chunks * w];
-        let p_ptr = partials.as_mut_ptr() as usize;
+        let dst = DisjointOut::new(&mut partials);
         pool.execute_chunked(n_tiles * n_chunks, |range| {
             let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
             let mut tmp = vec![0f32; TILE * w];
@@ -312,14 +307,9 @@ fn chunked_attention(
                 let (h, r0, rows) = tile(item / n_chunks);
                 chunk(h, r0, rows, c, &mut scratch, &mut tmp);
                 for r in 0..rows {
-                    // SAFETY: partial (row, c) belongs to this item alone.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            (p_ptr as *mut f32).add(((h * gt + r0 + r) * n_chunks + c) * w),
-                            w,
-                        )
-                    };
-                    dst.copy_from_slice(&tmp[r * w..(r + 1) * w]);
+                    // SAFETY (DisjointOut's contract): partial (row, c) belongs to this item alone.
+                    let part = unsafe { dst.slice(((h * gt + r0 + r) * n_chunks + c) * w, w) };
+                    part.copy_from_slice(&tmp[r * w..(r + 1) * w]);
                 }
             }
         });

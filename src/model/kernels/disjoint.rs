@@ -1,0 +1,89 @@
+//! The one place kernels write into shared output from several threads.
+//!
+//! A kernel splits its output into regions that no two work items share (rows of a matrix, a
+//! tile's rows, one partial per (row, chunk)), runs the items on candle's thread pool, and each
+//! item writes its own regions through a [`DisjointOut`]. Rust cannot see that the regions are
+//! disjoint, so the writes are `unsafe`; this module holds the raw pointer and states the contract
+//! once:
+//!
+//! SAFETY CONTRACT: while a `DisjointOut` is shared between threads, every index is written by at
+//! most one work item, and nothing reads an index that another item may still write. The output
+//! buffer is borrowed mutably for the `DisjointOut`'s lifetime, so no other access exists; bounds
+//! are checked on every call.
+
+use std::marker::PhantomData;
+
+pub struct DisjointOut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _out: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: see the module's contract; `T: Send` because values cross threads.
+unsafe impl<T: Send> Sync for DisjointOut<'_, T> {}
+unsafe impl<T: Send> Send for DisjointOut<'_, T> {}
+
+impl<'a, T> DisjointOut<'a, T> {
+    pub fn new(out: &'a mut [T]) -> Self {
+        Self {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            _out: PhantomData,
+        }
+    }
+
+    /// The `len` elements from `start`.
+    ///
+    /// # Safety
+    /// The module's contract: no other work item touches `start..start + len` while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "disjoint output: {start}+{len} out of {}",
+            self.len
+        );
+        // SAFETY: in bounds (checked above); exclusive by the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+
+    /// Writes one element.
+    ///
+    /// # Safety
+    /// The module's contract: no other work item touches index `i`.
+    pub unsafe fn write(&self, i: usize, value: T) {
+        assert!(i < self.len, "disjoint output: {i} out of {}", self.len);
+        // SAFETY: in bounds (checked above); exclusive by the caller's promise.
+        unsafe { *self.ptr.add(i) = value }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_writing_their_own_rows_fill_the_whole_output() {
+        let mut out = vec![0u32; 64 * 8];
+        let d = DisjointOut::new(&mut out);
+        candle_core::utils::barrier_pool().execute_chunked(64, |range| {
+            for row in range {
+                // SAFETY: row `row` belongs to this item alone.
+                let r = unsafe { d.slice(row * 8, 8) };
+                r.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, x)| *x = (row * 8 + j) as u32);
+            }
+        });
+        assert!(out.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    #[test]
+    #[should_panic(expected = "out of")]
+    fn a_region_past_the_end_is_refused() {
+        let mut out = vec![0u8; 4];
+        let d = DisjointOut::new(&mut out);
+        // SAFETY: single-threaded here.
+        let _ = unsafe { d.slice(2, 3) };
+    }
+}
