@@ -72,10 +72,13 @@ impl FullCache {
     /// Makes room for `needed` positions, copying what is held into a larger buffer if needed.
     fn reserve(&mut self, needed: usize) -> Result<()> {
         if needed > self.max_positions {
-            bail!(
-                "the KV cache is full: {needed} positions needed, {} allowed (raise --ctx)",
-                self.max_positions
-            );
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "the KV cache is full: {needed} positions needed, {} allowed",
+                    self.max_positions
+                ),
+            ));
         }
         if needed <= self.capacity {
             return Ok(());
@@ -166,5 +169,44 @@ impl LayerCache for FullCache {
 
     fn bytes_used(&self) -> usize {
         2 * self.n_kv_heads * self.len * self.head_dim * self.dtype.size_in_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::test_rope;
+
+    fn step(from: usize, t: usize) -> Tensor {
+        let xs: Vec<f32> = (from..from + t).flat_map(|p| [p as f32; 2]).collect();
+        Tensor::from_vec(xs, (1, 1, t, 2), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn truncate_drops_the_tail_and_the_next_append_continues_there() {
+        let rope = test_rope(64);
+        let mut c = FullCache::new(1, 2, 64, DType::F32, Device::Cpu);
+        c.append(&step(0, 5), &step(0, 5), &rope).unwrap();
+        c.truncate(3).unwrap();
+        assert_eq!(c.len(), 3);
+        c.truncate(10).unwrap(); // beyond what is held: nothing happens
+        assert_eq!(c.len(), 3);
+        let a = c.append(&step(3, 1), &step(3, 1), &rope).unwrap();
+        assert_eq!(a.q_pos, 3);
+        let (_, v) = c.state().unwrap().unwrap();
+        let held: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(held, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
+    }
+
+    #[test]
+    fn the_cache_refuses_positions_past_its_context() {
+        let rope = test_rope(64);
+        let mut c = FullCache::new(1, 2, 4, DType::F32, Device::Cpu);
+        c.append(&step(0, 4), &step(0, 4), &rope).unwrap();
+        let e = c.append(&step(4, 1), &step(4, 1), &rope).err().unwrap();
+        assert!(
+            e.to_string().contains("5 positions needed, 4 allowed"),
+            "{e}"
+        );
     }
 }

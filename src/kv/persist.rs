@@ -216,7 +216,7 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
     let limit = expect.max_file_bytes();
     if size > limit {
         bail!(
-            "{} is {size} bytes, more than a KV state of this model at --ctx {} can be ({limit}); it is not for this model",
+            "{} is {size} bytes, more than a KV state of this model with a context of {} can be ({limit}); it is not for this model",
             path.display(),
             expect.max_positions
         );

@@ -237,3 +237,65 @@ impl LayerCache for WindowCache {
         self.ordered(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::test_rope;
+
+    /// Keys and values `[1, 1, t, 2]` whose every element is the sequence position.
+    fn step(from: usize, t: usize) -> (Tensor, Tensor) {
+        let xs: Vec<f32> = (from..from + t).flat_map(|p| [p as f32; 2]).collect();
+        let k = Tensor::from_vec(xs, (1, 1, t, 2), &Device::Cpu).unwrap();
+        (k.clone(), k)
+    }
+
+    fn held_positions(c: &WindowCache) -> Vec<f32> {
+        let (_, v) = c.state().unwrap().unwrap();
+        v.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .step_by(2)
+            .collect()
+    }
+
+    #[test]
+    fn the_window_keeps_the_sinks_and_the_latest_positions_in_order() {
+        let rope = test_rope(64);
+        let mut c = WindowCache::new(1, 2, 4, 2, DType::F32, Device::Cpu);
+        let mut pos = 0;
+        for t in [3, 1, 4, 2, 1] {
+            let (k, v) = step(pos, t);
+            c.append(&k, &v, &rope).unwrap();
+            pos += t;
+        }
+        assert_eq!(c.seen(), 11);
+        assert_eq!(c.len(), 6);
+        assert_eq!(held_positions(&c), [0.0, 1.0, 7.0, 8.0, 9.0, 10.0]);
+    }
+
+    #[test]
+    fn truncating_inside_the_window_works_and_before_it_is_refused() {
+        let rope = test_rope(64);
+        let mut c = WindowCache::new(1, 2, 4, 2, DType::F32, Device::Cpu);
+        let (k, v) = step(0, 4);
+        c.append(&k, &v, &rope).unwrap();
+        let (k, v) = step(4, 4);
+        c.append(&k, &v, &rope).unwrap(); // holds sinks 0,1 and 4..8
+        c.truncate(6).unwrap();
+        assert_eq!(held_positions(&c), [0.0, 1.0, 4.0, 5.0]);
+        assert!(c.truncate(3).is_err(), "positions 2 and 3 were dropped");
+        c.truncate(0).unwrap();
+        assert_eq!((c.len(), c.seen()), (0, 0));
+    }
+
+    #[test]
+    fn a_step_wider_than_the_window_is_refused() {
+        let rope = test_rope(64);
+        let mut c = WindowCache::new(1, 2, 4, 0, DType::F32, Device::Cpu);
+        let (k, v) = step(0, 5);
+        assert!(c.append(&k, &v, &rope).is_err());
+    }
+}

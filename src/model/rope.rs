@@ -67,7 +67,7 @@ impl Rope {
         let (_b, _h, t, d) = x.dims4()?;
         if pos + t > self.max_positions {
             bail!(
-                "position {} is beyond the {} positions this run was set up for (raise --ctx)",
+                "position {} is beyond the {} positions this run was set up for",
                 pos + t,
                 self.max_positions
             );

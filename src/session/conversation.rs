@@ -3,9 +3,9 @@
 //! conversation never pays twice for the same tokens, and if a template re-renders earlier turns
 //! differently, the cache goes back to the common prefix instead of attending over stale tokens.
 
+use super::{GenStats, Sampler, Session, StopReason};
 use crate::engine::Engine;
-use crate::generate::{GenStats, Sampler, Session, StopReason};
-use crate::kv::{persist, CacheSpec};
+use crate::kv::CacheSpec;
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Result};
@@ -13,12 +13,23 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What to do when the conversation no longer fits the context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnFull {
     /// Refuse the turn with a message.
     Stop,
     /// Drop the oldest whole turns (the system prompt stays) and re-prefill what remains.
     Shift,
+}
+
+impl std::str::FromStr for OnFull {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "stop" => Ok(OnFull::Stop),
+            "shift" => Ok(OnFull::Shift),
+            other => bail!("'{other}' is not stop or shift"),
+        }
+    }
 }
 
 /// What one turn did.
@@ -28,7 +39,7 @@ pub struct TurnStats {
     pub reused: usize,
     /// Positions prefilled this turn.
     pub prefilled: usize,
-    /// Turns dropped to make room (`--on-full shift`).
+    /// Turns dropped to make room ([`OnFull::Shift`]).
     pub shifted: usize,
     pub gen: GenStats,
     pub reason: StopReason,
@@ -86,8 +97,8 @@ impl<'e> Conversation<'e> {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        let text = self.template.render(&messages, answer)?;
-        self.engine.tokenizer.encode(&text)
+        self.engine
+            .encode_conversation(&self.template, &messages, answer)
     }
 
     /// Asks `question`; `on_text` gets the answer as it streams. Generation stops early when
@@ -103,18 +114,26 @@ impl<'e> Conversation<'e> {
         if question.trim().is_empty() {
             bail!("the question is empty");
         }
-        let limit = self.session.max_positions;
+        let limit = self.session.max_positions();
         let mut ids = self.render_ids(Some(question), true)?;
         let mut shifted = 0;
         while ids.len() >= limit {
             match self.on_full {
-                OnFull::Stop => bail!(
-                    "the conversation is {} tokens and no longer fits the context of {limit}: /undo, /reset, or run with --on-full shift or a larger --ctx",
-                    ids.len()
-                ),
+                OnFull::Stop => {
+                    return Err(crate::fixable(
+                        crate::Fix::ChatFull,
+                        format!(
+                        "the conversation is {} tokens and no longer fits the context of {limit}",
+                        ids.len()
+                    ),
+                    ))
+                }
                 OnFull::Shift => {
                     if self.turns.is_empty() {
-                        bail!("the question alone is {} tokens, more than the context of {limit}", ids.len());
+                        bail!(
+                            "the question alone is {} tokens, more than the context of {limit}",
+                            ids.len()
+                        );
                     }
                     self.turns.remove(0);
                     shifted += 1;
@@ -162,27 +181,13 @@ impl<'e> Conversation<'e> {
             return Ok(false);
         }
         let ids = self.render_ids(None, false)?;
-        let common = self
-            .session
-            .tokens
-            .iter()
-            .zip(&ids)
-            .take_while(|(a, b)| a == b)
-            .count();
-        self.session
-            .cache
-            .truncate(common)
-            .or_else(|_| self.session.cache.reset())?;
-        self.session
-            .tokens
-            .truncate(self.session.cache.seen().min(common));
+        self.session.keep_common_prefix(&ids)?;
         Ok(true)
     }
 
     pub fn reset(&mut self) -> Result<()> {
         self.turns.clear();
-        self.session.cache.reset()?;
-        self.session.tokens.clear();
+        self.session.reset()?;
         self.last = None;
         Ok(())
     }
@@ -190,21 +195,13 @@ impl<'e> Conversation<'e> {
     /// Saves the conversation and its KV state.
     pub fn save(&self, path: &Path) -> Result<()> {
         let extra = serde_json::json!({ "system": self.system, "turns": self.turns });
-        let key = self.session.cache.persist_key()?;
-        persist::save(
-            path,
-            &self.session.tokens,
-            &self.session.cache,
-            &self.engine.digest,
-            &key,
-            extra,
-        )
+        self.session.save_state(path, &self.engine.digest, extra)
     }
 
     /// Replaces the conversation and the cache by a saved one (same model and cache configuration).
     pub fn load(&mut self, path: &Path) -> Result<()> {
-        let key = self.session.cache.persist_key()?;
-        let snap = persist::load(
+        let key = self.session.cache().persist_key()?;
+        let snap = crate::kv::persist::load(
             path,
             &self.session.persist_expect(&self.engine.digest, &key),
         )?;

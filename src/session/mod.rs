@@ -1,0 +1,229 @@
+//! A sequence being generated: the [`Session`] (tokens and the KV cache that holds them, changed only
+//! together), the generation loop, the [`sampler`], a chat [`conversation`] over one session, and
+//! saving and restoring a session's state ([`persist`]).
+
+pub mod conversation;
+pub mod persist;
+pub mod sampler;
+
+pub use sampler::{argmax, Sampler, SamplingParams};
+
+use crate::kv::KvCache;
+use crate::model::{Llama, Logits};
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+use std::time::{Duration, Instant};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    EndOfText,
+    MaxTokens,
+    ContextFull,
+    Interrupted,
+}
+
+/// Timings and counts of one prefill + decode.
+#[derive(Debug, Clone, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    pub prefill: Duration,
+    pub generated: usize,
+    /// Time of the decode forwards (the generated tokens after the first).
+    pub decode: Duration,
+    pub decode_steps: usize,
+}
+
+impl GenStats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        self.decode_steps as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+/// A sequence and the cache that holds it: feeding tokens runs them through the model.
+///
+/// Invariant: `tokens` is the sequence the cache has seen (`cache.seen() == tokens.len()`). The
+/// fields are private so that only the methods here change either, always both together.
+pub struct Session<'m> {
+    model: &'m Llama,
+    cache: KvCache,
+    /// Every token of the sequence so far, in order.
+    tokens: Vec<u32>,
+    /// The most positions the sequence may reach (the context size).
+    max_positions: usize,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m Llama, cache: KvCache, max_positions: usize) -> Self {
+        Self {
+            model,
+            cache,
+            tokens: Vec::new(),
+            max_positions,
+        }
+    }
+
+    /// The sequence so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The cache that holds it (read only: change it through the session).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// The most positions the sequence may reach.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Forgets the whole sequence.
+    pub fn reset(&mut self) -> Result<()> {
+        self.cache.reset()?;
+        self.tokens.clear();
+        Ok(())
+    }
+
+    /// Drops every position from `len` on. A cache that can no longer reach `len` (a window that
+    /// dropped it) is an error, and nothing changes.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.tokens.truncate(self.cache.seen());
+        Ok(())
+    }
+
+    /// Appends `new` tokens to the sequence and returns the next-token logits [vocab].
+    /// With a cache, only `new` goes through the model; with `--no-cache`, the whole sequence does.
+    pub fn feed(&mut self, new: &[u32]) -> Result<Tensor> {
+        self.feed_with(new, Logits::Last)
+    }
+
+    /// As `feed`, returning logits for `new`'s positions ([t, vocab]) when `which` is `All`.
+    pub fn feed_with(&mut self, new: &[u32], which: Logits) -> Result<Tensor> {
+        if new.is_empty() {
+            bail!("nothing to feed");
+        }
+        let total = self.tokens.len() + new.len();
+        if total > self.max_positions {
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "the sequence would be {total} tokens, more than the context of {}",
+                    self.max_positions
+                ),
+            ));
+        }
+        self.tokens.extend_from_slice(new);
+        if self.cache.spec().recomputes() {
+            let logits = self.model.forward(&self.tokens, &mut self.cache, which)?;
+            return Ok(match which {
+                Logits::Last => logits,
+                Logits::All => logits.narrow(0, total - new.len(), new.len())?,
+            });
+        }
+        match self.model.forward(new, &mut self.cache, which) {
+            Ok(l) => Ok(l),
+            Err(e) => {
+                // Keep the sequence and the cache consistent after a failed step.
+                self.tokens.truncate(total - new.len());
+                let _ = self.cache.truncate(self.tokens.len());
+                Err(e)
+            }
+        }
+    }
+
+    /// Prefills `prompt` then samples up to `max_tokens` tokens, calling `on_token` with each;
+    /// `on_token` returns false to stop (Ctrl-C). Stops on any id in `stop_ids` unless `ignore_eos`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        stop_ids: &[u32],
+        ignore_eos: bool,
+        on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<(Vec<u32>, StopReason, GenStats)> {
+        let t0 = Instant::now();
+        let logits = self.feed(prompt)?;
+        let prefill = t0.elapsed();
+        let (out, reason, mut stats) =
+            self.decode(logits, sampler, max_tokens, stop_ids, ignore_eos, on_token)?;
+        stats.prompt_tokens = prompt.len();
+        stats.prefill = prefill;
+        Ok((out, reason, stats))
+    }
+
+    /// Samples from `logits` (the next-token logits after what the session holds), then feeds each
+    /// sampled token back, up to `max_tokens` tokens (see `generate`).
+    pub fn decode(
+        &mut self,
+        mut logits: Tensor,
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        stop_ids: &[u32],
+        ignore_eos: bool,
+        mut on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<(Vec<u32>, StopReason, GenStats)> {
+        let mut stats = GenStats::default();
+        let mut out = Vec::new();
+        let reason = loop {
+            let next = sampler.sample(&logits, &self.tokens)?;
+            if !ignore_eos && stop_ids.contains(&next) {
+                break StopReason::EndOfText;
+            }
+            out.push(next);
+            stats.generated += 1;
+            if !on_token(next)? {
+                break StopReason::Interrupted;
+            }
+            if out.len() >= max_tokens {
+                break StopReason::MaxTokens;
+            }
+            if self.tokens.len() + 1 > self.max_positions {
+                break StopReason::ContextFull;
+            }
+            let t = Instant::now();
+            logits = self.feed(&[next])?;
+            stats.decode += t.elapsed();
+            stats.decode_steps += 1;
+        };
+        Ok((out, reason, stats))
+    }
+
+    /// Keeps the longest prefix of what the session holds that `ids` starts with, but at least one token
+    /// short of `ids` (there must be something to feed for logits); returns how many positions were
+    /// kept. A cache that cannot go back that far (a window that dropped them) starts over.
+    pub fn keep_prefix_of(&mut self, ids: &[u32]) -> Result<usize> {
+        let keep = self.common_prefix(ids).min(ids.len().saturating_sub(1));
+        self.keep(keep)
+    }
+
+    /// Keeps the longest prefix of what the session holds that is also a prefix of `ids` (all of
+    /// `ids` may be kept); returns how many positions remain.
+    pub fn keep_common_prefix(&mut self, ids: &[u32]) -> Result<usize> {
+        let keep = self.common_prefix(ids);
+        self.keep(keep)
+    }
+
+    fn common_prefix(&self, ids: &[u32]) -> usize {
+        self.tokens
+            .iter()
+            .zip(ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
+    /// Truncates to `keep` positions, or starts over where the cache cannot go back that far.
+    fn keep(&mut self, keep: usize) -> Result<usize> {
+        if keep < self.tokens.len() && self.truncate(keep).is_err() {
+            self.reset()?;
+            return Ok(0);
+        }
+        Ok(self.tokens.len())
+    }
+}
