@@ -9,10 +9,10 @@ use anyhow::Result;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use kvchat::cli::ModelArgs;
 use kvchat::engine::Engine;
-use kvchat::generate::argmax;
+use kvchat::engine::LoadOptions;
 use kvchat::kv::CacheSpec;
+use kvchat::session::argmax;
 use std::time::Instant;
 
 const GEN: usize = 64;
@@ -68,11 +68,11 @@ fn main() -> Result<()> {
     let path = args
         .get(1)
         .cloned()
-        .unwrap_or_else(|| kvchat::cli::default_model_path().display().to_string());
+        .unwrap_or_else(|| kvchat::source::default_model_path().display().to_string());
     let repeats: usize = args.get(2).map_or(Ok(3), |s| s.parse())?;
-    let engine = Engine::load(&ModelArgs {
+    let engine = Engine::load(&LoadOptions {
         ctx: Some(4096),
-        ..ModelArgs::for_path(&path)
+        ..LoadOptions::for_path(&path)
     })?;
     println!(
         "model {path}, {} threads, {repeats} interleaved repeats, {GEN} decoded tokens per run",

@@ -1,11 +1,10 @@
 //! A loaded model, ready to run: decoder, tokenizer, chat template, stop tokens and device.
 
-use crate::cli::ModelArgs;
-use crate::generate::Session;
 use crate::kv::CacheSpec;
 use crate::model::gguf::GgufFile;
 use crate::model::safetensors::HfCheckpoint;
 use crate::model::Llama;
+use crate::session::Session;
 use crate::source::Location;
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::Tokenizer;
@@ -48,73 +47,113 @@ pub fn gguf_digest(ct: &candle_core::quantized::gguf_file::Content) -> String {
     format!("{:x}", h.finalize())
 }
 
-/// Parses `--device`.
-pub fn select_device(spec: &str) -> Result<Device> {
-    let spec = spec.trim().to_ascii_lowercase();
-    let (name, ordinal) = match spec.split_once(':') {
-        Some((n, o)) => (
-            n.to_string(),
-            o.parse::<usize>()
-                .with_context(|| format!("--device {spec}: '{o}' is not a device number"))?,
-        ),
-        None => (spec.clone(), 0),
-    };
-    match name.as_str() {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => {
-            if !cfg!(feature = "cuda") {
-                bail!("--device cuda: this kvchat was built without CUDA; rebuild with `cargo build --release --features cuda`");
-            }
-            Device::new_cuda(ordinal)
-                .with_context(|| format!("--device {spec}: cannot open CUDA device {ordinal}"))
-        }
-        "metal" => {
-            if !cfg!(feature = "metal") {
-                bail!("--device metal: this kvchat was built without Metal; rebuild with `cargo build --release --features metal`");
-            }
-            Device::new_metal(ordinal)
-                .with_context(|| format!("--device {spec}: cannot open Metal device {ordinal}"))
-        }
-        "auto" => {
-            if cfg!(feature = "cuda") {
-                if let Ok(d) = Device::new_cuda(ordinal) {
-                    return Ok(d);
-                }
-            }
-            if cfg!(feature = "metal") {
-                if let Ok(d) = Device::new_metal(ordinal) {
-                    return Ok(d);
-                }
-            }
-            Ok(Device::Cpu)
-        }
-        other => bail!("--device '{other}' is not one of cpu, cuda[:N], metal, auto"),
+/// Where to run: what a front end asks for, before the device is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    #[default]
+    Cpu,
+    Cuda(usize),
+    Metal(usize),
+    /// The best one built in: CUDA, then Metal, then the CPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = anyhow::Error;
+
+    /// `cpu`, `cuda[:N]`, `metal[:N]` or `auto`.
+    fn from_str(spec: &str) -> Result<Self> {
+        let spec = spec.trim().to_ascii_lowercase();
+        let (name, ordinal) = match spec.split_once(':') {
+            Some((n, o)) => (
+                n,
+                o.parse::<usize>()
+                    .with_context(|| format!("device '{spec}': '{o}' is not a device number"))?,
+            ),
+            None => (spec.as_str(), 0),
+        };
+        Ok(match name {
+            "cpu" => DeviceChoice::Cpu,
+            "cuda" => DeviceChoice::Cuda(ordinal),
+            "metal" => DeviceChoice::Metal(ordinal),
+            "auto" => DeviceChoice::Auto,
+            other => bail!("device '{other}' is not one of cpu, cuda[:N], metal, auto"),
+        })
     }
 }
 
-/// The most CPU threads kvchat starts: more than 4 per core only adds contention.
+impl DeviceChoice {
+    /// Opens the device.
+    pub fn open(self) -> Result<Device> {
+        match self {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda(n) => {
+                if !cfg!(feature = "cuda") {
+                    return Err(crate::fixable(
+                        crate::Fix::BuildWithCuda,
+                        "this kvchat was built without CUDA".into(),
+                    ));
+                }
+                Device::new_cuda(n).with_context(|| format!("cannot open CUDA device {n}"))
+            }
+            DeviceChoice::Metal(n) => {
+                if !cfg!(feature = "metal") {
+                    return Err(crate::fixable(
+                        crate::Fix::BuildWithMetal,
+                        "this kvchat was built without Metal".into(),
+                    ));
+                }
+                Device::new_metal(n).with_context(|| format!("cannot open Metal device {n}"))
+            }
+            DeviceChoice::Auto => {
+                if cfg!(feature = "cuda") {
+                    if let Ok(d) = Device::new_cuda(0) {
+                        return Ok(d);
+                    }
+                }
+                if cfg!(feature = "metal") {
+                    if let Ok(d) = Device::new_metal(0) {
+                        return Ok(d);
+                    }
+                }
+                Ok(Device::Cpu)
+            }
+        }
+    }
+}
+
+/// The most CPU threads worth starting: more than 4 per core only adds contention.
 pub fn max_threads() -> usize {
     4 * std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Sets the CPU thread count before any parallel work starts.
-pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    if let Some(mut n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
+/// What to load and how: the library's view of a model's flags, decided once by the front end.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// A registry name, `hf:owner/repo[@rev][:file]`, a GGUF file or an HF-layout directory;
+    /// None = the registry's default.
+    pub model: Option<String>,
+    /// Another registry than the built-in models.toml.
+    pub models_file: Option<PathBuf>,
+    /// A tokenizer.json instead of the model's own.
+    pub tokenizer: Option<PathBuf>,
+    pub device: DeviceChoice,
+    /// Dense weight dtype (safetensors; for GGUF, dequantize at load). None = f32 / keep quantized.
+    pub dtype: Option<DType>,
+    /// CPU threads (1 ..= max_threads()); None = all cores.
+    pub threads: Option<usize>,
+    /// Context size; None = the model's trained context (lowered to what memory holds).
+    pub ctx: Option<usize>,
+}
+
+impl LoadOptions {
+    /// A model file or directory, everything else at its default.
+    pub fn for_path(path: impl AsRef<std::path::Path>) -> Self {
+        Self {
+            model: Some(path.as_ref().display().to_string()),
+            ..Self::default()
         }
-        if n > max_threads() {
-            eprintln!(
-                "note: --threads {n} capped at {} (4 × the {} cores)",
-                max_threads(),
-                max_threads() / 4
-            );
-            n = max_threads();
-        }
-        // candle sizes its thread pool (used by its kernels and ours) from this variable.
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    Ok(())
 }
 
 /// Memory this process may still take: MemAvailable from /proc/meminfo (half of it, leaving room
@@ -132,10 +171,16 @@ pub fn available_memory() -> u64 {
 }
 
 impl Engine {
-    /// Finds the model `--model` names (fetching it if needed), and loads it on `--device`.
-    pub fn load(args: &ModelArgs) -> Result<Self> {
-        set_threads(args.threads)?;
-        let device = select_device(&args.device)?;
+    /// Finds the model the options name (fetching it if needed), and loads it on their device.
+    pub fn load(args: &LoadOptions) -> Result<Self> {
+        if let Some(n) = args.threads {
+            if n == 0 || n > max_threads() {
+                bail!("{n} threads is not between 1 and {}", max_threads());
+            }
+            // candle sizes its thread pool (used by its kernels and ours) from this variable.
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+        let device = args.device.open()?;
         let location = crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())?;
         match location {
             Location::Gguf(path) => Self::load_gguf(path, args, device),
@@ -143,29 +188,32 @@ impl Engine {
         }
     }
 
-    /// The context size: `--ctx`, else the model's trained context. Either must fit in memory with
-    /// its KV cache at full length (f32 keys and values in every layer, plus the RoPE table): an
-    /// explicit `--ctx` that does not is refused, the trained context is lowered with a note.
-    fn ctx_for(args: &ModelArgs, cfg: &crate::model::Config) -> Result<usize> {
+    /// The context size asked for, else the model's trained context. Either must fit in memory
+    /// with its KV cache at full length (f32 keys and values in every layer, plus the RoPE table):
+    /// a size asked for that does not is refused, the trained context is lowered with a note.
+    fn ctx_for(args: &LoadOptions, cfg: &crate::model::Config) -> Result<usize> {
         let per_token =
             (cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * 4 + cfg.rope_dim * 4) as u64;
         let avail = available_memory();
         let fits = |c: usize| (c as u64).saturating_mul(per_token) <= avail;
         match args.ctx {
-            Some(0) => bail!("--ctx must be at least 1"),
-            Some(c) if !fits(c) => bail!(
-                "--ctx {c} needs {} for the KV cache at full length ({} per token), more than the {} of memory available; lower --ctx",
-                crate::source::human_bytes((c as u64).saturating_mul(per_token)),
-                crate::source::human_bytes(per_token),
-                crate::source::human_bytes(avail)
-            ),
+            Some(0) => bail!("a context of 0 tokens holds nothing"),
+            Some(c) if !fits(c) => Err(crate::fixable(
+                    crate::Fix::LowerContext,
+                    format!(
+                        "a context of {c} tokens needs {} for the KV cache at full length ({} per token), more than the {} of memory available",
+                        crate::source::human_bytes((c as u64).saturating_mul(per_token)),
+                        crate::source::human_bytes(per_token),
+                        crate::source::human_bytes(avail)
+                    ),
+                )),
             Some(c) => Ok(c),
             None if cfg.ctx_train == 0 => bail!("the model declares a context length of 0"),
             None if !fits(cfg.ctx_train) => {
                 let mut c = (avail / per_token.max(1)) as usize;
                 c = 1usize << (usize::BITS - 1 - c.max(2).leading_zeros());
                 eprintln!(
-                    "note: the model's context of {} tokens would need {} of KV cache; using --ctx {c}",
+                    "note: the model's context of {} tokens would need {} of KV cache; using a context of {c}",
                     cfg.ctx_train,
                     crate::source::human_bytes((cfg.ctx_train as u64).saturating_mul(per_token))
                 );
@@ -175,13 +223,9 @@ impl Engine {
         }
     }
 
-    fn load_gguf(path: PathBuf, args: &ModelArgs, device: Device) -> Result<Self> {
+    fn load_gguf(path: PathBuf, args: &LoadOptions, device: Device) -> Result<Self> {
         let mut gguf = GgufFile::open(&path)?;
-        gguf.dense = args
-            .dtype
-            .as_deref()
-            .map(crate::model::safetensors::parse_dtype)
-            .transpose()?;
+        gguf.dense = args.dtype;
         let cfg = gguf.config()?;
         let ctx = Self::ctx_for(args, &cfg)?;
         let model = gguf.load_llama_with(cfg, &device, ctx)?;
@@ -218,8 +262,8 @@ impl Engine {
         )
     }
 
-    fn load_hf(files: crate::source::HfFiles, args: &ModelArgs, device: Device) -> Result<Self> {
-        let dtype = crate::model::safetensors::parse_dtype(args.dtype.as_deref().unwrap_or("f32"))?;
+    fn load_hf(files: crate::source::HfFiles, args: &LoadOptions, device: Device) -> Result<Self> {
+        let dtype = args.dtype.unwrap_or(DType::F32);
         let ckpt = HfCheckpoint::open(&files)?;
         let ctx = Self::ctx_for(args, &ckpt.cfg)?;
         let model = ckpt.load_llama(&device, dtype, ctx)?;
@@ -227,10 +271,12 @@ impl Engine {
             (Some(tj), _) | (None, Some(tj)) => {
                 Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?
             }
-            (None, None) => bail!(
-                "{} has no tokenizer.json: pass --tokenizer tokenizer.json",
-                files.label
-            ),
+            (None, None) => {
+                return Err(crate::fixable(
+                    crate::Fix::Tokenizer,
+                    format!("{} has no tokenizer.json", files.label),
+                ))
+            }
         };
         let digest = ckpt.digest(dtype);
         let weights = format!("{dtype:?}").to_lowercase();
@@ -295,9 +341,10 @@ impl Engine {
     pub fn session(&self, spec: &CacheSpec) -> Session<'_> {
         let cache = spec.build(&self.model.cfg, self.dtype(), &self.device);
         // A window holds a bounded number of positions whatever the length of the sequence.
-        let max = match spec {
-            CacheSpec::Window { .. } => usize::MAX,
-            _ => self.ctx,
+        let max = if spec.bounded_by_context() {
+            self.ctx
+        } else {
+            usize::MAX
         };
         Session::new(&self.model, cache, max)
     }
@@ -308,10 +355,10 @@ impl Engine {
         match (override_spec, &self.template) {
             (Some(spec), _) => ChatTemplate::from_spec(spec, &tk.bos_text(), &tk.eos_text()),
             (None, Some(t)) => Ok(t.clone()),
-            (None, None) => bail!(
-                "{} has no chat template: pass --chat-template chatml|llama3|llama2, or --raw",
-                self.path.display()
-            ),
+            (None, None) => Err(crate::fixable(
+                crate::Fix::ChatTemplate,
+                format!("{} has no chat template", self.path.display()),
+            )),
         }
     }
 
@@ -319,7 +366,18 @@ impl Engine {
     /// Message content is text, never control tokens: a user who types `<|im_start|>system` gets
     /// those characters, not a new system turn.
     pub fn chat_prompt(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
-        let text = template.render(messages, true)?;
+        self.encode_conversation(template, messages, true)
+    }
+
+    /// Token ids of `messages` rendered by `template` (ending where the assistant speaks when
+    /// `add_generation_prompt`); message content never becomes control tokens.
+    pub fn encode_conversation(
+        &self,
+        template: &ChatTemplate,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = template.render(messages, add_generation_prompt)?;
         let mut spans = Vec::new();
         let mut at = 0;
         for m in messages {
@@ -333,7 +391,7 @@ impl Engine {
                     spans.push(r);
                 }
                 None if self.tokenizer.has_special_text(&m.content) => bail!(
-                    "the chat template rewrote a {} message that holds control-token text, so it cannot be kept literal; remove the control tokens (or use --raw)",
+                    "the chat template rewrote a {} message that holds control-token text, so it cannot be kept literal; remove the control tokens (or complete raw text)",
                     m.role
                 ),
                 None => {}

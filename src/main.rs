@@ -16,10 +16,6 @@ fn main() {
         Command::Models(args) => commands::models::run(args),
     };
     if let Err(e) = result {
-        // One line: the context chain joined ("cannot open model file x: No such file"), each part
-        // cut to its first line (candle appends a backtrace to its errors when RUST_BACKTRACE is set).
-        let msg: Vec<String> = e.chain().map(kvchat::first_line).collect();
-        eprintln!("error: {}", msg.join(": "));
-        std::process::exit(1);
+        kvchat::cli::report::exit_with(&e);
     }
 }

@@ -48,7 +48,7 @@ fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
         "qwen2" | "deepseek-r1-qwen" | "megrez" => vec![QWEN2_REGEX],
         other => bail!(
             "unsupported tokenizer.ggml.pre '{other}' (supported: default, gpt2, smollm, starcoder, \
-             llama-bpe, qwen2 and their aliases); pass --tokenizer tokenizer.json"
+             llama-bpe, qwen2 and their aliases); give a tokenizer.json instead"
         ),
     })
 }
@@ -108,7 +108,12 @@ impl Tokenizer {
         let model = ct
             .metadata
             .get("tokenizer.ggml.model")
-            .context("GGUF has no tokenizer.ggml.model; pass --tokenizer tokenizer.json")?
+            .ok_or_else(|| {
+                crate::fixable(
+                    crate::Fix::Tokenizer,
+                    "GGUF has no tokenizer.ggml.model".into(),
+                )
+            })?
             .to_string()?
             .clone();
         let tokens = md_strings(ct, "tokenizer.ggml.tokens")?;
@@ -188,7 +193,7 @@ impl Tokenizer {
                 tk
             }
             other => bail!(
-                "unsupported tokenizer.ggml.model '{other}' (supported: gpt2, llama); pass --tokenizer tokenizer.json"
+                "unsupported tokenizer.ggml.model '{other}' (supported: gpt2, llama); give a tokenizer.json instead"
             ),
         };
         // Control and user-defined tokens (<|im_start|>, <|eot_id|>, …) are matched whole in text.

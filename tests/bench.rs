@@ -3,11 +3,14 @@
 
 mod common;
 
-use kvchat::cli::ModelArgs;
-use kvchat::commands::bench::{measure_cell, mode_args, render_table, BenchArgs, BenchReport};
-use kvchat::commands::kv_size::{report, KvSizeArgs};
+use kvchat::cli::BenchArgs;
+use kvchat::cli::KvSizeArgs;
+use kvchat::commands::bench::{measure_cell, render_table, BenchReport};
+use kvchat::commands::kv_size::report;
 use kvchat::engine::Engine;
+use kvchat::engine::LoadOptions;
 use kvchat::kv::size::{KvDims, Storage};
+use kvchat::kv::CacheMode;
 
 fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
     KvSizeArgs {
@@ -77,32 +80,35 @@ fn int8_costs_at_most_0_27_of_f32_per_token_in_the_formula() {
 
 fn tiny_engine(name: &str) -> Engine {
     let path = common::tiny::write_tiny_with_tokenizer(name);
-    Engine::load(&ModelArgs {
+    Engine::load(&LoadOptions {
         ctx: Some(512),
-        ..ModelArgs::for_path(path)
+        ..LoadOptions::for_path(path)
     })
     .unwrap()
 }
 
+/// `kvchat bench` flags as the command line gives them, then adjusted.
 fn bench_args(budget_s: f64) -> BenchArgs {
-    BenchArgs {
-        model: common::model_args(),
-        modes: vec![],
-        contexts: vec![],
-        gen: 8,
-        repeat: 2,
-        warmup: 1,
-        budget_s,
-        no_summary: true,
-        json: None,
-        plot: None,
-    }
+    use clap::Parser;
+    let cli = kvchat::cli::Cli::try_parse_from(["kvchat", "bench", "--gen", "8", "--repeat", "2"])
+        .unwrap();
+    let kvchat::cli::Command::Bench(mut b) = cli.command else {
+        unreachable!()
+    };
+    b.budget_s = budget_s;
+    b.warmup = 1;
+    b.no_summary = true;
+    b
+}
+
+fn mode(name: &str) -> CacheMode {
+    name.parse().unwrap()
 }
 
 #[test]
 fn cached_cells_decode_every_token_and_hold_context_plus_gen_minus_one() {
     let e = tiny_engine("cell");
-    let spec = mode_args("full").unwrap().spec(e.ctx).unwrap();
+    let spec = mode("full").spec(e.ctx).unwrap();
     let c = measure_cell(&e, "full", &spec, 40, &bench_args(60.0)).unwrap();
     assert!(!c.capped);
     assert_eq!((c.decode_tokens, c.runs), (8, 2));
@@ -114,7 +120,7 @@ fn cached_cells_decode_every_token_and_hold_context_plus_gen_minus_one() {
 #[test]
 fn a_cell_over_its_time_budget_stops_early_and_says_so() {
     let e = tiny_engine("budget");
-    let spec = mode_args("none").unwrap().spec(e.ctx).unwrap();
+    let spec = mode("none").spec(e.ctx).unwrap();
     let c = measure_cell(&e, "none", &spec, 200, &bench_args(0.0)).unwrap();
     assert!(c.capped);
     assert!(c.decode_tokens < 8);
@@ -149,16 +155,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     let e = tiny_engine("table");
     let cells = ["full", "window:16+2", "int8"]
         .iter()
-        .map(|m| {
-            measure_cell(
-                &e,
-                m,
-                &mode_args(m).unwrap().spec(e.ctx).unwrap(),
-                32,
-                &bench_args(60.0),
-            )
-            .unwrap()
-        })
+        .map(|m| measure_cell(&e, m, &mode(m).spec(e.ctx).unwrap(), 32, &bench_args(60.0)).unwrap())
         .collect();
     let report = BenchReport {
         model: "tiny".into(),
@@ -190,16 +187,16 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         head_dim: 64,
     };
     let args = bench_args(120.0);
-    for (mode, ctx) in [
+    for (name, ctx) in [
         ("full", 300),
         ("int8", 300),
         ("window:64+4", 300),
         ("full", 40),
     ] {
-        let spec = mode_args(mode).unwrap().spec(e.ctx).unwrap();
+        let spec = mode(name).spec(e.ctx).unwrap();
         let c = measure_cell(
             e,
-            mode,
+            name,
             &spec,
             ctx,
             &BenchArgs {
@@ -210,11 +207,13 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         )
         .unwrap();
         let n = ctx + 8; // the prompt, then 8 decode steps that each feed one token
-        let predicted = match mode {
-            "int8" => d.bytes_for(Storage::Int8, n, 32),
-            m if m.starts_with("window") => d.bytes_for(Storage::F32, n.min(68), 32),
-            _ => d.bytes_for(Storage::F32, n, 32),
+        let predicted = match name {
+            "int8" => d.bytes_for(Storage::Int8, n, kvchat::kv::DEFAULT_RESIDUAL),
+            m if m.starts_with("window") => {
+                d.bytes_for(Storage::F32, n.min(68), kvchat::kv::DEFAULT_RESIDUAL)
+            }
+            _ => d.bytes_for(Storage::F32, n, kvchat::kv::DEFAULT_RESIDUAL),
         };
-        assert_eq!(c.kv_bytes as f64, predicted, "{mode} @ {ctx}");
+        assert_eq!(c.kv_bytes as f64, predicted, "{name} @ {ctx}");
     }
 }

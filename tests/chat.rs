@@ -3,9 +3,9 @@
 mod common;
 
 use common::{engine, kvchat, rel_diff};
-use kvchat::conversation::{Conversation, OnFull};
-use kvchat::generate::{Sampler, SamplingParams};
 use kvchat::kv::{persist, CacheSpec};
+use kvchat::session::conversation::{Conversation, OnFull};
+use kvchat::session::{Sampler, SamplingParams};
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::AtomicBool;
@@ -44,10 +44,10 @@ fn after_three_turns_the_cache_equals_one_prefill_of_the_transcript() {
     }
     // The transcript as the template renders it, with a fourth question pending.
     let ids = c.render_ids(Some("And another?"), true).unwrap();
-    let held = c.session.tokens.len();
+    let held = c.session.tokens().len();
     assert_eq!(
         &ids[..held],
-        c.session.tokens.as_slice(),
+        c.session.tokens(),
         "the cache holds a prefix of the transcript"
     );
     let incremental: Vec<f32> = c.session.feed(&ids[held..]).unwrap().to_vec1().unwrap();
@@ -113,7 +113,7 @@ fn undo_then_a_new_question_answers_as_a_fresh_session_with_the_shorter_history(
     ask(&mut b, "What is the capital of France?");
     let fresh = ask(&mut b, "What is 2+2?");
     assert_eq!(after_undo, fresh);
-    assert_eq!(a.session.tokens, b.session.tokens);
+    assert_eq!(a.session.tokens(), b.session.tokens());
 }
 
 #[test]
@@ -221,8 +221,8 @@ fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored
     let other_model = temp("other-model.kvc");
     persist::save(
         &other_model,
-        &s.tokens,
-        &s.cache,
+        s.tokens(),
+        s.cache(),
         "0000-not-this-model",
         "full f32",
         serde_json::json!({}),
@@ -231,8 +231,8 @@ fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored
     let other_config = temp("other-config.kvc");
     persist::save(
         &other_config,
-        &s.tokens,
-        &s.cache,
+        s.tokens(),
+        s.cache(),
         &e.digest,
         "int8",
         serde_json::json!({}),

@@ -3,9 +3,9 @@
 mod common;
 
 use common::{chat_ids, engine, full, greedy, rel_diff};
-use kvchat::generate::{Sampler, SamplingParams};
 use kvchat::kv::CacheSpec;
 use kvchat::model::Logits;
+use kvchat::session::{Sampler, SamplingParams};
 
 #[test]
 fn greedy_output_with_full_cache_equals_no_cache_for_64_tokens_on_two_prompts() {
@@ -145,10 +145,10 @@ fn full_cache_reports_its_bytes_exactly() {
     s.feed(&prompt).unwrap();
     let per_token = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4;
     assert_eq!(per_token, 46_080); // 2 × 30 layers × 3 KV heads × 64 × 4 bytes
-    assert_eq!(s.cache.len(), prompt.len());
-    assert_eq!(s.cache.bytes_used(), prompt.len() * per_token);
+    assert_eq!(s.cache().len(), prompt.len());
+    assert_eq!(s.cache().bytes_used(), prompt.len() * per_token);
     // Lazily allocated: the first block is 256 positions, not the whole context.
-    assert_eq!(s.cache.bytes(), 256 * per_token);
+    assert_eq!(s.cache().bytes(), 256 * per_token);
 }
 
 #[test]
@@ -156,8 +156,8 @@ fn no_cache_holds_nothing_between_steps() {
     let e = engine();
     let mut s = e.session(&CacheSpec::None);
     s.feed(&e.raw_prompt("nothing kept").unwrap()).unwrap();
-    assert_eq!(s.cache.len(), 0);
-    assert_eq!(s.cache.bytes(), 0);
+    assert_eq!(s.cache().len(), 0);
+    assert_eq!(s.cache().bytes(), 0);
 }
 
 #[test]

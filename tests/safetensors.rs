@@ -5,10 +5,10 @@
 mod common;
 
 use common::{engine, model_path, rel_diff};
-use kvchat::cli::ModelArgs;
 use kvchat::engine::Engine;
-use kvchat::generate::{Sampler, SamplingParams};
+use kvchat::engine::LoadOptions;
 use kvchat::kv::CacheSpec;
+use kvchat::session::{Sampler, SamplingParams};
 use kvchat::template::Message;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -28,9 +28,9 @@ fn fixture_dir() -> PathBuf {
 fn hf_engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();
     E.get_or_init(|| {
-        Engine::load(&ModelArgs {
+        Engine::load(&LoadOptions {
             ctx: Some(4096),
-            ..ModelArgs::for_path(fixture_dir())
+            ..LoadOptions::for_path(fixture_dir())
         })
         .expect("loading the safetensors fixture")
     })
@@ -41,10 +41,10 @@ fn hf_engine() -> &'static Engine {
 fn gguf_f32_engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();
     E.get_or_init(|| {
-        Engine::load(&ModelArgs {
+        Engine::load(&LoadOptions {
             ctx: Some(4096),
-            dtype: Some("f32".into()),
-            ..ModelArgs::for_path(model_path())
+            dtype: Some(candle_core::DType::F32),
+            ..LoadOptions::for_path(model_path())
         })
         .expect("loading the GGUF dequantized")
     })
@@ -69,7 +69,7 @@ fn greedy(e: &Engine, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     let first = logits.to_vec1().unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
-        let next = sampler.sample(&logits, &s.tokens).unwrap();
+        let next = sampler.sample(&logits, s.tokens()).unwrap();
         out.push(next);
         logits = s.feed(&[next]).unwrap();
     }
@@ -151,10 +151,10 @@ fn safetensors_chat_template_is_read_from_tokenizer_config() {
 
 #[test]
 fn bf16_weights_keep_the_logits_close() {
-    let e = Engine::load(&ModelArgs {
+    let e = Engine::load(&LoadOptions {
         ctx: Some(256),
-        dtype: Some("bf16".into()),
-        ..ModelArgs::for_path(fixture_dir())
+        dtype: Some(candle_core::DType::BF16),
+        ..LoadOptions::for_path(fixture_dir())
     })
     .unwrap();
     assert_eq!(e.weights, "bf16");

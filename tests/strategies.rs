@@ -4,7 +4,6 @@
 mod common;
 
 use common::{chat_ids, engine, full, greedy, rel_diff};
-use kvchat::cli::CacheArgs;
 use kvchat::commands::ppl::perplexity;
 use kvchat::kv::CacheSpec;
 
@@ -48,14 +47,14 @@ fn window_holds_sinks_plus_window_positions_at_any_length() {
         .raw_prompt(&"the cache keeps a window ".repeat(12))
         .unwrap();
     s.feed(&prompt).unwrap();
-    let after_prompt = s.cache.bytes();
+    let after_prompt = s.cache().bytes();
     for i in 0..40u32 {
         s.feed(&[100 + i]).unwrap();
     }
-    assert_eq!(s.cache.seen(), prompt.len() + 40);
-    assert_eq!(s.cache.len(), 36);
-    assert_eq!(s.cache.bytes_used(), 36 * F32_PER_TOKEN);
-    assert_eq!(s.cache.bytes(), after_prompt, "a window must not grow");
+    assert_eq!(s.cache().seen(), prompt.len() + 40);
+    assert_eq!(s.cache().len(), 36);
+    assert_eq!(s.cache().bytes_used(), 36 * F32_PER_TOKEN);
+    assert_eq!(s.cache().bytes(), after_prompt, "a window must not grow");
 }
 
 #[test]
@@ -67,10 +66,10 @@ fn window_refuses_to_truncate_to_a_position_it_no_longer_holds() {
     });
     s.feed(&e.raw_prompt(&"a b c d ".repeat(20)).unwrap())
         .unwrap();
-    let seen = s.cache.seen();
-    s.cache.truncate(seen - 5).unwrap();
-    assert_eq!(s.cache.seen(), seen - 5);
-    let err = s.cache.truncate(10).unwrap_err().to_string();
+    let seen = s.cache().seen();
+    s.truncate(seen - 5).unwrap();
+    assert_eq!(s.cache().seen(), seen - 5);
+    let err = s.truncate(10).unwrap_err().to_string();
     assert!(err.contains("no longer holds position 10"), "{err}");
 }
 
@@ -87,10 +86,10 @@ fn int8_holds_at_most_0_27_of_f32_and_0_53_of_f16_per_token() {
     // Two lengths 5 key groups apart, with the same f32 tail: the bytes between are all INT8.
     s.feed(&ids[..300]).unwrap();
     s.feed(&ids[300..301]).unwrap();
-    let (n1, b1) = (s.cache.len(), s.cache.bytes_used());
+    let (n1, b1) = (s.cache().len(), s.cache().bytes_used());
     s.feed(&ids[301..941]).unwrap();
     s.feed(&ids[941..942]).unwrap();
-    let (n2, b2) = (s.cache.len(), s.cache.bytes_used());
+    let (n2, b2) = (s.cache().len(), s.cache().bytes_used());
     assert_eq!(n2 - n1, 641);
     let per_token = (b2 - b1) as f64 / 640.0;
     assert!(
@@ -139,18 +138,10 @@ fn perplexity_of_each_strategy_is_reported_and_int8_costs_little() {
     let e = engine();
     let text = kvchat::commands::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
-    let ppl = |args: CacheArgs| perplexity(e, &args, &ids, 512, 1, false).unwrap();
-    let full = ppl(CacheArgs::default());
-    let int8 = ppl(CacheArgs {
-        kv_quant: Some("int8".into()),
-        kv_quant_residual: 32,
-        ..Default::default()
-    });
-    let window = ppl(CacheArgs {
-        kv_window: Some(64),
-        kv_sinks: 4,
-        ..Default::default()
-    });
+    let ppl = |mode: &str| perplexity(e, mode.parse().unwrap(), &ids, 512, 1, false).unwrap();
+    let full = ppl("full");
+    let int8 = ppl("int8");
+    let window = ppl("window:64");
     assert_eq!(full.tokens_scored, 255);
     assert!(full.ppl > 1.0 && full.ppl < 100.0, "{full:?}");
     assert!(
@@ -163,12 +154,21 @@ fn perplexity_of_each_strategy_is_reported_and_int8_costs_little() {
 
 #[test]
 fn combining_unsupported_strategies_is_an_error() {
-    let args = CacheArgs {
-        kv_window: Some(64),
-        kv_quant: Some("int8".into()),
-        ..Default::default()
+    use clap::Parser;
+    let cli = kvchat::cli::Cli::try_parse_from([
+        "kvchat",
+        "run",
+        "--kv-window",
+        "64",
+        "--kv-quant",
+        "int8",
+        "hi",
+    ])
+    .unwrap();
+    let kvchat::cli::Command::Run(args) = cli.command else {
+        unreachable!()
     };
-    let err = args.spec(4096).unwrap_err().to_string();
+    let err = args.cache.mode().unwrap_err().to_string();
     assert!(
         err.contains("--kv-window and --kv-quant cannot be combined"),
         "{err}"

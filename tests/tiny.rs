@@ -5,10 +5,10 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::tiny::*;
-use kvchat::generate::Session;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
 use kvchat::model::{Llama, Logits};
+use kvchat::session::Session;
 use kvchat::tokenizer::Tokenizer;
 
 fn load(name: &str) -> Llama {
@@ -83,14 +83,14 @@ fn full_cache_grows_in_place_and_truncates() {
     let mut s = session(&m, &FULL);
     s.feed(&[1, 2, 3]).unwrap();
     let per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4;
-    assert_eq!(s.cache.bytes_used(), 3 * per_token);
+    assert_eq!(s.cache().bytes_used(), 3 * per_token);
     // Capacity is min(256, max_positions) = 128 positions, allocated once.
-    assert_eq!(s.cache.bytes(), 128 * per_token);
-    s.cache.truncate(1).unwrap();
-    assert_eq!(s.cache.len(), 1);
+    assert_eq!(s.cache().bytes(), 128 * per_token);
+    s.truncate(1).unwrap();
+    assert_eq!(s.cache().len(), 1);
     // Truncating to more than is held changes nothing.
-    s.cache.truncate(5).unwrap();
-    assert_eq!(s.cache.len(), 1);
+    s.truncate(5).unwrap();
+    assert_eq!(s.cache().len(), 1);
 }
 
 #[test]

@@ -5,56 +5,17 @@
 //! caps it, and the table says so. A summary states the cache's end-to-end speed-up for a typical chat
 //! turn (512-token prompt + 256 generated tokens).
 
-use crate::cli::{CacheArgs, ModelArgs};
+use crate::cli::BenchArgs;
 use crate::engine::Engine;
-use crate::generate::argmax;
+use crate::kv::CacheMode;
 use crate::kv::CacheSpec;
+use crate::session::argmax;
 use anyhow::{bail, Context, Result};
-use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The bundled benchmark text: the Apache-2.0 license (the project's own), real English prose.
 pub const BENCH_TEXT: &str = include_str!("../../assets/bench-text.txt");
-
-#[derive(Args, Debug, Clone)]
-pub struct BenchArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Cache modes: none, full, int8, offload, window:N or window:N+S (S sinks, default 4)
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "none,full,int8,window:256"
-    )]
-    pub modes: Vec<String>,
-    /// Context lengths (prompt tokens before decoding)
-    #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
-    pub contexts: Vec<usize>,
-    /// Tokens decoded per run
-    #[arg(long, default_value_t = 32)]
-    pub gen: usize,
-    /// Measured runs per cell
-    #[arg(long, default_value_t = 3)]
-    pub repeat: usize,
-    /// Unmeasured runs per cell before the measured ones
-    #[arg(long, default_value_t = 1)]
-    pub warmup: usize,
-    /// Seconds a no-cache cell may take: it recomputes the whole sequence every step, so at long
-    /// context it stops early and the table says so (cached cells always run in full)
-    #[arg(long, default_value_t = 60.0)]
-    pub budget_s: f64,
-    /// Skip the chat-turn summary (512 + 256 tokens, cached vs no-cache)
-    #[arg(long)]
-    pub no_summary: bool,
-    /// Write the results as JSON to this file
-    #[arg(long)]
-    pub json: Option<PathBuf>,
-    /// Draw decode ms/token against context per mode to this .svg file
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
-}
 
 /// Median and spread of a measure over the measured runs.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -123,34 +84,6 @@ pub struct BenchReport {
     pub cells: Vec<Cell>,
     pub chat_turn: Option<ChatTurn>,
     pub peak_rss_bytes: Option<u64>,
-}
-
-/// `name` of `kvchat bench --modes` to the cache flags it stands for.
-pub fn mode_args(name: &str) -> Result<CacheArgs> {
-    let mut a = CacheArgs {
-        kv_sinks: 4,
-        kv_quant_residual: 32,
-        ..Default::default()
-    };
-    match name {
-        "none" => a.no_cache = true,
-        "full" => {}
-        "int8" => a.kv_quant = Some("int8".into()),
-        "offload" => a.kv_offload = true,
-        w if w.starts_with("window:") => {
-            let spec = &w["window:".len()..];
-            let (n, s) = spec.split_once('+').unwrap_or((spec, "4"));
-            a.kv_window = Some(
-                n.parse()
-                    .with_context(|| format!("--modes {w}: '{n}' is not a window size"))?,
-            );
-            a.kv_sinks = s
-                .parse()
-                .with_context(|| format!("--modes {w}: '{s}' is not a sink count"))?;
-        }
-        other => bail!("--modes: unknown mode '{other}' (none, full, int8, offload, window:N[+S])"),
-    }
-    Ok(a)
 }
 
 /// The first `n` tokens of the bench text, repeated as needed.
@@ -224,9 +157,9 @@ fn one_run(
     Ok(Run {
         prefill,
         steps,
-        kv_positions: s.cache.len(),
-        kv_bytes: s.cache.bytes_used(),
-        kv_bytes_allocated: s.cache.bytes(),
+        kv_positions: s.cache().len(),
+        kv_bytes: s.cache().bytes_used(),
+        kv_bytes_allocated: s.cache().bytes(),
     })
 }
 
@@ -422,14 +355,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bail!("--plot {}: only .svg is supported", p.display());
         }
     }
-    let mut model = args.model.clone();
+    let modes: Vec<(String, CacheMode)> = args
+        .modes
+        .iter()
+        .map(|m| Ok((m.clone(), m.parse::<CacheMode>().context("--modes")?)))
+        .collect::<Result<_>>()?;
+    let mut model = args.model.options()?;
     let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.gen;
     model.ctx = Some(model.ctx.unwrap_or(0).max(longest).max(768 + 256));
     let engine = Engine::load(&model)?;
-    let specs: Vec<(String, CacheSpec)> = args
-        .modes
-        .iter()
-        .map(|m| Ok((m.clone(), mode_args(m)?.spec(engine.ctx)?)))
+    let specs: Vec<(String, CacheSpec)> = modes
+        .into_iter()
+        .map(|(name, m)| {
+            Ok((
+                name.clone(),
+                m.spec(engine.ctx)
+                    .with_context(|| format!("--modes {name}"))?,
+            ))
+        })
         .collect::<Result<_>>()?;
     let n_cells = specs.len() * args.contexts.len();
     let bar = ProgressBar::new(n_cells as u64);

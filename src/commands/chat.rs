@@ -5,47 +5,17 @@
 //! answer stops it (the partial answer stays), Ctrl-C at an empty prompt or Ctrl-D exits.
 //! Not on a terminal: each input line is one turn (slash commands too), so chats can be scripted.
 
-use crate::cli::{kvchat_home, CacheArgs, ModelArgs, SamplingArgs};
-use crate::conversation::{Conversation, OnFull, TurnStats};
+use crate::cli::report::describe;
+use crate::cli::ChatArgs;
 use crate::engine::Engine;
-use crate::generate::Sampler;
 use crate::kv::persist;
+use crate::session::conversation::{Conversation, TurnStats};
+use crate::session::Sampler;
+use crate::source::kvchat_home;
 use anyhow::{bail, Context, Result};
-use clap::Args;
 use std::io::{BufRead, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-
-#[derive(Args, Debug)]
-pub struct ChatArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub cache: CacheArgs,
-    #[command(flatten)]
-    pub sampling: SamplingArgs,
-    /// System message
-    #[arg(long)]
-    pub system: Option<String>,
-    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
-    #[arg(long)]
-    pub chat_template: Option<String>,
-    /// Most tokens per answer
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 1024)]
-    pub max_tokens: usize,
-    /// After each answer, print what the turn reused, prefilled and how fast (stderr)
-    #[arg(long)]
-    pub stats: bool,
-    /// When the context is full: stop (refuse the turn) or shift (drop the oldest whole turns)
-    #[arg(long, value_enum, default_value_t = OnFull::Stop)]
-    pub on_full: OnFull,
-    /// Load the conversation's KV state from FILE when it matches, and save it there after each turn
-    #[arg(long, value_name = "FILE")]
-    pub prompt_cache: Option<PathBuf>,
-    /// History file [default: the platform's data dir, kvchat/history.txt]
-    #[arg(long)]
-    pub history: Option<PathBuf>,
-}
 
 const HELP: &str = "commands:
   /help            this text
@@ -76,15 +46,15 @@ pub fn print_turn_stats(c: &Conversation<'_>, t: &TurnStats) {
         if t.shifted > 0 { format!(", dropped {} old turn(s)", t.shifted) } else { String::new() },
         t.gen.generated,
         t.gen.decode_tok_s(),
-        c.session.cache.len(),
-        c.session.cache.bytes_used(),
+        c.session.cache().len(),
+        c.session.cache().bytes_used(),
         t.reason
     );
 }
 
 fn stats_text(c: &Conversation<'_>) -> String {
     let cfg = &c.engine.model.cfg;
-    let cache = &c.session.cache;
+    let cache = &c.session.cache();
     let mut s = format!(
         "cache: {} positions held ({} seen), {} bytes used, {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}]\ndevice {:?}, dtype f32, {} threads",
         cache.len(),
@@ -135,13 +105,13 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
             }
         }
         "/stats" => writeln!(out, "{}", stats_text(c))?,
-        "/cache" => writeln!(out, "{}", c.session.cache.spec().describe())?,
+        "/cache" => writeln!(out, "{}", c.session.cache().spec().describe())?,
         "/undo" => {
             if c.undo()? {
                 writeln!(
                     out,
                     "(last exchange dropped; cache holds {} positions)",
-                    c.session.cache.len()
+                    c.session.cache().len()
                 )?;
             } else {
                 writeln!(out, "(nothing to undo)")?;
@@ -153,18 +123,18 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
                 out,
                 "(saved {} turns, {} positions to {arg})",
                 c.turns.len(),
-                c.session.tokens.len()
+                c.session.tokens().len()
             )?,
-            Err(e) => writeln!(out, "error: {}", crate::first_line(format!("{e:#}")))?,
+            Err(e) => writeln!(out, "error: {}", describe(&e))?,
         },
         "/load" => match c.load(Path::new(arg)) {
             Ok(()) => writeln!(
                 out,
                 "(loaded {} turns, {} positions from {arg})",
                 c.turns.len(),
-                c.session.tokens.len()
+                c.session.tokens().len()
             )?,
-            Err(e) => writeln!(out, "error: {}", crate::first_line(format!("{e:#}")))?,
+            Err(e) => writeln!(out, "error: {}", describe(&e))?,
         },
         other => writeln!(out, "unknown command {other}: /help lists them")?,
     }
@@ -228,19 +198,24 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("-n/--max-tokens must be at least 1");
     }
+    // Every flag is checked before anything is fetched or loaded.
     let sampling = args.sampling.params()?;
-    // What is at --prompt-cache must be a kvchat KV file or nothing: checked before anything loads.
+    let load = args.model.options()?;
+    let mode = args.cache.mode()?;
+    let on_full: crate::session::conversation::OnFull =
+        args.on_full.parse().context("--on-full")?;
+    if mode == crate::kv::CacheMode::None && args.prompt_cache.is_some() {
+        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
+    }
+    // What is at --prompt-cache must be a kvchat KV file or nothing.
     if let Some(pc) = &args.prompt_cache {
         persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
     }
     let interrupt = crate::interrupt::install()?;
-    let engine = Engine::load(&args.model)?;
+    let engine = Engine::load(&load)?;
     let spec = args.cache.spec(engine.ctx)?;
-    if spec.recomputes() && args.prompt_cache.is_some() {
-        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
-    }
     let template = engine.chat_template(args.chat_template.as_deref())?;
-    let mut conv = Conversation::new(&engine, &spec, template, args.system.clone(), args.on_full);
+    let mut conv = Conversation::new(&engine, &spec, template, args.system.clone(), on_full);
     if let Some(pc) = &args.prompt_cache {
         if pc.exists() {
             match conv.load(pc) {
@@ -249,10 +224,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
                     conv.turns.len(),
                     pc.display()
                 ),
-                Err(e) => eprintln!(
-                    "kvchat: ignoring prompt cache: {}",
-                    crate::first_line(format!("{e:#}"))
-                ),
+                Err(e) => eprintln!("kvchat: ignoring prompt cache: {}", describe(&e)),
             }
         }
     }
@@ -320,7 +292,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         writeln!(stdout)?;
         match result {
             Ok(t) => {
-                if t.reason == crate::generate::StopReason::Interrupted {
+                if t.reason == crate::session::StopReason::Interrupted {
                     eprintln!("(interrupted)");
                 }
                 if args.stats {
@@ -328,42 +300,12 @@ pub fn run(args: ChatArgs) -> Result<()> {
                 }
                 if let Some(pc) = &args.prompt_cache {
                     if let Err(e) = conv.save(pc) {
-                        eprintln!(
-                            "kvchat: cannot save the prompt cache: {}",
-                            crate::first_line(format!("{e:#}"))
-                        );
+                        eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
                     }
                 }
             }
-            Err(e) => eprintln!("error: {}", crate::first_line(format!("{e:#}"))),
+            Err(e) => eprintln!("error: {}", describe(&e)),
         }
     }
     Ok(())
-}
-
-/// Loads a prompt cache for `ids` into `session` when it matches; returns positions reused, or 0 with
-/// the reason printed when it does not.
-pub fn load_prompt_cache(
-    engine: &Engine,
-    session: &mut crate::generate::Session<'_>,
-    path: &Path,
-    ids: &[u32],
-) -> Result<usize> {
-    if !path.exists() {
-        return Ok(0);
-    }
-    let key = session.cache.persist_key()?;
-    match persist::load(path, &session.persist_expect(&engine.digest, &key)) {
-        Ok(snap) => {
-            session.restore(&snap)?;
-            session.keep_prefix_of(ids)
-        }
-        Err(e) => {
-            eprintln!(
-                "kvchat: ignoring prompt cache: {}",
-                crate::first_line(format!("{e:#}"))
-            );
-            Ok(0)
-        }
-    }
 }

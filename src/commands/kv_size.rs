@@ -2,53 +2,9 @@
 //! bytes per token, per context and per N concurrent users, for each storage mode and for a window,
 //! and what grouped-query attention saves over full multi-head attention.
 
+use crate::cli::KvSizeArgs;
 use crate::kv::size::{KvDims, Storage};
 use anyhow::{bail, Result};
-use clap::Args;
-use std::path::PathBuf;
-
-#[derive(Args, Debug)]
-pub struct KvSizeArgs {
-    /// Model to read the dimensions from, as for `run -m` [default: the default model, unless
-    /// dimensions are given]
-    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
-    pub model: Option<String>,
-    /// Model registry to read instead of the built-in models.toml
-    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
-    pub models_file: Option<PathBuf>,
-    /// Decoder layers
-    #[arg(long, requires_all = ["kv_heads", "head_dim"])]
-    pub layers: Option<usize>,
-    /// KV heads per layer
-    #[arg(long, requires = "layers")]
-    pub kv_heads: Option<usize>,
-    /// Size of one head
-    #[arg(long, requires = "layers")]
-    pub head_dim: Option<usize>,
-    /// Query heads per layer: shows what GQA saves over full multi-head attention
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// The storage mode of the headline figures: f32, f16, bf16, int8, int4
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
-    /// Context length, in tokens
-    #[arg(long, default_value_t = 4096)]
-    pub ctx: usize,
-    /// Concurrent users (sequences), each with its own cache
-    #[arg(long, default_value_t = 1)]
-    pub users: usize,
-    /// Also show a sliding window of N positions (+ --sinks)
-    #[arg(long)]
-    pub window: Option<usize>,
-    #[arg(long, default_value_t = 4)]
-    pub sinks: usize,
-    /// INT8 residual (positions kept in f32), as --kv-quant-residual
-    #[arg(long, default_value_t = 32)]
-    pub residual: usize,
-    /// Print JSON instead of a table
-    #[arg(long)]
-    pub json: bool,
-}
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ModeRow {

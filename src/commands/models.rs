@@ -1,29 +1,8 @@
 //! `kvchat models list|pull`: the model registry (models.toml) and what of it is on disk.
 
+use crate::cli::{ModelsAction, ModelsArgs};
 use crate::source::{self, human_bytes, Registry};
 use anyhow::Result;
-use clap::{Args, Subcommand};
-use std::path::PathBuf;
-
-#[derive(Args, Debug)]
-pub struct ModelsArgs {
-    #[command(subcommand)]
-    pub action: ModelsAction,
-    /// Model registry to read instead of the built-in models.toml
-    #[arg(long, global = true, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
-    pub models_file: Option<PathBuf>,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum ModelsAction {
-    /// The registry's entries: name (* = default), size on disk or "-", sources, description.
-    List,
-    /// Download a model (a registry name or hf:owner/repo[@rev][:file]) and print where it is.
-    Pull {
-        /// Registry name or hf:owner/repo[@rev][:file] [default: the registry's default]
-        model: Option<String>,
-    },
-}
 
 pub fn run(args: ModelsArgs) -> Result<()> {
     match args.action {

@@ -9,36 +9,13 @@
 //! `--long` scores the whole text as one sequence instead (after a warm-up of ctx/2 tokens): for a
 //! window, a text much longer than the window in one pass.
 
-use crate::cli::{CacheArgs, ModelArgs};
+use crate::cli::PplArgs;
 use crate::engine::Engine;
-use crate::generate::Session;
+use crate::kv::CacheMode;
+use crate::session::Session;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use clap::Args;
 use std::io::Write;
-use std::path::PathBuf;
-
-#[derive(Args, Debug)]
-pub struct PplArgs {
-    /// Text file to score
-    pub file: PathBuf,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub cache: CacheArgs,
-    /// Chunk size in tokens (llama-perplexity's -c)
-    #[arg(long = "chunk", default_value_t = 512)]
-    pub chunk: usize,
-    /// Score at most this many chunks (0 = all)
-    #[arg(long, default_value_t = 0)]
-    pub chunks: usize,
-    /// Score the whole text as one sequence (after a warm-up of chunk/2 tokens) instead of chunks
-    #[arg(long)]
-    pub long: bool,
-    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks"} as JSON
-    #[arg(long)]
-    pub json: bool,
-}
 
 /// The result of a perplexity run.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -69,17 +46,17 @@ fn score(session: &mut Session<'_>, seq: &[u32], warm: usize) -> Result<Vec<f64>
     Ok(out)
 }
 
-/// Perplexity of `tokens` through the engine with the given cache flags.
+/// Perplexity of `tokens` through the engine with the given cache mode.
 pub fn perplexity(
     engine: &Engine,
-    cache: &CacheArgs,
+    cache: CacheMode,
     tokens: &[u32],
     chunk: usize,
     max_chunks: usize,
     long: bool,
 ) -> Result<Perplexity> {
     if chunk < 4 {
-        bail!("--chunk must be at least 4 tokens");
+        bail!("a chunk of {chunk} tokens is too short (at least 4)");
     }
     let spec = cache.spec(engine.ctx.max(chunk))?;
     let bos = engine
@@ -140,20 +117,20 @@ pub fn perplexity(
 }
 
 pub fn run(args: PplArgs) -> Result<()> {
+    let load = args.model.options()?;
+    let mode = args.cache.mode()?;
+    if args.chunk < 4 {
+        bail!("--chunk must be at least 4 tokens");
+    }
     let text = crate::fsx::read_text(&args.file, crate::fsx::MAX_TEXT, "text file")?;
     if text.trim().is_empty() {
         bail!("text file {} is empty", args.file.display());
     }
-    let engine = Engine::load(&args.model)?;
+    let engine = Engine::load(&load)?;
+    // The mode must fit the context the chunks need (a window check names the flags).
+    let spec = args.cache.spec(engine.ctx.max(args.chunk))?;
     let tokens = engine.tokenizer.encode(&text)?;
-    let p = perplexity(
-        &engine,
-        &args.cache,
-        &tokens,
-        args.chunk,
-        args.chunks,
-        args.long,
-    )?;
+    let p = perplexity(&engine, mode, &tokens, args.chunk, args.chunks, args.long)?;
     let mut out = std::io::stdout().lock();
     if args.json {
         writeln!(out, "{}", serde_json::to_string(&p)?)?;
@@ -166,7 +143,7 @@ pub fn run(args: PplArgs) -> Result<()> {
             p.tokens_scored,
             p.chunks,
             args.chunk,
-            args.cache.spec(engine.ctx.max(args.chunk))?.describe()
+            spec.describe()
         )?;
     }
     Ok(())

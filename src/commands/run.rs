@@ -1,51 +1,15 @@
 //! `kvchat run`: one prompt in (argument or stdin), one streamed answer out.
 
-use crate::cli::{CacheArgs, ModelArgs, SamplingArgs};
+use crate::cli::report::describe;
+use crate::cli::RunArgs;
 use crate::engine::Engine;
-use crate::generate::{GenStats, Sampler, StopReason};
-use crate::kv::{persist, CacheSpec, KvCache};
+use crate::kv::{persist, KvCache};
+use crate::session::{GenStats, Sampler, StopReason};
 use crate::template::Message;
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Result};
-use clap::Args;
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    /// The prompt; read from stdin when absent
-    pub prompt: Option<String>,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub cache: CacheArgs,
-    #[command(flatten)]
-    pub sampling: SamplingArgs,
-    /// Complete the text as-is, without the chat template; special-token text in it (<|im_start|>)
-    /// is parsed as control tokens, whereas a chat message's text never is
-    #[arg(long)]
-    pub raw: bool,
-    /// System message for the chat template
-    #[arg(long, conflicts_with = "raw")]
-    pub system: Option<String>,
-    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
-    #[arg(long, conflicts_with = "raw")]
-    pub chat_template: Option<String>,
-    /// Most tokens to generate
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
-    pub max_tokens: usize,
-    /// Keep generating past end-of-text tokens (for benchmarks)
-    #[arg(long)]
-    pub ignore_eos: bool,
-    /// Print prompt/decode speed and KV cache size to stderr
-    #[arg(long)]
-    pub stats: bool,
-    /// Reuse the KV state of an earlier prompt that shares a prefix with this one, from FILE, and save
-    /// this prompt's state there
-    #[arg(long, value_name = "FILE")]
-    pub prompt_cache: Option<PathBuf>,
-}
 
 /// The longest prompt read (from stdin or the argument), before any model is loaded.
 const MAX_PROMPT_BYTES: u64 = 64 << 20;
@@ -54,7 +18,13 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("-n/--max-tokens must be at least 1");
     }
+    // Every flag is checked before the prompt is read or anything is fetched or loaded.
     let sampling = args.sampling.params()?;
+    let load = args.model.options()?;
+    let mode = args.cache.mode()?;
+    if mode == crate::kv::CacheMode::None && args.prompt_cache.is_some() {
+        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
+    }
     let prompt = match &args.prompt {
         Some(p) => p.clone(),
         None => {
@@ -85,7 +55,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
-    let engine = Engine::load(&args.model)?;
+    let engine = Engine::load(&load)?;
     // No tokenizer packs more than ~64 bytes into a token on real text: a longer prompt cannot
     // fit the context, and tokenizing it first would take memory for nothing.
     if prompt.len() > engine.ctx.saturating_mul(64) {
@@ -107,15 +77,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         engine.chat_prompt(&template, &messages)?
     };
     let spec = args.cache.spec(engine.ctx)?;
-    if ids.len() >= engine.ctx && !matches!(spec, CacheSpec::Window { .. }) {
+    if ids.len() >= engine.ctx && spec.bounded_by_context() {
         bail!(
             "the prompt is {} tokens, which does not fit the context of {} (raise --ctx)",
             ids.len(),
             engine.ctx
         );
-    }
-    if spec.recomputes() && args.prompt_cache.is_some() {
-        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
     }
     let mut session = engine.session(&spec);
     let mut sampler = Sampler::new(sampling);
@@ -123,27 +90,20 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let t0 = Instant::now();
     let reused = match &args.prompt_cache {
-        Some(p) => crate::commands::chat::load_prompt_cache(&engine, &mut session, p, &ids)?,
-        None => 0,
+        Some(p) if p.exists() => match session.reuse_saved_prefix(p, &engine.digest, &ids) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("kvchat: ignoring prompt cache: {}", describe(&e));
+                0
+            }
+        },
+        _ => 0,
     };
     let logits = session.feed(&ids[reused..])?;
     let prefill = t0.elapsed();
     if let Some(p) = &args.prompt_cache {
-        let saved = session.cache.persist_key().and_then(|key| {
-            persist::save(
-                p,
-                &session.tokens,
-                &session.cache,
-                &engine.digest,
-                &key,
-                serde_json::json!({}),
-            )
-        });
-        if let Err(e) = saved {
-            eprintln!(
-                "kvchat: cannot save the prompt cache: {}",
-                crate::first_line(format!("{e:#}"))
-            );
+        if let Err(e) = session.save_state(p, &engine.digest, serde_json::json!({})) {
+            eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
         }
     }
     let mut first_token: Option<Duration> = None;
@@ -183,7 +143,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 first_token.unwrap_or(prefill).as_secs_f64() * 1e3
             );
         }
-        print_stats(&engine, &stats, &session.cache, reason);
+        print_stats(&engine, &stats, session.cache(), reason);
     }
     Ok(())
 }

@@ -1,26 +1,10 @@
 //! `kvchat tokenize TEXT`: the ids the model sees, as a JSON array.
 
+use crate::cli::TokenizeArgs;
 use crate::model::gguf::GgufFile;
 use crate::source::Location;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
-use clap::Args;
-use std::path::PathBuf;
-
-#[derive(Args, Debug)]
-pub struct TokenizeArgs {
-    /// Text to tokenize (special-token text such as <|im_start|> becomes its one id)
-    pub text: String,
-    /// Model whose tokenizer to use, as for `run -m` [default: the default model]
-    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
-    pub model: Option<String>,
-    /// Model registry to read instead of the built-in models.toml
-    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
-    pub models_file: Option<PathBuf>,
-    /// tokenizer.json to use instead of the GGUF's metadata
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
-}
 
 pub fn run(args: TokenizeArgs) -> Result<()> {
     let tokenizer = match (&args.tokenizer, &args.model) {

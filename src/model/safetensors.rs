@@ -27,7 +27,7 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         "f32" => Ok(DType::F32),
         "f16" => Ok(DType::F16),
         "bf16" => Ok(DType::BF16),
-        other => bail!("--dtype '{other}' is not one of f32, f16, bf16"),
+        other => bail!("dtype '{other}' is not one of f32, f16, bf16"),
     }
 }
 

@@ -130,8 +130,7 @@ pub fn fetch_entry(entry: &Entry) -> Result<Location> {
                 return Ok(loc);
             }
             Err(e) => {
-                let msg: Vec<String> = e.chain().map(crate::first_line).collect();
-                failures.push(format!("{s}: {}", msg.join(": ")));
+                failures.push(format!("{s}: {}", crate::error_line(&e)));
             }
         }
     }

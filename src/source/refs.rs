@@ -60,3 +60,56 @@ impl ModelRef {
         Ok(ModelRef::Named(spec.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_references_parse_into_repo_revision_and_file() {
+        let ModelRef::Hub(Source::Hf {
+            repo,
+            revision,
+            file,
+            ..
+        }) = ModelRef::parse("hf:a/b@refs/pr/1:sub/m.gguf").unwrap()
+        else {
+            panic!("not a hub ref")
+        };
+        assert_eq!(
+            (repo.as_str(), revision.as_str(), file.as_deref()),
+            ("a/b", "refs/pr/1", Some("sub/m.gguf"))
+        );
+        let ModelRef::Hub(Source::Hf { revision, file, .. }) = ModelRef::parse("hf:a/b").unwrap()
+        else {
+            panic!("not a hub ref")
+        };
+        assert_eq!((revision.as_str(), file), ("main", None));
+    }
+
+    #[test]
+    fn names_paths_and_bad_hub_references_are_told_apart() {
+        assert_eq!(
+            ModelRef::parse("smollm2-135m").unwrap(),
+            ModelRef::Named("smollm2-135m".into())
+        );
+        assert!(matches!(
+            ModelRef::parse("./x.gguf").unwrap(),
+            ModelRef::Path(_)
+        ));
+        assert!(matches!(
+            ModelRef::parse("model.gguf").unwrap(),
+            ModelRef::Path(_)
+        ));
+        for bad in [
+            "hf:a",
+            "hf:a/b@",
+            "hf:a/b:",
+            "hf:a/b@../x",
+            "hf:a/b:../x",
+            "hf:/b",
+        ] {
+            assert!(ModelRef::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

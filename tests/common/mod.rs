@@ -5,10 +5,10 @@ pub mod hub;
 pub mod raw_gguf;
 pub mod tiny;
 
-use kvchat::cli::ModelArgs;
 use kvchat::engine::Engine;
-use kvchat::generate::{Sampler, SamplingParams};
+use kvchat::engine::LoadOptions;
 use kvchat::kv::CacheSpec;
+use kvchat::session::{Sampler, SamplingParams};
 use kvchat::template::Message;
 use std::io::Write;
 use std::path::PathBuf;
@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 pub fn model_path() -> PathBuf {
     let p = std::env::var_os("KVCHAT_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(kvchat::cli::default_model_path);
+        .unwrap_or_else(kvchat::source::default_model_path);
     assert!(
         p.exists(),
         "the test model is missing at {}: run scripts/fetch-models.sh",
@@ -28,10 +28,10 @@ pub fn model_path() -> PathBuf {
     p
 }
 
-pub fn model_args() -> ModelArgs {
-    ModelArgs {
+pub fn model_args() -> LoadOptions {
+    LoadOptions {
         ctx: Some(4096),
-        ..ModelArgs::for_path(model_path())
+        ..LoadOptions::for_path(model_path())
     }
 }
 
@@ -72,7 +72,7 @@ pub fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>
     let mut logits = s.feed(prompt).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
-        let next = sampler.sample(&logits, &s.tokens).unwrap();
+        let next = sampler.sample(&logits, s.tokens()).unwrap();
         out.push(next);
         logits = s.feed(&[next]).unwrap();
     }

@@ -1,0 +1,213 @@
+//! The flag groups shared by subcommands (model, cache, sampling) and their conversion, once, into
+//! the library's options. Every check here runs before any download or load, and every error names
+//! the flag.
+
+use crate::engine::{max_threads, DeviceChoice, LoadOptions};
+use crate::kv::{CacheMode, DEFAULT_RESIDUAL, DEFAULT_SINKS};
+use crate::session::SamplingParams;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+
+/// Which model, where it runs.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: a models.toml name (`kvchat models list`), hf:owner/repo[@rev][:file.gguf], a GGUF
+    /// file, or a directory in the HF layout [default: the registry's default, smollm2-135m]
+    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
+    /// tokenizer.json to use instead of the model's own tokenizer
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Device: cpu, cuda[:N], metal or auto (the best one built in)
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight storage: f32, f16 or bf16 for safetensors [default: f32]; for GGUF, dequantize every
+    /// matrix to this dtype at load [default: keep them quantized]. Activations and KV stay f32.
+    #[arg(long, value_parser = ["f32", "f16", "bf16"])]
+    pub dtype: Option<String>,
+    /// CPU threads [default: all cores; at most 4 per core]
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Context size in tokens: the most positions a sequence may reach [default: the model's trained context]
+    #[arg(long)]
+    pub ctx: Option<usize>,
+}
+
+impl ModelArgs {
+    /// The load options these flags select; a thread count over the cap is lowered with a note.
+    pub fn options(&self) -> Result<LoadOptions> {
+        let device: DeviceChoice = self.device.parse().context("--device")?;
+        let dtype = self
+            .dtype
+            .as_deref()
+            .map(crate::model::safetensors::parse_dtype)
+            .transpose()
+            .context("--dtype")?;
+        let threads = match self.threads {
+            Some(0) => bail!("--threads must be at least 1"),
+            Some(n) if n > max_threads() => {
+                eprintln!(
+                    "note: --threads {n} capped at {} (4 × the {} cores)",
+                    max_threads(),
+                    max_threads() / 4
+                );
+                Some(max_threads())
+            }
+            other => other,
+        };
+        if self.ctx == Some(0) {
+            bail!("--ctx must be at least 1");
+        }
+        Ok(LoadOptions {
+            model: self.model.clone(),
+            models_file: self.models_file.clone(),
+            tokenizer: self.tokenizer.clone(),
+            device,
+            dtype,
+            threads,
+            ctx: self.ctx,
+        })
+    }
+}
+
+/// Which KV cache strategy.
+#[derive(Args, Debug, Clone)]
+pub struct CacheArgs {
+    /// Keep no KV cache: recompute the whole sequence at every step (the O(n²) baseline)
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Keep only the last N positions (plus --kv-sinks): bounded memory, unbounded length
+    #[arg(long, value_name = "N")]
+    pub kv_window: Option<usize>,
+    /// With --kv-window: how many first positions to keep as attention sinks (0 = plain window)
+    #[arg(long, value_name = "S", default_value_t = DEFAULT_SINKS, requires = "kv_window")]
+    pub kv_sinks: usize,
+    /// Quantize the cache: int8 (keys per channel, values per token)
+    #[arg(long, value_name = "TYPE", value_parser = ["int8"])]
+    pub kv_quant: Option<String>,
+    /// With --kv-quant: how many most recent positions stay in full precision
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL, requires = "kv_quant")]
+    pub kv_quant_residual: usize,
+    /// Keep the cache in host memory; each layer is copied to the compute device for its attention
+    #[arg(long)]
+    pub kv_offload: bool,
+}
+
+impl CacheArgs {
+    /// The cache mode these flags select. Conflicts and impossible values are refused here, before
+    /// anything loads; whether the mode fits the context is checked by [`CacheArgs::spec`].
+    pub fn mode(&self) -> Result<CacheMode> {
+        let chosen: Vec<&str> = [
+            (self.no_cache, "--no-cache"),
+            (self.kv_window.is_some(), "--kv-window"),
+            (self.kv_quant.is_some(), "--kv-quant"),
+            (self.kv_offload, "--kv-offload"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect();
+        if chosen.len() > 1 {
+            bail!(
+                "{} cannot be combined (yet): choose one cache strategy",
+                chosen.join(" and ")
+            );
+        }
+        if let Some(window) = self.kv_window {
+            if window == 0 {
+                bail!("--kv-window must be at least 1");
+            }
+            if self.kv_sinks >= window {
+                bail!(
+                    "--kv-sinks {} must be smaller than --kv-window {window}",
+                    self.kv_sinks
+                );
+            }
+            return Ok(CacheMode::Window {
+                window,
+                sinks: self.kv_sinks,
+            });
+        }
+        Ok(if self.no_cache {
+            CacheMode::None
+        } else if self.kv_quant.is_some() {
+            CacheMode::Int8 {
+                residual: self.kv_quant_residual,
+            }
+        } else if self.kv_offload {
+            CacheMode::Offload
+        } else {
+            CacheMode::Full
+        })
+    }
+
+    /// The strategy for a context of `ctx` positions (`--ctx`).
+    pub fn spec(&self, ctx: usize) -> Result<crate::kv::CacheSpec> {
+        let mode = self.mode()?;
+        mode.spec(ctx).with_context(|| match mode {
+            CacheMode::Window { window, sinks } => {
+                format!("--kv-window {window} with --kv-sinks {sinks} and --ctx {ctx}")
+            }
+            _ => format!("--ctx {ctx}"),
+        })
+    }
+}
+
+/// How the next token is picked.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy (always the most likely token)
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off)
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off)
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P × the most likely one (0 = off)
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalty for repeating recent tokens (1 = off)
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens the repeat penalty looks at
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed for sampling
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplingParams> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!(
+                "--temperature must be a number ≥ 0, got {}",
+                self.temperature
+            );
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            bail!("--top-p must be between 0 and 1, got {}", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            bail!("--min-p must be between 0 and 1, got {}", self.min_p);
+        }
+        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
+            bail!("--repeat-penalty must be > 0, got {}", self.repeat_penalty);
+        }
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        })
+    }
+}

@@ -1,0 +1,62 @@
+//! Errors for a person: one line, the context chain joined, and — when the library says what would
+//! fix it ([`crate::Fixable`]) — the flag or command that does, in this front end's words. Every
+//! error kvchat shows goes through [`describe`].
+
+use crate::Fix;
+
+/// How to apply a fix with kvchat's flags.
+pub fn advice(fix: Fix) -> &'static str {
+    match fix {
+        Fix::RaiseContext => "raise --ctx",
+        Fix::LowerContext => "lower --ctx",
+        Fix::CpuDevice => "use --device cpu",
+        Fix::Tokenizer => "pass --tokenizer tokenizer.json",
+        Fix::ChatTemplate => "pass --chat-template chatml|llama3|llama2, or --raw",
+        Fix::FullCache => "use the full cache: drop --kv-window and --kv-quant",
+        Fix::ChatFull => "/undo, /reset, or run with --on-full shift or a larger --ctx",
+        Fix::BuildWithCuda => "rebuild with `cargo build --release --features cuda`",
+        Fix::BuildWithMetal => "rebuild with `cargo build --release --features metal`",
+    }
+}
+
+/// The error as one line, with the fix when the library named one.
+pub fn describe(e: &anyhow::Error) -> String {
+    let line = crate::error_line(e);
+    let fix = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<crate::Fixable>())
+        .map(|f| f.fix);
+    match fix {
+        Some(f) => format!("{line} ({})", advice(f)),
+        None => line,
+    }
+}
+
+/// Prints the error as kvchat's last words and exits with status 1.
+pub fn exit_with(e: &anyhow::Error) -> ! {
+    eprintln!("error: {}", describe(e));
+    std::process::exit(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn a_fixable_error_gets_its_flag_even_under_context() {
+        let e = Err::<(), _>(crate::fixable(
+            Fix::RaiseContext,
+            "the KV cache is full".into(),
+        ))
+        .context("turn 3")
+        .unwrap_err();
+        assert_eq!(describe(&e), "turn 3: the KV cache is full (raise --ctx)");
+    }
+
+    #[test]
+    fn other_errors_are_their_chain_on_one_line() {
+        let e = anyhow::anyhow!("not found\nbacktrace…").context("model x");
+        assert_eq!(describe(&e), "model x: not found");
+    }
+}

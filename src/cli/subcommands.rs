@@ -1,0 +1,210 @@
+//! Each subcommand's flags. The shared groups (model, cache, sampling) are in `options.rs`, with
+//! their conversion into library options.
+
+use super::options::{CacheArgs, ModelArgs, SamplingArgs};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The prompt; read from stdin when absent
+    pub prompt: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Complete the text as-is, without the chat template; special-token text in it (<|im_start|>)
+    /// is parsed as control tokens, whereas a chat message's text never is
+    #[arg(long)]
+    pub raw: bool,
+    /// System message for the chat template
+    #[arg(long, conflicts_with = "raw")]
+    pub system: Option<String>,
+    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
+    #[arg(long, conflicts_with = "raw")]
+    pub chat_template: Option<String>,
+    /// Most tokens to generate
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Keep generating past end-of-text tokens (for benchmarks)
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print prompt/decode speed and KV cache size to stderr
+    #[arg(long)]
+    pub stats: bool,
+    /// Reuse the KV state of an earlier prompt that shares a prefix with this one, from FILE, and save
+    /// this prompt's state there
+    #[arg(long, value_name = "FILE")]
+    pub prompt_cache: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// System message
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Most tokens per answer
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 1024)]
+    pub max_tokens: usize,
+    /// After each answer, print what the turn reused, prefilled and how fast (stderr)
+    #[arg(long)]
+    pub stats: bool,
+    /// When the context is full: stop (refuse the turn) or shift (drop the oldest whole turns)
+    #[arg(long, value_parser = ["stop", "shift"], default_value = "stop")]
+    pub on_full: String,
+    /// Load the conversation's KV state from FILE when it matches, and save it there after each turn
+    #[arg(long, value_name = "FILE")]
+    pub prompt_cache: Option<PathBuf>,
+    /// History file [default: the platform's data dir, kvchat/history.txt]
+    #[arg(long)]
+    pub history: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Cache modes: none, full, int8, offload, window:N or window:N+S (S sinks, default 4)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "none,full,int8,window:256"
+    )]
+    pub modes: Vec<String>,
+    /// Context lengths (prompt tokens before decoding)
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
+    pub contexts: Vec<usize>,
+    /// Tokens decoded per run
+    #[arg(long, default_value_t = 32)]
+    pub gen: usize,
+    /// Measured runs per cell
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Unmeasured runs per cell before the measured ones
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Seconds a no-cache cell may take: it recomputes the whole sequence every step, so at long
+    /// context it stops early and the table says so (cached cells always run in full)
+    #[arg(long, default_value_t = 60.0)]
+    pub budget_s: f64,
+    /// Skip the chat-turn summary (512 + 256 tokens, cached vs no-cache)
+    #[arg(long)]
+    pub no_summary: bool,
+    /// Write the results as JSON to this file
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw decode ms/token against context per mode to this .svg file
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct PplArgs {
+    /// Text file to score
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Chunk size in tokens (llama-perplexity's -c)
+    #[arg(long = "chunk", default_value_t = 512)]
+    pub chunk: usize,
+    /// Score at most this many chunks (0 = all)
+    #[arg(long, default_value_t = 0)]
+    pub chunks: usize,
+    /// Score the whole text as one sequence (after a warm-up of chunk/2 tokens) instead of chunks
+    #[arg(long)]
+    pub long: bool,
+    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks"} as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct KvSizeArgs {
+    /// Model to read the dimensions from, as for `run -m` [default: the default model, unless
+    /// dimensions are given]
+    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
+    /// Decoder layers
+    #[arg(long, requires_all = ["kv_heads", "head_dim"])]
+    pub layers: Option<usize>,
+    /// KV heads per layer
+    #[arg(long, requires = "layers")]
+    pub kv_heads: Option<usize>,
+    /// Size of one head
+    #[arg(long, requires = "layers")]
+    pub head_dim: Option<usize>,
+    /// Query heads per layer: shows what GQA saves over full multi-head attention
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// The storage mode of the headline figures: f32, f16, bf16, int8, int4
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Context length, in tokens
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Concurrent users (sequences), each with its own cache
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    /// Also show a sliding window of N positions (+ --sinks)
+    #[arg(long)]
+    pub window: Option<usize>,
+    #[arg(long, default_value_t = 4)]
+    pub sinks: usize,
+    /// INT8 residual (positions kept in f32), as --kv-quant-residual
+    #[arg(long, default_value_t = 32)]
+    pub residual: usize,
+    /// Print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// Text to tokenize (special-token text such as <|im_start|> becomes its one id)
+    pub text: String,
+    /// Model whose tokenizer to use, as for `run -m` [default: the default model]
+    #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
+    pub model: Option<String>,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
+    /// tokenizer.json to use instead of the GGUF's metadata
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct ModelsArgs {
+    #[command(subcommand)]
+    pub action: ModelsAction,
+    /// Model registry to read instead of the built-in models.toml
+    #[arg(long, global = true, env = "KVCHAT_MODELS_FILE", value_name = "FILE")]
+    pub models_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelsAction {
+    /// The registry's entries: name (* = default), size on disk or "-", sources, description.
+    List,
+    /// Download a model (a registry name or hf:owner/repo[@rev][:file]) and print where it is.
+    Pull {
+        /// Registry name or hf:owner/repo[@rev][:file] [default: the registry's default]
+        model: Option<String>,
+    },
+}
