@@ -333,13 +333,9 @@ impl Engine {
         })
     }
 
-    pub fn dtype(&self) -> DType {
-        DType::F32
-    }
-
     /// A fresh sequence with a cache of the given strategy.
     pub fn session(&self, spec: &CacheSpec) -> Session<'_> {
-        let cache = spec.build(&self.model.cfg, self.dtype(), &self.device);
+        let cache = spec.build(&self.model.cfg, &self.device);
         // A window holds a bounded number of positions whatever the length of the sequence.
         let max = if spec.bounded_by_context() {
             self.ctx

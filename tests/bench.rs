@@ -209,10 +209,11 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         let n = ctx + 8; // the prompt, then 8 decode steps that each feed one token
         let predicted = match name {
             "int8" => d.bytes_for(Storage::Int8, n, kvchat::kv::DEFAULT_RESIDUAL),
+            // The float modes store the default precision, f16.
             m if m.starts_with("window") => {
-                d.bytes_for(Storage::F32, n.min(68), kvchat::kv::DEFAULT_RESIDUAL)
+                d.bytes_for(Storage::F16, n.min(68), kvchat::kv::DEFAULT_RESIDUAL)
             }
-            _ => d.bytes_for(Storage::F32, n, kvchat::kv::DEFAULT_RESIDUAL),
+            _ => d.bytes_for(Storage::F16, n, kvchat::kv::DEFAULT_RESIDUAL),
         };
         assert_eq!(c.kv_bytes as f64, predicted, "{name} @ {ctx}");
     }

@@ -15,6 +15,7 @@ fn conversation() -> Conversation<'static> {
     Conversation::new(
         e,
         &CacheSpec::Full {
+            precision: kvchat::kv::Precision::F32,
             max_positions: 4096,
         },
         e.chat_template(None).unwrap(),
@@ -52,6 +53,7 @@ fn after_three_turns_the_cache_equals_one_prefill_of_the_transcript() {
     );
     let incremental: Vec<f32> = c.session.feed(&ids[held..]).unwrap().to_vec1().unwrap();
     let mut fresh = engine().session(&CacheSpec::Full {
+        precision: kvchat::kv::Precision::F32,
         max_positions: 4096,
     });
     let one_prefill: Vec<f32> = fresh.feed(&ids).unwrap().to_vec1().unwrap();
@@ -215,6 +217,7 @@ fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored
     // Same container, another model's digest / another cache configuration.
     let e = engine();
     let mut s = e.session(&CacheSpec::Full {
+        precision: kvchat::kv::Precision::F32,
         max_positions: 4096,
     });
     s.feed(&e.raw_prompt("some prompt").unwrap()).unwrap();

@@ -82,10 +82,12 @@ fn stats_report_prefill_decode_and_kv_bytes() {
         .unwrap();
     let held = prompt + 7;
     assert!(err.contains(&format!("{held} positions held")), "{err}");
+    // The default cache stores f16: 2 × 30 layers × 3 KV heads × 64 × 2 bytes = 23,040 per token.
     assert!(
-        err.contains(&format!("{} bytes used", held * 46_080)),
+        err.contains(&format!("{} bytes used", held * 23_040)),
         "{err}"
     );
+    assert!(err.contains("kv cache full f16"), "{err}");
 }
 
 #[test]

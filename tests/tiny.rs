@@ -3,7 +3,7 @@
 
 mod common;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use common::tiny::*;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
@@ -20,10 +20,13 @@ fn load(name: &str) -> Llama {
 }
 
 fn session<'a>(m: &'a Llama, spec: &CacheSpec) -> Session<'a> {
-    Session::new(m, spec.build(&m.cfg, DType::F32, &Device::Cpu), 128)
+    Session::new(m, spec.build(&m.cfg, &Device::Cpu), 128)
 }
 
-const FULL: CacheSpec = CacheSpec::Full { max_positions: 128 };
+const FULL: CacheSpec = CacheSpec::Full {
+    precision: kvchat::kv::Precision::F32,
+    max_positions: 128,
+};
 
 #[test]
 fn qwen2_config_is_read_from_metadata() {
@@ -48,7 +51,12 @@ fn tiny_model_logits_are_identical_with_full_cache_and_recompute() {
     let m = load("eq");
     let tokens = [3u32, 17, 5, 9, 22, 1, 30, 8];
     let mut full = session(&m, &FULL);
-    let mut none = session(&m, &CacheSpec::None);
+    let mut none = session(
+        &m,
+        &CacheSpec::None {
+            precision: kvchat::kv::Precision::F32,
+        },
+    );
     let mut a = full.feed(&tokens[..3]).unwrap();
     let mut b = none.feed(&tokens[..3]).unwrap();
     for &t in &tokens[3..] {
@@ -96,7 +104,7 @@ fn full_cache_grows_in_place_and_truncates() {
 #[test]
 fn sequence_past_max_positions_is_refused() {
     let m = load("full");
-    let mut s = Session::new(&m, FULL.build(&m.cfg, DType::F32, &Device::Cpu), 4);
+    let mut s = Session::new(&m, FULL.build(&m.cfg, &Device::Cpu), 4);
     s.feed(&[1, 2, 3]).unwrap();
     let err = s.feed(&[4, 5]).unwrap_err().to_string();
     assert!(err.contains("more than the context of 4"), "{err}");

@@ -3,7 +3,7 @@
 //! the flag.
 
 use crate::engine::{max_threads, DeviceChoice, LoadOptions};
-use crate::kv::{CacheMode, DEFAULT_RESIDUAL, DEFAULT_SINKS};
+use crate::kv::{CacheMode, Precision, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS};
 use crate::session::SamplingParams;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -86,11 +86,15 @@ pub struct CacheArgs {
     /// With --kv-window: how many first positions to keep as attention sinks (0 = plain window)
     #[arg(long, value_name = "S", default_value_t = DEFAULT_SINKS, requires = "kv_window")]
     pub kv_sinks: usize,
-    /// Quantize the cache: int8 (keys per channel, values per token)
-    #[arg(long, value_name = "TYPE", value_parser = ["int8"])]
+    /// How the cache stores keys and values: f32, f16, bf16 (read directly by attention), or int8
+    /// (keys per channel, values per token) [default: f16]
+    #[arg(long, value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "int8"])]
+    pub kv_type: Option<String>,
+    /// Quantize the cache: int8 (the same as --kv-type int8)
+    #[arg(long, value_name = "TYPE", value_parser = ["int8"], conflicts_with = "kv_type")]
     pub kv_quant: Option<String>,
-    /// With --kv-quant: how many most recent positions stay in full precision
-    #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL, requires = "kv_quant")]
+    /// With int8: how many most recent positions stay in full precision
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL)]
     pub kv_quant_residual: usize,
     /// Keep the cache in host memory; each layer is copied to the compute device for its attention
     #[arg(long)]
@@ -101,10 +105,24 @@ impl CacheArgs {
     /// The cache mode these flags select. Conflicts and impossible values are refused here, before
     /// anything loads; whether the mode fits the context is checked by [`CacheArgs::spec`].
     pub fn mode(&self) -> Result<CacheMode> {
+        let kv_type = self.kv_quant.as_deref().or(self.kv_type.as_deref());
+        let int8 = kv_type == Some("int8");
+        let int8_flag = if self.kv_quant.is_some() {
+            "--kv-quant int8"
+        } else {
+            "--kv-type int8"
+        };
+        let precision = match kv_type.and_then(Precision::parse) {
+            Some(p) => p,
+            None => DEFAULT_PRECISION,
+        };
+        if self.kv_quant_residual != DEFAULT_RESIDUAL && !int8 {
+            bail!("--kv-quant-residual applies to the int8 cache only (add --kv-type int8)");
+        }
         let chosen: Vec<&str> = [
             (self.no_cache, "--no-cache"),
             (self.kv_window.is_some(), "--kv-window"),
-            (self.kv_quant.is_some(), "--kv-quant"),
+            (int8, int8_flag),
             (self.kv_offload, "--kv-offload"),
         ]
         .iter()
@@ -130,18 +148,19 @@ impl CacheArgs {
             return Ok(CacheMode::Window {
                 window,
                 sinks: self.kv_sinks,
+                precision,
             });
         }
         Ok(if self.no_cache {
-            CacheMode::None
-        } else if self.kv_quant.is_some() {
+            CacheMode::None { precision }
+        } else if int8 {
             CacheMode::Int8 {
                 residual: self.kv_quant_residual,
             }
         } else if self.kv_offload {
-            CacheMode::Offload
+            CacheMode::Offload { precision }
         } else {
-            CacheMode::Full
+            CacheMode::Full { precision }
         })
     }
 
@@ -149,7 +168,7 @@ impl CacheArgs {
     pub fn spec(&self, ctx: usize) -> Result<crate::kv::CacheSpec> {
         let mode = self.mode()?;
         mode.spec(ctx).with_context(|| match mode {
-            CacheMode::Window { window, sinks } => {
+            CacheMode::Window { window, sinks, .. } => {
                 format!("--kv-window {window} with --kv-sinks {sinks} and --ctx {ctx}")
             }
             _ => format!("--ctx {ctx}"),

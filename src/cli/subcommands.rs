@@ -152,8 +152,8 @@ pub struct KvSizeArgs {
     /// Query heads per layer: shows what GQA saves over full multi-head attention
     #[arg(long)]
     pub heads: Option<usize>,
-    /// The storage mode of the headline figures: f32, f16, bf16, int8, int4
-    #[arg(long, default_value = "f32")]
+    /// The storage mode of the headline figures: f32, f16 (the cache's default), bf16, int8, int4
+    #[arg(long, default_value = "f16")]
     pub dtype: String,
     /// Context length, in tokens
     #[arg(long, default_value_t = 4096)]

@@ -240,7 +240,9 @@ pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Resu
     let r = one_run(engine, cached, &bench_tokens(engine, p)?, g, far)?;
     let cached_s = r.prefill.as_secs_f64() + r.steps.iter().map(|d| d.as_secs_f64()).sum::<f64>();
     let forward = |n: usize| -> Result<f64> {
-        let mut s = engine.session(&CacheSpec::None);
+        // The recompute at the cached mode's precision: the same numbers, none of the reuse.
+        let precision = cached.precision().unwrap_or(crate::kv::DEFAULT_PRECISION);
+        let mut s = engine.session(&CacheSpec::None { precision });
         let toks = bench_tokens(engine, n)?;
         let t = Instant::now();
         s.feed(&toks)?;
@@ -400,6 +402,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "full".into(),
                 CacheSpec::Full {
                     max_positions: engine.ctx,
+                    precision: crate::kv::DEFAULT_PRECISION,
                 },
             ));
         Some(chat_turn(&engine, &name, &spec)?)

@@ -56,7 +56,7 @@ fn stats_text(c: &Conversation<'_>) -> String {
     let cfg = &c.engine.model.cfg;
     let cache = &c.session.cache();
     let mut s = format!(
-        "cache: {} positions held ({} seen), {} bytes used, {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}]\ndevice {:?}, dtype f32, {} threads",
+        "cache: {} positions held ({} seen), {} bytes used, {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
         cache.len(),
         cache.seen(),
         cache.bytes_used(),
@@ -65,6 +65,7 @@ fn stats_text(c: &Conversation<'_>) -> String {
         cfg.n_kv_head,
         cache.len(),
         cfg.head_dim,
+        cache.spec().precision().map_or("int8", |p| p.name()),
         c.engine.device.location(),
         candle_core::utils::get_num_threads()
     );
@@ -204,7 +205,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mode = args.cache.mode()?;
     let on_full: crate::session::conversation::OnFull =
         args.on_full.parse().context("--on-full")?;
-    if mode == crate::kv::CacheMode::None && args.prompt_cache.is_some() {
+    if matches!(mode, crate::kv::CacheMode::None { .. }) && args.prompt_cache.is_some() {
         bail!("--prompt-cache needs a KV cache (drop --no-cache)");
     }
     // What is at --prompt-cache must be a kvchat KV file or nothing.

@@ -22,7 +22,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let sampling = args.sampling.params()?;
     let load = args.model.options()?;
     let mode = args.cache.mode()?;
-    if mode == crate::kv::CacheMode::None && args.prompt_cache.is_some() {
+    if matches!(mode, crate::kv::CacheMode::None { .. }) && args.prompt_cache.is_some() {
         bail!("--prompt-cache needs a KV cache (drop --no-cache)");
     }
     let prompt = match &args.prompt {
@@ -160,7 +160,7 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations and KV f32, {threads} threads",
+        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations f32, {threads} threads",
         cache.spec().describe(),
         cache.len(),
         cache.seen(),

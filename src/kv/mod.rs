@@ -26,16 +26,67 @@ pub const DEFAULT_SINKS: usize = 4;
 /// Most recent positions INT8 keeps in f32 unless told otherwise.
 pub const DEFAULT_RESIDUAL: usize = 32;
 
-/// A cache strategy as a person names it, before the context size is known: `none`, `full`,
-/// `int8`, `int8:R` (R recent positions in f32), `offload`, `window:N` or `window:N+S` (S sinks).
-/// This is the one place such a name is parsed; [`CacheMode::spec`] checks it against a context.
+/// How keys and values are stored, for the float strategies (the precision axis; INT8 is its own
+/// strategy for now). f16 is the default, as in llama.cpp: half the bytes of f32, and the values
+/// rounded once when stored (attention reads them widened to f32, exactly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    F32,
+    F16,
+    Bf16,
+}
+
+pub const DEFAULT_PRECISION: Precision = Precision::F16;
+
+impl Precision {
+    pub const ALL: [Precision; 3] = [Precision::F32, Precision::F16, Precision::Bf16];
+
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::F16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+/// A cache strategy as a person names it, before the context size is known. Written as its parts
+/// joined by `+`, in any order: a strategy (`none`, `full`, `window:N` with an optional sink count
+/// after it, `offload`, `int8` or `int8:R`) and a precision (`f32`, `f16`, `bf16`; default f16):
+/// `full`, `full+f32`, `window:256+4+bf16`, `none+f32`, `int8`. This is the one place such a name is
+/// parsed; [`CacheMode::spec`] checks it against a context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheMode {
-    None,
-    Full,
-    Window { window: usize, sinks: usize },
-    Int8 { residual: usize },
-    Offload,
+    None {
+        precision: Precision,
+    },
+    Full {
+        precision: Precision,
+    },
+    Window {
+        window: usize,
+        sinks: usize,
+        precision: Precision,
+    },
+    Int8 {
+        residual: usize,
+    },
+    Offload {
+        precision: Precision,
+    },
 }
 
 impl std::str::FromStr for CacheMode {
@@ -46,34 +97,71 @@ impl std::str::FromStr for CacheMode {
             v.parse()
                 .map_err(|_| anyhow::anyhow!("cache mode '{s}': '{v}' is not a {what}"))
         };
-        Ok(match s {
-            "none" => CacheMode::None,
-            "full" => CacheMode::Full,
-            "offload" => CacheMode::Offload,
-            "int8" => CacheMode::Int8 {
-                residual: DEFAULT_RESIDUAL,
-            },
-            _ => {
-                if let Some(r) = s.strip_prefix("int8:") {
-                    CacheMode::Int8 {
-                        residual: num("residual position count", r)?,
-                    }
-                } else if let Some(w) = s.strip_prefix("window:") {
-                    let (n, k) = w.split_once('+').unwrap_or((w, ""));
-                    CacheMode::Window {
-                        window: num("window size", n)?,
-                        sinks: if k.is_empty() {
-                            DEFAULT_SINKS
-                        } else {
-                            num("sink count", k)?
-                        },
-                    }
-                } else {
-                    anyhow::bail!(
-                        "unknown cache mode '{s}' (none, full, int8[:R], offload, window:N[+S])"
-                    )
-                }
+        let mut precision: Option<Precision> = None;
+        let mut strategy: Option<CacheMode> = None;
+        let mut set = |m: CacheMode| -> Result<()> {
+            if strategy.replace(m).is_some() {
+                anyhow::bail!("cache mode '{s}' names two strategies (choose one of none, full, window, offload, int8)");
             }
+            Ok(())
+        };
+        let parts: Vec<&str> = s.split('+').collect();
+        let mut i = 0;
+        while i < parts.len() {
+            let part = parts[i];
+            match part {
+                "none" => set(CacheMode::None {
+                    precision: DEFAULT_PRECISION,
+                })?,
+                "full" => set(CacheMode::Full {
+                    precision: DEFAULT_PRECISION,
+                })?,
+                "offload" => set(CacheMode::Offload {
+                    precision: DEFAULT_PRECISION,
+                })?,
+                "int8" => set(CacheMode::Int8 {
+                    residual: DEFAULT_RESIDUAL,
+                })?,
+                p if Precision::parse(p).is_some() => {
+                    if precision.replace(Precision::parse(p).expect("checked")).is_some() {
+                        anyhow::bail!("cache mode '{s}' names two precisions");
+                    }
+                }
+                r if r.starts_with("int8:") => set(CacheMode::Int8 {
+                    residual: num("residual position count", &r["int8:".len()..])?,
+                })?,
+                w if w.starts_with("window:") => {
+                    let window = num("window size", &w["window:".len()..])?;
+                    // A number right after the window is its sink count.
+                    let sinks = match parts.get(i + 1) {
+                        Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                            i += 1;
+                            num("sink count", n)?
+                        }
+                        _ => DEFAULT_SINKS,
+                    };
+                    set(CacheMode::Window {
+                        window,
+                        sinks,
+                        precision: DEFAULT_PRECISION,
+                    })?
+                }
+                other => anyhow::bail!(
+                    "cache mode '{s}': unknown part '{other}' (none, full, window:N[+S], offload, int8[:R], f32, f16, bf16)"
+                ),
+            }
+            i += 1;
+        }
+        let mode = strategy.unwrap_or(CacheMode::Full {
+            precision: DEFAULT_PRECISION,
+        });
+        Ok(match (mode, precision) {
+            (m, None) => m,
+            (CacheMode::Int8 { .. }, Some(p)) => anyhow::bail!(
+                "cache mode '{s}': int8 is its own precision; it does not combine with {} (yet)",
+                p.name()
+            ),
+            (m, Some(p)) => m.with_precision(p),
         })
     }
 }
@@ -81,29 +169,69 @@ impl std::str::FromStr for CacheMode {
 impl std::fmt::Display for CacheMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CacheMode::None => write!(f, "none"),
-            CacheMode::Full => write!(f, "full"),
-            CacheMode::Offload => write!(f, "offload"),
-            CacheMode::Int8 { residual } if *residual == DEFAULT_RESIDUAL => write!(f, "int8"),
-            CacheMode::Int8 { residual } => write!(f, "int8:{residual}"),
-            CacheMode::Window { window, sinks } => write!(f, "window:{window}+{sinks}"),
+            CacheMode::None { .. } => write!(f, "none")?,
+            CacheMode::Full { .. } => write!(f, "full")?,
+            CacheMode::Offload { .. } => write!(f, "offload")?,
+            CacheMode::Int8 { residual } if *residual == DEFAULT_RESIDUAL => write!(f, "int8")?,
+            CacheMode::Int8 { residual } => write!(f, "int8:{residual}")?,
+            CacheMode::Window { window, sinks, .. } => write!(f, "window:{window}+{sinks}")?,
+        }
+        match self.precision() {
+            Some(p) if p != DEFAULT_PRECISION => write!(f, "+{}", p.name()),
+            _ => Ok(()),
         }
     }
 }
 
 impl CacheMode {
+    /// The float precision, for the strategies that have one.
+    pub fn precision(&self) -> Option<Precision> {
+        match *self {
+            CacheMode::None { precision }
+            | CacheMode::Full { precision }
+            | CacheMode::Window { precision, .. }
+            | CacheMode::Offload { precision } => Some(precision),
+            CacheMode::Int8 { .. } => None,
+        }
+    }
+
+    /// The same strategy at another float precision (INT8 stays INT8).
+    pub fn with_precision(self, p: Precision) -> Self {
+        match self {
+            CacheMode::None { .. } => CacheMode::None { precision: p },
+            CacheMode::Full { .. } => CacheMode::Full { precision: p },
+            CacheMode::Offload { .. } => CacheMode::Offload { precision: p },
+            CacheMode::Window { window, sinks, .. } => CacheMode::Window {
+                window,
+                sinks,
+                precision: p,
+            },
+            m @ CacheMode::Int8 { .. } => m,
+        }
+    }
+
     /// The strategy for a context of `ctx` positions; impossible settings are refused here, in
     /// words that name the values.
     pub fn spec(&self, ctx: usize) -> Result<CacheSpec> {
         Ok(match *self {
-            CacheMode::None => CacheSpec::None,
-            CacheMode::Full => CacheSpec::Full { max_positions: ctx },
-            CacheMode::Offload => CacheSpec::Offload { max_positions: ctx },
+            CacheMode::None { precision } => CacheSpec::None { precision },
+            CacheMode::Full { precision } => CacheSpec::Full {
+                max_positions: ctx,
+                precision,
+            },
+            CacheMode::Offload { precision } => CacheSpec::Offload {
+                max_positions: ctx,
+                precision,
+            },
             CacheMode::Int8 { residual } => CacheSpec::Int8 {
                 max_positions: ctx,
                 residual,
             },
-            CacheMode::Window { window, sinks } => {
+            CacheMode::Window {
+                window,
+                sinks,
+                precision,
+            } => {
                 if window == 0 {
                     anyhow::bail!("a window must hold at least 1 position");
                 }
@@ -119,7 +247,11 @@ impl CacheMode {
                     ),
                     None => anyhow::bail!("a window of {window} positions is too large (the context is {ctx})"),
                 }
-                CacheSpec::Window { window, sinks }
+                CacheSpec::Window {
+                    window,
+                    sinks,
+                    precision,
+                }
             }
         })
     }
@@ -129,13 +261,22 @@ impl CacheMode {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum CacheSpec {
-    /// No state: every step recomputes the whole sequence (the O(n²) baseline).
-    None,
+    /// No state: every step recomputes the whole sequence (the O(n²) baseline). Keys and values are
+    /// rounded to `precision` as a cache would store them, so the recompute gives the cached
+    /// strategy's exact numbers.
+    None { precision: Precision },
     /// A contiguous per-layer buffer written in place, grown by doubling up to `max_positions`.
-    Full { max_positions: usize },
+    Full {
+        max_positions: usize,
+        precision: Precision,
+    },
     /// The first `sinks` positions and the last `window`, keys stored before RoPE and rotated by
     /// their place in the cache: memory bounded by `sinks + window`, length unbounded.
-    Window { window: usize, sinks: usize },
+    Window {
+        window: usize,
+        sinks: usize,
+        precision: Precision,
+    },
     /// INT8 keys (per-channel scales over groups of tokens) and values (per-token scales), the most
     /// recent `residual` positions (and an incomplete key group) in f32.
     Int8 {
@@ -144,28 +285,64 @@ pub enum CacheSpec {
     },
     /// Like `Full`, but the cache lives in host memory and each layer is brought to the compute device
     /// for its attention, the next layer's copy started first.
-    Offload { max_positions: usize },
+    Offload {
+        max_positions: usize,
+        precision: Precision,
+    },
 }
 
 impl CacheSpec {
-    /// Short name, as `kvchat bench --modes` spells it.
+    /// Short name, as `kvchat bench --modes` spells it (see [`CacheMode`]).
     pub fn name(&self) -> String {
+        let p = |p: &Precision| {
+            if *p == DEFAULT_PRECISION {
+                String::new()
+            } else {
+                format!("+{}", p.name())
+            }
+        };
         match self {
-            CacheSpec::None => "none".into(),
-            CacheSpec::Full { .. } => "full".into(),
-            CacheSpec::Window { window, sinks } => format!("window:{window}+{sinks}"),
+            CacheSpec::None { precision } => format!("none{}", p(precision)),
+            CacheSpec::Full { precision, .. } => format!("full{}", p(precision)),
+            CacheSpec::Window {
+                window,
+                sinks,
+                precision,
+            } => format!("window:{window}+{sinks}{}", p(precision)),
             CacheSpec::Int8 { .. } => "int8".into(),
-            CacheSpec::Offload { .. } => "offload".into(),
+            CacheSpec::Offload { precision, .. } => format!("offload{}", p(precision)),
+        }
+    }
+
+    /// The float precision of the storage (None for INT8).
+    pub fn precision(&self) -> Option<Precision> {
+        match self {
+            CacheSpec::None { precision }
+            | CacheSpec::Full { precision, .. }
+            | CacheSpec::Window { precision, .. }
+            | CacheSpec::Offload { precision, .. } => Some(*precision),
+            CacheSpec::Int8 { .. } => None,
         }
     }
 
     pub fn describe(&self) -> String {
         match self {
-            CacheSpec::None => "none (recompute every step)".to_string(),
-            CacheSpec::Full { max_positions } => format!("full f32, up to {max_positions} positions"),
-            CacheSpec::Window { window, sinks } => {
-                format!("window of {window} positions + {sinks} attention sinks, keys rotated in-cache")
-            }
+            CacheSpec::None { precision } => format!(
+                "none (recompute every step, keys and values rounded to {})",
+                precision.name()
+            ),
+            CacheSpec::Full {
+                max_positions,
+                precision,
+            } => format!("full {}, up to {max_positions} positions", precision.name()),
+            CacheSpec::Window {
+                window,
+                sinks,
+                precision,
+            } => format!(
+                "window of {window} positions + {sinks} attention sinks, {}, keys rotated in-cache",
+                precision.name()
+            ),
             CacheSpec::Int8 {
                 max_positions,
                 residual,
@@ -173,24 +350,28 @@ impl CacheSpec {
                 "int8 (K per-channel over {}-token groups, V per-token), last {residual} positions f32, up to {max_positions} positions",
                 int8::GROUP
             ),
-            CacheSpec::Offload { max_positions } => {
-                format!("full f32 in host memory (offload), up to {max_positions} positions")
-            }
+            CacheSpec::Offload {
+                max_positions,
+                precision,
+            } => format!(
+                "full {} in host memory (offload), up to {max_positions} positions",
+                precision.name()
+            ),
         }
     }
 
     /// Whether the generation loop must feed the whole sequence at every step.
     pub fn recomputes(&self) -> bool {
-        matches!(self, CacheSpec::None)
+        matches!(self, CacheSpec::None { .. })
     }
 
     /// The longest sequence this cache can hold; None when unbounded (a window).
     pub fn max_positions(&self) -> Option<usize> {
         match self {
-            CacheSpec::None => None,
-            CacheSpec::Full { max_positions }
+            CacheSpec::None { .. } => None,
+            CacheSpec::Full { max_positions, .. }
             | CacheSpec::Int8 { max_positions, .. }
-            | CacheSpec::Offload { max_positions } => Some(*max_positions),
+            | CacheSpec::Offload { max_positions, .. } => Some(*max_positions),
             CacheSpec::Window { .. } => None,
         }
     }
@@ -209,36 +390,48 @@ impl CacheSpec {
         }
     }
 
-    pub fn build(&self, cfg: &Config, dtype: DType, device: &Device) -> KvCache {
+    pub fn build(&self, cfg: &Config, device: &Device) -> KvCache {
         let (nkv, hd) = (cfg.n_kv_head, cfg.head_dim);
         let layers = (0..cfg.n_layer)
             .map(|_| -> Box<dyn LayerCache> {
                 match self {
-                    CacheSpec::None => Box::new(none::NoCache),
-                    CacheSpec::Full { max_positions } => Box::new(full::FullCache::new(
+                    CacheSpec::None { precision } => {
+                        Box::new(none::NoCache::new(precision.dtype()))
+                    }
+                    CacheSpec::Full {
+                        max_positions,
+                        precision,
+                    } => Box::new(full::FullCache::new(
                         nkv,
                         hd,
                         *max_positions,
-                        dtype,
+                        precision.dtype(),
                         device.clone(),
                     )),
-                    CacheSpec::Window { window, sinks } => Box::new(window::WindowCache::new(
+                    CacheSpec::Window {
+                        window,
+                        sinks,
+                        precision,
+                    } => Box::new(window::WindowCache::new(
                         nkv,
                         hd,
                         *window,
                         *sinks,
-                        dtype,
+                        precision.dtype(),
                         device.clone(),
                     )),
                     CacheSpec::Int8 {
                         max_positions,
                         residual,
                     } => Box::new(int8::Int8Cache::new(nkv, hd, *max_positions, *residual)),
-                    CacheSpec::Offload { max_positions } => Box::new(offload::OffloadCache::new(
+                    CacheSpec::Offload {
+                        max_positions,
+                        precision,
+                    } => Box::new(offload::OffloadCache::new(
                         nkv,
                         hd,
                         *max_positions,
-                        dtype,
+                        precision.dtype(),
                         device.clone(),
                     )),
                 }
@@ -309,7 +502,10 @@ impl KvCache {
     /// What must match for a saved state to be loaded into this cache: the storage, not the capacity.
     pub fn persist_key(&self) -> Result<String> {
         match &self.spec {
-            CacheSpec::Full { .. } | CacheSpec::Offload { .. } => Ok("full f32".into()),
+            // Offload holds the same state as the full cache: one file serves both.
+            CacheSpec::Full { precision, .. } | CacheSpec::Offload { precision, .. } => {
+                Ok(format!("full {}", precision.name()))
+            }
             other => Err(crate::fixable(
                 crate::Fix::FullCache,
                 format!(
@@ -359,12 +555,16 @@ mod tests {
     fn cache_mode_names_round_trip() {
         for name in [
             "none",
+            "none+f32",
             "full",
+            "full+f32",
+            "full+bf16",
             "int8",
             "int8:16",
             "offload",
+            "offload+f32",
             "window:256+4",
-            "window:64+0",
+            "window:64+0+bf16",
         ] {
             let m: CacheMode = name.parse().unwrap();
             assert_eq!(m.to_string(), name);
@@ -373,17 +573,40 @@ mod tests {
             "window:256".parse::<CacheMode>().unwrap(),
             CacheMode::Window {
                 window: 256,
-                sinks: DEFAULT_SINKS
+                sinks: DEFAULT_SINKS,
+                precision: Precision::F16
             }
         );
-        for bad in ["window:x", "window:4+y", "int4", "", "full:3"] {
+        // Parts in any order; a precision alone means the full cache.
+        assert_eq!(
+            "f32+window:8+2".parse::<CacheMode>().unwrap().to_string(),
+            "window:8+2+f32"
+        );
+        assert_eq!(
+            "bf16".parse::<CacheMode>().unwrap().to_string(),
+            "full+bf16"
+        );
+        for bad in [
+            "window:x",
+            "window:4+y",
+            "int4",
+            "",
+            "full:3",
+            "full+none",
+            "f16+f32",
+            "int8+f32",
+        ] {
             assert!(bad.parse::<CacheMode>().is_err(), "{bad}");
         }
     }
 
     #[test]
     fn impossible_windows_are_refused_against_the_context() {
-        let w = |window, sinks| CacheMode::Window { window, sinks };
+        let w = |window, sinks| CacheMode::Window {
+            window,
+            sinks,
+            precision: Precision::F32,
+        };
         assert!(w(0, 0).spec(100).is_err());
         assert!(w(4, 4).spec(100).is_err());
         assert!(w(50, 4).spec(100).is_err(), "needs 104 positions");
@@ -392,7 +615,8 @@ mod tests {
             w(48, 4).spec(100).unwrap(),
             CacheSpec::Window {
                 window: 48,
-                sinks: 4
+                sinks: 4,
+                precision: Precision::F32
             }
         );
     }

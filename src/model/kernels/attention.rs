@@ -23,10 +23,8 @@ pub fn attend_view(q: &Tensor, view: &KvView<'_>, t: usize, scale: f32) -> Resul
 
 /// `k`, `v`: `[nkv, L, hd]`.
 pub fn attend(k: &Tensor, v: &Tensor, q: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
-    if q.device().is_cpu()
-        && q.dtype() == DType::F32
-        && k.dtype() == DType::F32
-        && v.dtype() == DType::F32
+    let stored = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    if q.device().is_cpu() && q.dtype() == DType::F32 && stored(k.dtype()) && k.dtype() == v.dtype()
     {
         let q = q.contiguous()?;
         return Ok(q.apply_op3_no_bwd(k, v, &CausalAttention { t, scale })?);
@@ -167,11 +165,42 @@ fn chunk_softmax(
     }
 }
 
+/// An element type the cache may store keys and values in; the kernel widens each row to f32 in
+/// registers-sized scratch (exact for f16 and bf16) and computes in f32.
+trait Stored: Copy + Send + Sync + 'static {
+    /// The row as f32: the row itself for f32, else converted into `buf`.
+    fn as_f32<'b>(row: &'b [Self], buf: &'b mut [f32]) -> &'b [f32];
+}
+
+impl Stored for f32 {
+    #[inline(always)]
+    fn as_f32<'b>(row: &'b [f32], _buf: &'b mut [f32]) -> &'b [f32] {
+        row
+    }
+}
+
+impl Stored for half::f16 {
+    #[inline(always)]
+    fn as_f32<'b>(row: &'b [Self], buf: &'b mut [f32]) -> &'b [f32] {
+        // F16C (vcvtph2ps) where the CPU has it: `half` picks it at run time.
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(row, &mut buf[..row.len()]);
+        &buf[..row.len()]
+    }
+}
+
+impl Stored for half::bf16 {
+    #[inline(always)]
+    fn as_f32<'b>(row: &'b [Self], buf: &'b mut [f32]) -> &'b [f32] {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(row, &mut buf[..row.len()]);
+        &buf[..row.len()]
+    }
+}
+
 /// The inputs of the dense kernel, for the work items.
-struct Src<'a> {
+struct Src<'a, E> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: &'a [E],
+    v: &'a [E],
     k_hs: usize,
     k_ps: usize,
     v_hs: usize,
@@ -183,7 +212,7 @@ struct Src<'a> {
     scale: f32,
 }
 
-impl Src<'_> {
+impl<E: Stored> Src<'_, E> {
     /// Keys 0..visible(r) are in the past of row r (of gt rows, t queries each) of a head.
     fn visible(&self, r: usize) -> usize {
         self.offset + r % self.t + 1
@@ -205,9 +234,10 @@ impl Src<'_> {
         let end = |r: usize| self.visible(r0 + r).min(j0 + CHUNK);
         let most = (0..rows).map(end).max().unwrap_or(0);
         let q_row = |r: usize| &self.q[(h * self.gt + r0 + r) * hd..][..hd];
+        let mut buf = vec![0f32; hd];
         // Scores, one pass over the chunk's keys.
         for j in j0..most {
-            let kj = &self.k[h * self.k_hs + j * self.k_ps..][..hd];
+            let kj = E::as_f32(&self.k[h * self.k_hs + j * self.k_ps..][..hd], &mut buf);
             for r in 0..rows {
                 if j < end(r) {
                     scores[r * CHUNK + j - j0] = dot(q_row(r), kj) * self.scale;
@@ -216,7 +246,7 @@ impl Src<'_> {
         }
         chunk_softmax(scores, rows, j0, end, parts, w);
         for j in j0..most {
-            let vj = &self.v[h * self.v_hs + j * self.v_ps..][..hd];
+            let vj = E::as_f32(&self.v[h * self.v_hs + j * self.v_ps..][..hd], &mut buf);
             for r in 0..rows {
                 if j < end(r) {
                     let pj = scores[r * CHUNK + j - j0];
@@ -349,8 +379,6 @@ impl CustomOp3 for CausalAttention {
             candle_core::bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
         }
         let q = &s_q.as_slice::<f32>()?[l_q.start_offset()..];
-        let k = &s_k.as_slice::<f32>()?[l_k.start_offset()..];
-        let v = &s_v.as_slice::<f32>()?[l_v.start_offset()..];
         let (k_hs, k_ps) = strides3(l_k, "k")?;
         let (v_hs, v_ps) = strides3(l_v, "v")?;
         let offset = kv_len - t;
@@ -358,23 +386,35 @@ impl CustomOp3 for CausalAttention {
 
         // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
         // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits.
-        let src = Src {
-            q,
-            k,
-            v,
-            k_hs,
-            k_ps,
-            v_hs,
-            v_ps,
-            gt,
-            hd,
-            t,
-            offset,
-            scale,
+        fn run<E: Stored>(src: Src<'_, E>, nkv: usize, kv_len: usize) -> Vec<f32> {
+            let (gt, hd) = (src.gt, src.hd);
+            chunked_attention(nkv, gt, hd, kv_len, &|h, r0, rows, c, scratch, parts| {
+                src.chunk(h, r0, rows, c, scratch, parts)
+            })
+        }
+        macro_rules! src {
+            ($ty:ty) => {
+                Src {
+                    q,
+                    k: &s_k.as_slice::<$ty>()?[l_k.start_offset()..],
+                    v: &s_v.as_slice::<$ty>()?[l_v.start_offset()..],
+                    k_hs,
+                    k_ps,
+                    v_hs,
+                    v_ps,
+                    gt,
+                    hd,
+                    t,
+                    offset,
+                    scale,
+                }
+            };
+        }
+        let out = match s_k {
+            CpuStorage::F16(_) => run(src!(half::f16), nkv, kv_len),
+            CpuStorage::BF16(_) => run(src!(half::bf16), nkv, kv_len),
+            _ => run(src!(f32), nkv, kv_len),
         };
-        let out = chunked_attention(nkv, gt, hd, kv_len, &|h, r0, rows, c, scratch, parts| {
-            src.chunk(h, r0, rows, c, scratch, parts)
-        });
         Ok((CpuStorage::F32(out), Shape::from((nkv, gt, hd))))
     }
 }
@@ -530,6 +570,38 @@ mod tests {
             let reference = attend_candle_ops(&q, &k, &v, t, 0.125).unwrap();
             let d = max_diff(&fused, &reference);
             assert!(d < 1e-5, "t={t} L={kv_len}: differs by {d}");
+        }
+    }
+
+    #[test]
+    fn f16_and_bf16_storage_give_the_bits_of_their_values_widened_to_f32() {
+        let dev = Device::Cpu;
+        let (nkv, g, hd, cap) = (2, 3, 64, 600);
+        let kb = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &dev).unwrap();
+        let vb = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &dev).unwrap();
+        for dtype in [DType::F16, DType::BF16] {
+            let (k16, v16) = (kb.to_dtype(dtype).unwrap(), vb.to_dtype(dtype).unwrap());
+            for (t, kv_len) in [(1, 1), (1, 300), (5, 40), (3, 600)] {
+                let q = Tensor::randn(0f32, 1.0, (nkv, g * t, hd), &dev).unwrap();
+                let (k, v) = (
+                    k16.narrow(1, 0, kv_len).unwrap(),
+                    v16.narrow(1, 0, kv_len).unwrap(),
+                );
+                let stored = attend(&k, &v, &q, t, 0.125).unwrap();
+                let widened = attend(
+                    &k.to_dtype(DType::F32).unwrap(),
+                    &v.to_dtype(DType::F32).unwrap(),
+                    &q,
+                    t,
+                    0.125,
+                )
+                .unwrap();
+                assert_eq!(
+                    max_diff(&stored, &widened),
+                    0.0,
+                    "{dtype:?} t={t} L={kv_len}"
+                );
+            }
         }
     }
 
