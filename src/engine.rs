@@ -1,10 +1,8 @@
 //! A loaded model, ready to run: decoder, tokenizer, chat template, stop tokens and device.
 
-use crate::kv::CacheSpec;
 use crate::model::gguf::GgufFile;
 use crate::model::safetensors::HfCheckpoint;
 use crate::model::Llama;
-use crate::session::Session;
 use crate::source::Location;
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::Tokenizer;
@@ -331,18 +329,6 @@ impl Engine {
             device,
             weights: weights.to_string(),
         })
-    }
-
-    /// A fresh sequence with a cache of the given strategy.
-    pub fn session(&self, spec: &CacheSpec) -> Session<'_> {
-        let cache = spec.build(&self.model.cfg, &self.device);
-        // A window holds a bounded number of positions whatever the length of the sequence.
-        let max = if spec.bounded_by_context() {
-            self.ctx
-        } else {
-            usize::MAX
-        };
-        Session::new(&self.model, cache, max)
     }
 
     /// The chat template to use: `--chat-template` (a name or template text) or the model's own.

@@ -46,16 +46,6 @@ impl<'a, T> DisjointOut<'a, T> {
         // SAFETY: in bounds (checked above); exclusive by the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
-
-    /// Writes one element.
-    ///
-    /// # Safety
-    /// The module's contract: no other work item touches index `i`.
-    pub unsafe fn write(&self, i: usize, value: T) {
-        assert!(i < self.len, "disjoint output: {i} out of {}", self.len);
-        // SAFETY: in bounds (checked above); exclusive by the caller's promise.
-        unsafe { *self.ptr.add(i) = value }
-    }
 }
 
 #[cfg(test)]

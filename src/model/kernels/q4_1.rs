@@ -105,6 +105,7 @@ fn simd() -> bool {
 }
 
 /// `vec_dot` of one weight row with four activation rows.
+#[inline]
 fn vec_dot_x4(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     {
@@ -116,6 +117,7 @@ fn vec_dot_x4(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
     ys.map(|y| vec_dot_scalar(xs, y))
 }
 
+#[inline]
 fn vec_dot(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
@@ -216,16 +218,15 @@ impl Q4_1Matrix {
         let pool = candle_core::utils::barrier_pool();
         let row = |r: usize| &w[r * kb..(r + 1) * kb];
         let act = |t: usize| &q[t * kb..(t + 1) * kb];
-        // SAFETY (DisjointOut's contract): element (token t, row r) belongs to the one work item
-        // that covers row r's block (and, in a prefill, t's tile); `put` is only called from there.
-        let put = |t: usize, r: usize, v: f32| unsafe { dst.write(t * n + r, v) };
         if m == 1 {
             // Decode: work items are blocks of output rows.
             pool.execute_chunked(items, |range| {
                 for item in range {
-                    let r0 = item * ROWS_PER_ITEM;
-                    for r in r0..n.min(r0 + ROWS_PER_ITEM) {
-                        put(0, r, vec_dot(row(r), act(0)));
+                    let (r0, r1) = (item * ROWS_PER_ITEM, n.min((item + 1) * ROWS_PER_ITEM));
+                    // SAFETY (DisjointOut's contract): rows r0..r1 belong to this item alone.
+                    let o = unsafe { dst.slice(r0, r1 - r0) };
+                    for (r, o) in (r0..r1).zip(o) {
+                        *o = vec_dot(row(r), act(0));
                     }
                 }
             });
@@ -237,19 +238,28 @@ impl Q4_1Matrix {
             pool.execute_chunked(items * tiles, |range| {
                 for item in range {
                     let (r0, t0) = ((item / tiles) * ROWS_PER_ITEM, (item % tiles) * TOKENS);
-                    let t1 = m.min(t0 + TOKENS);
-                    for r in r0..n.min(r0 + ROWS_PER_ITEM) {
+                    let (r1, t1) = (n.min(r0 + ROWS_PER_ITEM), m.min(t0 + TOKENS));
+                    // SAFETY (DisjointOut's contract): rows r0..r1 of tokens t0..t1 belong to this
+                    // item alone (one slice per token, as the output is [tokens, rows]).
+                    let o: [&mut [f32]; TOKENS] = std::array::from_fn(|i| {
+                        if t0 + i < t1 {
+                            unsafe { dst.slice((t0 + i) * n + r0, r1 - r0) }
+                        } else {
+                            &mut []
+                        }
+                    });
+                    for r in r0..r1 {
                         let mut t = t0;
                         while t + 4 <= t1 {
                             let v =
                                 vec_dot_x4(row(r), [act(t), act(t + 1), act(t + 2), act(t + 3)]);
                             for (i, v) in v.into_iter().enumerate() {
-                                put(t + i, r, v);
+                                o[t + i - t0][r - r0] = v;
                             }
                             t += 4;
                         }
                         for t in t..t1 {
-                            put(t, r, vec_dot(row(r), act(t)));
+                            o[t - t0][r - r0] = vec_dot(row(r), act(t));
                         }
                     }
                 }

@@ -4,6 +4,7 @@
 use super::q4_1::{BlockQ4_1, BlockQ8_1};
 
 /// The 8 f32 lanes added as `vec_dot_scalar` adds them.
+#[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn hsum_ps(acc: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
@@ -14,6 +15,7 @@ unsafe fn hsum_ps(acc: std::arch::x86_64::__m256) -> f32 {
 }
 
 /// One weight row with one activation row (decode), in `vec_dot_scalar`'s order.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn vec_dot(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
     use std::arch::x86_64::*;
@@ -29,6 +31,7 @@ pub(super) unsafe fn vec_dot(xs: &[BlockQ4_1], ys: &[BlockQ8_1]) -> f32 {
 }
 
 /// The 32 weights of a Q4_1 block as u8, in element order.
+#[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn unpack(x: &BlockQ4_1) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
@@ -40,6 +43,7 @@ unsafe fn unpack(x: &BlockQ4_1) -> std::arch::x86_64::__m256i {
 }
 
 /// Integer dot products of u8 weights with i8 activations, pair-summed to [8 x i32].
+#[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn idot(xq: std::arch::x86_64::__m256i, y: &BlockQ8_1) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
@@ -49,6 +53,7 @@ unsafe fn idot(xq: std::arch::x86_64::__m256i, y: &BlockQ8_1) -> std::arch::x86_
 
 /// One weight row with four activation rows (prefill): each weight block unpacked once, every
 /// token's sum formed exactly as `vec_dot` forms it.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn vec_dot_x4(xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
