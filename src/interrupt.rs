@@ -19,11 +19,13 @@ static STATE: OnceLock<Interrupt> = OnceLock::new();
 static TEMP_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 fn remove_temp_files() {
-    // try_lock: the signal may arrive while this thread holds the lock; then the owner cleans up.
-    if let Ok(mut files) = TEMP_FILES.try_lock() {
-        for f in files.drain(..) {
-            let _ = std::fs::remove_file(f);
-        }
+    // ctrlc runs handlers on a thread of their own (not inside the signal), so waiting for the lock
+    // is safe; it is held only for a push or a removal from the list.
+    let mut files = TEMP_FILES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for f in files.drain(..) {
+        let _ = std::fs::remove_file(f);
     }
 }
 
