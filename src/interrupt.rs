@@ -17,16 +17,26 @@ pub struct Interrupt {
 
 static STATE: OnceLock<Interrupt> = OnceLock::new();
 static TEMP_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// Set (under the lock) once the handler has removed the temporary files: none may be created after.
+static EXITING: AtomicBool = AtomicBool::new(false);
 
-fn remove_temp_files() {
-    // ctrlc runs handlers on a thread of their own (not inside the signal), so waiting for the lock
-    // is safe; it is held only for a push or a removal from the list.
-    let mut files = TEMP_FILES
+fn temp_files() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    TEMP_FILES
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Removes the temporary files and ends the process, holding the list's lock to the end so that no
+/// other thread can create one in between. (ctrlc runs handlers on a thread of their own, not inside
+/// the signal, so waiting for the lock is safe.)
+fn remove_temp_files_and_exit() -> ! {
+    let mut files = temp_files();
+    EXITING.store(true, Ordering::SeqCst);
     for f in files.drain(..) {
         let _ = std::fs::remove_file(f);
     }
+    eprintln!();
+    std::process::exit(130)
 }
 
 /// Installs the handler once; later calls return the same state.
@@ -43,9 +53,7 @@ pub fn install() -> Result<&'static Interrupt> {
         if s.generating.load(Ordering::SeqCst) {
             s.stop.store(true, Ordering::SeqCst);
         } else {
-            remove_temp_files();
-            eprintln!();
-            std::process::exit(130);
+            remove_temp_files_and_exit();
         }
     })
     .context("cannot install the Ctrl-C handler")?;
@@ -65,12 +73,19 @@ pub struct TempFile {
 }
 
 impl TempFile {
-    /// Registers `path`; the caller creates it (with `create_new`, so nothing existing is reused).
-    pub fn new(path: PathBuf) -> Self {
-        if let Ok(mut f) = TEMP_FILES.lock() {
-            f.push(path.clone());
+    /// Creates `path` (never reusing or following anything already there) and registers it, both
+    /// under the list's lock, so a signal handler either sees it or stops it from being made.
+    pub fn create(path: PathBuf) -> std::io::Result<(Self, std::fs::File)> {
+        let mut files = temp_files();
+        if EXITING.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("kvchat is exiting"));
         }
-        Self { path, done: false }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        files.push(path.clone());
+        Ok((Self { path, done: false }, f))
     }
 
     pub fn path(&self) -> &Path {
@@ -92,8 +107,6 @@ impl Drop for TempFile {
         if !self.done {
             let _ = std::fs::remove_file(&self.path);
         }
-        if let Ok(mut f) = TEMP_FILES.lock() {
-            f.retain(|p| p != &self.path);
-        }
+        temp_files().retain(|p| p != &self.path);
     }
 }

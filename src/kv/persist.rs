@@ -189,21 +189,18 @@ pub fn save(
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp = TempFile::new(dir.join(format!(
+    let tmp_path = dir.join(format!(
         ".{}.tmp-{}",
         path.file_name().and_then(|f| f.to_str()).unwrap_or("kv"),
         std::process::id()
-    )));
-    let write = || -> std::io::Result<()> {
-        // create_new: never reuse (or follow a link planted at) the temporary name.
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(tmp.path())?;
-        f.write_all(&bytes)?;
-        f.sync_all()
-    };
-    write().with_context(|| format!("cannot write {}", tmp.path().display()))?;
+    ));
+    // create_new: never reuse (or follow a link planted at) the temporary name.
+    let (tmp, mut f) = TempFile::create(tmp_path.clone())
+        .with_context(|| format!("cannot write {}", tmp_path.display()))?;
+    f.write_all(&bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.path().display()))?;
+    drop(f);
     // Checked again just before the rename: nothing else appeared at the path meanwhile.
     check_target(path)?;
     tmp.keep(path)
