@@ -234,10 +234,12 @@ impl<E: Stored> Src<'_, E> {
         let end = |r: usize| self.visible(r0 + r).min(j0 + CHUNK);
         let most = (0..rows).map(end).max().unwrap_or(0);
         let q_row = |r: usize| &self.q[(h * self.gt + r0 + r) * hd..][..hd];
-        let mut buf = vec![0f32; hd];
+        // The scratch holds TILE × (CHUNK + hd): scores first, then one widened K/V row.
+        let (scores, buf) = scores.split_at_mut(TILE * CHUNK);
+        let buf = &mut buf[..hd];
         // Scores, one pass over the chunk's keys.
         for j in j0..most {
-            let kj = E::as_f32(&self.k[h * self.k_hs + j * self.k_ps..][..hd], &mut buf);
+            let kj = E::as_f32(&self.k[h * self.k_hs + j * self.k_ps..][..hd], buf);
             for r in 0..rows {
                 if j < end(r) {
                     scores[r * CHUNK + j - j0] = dot(q_row(r), kj) * self.scale;
@@ -246,7 +248,7 @@ impl<E: Stored> Src<'_, E> {
         }
         chunk_softmax(scores, rows, j0, end, parts, w);
         for j in j0..most {
-            let vj = E::as_f32(&self.v[h * self.v_hs + j * self.v_ps..][..hd], &mut buf);
+            let vj = E::as_f32(&self.v[h * self.v_hs + j * self.v_ps..][..hd], buf);
             for r in 0..rows {
                 if j < end(r) {
                     let pj = scores[r * CHUNK + j - j0];
