@@ -655,6 +655,29 @@ fn impossible_sizes_on_the_command_line_are_refused_in_one_line() {
 }
 
 #[test]
+fn a_bad_bench_mode_is_refused_before_the_model_loads() {
+    let home = temp("bench-modes");
+    for (mode, needle) in [
+        (
+            "window:x",
+            "--modes: cache mode 'window:x': 'x' is not a window size",
+        ),
+        ("full+none", "names two strategies"),
+        ("int8+f16", "int8 is its own precision"),
+        ("int4", "unknown part 'int4'"),
+    ] {
+        // The model does not exist: the mode error must come first.
+        let o = kvchat(
+            &home,
+            None,
+            &["bench", "-m", "/nonexistent.gguf", "--modes", mode],
+            b"",
+        );
+        assert_refused(&o, needle);
+    }
+}
+
+#[test]
 fn ten_thousand_threads_are_capped_with_a_note_and_the_run_answers() {
     let home = temp("threads");
     let model = tiny_model("threads");
