@@ -28,10 +28,7 @@ fn prompt_of(engine: &Engine, n: usize) -> Result<Vec<u32>> {
 
 /// (prefill seconds, decode seconds for GEN tokens) with kvchat's full cache.
 fn ours(engine: &Engine, prompt: &[u32]) -> Result<(f64, f64)> {
-    let mut s = engine.session(&CacheSpec::Full {
-        precision: kvchat::kv::Precision::F32,
-        max_positions: engine.ctx,
-    });
+    let mut s = engine.session(&CacheSpec::full(kvchat::kv::Precision::F32, engine.ctx));
     let t0 = Instant::now();
     let mut logits = s.feed(prompt)?;
     let prefill = t0.elapsed().as_secs_f64();

@@ -142,6 +142,9 @@ pub struct LoadOptions {
     pub threads: Option<usize>,
     /// Context size; None = the model's trained context (lowered to what memory holds).
     pub ctx: Option<usize>,
+    /// The KV precisions the run will use: each must fit the model's heads (checked once its
+    /// metadata is read, before the weights load), the widest sizes the context's memory check.
+    pub kv_precisions: Vec<crate::kv::Precision>,
 }
 
 impl LoadOptions {
@@ -187,11 +190,26 @@ impl Engine {
     }
 
     /// The context size asked for, else the model's trained context. Either must fit in memory
-    /// with its KV cache at full length (f32 keys and values in every layer, plus the RoPE table):
-    /// a size asked for that does not is refused, the trained context is lowered with a note.
+    /// with its KV cache at full length (keys and values in every layer at the widest precision
+    /// the run uses, plus the RoPE table): a size asked for that does not is refused, the trained
+    /// context is lowered with a note. A precision that cannot hold the model's heads is refused.
     fn ctx_for(args: &LoadOptions, cfg: &crate::model::Config) -> Result<usize> {
-        let per_token =
-            (cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * 4 + cfg.rope_dim * 4) as u64;
+        use crate::kv::{Precision, DEFAULT_PRECISION};
+        if let Some(why) = args
+            .kv_precisions
+            .iter()
+            .find_map(|p| p.unfit(cfg.head_dim))
+        {
+            return Err(crate::fixable(crate::Fix::KvType, why));
+        }
+        let row = args
+            .kv_precisions
+            .iter()
+            .chain(args.kv_precisions.is_empty().then_some(&DEFAULT_PRECISION))
+            .map(|p: &Precision| p.row_bytes(cfg.head_dim))
+            .max()
+            .unwrap_or(0);
+        let per_token = (cfg.n_layer * 2 * cfg.n_kv_head * row + cfg.rope_dim * 4) as u64;
         let avail = available_memory();
         let fits = |c: usize| (c as u64).saturating_mul(per_token) <= avail;
         match args.ctx {

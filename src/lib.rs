@@ -39,6 +39,8 @@ pub enum Fix {
     ChatTemplate,
     /// Only the full cache can do this yet.
     FullCache,
+    /// Another KV precision would fit this model.
+    KvType,
     /// A chat that no longer fits: drop turns or grow the context.
     ChatFull,
     /// A build with the cuda / metal feature.

@@ -9,8 +9,9 @@ use kvchat::commands::bench::{measure_cell, render_table, BenchReport};
 use kvchat::commands::kv_size::report;
 use kvchat::engine::Engine;
 use kvchat::engine::LoadOptions;
-use kvchat::kv::size::{KvDims, Storage};
+use kvchat::kv::size::KvDims;
 use kvchat::kv::CacheMode;
+use kvchat::kv::Precision as Storage;
 
 fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
     KvSizeArgs {
@@ -153,7 +154,7 @@ fn a_cell_over_its_time_budget_stops_early_and_says_so() {
 #[test]
 fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     let e = tiny_engine("table");
-    let cells = ["full", "window:16+2", "int8"]
+    let cells = ["full", "window:16+2", "full+bf16+offload"]
         .iter()
         .map(|m| measure_cell(&e, m, &mode(m).spec(e.ctx).unwrap(), 32, &bench_args(60.0)).unwrap())
         .collect();
@@ -207,14 +208,7 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         )
         .unwrap();
         let n = ctx + 8; // the prompt, then 8 decode steps that each feed one token
-        let predicted = match name {
-            "int8" => d.bytes_for(Storage::Int8, n, kvchat::kv::DEFAULT_RESIDUAL),
-            // The float modes store the default precision, f16.
-            m if m.starts_with("window") => {
-                d.bytes_for(Storage::F16, n.min(68), kvchat::kv::DEFAULT_RESIDUAL)
-            }
-            _ => d.bytes_for(Storage::F16, n, kvchat::kv::DEFAULT_RESIDUAL),
-        };
+        let predicted = d.bytes_for_mode(&mode(name), n);
         assert_eq!(c.kv_bytes as f64, predicted, "{name} @ {ctx}");
     }
 }

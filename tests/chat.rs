@@ -14,10 +14,7 @@ fn conversation() -> Conversation<'static> {
     let e = engine();
     Conversation::new(
         e,
-        &CacheSpec::Full {
-            precision: kvchat::kv::Precision::F32,
-            max_positions: 4096,
-        },
+        &CacheSpec::full(kvchat::kv::Precision::F32, 4096),
         e.chat_template(None).unwrap(),
         None,
         OnFull::Stop,
@@ -52,10 +49,7 @@ fn after_three_turns_the_cache_equals_one_prefill_of_the_transcript() {
         "the cache holds a prefix of the transcript"
     );
     let incremental: Vec<f32> = c.session.feed(&ids[held..]).unwrap().to_vec1().unwrap();
-    let mut fresh = engine().session(&CacheSpec::Full {
-        precision: kvchat::kv::Precision::F32,
-        max_positions: 4096,
-    });
+    let mut fresh = engine().session(&CacheSpec::full(kvchat::kv::Precision::F32, 4096));
     let one_prefill: Vec<f32> = fresh.feed(&ids).unwrap().to_vec1().unwrap();
     let d = rel_diff(&incremental, &one_prefill);
     assert!(d < 1e-4, "logits differ by {d} relative");
@@ -216,10 +210,7 @@ fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
     // Same container, another model's digest / another cache configuration.
     let e = engine();
-    let mut s = e.session(&CacheSpec::Full {
-        precision: kvchat::kv::Precision::F32,
-        max_positions: 4096,
-    });
+    let mut s = e.session(&CacheSpec::full(kvchat::kv::Precision::F32, 4096));
     s.feed(&e.raw_prompt("some prompt").unwrap()).unwrap();
     let other_model = temp("other-model.kvc");
     persist::save(

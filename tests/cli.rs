@@ -87,7 +87,7 @@ fn stats_report_prefill_decode_and_kv_bytes() {
         err.contains(&format!("{} bytes used", held * 23_040)),
         "{err}"
     );
-    assert!(err.contains("kv cache full f16"), "{err}");
+    assert!(err.contains("kv cache full (precision f16"), "{err}");
 }
 
 #[test]

@@ -14,13 +14,7 @@ fn greedy_output_with_full_cache_equals_no_cache_for_64_tokens_on_two_prompts() 
         engine().raw_prompt("def fibonacci(n):").unwrap(),
     ] {
         let (a, la) = greedy(&full(), &prompt, 64);
-        let (b, lb) = greedy(
-            &CacheSpec::None {
-                precision: kvchat::kv::Precision::F32,
-            },
-            &prompt,
-            64,
-        );
+        let (b, lb) = greedy(&CacheSpec::none(kvchat::kv::Precision::F32), &prompt, 64);
         assert_eq!(a, b, "full and no-cache greedy tokens differ");
         let d = rel_diff(&la, &lb);
         assert!(d < 1e-4, "last-step logits differ by {d} relative");
@@ -160,9 +154,7 @@ fn full_cache_reports_its_bytes_exactly() {
 #[test]
 fn no_cache_holds_nothing_between_steps() {
     let e = engine();
-    let mut s = e.session(&CacheSpec::None {
-        precision: kvchat::kv::Precision::F32,
-    });
+    let mut s = e.session(&CacheSpec::none(kvchat::kv::Precision::F32));
     s.feed(&e.raw_prompt("nothing kept").unwrap()).unwrap();
     assert_eq!(s.cache().len(), 0);
     assert_eq!(s.cache().bytes(), 0);

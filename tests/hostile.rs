@@ -378,26 +378,24 @@ fn damaged_kv_states_are_refused_with_a_reason_and_the_answer_is_unchanged() {
     let model = tiny_model("pc-states");
     let good = real_kv_file(&home, &model);
     let reference = run_with_cache(&home, &model, &home.join("fresh.kvc"));
+    // Each layer's rows are bytes, `[n_kv_heads, positions × row bytes]` (f16 by default).
     let nan = home.join("nan.kvc");
     rewrite_kv(&good, &nan, |k, t| {
         if k.starts_with("k.") {
-            (t.ones_like().unwrap() * f64::NAN).unwrap()
+            (t.ones_like().unwrap() * 255.0).unwrap() // 0xffff: an f16 NaN
         } else {
             t
         }
     });
     let empty = home.join("empty.kvc");
-    rewrite_kv(&good, &empty, |k, t| {
-        let d = t.dims().to_vec();
-        match k {
-            "tokens" => Tensor::zeros(0, DType::U32, t.device()).unwrap(),
-            _ => Tensor::zeros((d[0], d[1], 0, d[3]), DType::F32, t.device()).unwrap(),
-        }
+    rewrite_kv(&good, &empty, |k, t| match k {
+        "tokens" => Tensor::zeros(0, DType::U32, t.device()).unwrap(),
+        _ => Tensor::zeros((t.dim(0).unwrap(), 0), DType::U8, t.device()).unwrap(),
     });
     let misshaped = home.join("misshaped.kvc");
     rewrite_kv(&good, &misshaped, |k, t| {
         if k == "v.0" {
-            t.narrow(3, 0, 2).unwrap()
+            t.narrow(1, 0, t.dim(1).unwrap() - 2).unwrap()
         } else {
             t
         }
@@ -405,7 +403,7 @@ fn damaged_kv_states_are_refused_with_a_reason_and_the_answer_is_unchanged() {
     let wrong_dtype = home.join("dtype.kvc");
     rewrite_kv(&good, &wrong_dtype, |k, t| {
         if k.starts_with("k.") {
-            t.to_dtype(DType::F16).unwrap()
+            t.to_dtype(DType::F32).unwrap()
         } else {
             t
         }
@@ -423,7 +421,7 @@ fn damaged_kv_states_are_refused_with_a_reason_and_the_answer_is_unchanged() {
         (&nan, "NaN"),
         (&empty, "no positions"),
         (&misshaped, "are not the"),
-        (&wrong_dtype, "not f32"),
+        (&wrong_dtype, "u8 rows"),
         (&truncated, "truncated"),
     ] {
         let o = run_with_cache(&home, &model, file);
@@ -637,6 +635,8 @@ fn impossible_sizes_on_the_command_line_are_refused_in_one_line() {
     let cases: &[(&[&str], &str)] = &[
         (&["--ctx", "1099511627776"], "(lower --ctx)"),
         (&["--kv-window", "9223372036854775808"], "--kv-window"),
+        // The tiny model's heads are 16 wide: 4-bit groups of 32 cannot split them.
+        (&["--kv-type", "int4"], "head_dim of 16 cannot be split"),
         (&["--kv-window", "0"], "--kv-window must be at least 1"),
         (
             &["--kv-window", "4", "--kv-sinks", "4"],
@@ -662,9 +662,9 @@ fn a_bad_bench_mode_is_refused_before_the_model_loads() {
             "window:x",
             "--modes: cache mode 'window:x': 'x' is not a window size",
         ),
-        ("full+none", "names two strategies"),
-        ("int8+f16", "int8 is its own precision"),
-        ("int4", "unknown part 'int4'"),
+        ("full+none", "names two retentions"),
+        ("int8+f16", "names two precisions"),
+        ("int3", "unknown part 'int3'"),
     ] {
         // The model does not exist: the mode error must come first.
         let o = kvchat(

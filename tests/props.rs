@@ -149,12 +149,28 @@ fn the_sound_metadata_of_the_property_is_accepted() {
 fn expect() -> persist::Expect<'static> {
     persist::Expect {
         model_digest: "m",
-        cache_key: "full f32",
+        cache_key: "all, f32",
         n_layers: 2,
         n_kv_heads: 2,
         head_dim: 4,
         max_positions: 64,
     }
+}
+
+/// A layer of the cache `expect()` describes: f32, every position, 2 heads of 4 values.
+fn layer_f32() -> kvchat::kv::Layer {
+    kvchat::kv::Layer::new(
+        &kvchat::kv::LayerSpec {
+            precision: kvchat::kv::Precision::F32,
+            retention: kvchat::kv::Retention::All,
+            offload: false,
+            residual: 0,
+            max_positions: 64,
+        },
+        2,
+        4,
+        &candle_core::Device::Cpu,
+    )
 }
 
 /// A valid KV file for `expect()`: 3 positions.
@@ -164,19 +180,22 @@ fn valid_kv_file() -> Vec<u8> {
         "tokens".to_string(),
         Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap(),
     )];
+    // Each layer: 2 heads × 3 positions × 4 f32 values of 1.0, as bytes.
+    let row: Vec<u8> = (0..2 * 3 * 4).flat_map(|_| 1f32.to_le_bytes()).collect();
     for i in 0..2 {
         for kv in ["k", "v"] {
             tensors.push((
                 format!("{kv}.{i}"),
-                Tensor::ones((1, 2, 3, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
+                Tensor::from_vec(row.clone(), (2, 48), &Device::Cpu).unwrap(),
             ));
         }
     }
     let meta: HashMap<String, String> = [
         ("format", persist::FORMAT),
         ("model", "m"),
-        ("cache", "full f32"),
+        ("cache", "all, f32"),
         ("extra", "{}"),
+        ("residual_from", "3"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -193,6 +212,7 @@ fn the_valid_kv_file_of_the_properties_loads() {
     assert!(persist::check_target(&p).unwrap());
     let snap = persist::load(&p, &expect()).unwrap();
     assert_eq!(snap.tokens, [1, 2, 3]);
+    layer_f32().restore_raw(3, &snap.layers[0]).unwrap();
 }
 
 proptest! {
@@ -219,12 +239,19 @@ proptest! {
         let _ = persist::check_target(&p);
         if let Ok(snap) = persist::load(&p, &expect()) {
             prop_assert!(!snap.tokens.is_empty() && snap.tokens.len() < 64);
-            prop_assert_eq!(snap.kv.len(), 2);
-            for (k, v) in &snap.kv {
-                prop_assert_eq!(k.dims(), &[1, 2, snap.tokens.len(), 4]);
-                prop_assert_eq!(v.dims(), &[1, 2, snap.tokens.len(), 4]);
-                let all = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                prop_assert!(all.iter().all(|x| x.is_finite()));
+            prop_assert_eq!(snap.layers.len(), 2);
+            // What a layer accepts of it holds exactly the tokens' positions, all finite.
+            for st in &snap.layers {
+                let mut layer = layer_f32();
+                if layer.restore_raw(snap.tokens.len(), st).is_ok() {
+                    use kvchat::model::cache::LayerCache;
+                    prop_assert_eq!(layer.len(), snap.tokens.len());
+                    let back = layer.raw_state().unwrap();
+                    let xs: Vec<f32> = back.k.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect();
+                    prop_assert!(xs.iter().all(|x| x.is_finite()));
+                }
             }
         }
     }

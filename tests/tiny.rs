@@ -23,10 +23,7 @@ fn session<'a>(m: &'a Llama, spec: &CacheSpec) -> Session<'a> {
     Session::new(m, spec.build(&m.cfg, &Device::Cpu), 128)
 }
 
-const FULL: CacheSpec = CacheSpec::Full {
-    precision: kvchat::kv::Precision::F32,
-    max_positions: 128,
-};
+const FULL: CacheSpec = CacheSpec::full(kvchat::kv::Precision::F32, 128);
 
 #[test]
 fn qwen2_config_is_read_from_metadata() {
@@ -51,12 +48,7 @@ fn tiny_model_logits_are_identical_with_full_cache_and_recompute() {
     let m = load("eq");
     let tokens = [3u32, 17, 5, 9, 22, 1, 30, 8];
     let mut full = session(&m, &FULL);
-    let mut none = session(
-        &m,
-        &CacheSpec::None {
-            precision: kvchat::kv::Precision::F32,
-        },
-    );
+    let mut none = session(&m, &CacheSpec::none(kvchat::kv::Precision::F32));
     let mut a = full.feed(&tokens[..3]).unwrap();
     let mut b = none.feed(&tokens[..3]).unwrap();
     for &t in &tokens[3..] {

@@ -3,7 +3,9 @@
 //! the flag.
 
 use crate::engine::{max_threads, DeviceChoice, LoadOptions};
-use crate::kv::{CacheMode, Precision, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS};
+use crate::kv::{
+    CacheMode, Precision, Retention, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS,
+};
 use crate::session::SamplingParams;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -70,11 +72,13 @@ impl ModelArgs {
             dtype,
             threads,
             ctx: self.ctx,
+            kv_precisions: Vec::new(),
         })
     }
 }
 
-/// Which KV cache strategy.
+/// The KV cache's three axes: retention (--no-cache, --kv-window), precision (--kv-type) and
+/// placement (--kv-offload), combined freely.
 #[derive(Args, Debug, Clone)]
 pub struct CacheArgs {
     /// Keep no KV cache: recompute the whole sequence at every step (the O(n²) baseline)
@@ -86,16 +90,16 @@ pub struct CacheArgs {
     /// With --kv-window: how many first positions to keep as attention sinks (0 = plain window)
     #[arg(long, value_name = "S", default_value_t = DEFAULT_SINKS, requires = "kv_window")]
     pub kv_sinks: usize,
-    /// How the cache stores keys and values: f32, f16, bf16 (read directly by attention), or int8
-    /// (keys per channel, values per token) [default: f16]
-    #[arg(long, value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "int8"])]
+    /// How the cache stores keys and values: f32, f16, bf16, int8 or int4 (8/4 bits, a f16 scale
+    /// per 32 values), all read in place by attention [default: f16]
+    #[arg(long, value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "int8", "int4"])]
     pub kv_type: Option<String>,
-    /// Quantize the cache: int8 (the same as --kv-type int8)
-    #[arg(long, value_name = "TYPE", value_parser = ["int8"], conflicts_with = "kv_type")]
+    /// Quantize the cache (the same as --kv-type)
+    #[arg(long, value_name = "TYPE", value_parser = ["int8", "int4"], conflicts_with = "kv_type")]
     pub kv_quant: Option<String>,
-    /// With int8: how many most recent positions stay in full precision
-    #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL)]
-    pub kv_quant_residual: usize,
+    /// With int8/int4: how many most recent positions are also kept in f16
+    #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL, alias = "kv-quant-residual")]
+    pub kv_residual: usize,
     /// Keep the cache in host memory; each layer is copied to the compute device for its attention
     #[arg(long)]
     pub kv_offload: bool,
@@ -103,39 +107,24 @@ pub struct CacheArgs {
 
 impl CacheArgs {
     /// The cache mode these flags select. Conflicts and impossible values are refused here, before
-    /// anything loads; whether the mode fits the context is checked by [`CacheArgs::spec`].
+    /// anything loads, each naming its flag.
     pub fn mode(&self) -> Result<CacheMode> {
         let kv_type = self.kv_quant.as_deref().or(self.kv_type.as_deref());
-        let int8 = kv_type == Some("int8");
-        let int8_flag = if self.kv_quant.is_some() {
-            "--kv-quant int8"
-        } else {
-            "--kv-type int8"
-        };
-        let precision = match kv_type.and_then(Precision::parse) {
-            Some(p) => p,
-            None => DEFAULT_PRECISION,
-        };
-        if self.kv_quant_residual != DEFAULT_RESIDUAL && !int8 {
-            bail!("--kv-quant-residual applies to the int8 cache only (add --kv-type int8)");
+        let precision = kv_type
+            .and_then(Precision::parse)
+            .unwrap_or(DEFAULT_PRECISION);
+        if self.kv_residual != DEFAULT_RESIDUAL && !precision.quantized() {
+            bail!("--kv-residual applies to a quantized cache only (add --kv-type int8 or int4)");
         }
-        let chosen: Vec<&str> = [
-            (self.no_cache, "--no-cache"),
-            (self.kv_window.is_some(), "--kv-window"),
-            (int8, int8_flag),
-            (self.kv_offload, "--kv-offload"),
-        ]
-        .iter()
-        .filter(|(on, _)| *on)
-        .map(|(_, name)| *name)
-        .collect();
-        if chosen.len() > 1 {
-            bail!(
-                "{} cannot be combined (yet): choose one cache strategy",
-                chosen.join(" and ")
-            );
+        if self.no_cache && self.kv_window.is_some() {
+            bail!("--no-cache and --kv-window cannot be combined: with no cache nothing is kept to window");
         }
-        if let Some(window) = self.kv_window {
+        if self.no_cache && self.kv_offload {
+            bail!("--no-cache and --kv-offload cannot be combined: with no cache nothing is kept to offload");
+        }
+        let retention = if self.no_cache {
+            Retention::None
+        } else if let Some(window) = self.kv_window {
             if window == 0 {
                 bail!("--kv-window must be at least 1");
             }
@@ -145,30 +134,26 @@ impl CacheArgs {
                     self.kv_sinks
                 );
             }
-            return Ok(CacheMode::Window {
+            Retention::Window {
                 window,
                 sinks: self.kv_sinks,
-                precision,
-            });
-        }
-        Ok(if self.no_cache {
-            CacheMode::None { precision }
-        } else if int8 {
-            CacheMode::Int8 {
-                residual: self.kv_quant_residual,
             }
-        } else if self.kv_offload {
-            CacheMode::Offload { precision }
         } else {
-            CacheMode::Full { precision }
+            Retention::All
+        };
+        Ok(CacheMode {
+            precision,
+            retention,
+            offload: self.kv_offload,
+            residual: self.kv_residual,
         })
     }
 
-    /// The strategy for a context of `ctx` positions (`--ctx`).
+    /// The cache for a context of `ctx` positions (`--ctx`).
     pub fn spec(&self, ctx: usize) -> Result<crate::kv::CacheSpec> {
         let mode = self.mode()?;
-        mode.spec(ctx).with_context(|| match mode {
-            CacheMode::Window { window, sinks, .. } => {
+        mode.spec(ctx).with_context(|| match mode.retention {
+            Retention::Window { window, sinks } => {
                 format!("--kv-window {window} with --kv-sinks {sinks} and --ctx {ctx}")
             }
             _ => format!("--ctx {ctx}"),

@@ -166,7 +166,7 @@ pub struct KvSizeArgs {
     pub window: Option<usize>,
     #[arg(long, default_value_t = 4)]
     pub sinks: usize,
-    /// INT8 residual (positions kept in f32), as --kv-quant-residual
+    /// Recent positions a quantized cache also keeps in f16, as --kv-residual
     #[arg(long, default_value_t = 32)]
     pub residual: usize,
     /// Print JSON instead of a table

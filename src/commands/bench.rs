@@ -241,8 +241,7 @@ pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Resu
     let cached_s = r.prefill.as_secs_f64() + r.steps.iter().map(|d| d.as_secs_f64()).sum::<f64>();
     let forward = |n: usize| -> Result<f64> {
         // The recompute at the cached mode's precision: the same numbers, none of the reuse.
-        let precision = cached.precision().unwrap_or(crate::kv::DEFAULT_PRECISION);
-        let mut s = engine.session(&CacheSpec::None { precision });
+        let mut s = engine.session(&CacheSpec::none(cached.precision()));
         let toks = bench_tokens(engine, n)?;
         let t = Instant::now();
         s.feed(&toks)?;
@@ -267,8 +266,16 @@ pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Resu
 }
 
 pub fn render_table(r: &BenchReport) -> String {
+    // The mode column is as wide as the longest name (`window:1024+4+int8+offload`).
+    let mw = r
+        .cells
+        .iter()
+        .map(|c| c.mode.len())
+        .max()
+        .unwrap_or(0)
+        .max(14);
     let mut s = format!(
-        "{:<14} {:>7} {:>12} {:>26} {:>10} {:>12} {:>10}  {}\n",
+        "{:<mw$} {:>7} {:>12} {:>26} {:>10} {:>12} {:>10}  {}\n",
         "mode",
         "context",
         "prefill t/s",
@@ -294,7 +301,7 @@ pub fn render_table(r: &BenchReport) -> String {
             String::new()
         };
         s += &format!(
-            "{:<14} {:>7} {:>12.1} {:>26} {:>10} {:>12} {:>10}  {}\n",
+            "{:<mw$} {:>7} {:>12.1} {:>26} {:>10} {:>12} {:>10}  {}\n",
             c.mode,
             c.context,
             c.prefill_tok_s.median,
@@ -363,6 +370,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map(|m| Ok((m.clone(), m.parse::<CacheMode>().context("--modes")?)))
         .collect::<Result<_>>()?;
     let mut model = args.model.options()?;
+    model.kv_precisions = modes.iter().map(|(_, m)| m.precision).collect();
     let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.gen;
     model.ctx = Some(model.ctx.unwrap_or(0).max(longest).max(768 + 256));
     let engine = Engine::load(&model)?;
@@ -400,10 +408,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .cloned()
             .unwrap_or((
                 "full".into(),
-                CacheSpec::Full {
-                    max_positions: engine.ctx,
-                    precision: crate::kv::DEFAULT_PRECISION,
-                },
+                CacheSpec::full(crate::kv::DEFAULT_PRECISION, engine.ctx),
             ));
         Some(chat_turn(&engine, &name, &spec)?)
     };

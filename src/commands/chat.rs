@@ -65,7 +65,7 @@ fn stats_text(c: &Conversation<'_>) -> String {
         cfg.n_kv_head,
         cache.len(),
         cfg.head_dim,
-        cache.spec().precision().map_or("int8", |p| p.name()),
+        cache.spec().precision().name(),
         c.engine.device.location(),
         candle_core::utils::get_num_threads()
     );
@@ -201,11 +201,12 @@ pub fn run(args: ChatArgs) -> Result<()> {
     }
     // Every flag is checked before anything is fetched or loaded.
     let sampling = args.sampling.params()?;
-    let load = args.model.options()?;
+    let mut load = args.model.options()?;
     let mode = args.cache.mode()?;
+    load.kv_precisions = vec![mode.precision];
     let on_full: crate::session::conversation::OnFull =
         args.on_full.parse().context("--on-full")?;
-    if matches!(mode, crate::kv::CacheMode::None { .. }) && args.prompt_cache.is_some() {
+    if mode.retention == crate::kv::Retention::None && args.prompt_cache.is_some() {
         bail!("--prompt-cache needs a KV cache (drop --no-cache)");
     }
     // What is at --prompt-cache must be a kvchat KV file or nothing.

@@ -3,7 +3,8 @@
 //! and what grouped-query attention saves over full multi-head attention.
 
 use crate::cli::KvSizeArgs;
-use crate::kv::size::{KvDims, Storage};
+use crate::kv::size::KvDims;
+use crate::kv::Precision;
 use anyhow::{bail, Result};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -85,13 +86,13 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
     if args.ctx == 0 || args.users == 0 {
         bail!("--ctx and --users must be at least 1");
     }
-    let headline = Storage::parse(&args.dtype).ok_or_else(|| {
+    let headline = Precision::parse(&args.dtype).ok_or_else(|| {
         anyhow::anyhow!(
             "--dtype '{}' is not one of f32, f16, bf16, int8, int4",
             args.dtype
         )
     })?;
-    let mut modes: Vec<ModeRow> = Storage::ALL
+    let mut modes: Vec<ModeRow> = Precision::ALL
         .iter()
         .map(|&m| {
             let per_ctx = dims.bytes_for(m, args.ctx, args.residual);
@@ -183,6 +184,6 @@ pub fn render(r: &KvSizeReport) -> String {
             human(m.bytes_all_users)
         );
     }
-    s += "int8: K scales per channel over 128-token groups, V per token, f32 residual included per context; int4: projection\n";
+    s += "int8/int4: one f16 scale per 32 values; per context includes the f16 copies of the last --residual positions\n";
     s
 }

@@ -117,8 +117,9 @@ pub fn perplexity(
 }
 
 pub fn run(args: PplArgs) -> Result<()> {
-    let load = args.model.options()?;
+    let mut load = args.model.options()?;
     let mode = args.cache.mode()?;
+    load.kv_precisions = vec![mode.precision];
     if args.chunk < 4 {
         bail!("--chunk must be at least 4 tokens");
     }

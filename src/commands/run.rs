@@ -20,9 +20,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     // Every flag is checked before the prompt is read or anything is fetched or loaded.
     let sampling = args.sampling.params()?;
-    let load = args.model.options()?;
+    let mut load = args.model.options()?;
     let mode = args.cache.mode()?;
-    if matches!(mode, crate::kv::CacheMode::None { .. }) && args.prompt_cache.is_some() {
+    load.kv_precisions = vec![mode.precision];
+    if mode.retention == crate::kv::Retention::None && args.prompt_cache.is_some() {
         bail!("--prompt-cache needs a KV cache (drop --no-cache)");
     }
     let prompt = match &args.prompt {
@@ -160,7 +161,8 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {}: {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations f32, {threads} threads",
+        "[stats] kv cache {} ({}): {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations f32, {threads} threads",
+        cache.spec().name(),
         cache.spec().describe(),
         cache.len(),
         cache.seen(),

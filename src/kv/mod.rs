@@ -1,92 +1,59 @@
-//! The KV cache: one object per layer behind the [`LayerCache`] trait, chosen by flags.
+//! The KV cache: one [`layer::Layer`] per decoder layer, composed from three axes that flags choose
+//! independently — precision (`store.rs`: f32, f16, bf16, int8, int4), retention (all positions, a
+//! window with sinks, or nothing: `--no-cache`) and placement (on the compute device, or offloaded
+//! to host memory). Every combination is one code path per axis (`layer.rs`).
 //!
-//! Layout, stated once: each layer's keys and values are `[1, n_kv_heads, positions, head_dim]`.
-//! Attention hands a layer's new keys (not yet rotated) and values for this step to that layer's cache,
-//! and gets back what to attend over ([`KvView`]: dense rotated keys and values, or INT8 blocks plus a
-//! full-precision tail) and the position at which to rotate the step's queries. The decoder never
-//! knows which strategy it runs with; a strategy is one file here.
+//! Layout, stated once: each layer's keys and values arrive as `[1, n_kv_heads, t, head_dim]`; a
+//! store keeps them as rows, `[n_kv_heads, slots, row]`, one row per position and head, keys rotated
+//! at their absolute position. Attention reads the rows in place (`model::cache::KvView`).
 
-pub mod full;
-pub mod int8;
-pub mod none;
-pub mod offload;
+pub mod layer;
 pub mod persist;
 pub mod size;
-pub mod window;
+pub mod store;
 
-pub use crate::model::cache::{Attend, DecoderCache, KvView, LayerCache};
+use crate::model::cache::LayerCache;
+pub use crate::model::cache::{Attend, DecoderCache, KvView, Precision};
 use crate::model::config::Config;
 #[cfg(test)]
 use crate::model::rope::Rope;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+#[cfg(test)]
+use candle_core::DType;
+use candle_core::Device;
+pub use layer::{Layer, LayerSpec, Retention};
 
 /// Attention sinks kept by a window unless told otherwise.
 pub const DEFAULT_SINKS: usize = 4;
-/// Most recent positions INT8 keeps in f32 unless told otherwise.
+/// Most recent positions a quantized cache also keeps in f16 unless told otherwise.
 pub const DEFAULT_RESIDUAL: usize = 32;
-
-/// How keys and values are stored, for the float strategies (the precision axis; INT8 is its own
-/// strategy for now). f16 is the default, as in llama.cpp: half the bytes of f32, and the values
-/// rounded once when stored (attention reads them widened to f32, exactly).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    F32,
-    F16,
-    Bf16,
-}
-
+/// The default precision, as in llama.cpp.
 pub const DEFAULT_PRECISION: Precision = Precision::F16;
 
-impl Precision {
-    pub const ALL: [Precision; 3] = [Precision::F32, Precision::F16, Precision::Bf16];
-
-    pub fn dtype(self) -> DType {
-        match self {
-            Precision::F32 => DType::F32,
-            Precision::F16 => DType::F16,
-            Precision::Bf16 => DType::BF16,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::Bf16 => "bf16",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|p| p.name() == s)
-    }
-}
-
-/// A cache strategy as a person names it, before the context size is known. Written as its parts
-/// joined by `+`, in any order: a strategy (`none`, `full`, `window:N` with an optional sink count
-/// after it, `offload`, `int8` or `int8:R`) and a precision (`f32`, `f16`, `bf16`; default f16):
-/// `full`, `full+f32`, `window:256+4+bf16`, `none+f32`, `int8`. This is the one place such a name is
+/// A cache configuration as a person names it, before the context size is known: its parts
+/// joined by `+`, in any order — a retention (`full`, default; `none`; `window:N`, optionally
+/// followed by a sink count), a precision (`f32`, `f16` default, `bf16`, `int8`, `int4`; the
+/// quantized ones take `:R`, the recent positions also kept in f16) and a placement (`offload`).
+/// `full`, `window:256+4+int8`, `int4+offload`, `none+f32`. This is the one place such a name is
 /// parsed; [`CacheMode::spec`] checks it against a context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheMode {
-    None {
-        precision: Precision,
-    },
-    Full {
-        precision: Precision,
-    },
-    Window {
-        window: usize,
-        sinks: usize,
-        precision: Precision,
-    },
-    Int8 {
-        residual: usize,
-    },
-    Offload {
-        precision: Precision,
-    },
+pub struct CacheMode {
+    pub precision: Precision,
+    pub retention: Retention,
+    pub offload: bool,
+    /// Recent positions a quantized cache also keeps in f16.
+    pub residual: usize,
+}
+
+impl Default for CacheMode {
+    fn default() -> Self {
+        Self {
+            precision: DEFAULT_PRECISION,
+            retention: Retention::All,
+            offload: false,
+            residual: DEFAULT_RESIDUAL,
+        }
+    }
 }
 
 impl std::str::FromStr for CacheMode {
@@ -97,41 +64,27 @@ impl std::str::FromStr for CacheMode {
             v.parse()
                 .map_err(|_| anyhow::anyhow!("cache mode '{s}': '{v}' is not a {what}"))
         };
-        let mut precision: Option<Precision> = None;
-        let mut strategy: Option<CacheMode> = None;
-        let mut set = |m: CacheMode| -> Result<()> {
-            if strategy.replace(m).is_some() {
-                anyhow::bail!("cache mode '{s}' names two strategies (choose one of none, full, window, offload, int8)");
-            }
-            Ok(())
-        };
+        let mut mode = CacheMode::default();
+        let (mut retention, mut precision, mut offload) = (None, None, false);
         let parts: Vec<&str> = s.split('+').collect();
         let mut i = 0;
         while i < parts.len() {
             let part = parts[i];
-            match part {
-                "none" => set(CacheMode::None {
-                    precision: DEFAULT_PRECISION,
-                })?,
-                "full" => set(CacheMode::Full {
-                    precision: DEFAULT_PRECISION,
-                })?,
-                "offload" => set(CacheMode::Offload {
-                    precision: DEFAULT_PRECISION,
-                })?,
-                "int8" => set(CacheMode::Int8 {
-                    residual: DEFAULT_RESIDUAL,
-                })?,
-                p if Precision::parse(p).is_some() => {
-                    if precision.replace(Precision::parse(p).expect("checked")).is_some() {
-                        anyhow::bail!("cache mode '{s}' names two precisions");
-                    }
+            let (name, arg) = match part.split_once(':') {
+                Some((n, a)) => (n, Some(a)),
+                None => (part, None),
+            };
+            let set_retention = |r: &mut Option<Retention>, new: Retention| -> Result<()> {
+                if r.replace(new).is_some() {
+                    anyhow::bail!("cache mode '{s}' names two retentions (choose one of full, none, window:N)");
                 }
-                r if r.starts_with("int8:") => set(CacheMode::Int8 {
-                    residual: num("residual position count", &r["int8:".len()..])?,
-                })?,
-                w if w.starts_with("window:") => {
-                    let window = num("window size", &w["window:".len()..])?;
+                Ok(())
+            };
+            match (name, arg) {
+                ("full", None) => set_retention(&mut retention, Retention::All)?,
+                ("none", None) => set_retention(&mut retention, Retention::None)?,
+                ("window", Some(w)) => {
+                    let window = num("window size", w)?;
                     // A number right after the window is its sink count.
                     let sinks = match parts.get(i + 1) {
                         Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
@@ -140,301 +93,238 @@ impl std::str::FromStr for CacheMode {
                         }
                         _ => DEFAULT_SINKS,
                     };
-                    set(CacheMode::Window {
-                        window,
-                        sinks,
-                        precision: DEFAULT_PRECISION,
-                    })?
+                    set_retention(&mut retention, Retention::Window { window, sinks })?
                 }
-                other => anyhow::bail!(
-                    "cache mode '{s}': unknown part '{other}' (none, full, window:N[+S], offload, int8[:R], f32, f16, bf16)"
+                ("offload", None) => {
+                    if std::mem::replace(&mut offload, true) {
+                        anyhow::bail!("cache mode '{s}' names offload twice");
+                    }
+                }
+                (p, arg) if Precision::parse(p).is_some() => {
+                    let p = Precision::parse(p).expect("checked");
+                    if let Some(r) = arg {
+                        if !p.quantized() {
+                            anyhow::bail!("cache mode '{s}': only int8 and int4 take a residual (':{r}')");
+                        }
+                        mode.residual = num("residual position count", r)?;
+                    }
+                    if precision.replace(p).is_some() {
+                        anyhow::bail!("cache mode '{s}' names two precisions");
+                    }
+                }
+                _ => anyhow::bail!(
+                    "cache mode '{s}': unknown part '{part}' (full, none, window:N[+S], f32, f16, bf16, int8[:R], int4[:R], offload)"
                 ),
             }
             i += 1;
         }
-        let mode = strategy.unwrap_or(CacheMode::Full {
-            precision: DEFAULT_PRECISION,
-        });
-        Ok(match (mode, precision) {
-            (m, None) => m,
-            (CacheMode::Int8 { .. }, Some(p)) => anyhow::bail!(
-                "cache mode '{s}': int8 is its own precision; it does not combine with {} (yet)",
-                p.name()
-            ),
-            (m, Some(p)) => m.with_precision(p),
-        })
+        mode.retention = retention.unwrap_or(Retention::All);
+        mode.precision = precision.unwrap_or(DEFAULT_PRECISION);
+        mode.offload = offload;
+        if mode.retention == Retention::None && offload {
+            anyhow::bail!(
+                "cache mode '{s}': nothing is kept with none, so there is nothing to offload"
+            );
+        }
+        Ok(mode)
     }
 }
 
 impl std::fmt::Display for CacheMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CacheMode::None { .. } => write!(f, "none")?,
-            CacheMode::Full { .. } => write!(f, "full")?,
-            CacheMode::Offload { .. } => write!(f, "offload")?,
-            CacheMode::Int8 { residual } if *residual == DEFAULT_RESIDUAL => write!(f, "int8")?,
-            CacheMode::Int8 { residual } => write!(f, "int8:{residual}")?,
-            CacheMode::Window { window, sinks, .. } => write!(f, "window:{window}+{sinks}")?,
+        match self.retention {
+            Retention::None => write!(f, "none")?,
+            Retention::All => write!(f, "full")?,
+            Retention::Window { window, sinks } => write!(f, "window:{window}+{sinks}")?,
         }
-        match self.precision() {
-            Some(p) if p != DEFAULT_PRECISION => write!(f, "+{}", p.name()),
-            _ => Ok(()),
+        if self.precision != DEFAULT_PRECISION {
+            write!(f, "+{}", self.precision.name())?;
+            if self.precision.quantized() && self.residual != DEFAULT_RESIDUAL {
+                write!(f, ":{}", self.residual)?;
+            }
         }
+        if self.offload {
+            write!(f, "+offload")?;
+        }
+        Ok(())
     }
 }
 
 impl CacheMode {
-    /// The float precision, for the strategies that have one.
-    pub fn precision(&self) -> Option<Precision> {
-        match *self {
-            CacheMode::None { precision }
-            | CacheMode::Full { precision }
-            | CacheMode::Window { precision, .. }
-            | CacheMode::Offload { precision } => Some(precision),
-            CacheMode::Int8 { .. } => None,
-        }
-    }
-
-    /// The same strategy at another float precision (INT8 stays INT8).
-    pub fn with_precision(self, p: Precision) -> Self {
-        match self {
-            CacheMode::None { .. } => CacheMode::None { precision: p },
-            CacheMode::Full { .. } => CacheMode::Full { precision: p },
-            CacheMode::Offload { .. } => CacheMode::Offload { precision: p },
-            CacheMode::Window { window, sinks, .. } => CacheMode::Window {
-                window,
-                sinks,
-                precision: p,
-            },
-            m @ CacheMode::Int8 { .. } => m,
-        }
-    }
-
-    /// The strategy for a context of `ctx` positions; impossible settings are refused here, in
-    /// words that name the values.
+    /// The configuration for a context of `ctx` positions; impossible settings are refused here,
+    /// in words that name the values.
     pub fn spec(&self, ctx: usize) -> Result<CacheSpec> {
-        Ok(match *self {
-            CacheMode::None { precision } => CacheSpec::None { precision },
-            CacheMode::Full { precision } => CacheSpec::Full {
-                max_positions: ctx,
-                precision,
-            },
-            CacheMode::Offload { precision } => CacheSpec::Offload {
-                max_positions: ctx,
-                precision,
-            },
-            CacheMode::Int8 { residual } => CacheSpec::Int8 {
-                max_positions: ctx,
-                residual,
-            },
-            CacheMode::Window {
-                window,
-                sinks,
-                precision,
-            } => {
-                if window == 0 {
-                    anyhow::bail!("a window must hold at least 1 position");
-                }
-                if sinks >= window {
-                    anyhow::bail!("{sinks} sinks do not fit a window of {window} (fewer sinks than positions)");
-                }
-                // Positions inside the cache reach sinks + 2 × window during a step (the rotation
-                // table has `ctx` positions).
-                match window.checked_mul(2).and_then(|w| w.checked_add(sinks)) {
-                    Some(n) if n <= ctx => {}
-                    Some(n) => anyhow::bail!(
-                        "a window of {window} with {sinks} sinks needs a context of at least {n} (it is {ctx})"
-                    ),
-                    None => anyhow::bail!("a window of {window} positions is too large (the context is {ctx})"),
-                }
-                CacheSpec::Window {
-                    window,
-                    sinks,
-                    precision,
-                }
+        if let Retention::Window { window, sinks } = self.retention {
+            if window == 0 {
+                anyhow::bail!("a window must hold at least 1 position");
             }
+            if sinks >= window {
+                anyhow::bail!(
+                    "{sinks} sinks do not fit a window of {window} (fewer sinks than positions)"
+                );
+            }
+            // What a window holds must fit the memory the context was sized (and checked) for.
+            if window.saturating_add(sinks) > ctx {
+                anyhow::bail!(
+                    "a window of {window} with {sinks} sinks holds more than the context of {ctx} positions"
+                );
+            }
+        }
+        Ok(CacheSpec {
+            mode: *self,
+            max_positions: ctx,
         })
     }
 }
 
-/// Which strategy, with its parameters: what `--no-cache` and the other cache flags select.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CacheSpec {
-    /// No state: every step recomputes the whole sequence (the O(n²) baseline). Keys and values are
-    /// rounded to `precision` as a cache would store them, so the recompute gives the cached
-    /// strategy's exact numbers.
-    None { precision: Precision },
-    /// A contiguous per-layer buffer written in place, grown by doubling up to `max_positions`.
-    Full {
-        max_positions: usize,
-        precision: Precision,
-    },
-    /// The first `sinks` positions and the last `window`, keys stored before RoPE and rotated by
-    /// their place in the cache: memory bounded by `sinks + window`, length unbounded.
-    Window {
-        window: usize,
-        sinks: usize,
-        precision: Precision,
-    },
-    /// INT8 keys (per-channel scales over groups of tokens) and values (per-token scales), the most
-    /// recent `residual` positions (and an incomplete key group) in f32.
-    Int8 {
-        max_positions: usize,
-        residual: usize,
-    },
-    /// Like `Full`, but the cache lives in host memory and each layer is brought to the compute device
-    /// for its attention, the next layer's copy started first.
-    Offload {
-        max_positions: usize,
-        precision: Precision,
-    },
+/// A cache configuration with its context: what a session's cache is built from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheSpec {
+    pub mode: CacheMode,
+    /// The most positions the sequence may reach (a window holds fewer and runs on past it).
+    pub max_positions: usize,
+}
+
+impl serde::Serialize for CacheSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("CacheSpec", 5)?;
+        st.serialize_field("name", &self.name())?;
+        st.serialize_field("precision", &self.mode.precision)?;
+        st.serialize_field("retention", &self.mode.retention)?;
+        st.serialize_field("offload", &self.mode.offload)?;
+        st.serialize_field("max_positions", &self.max_positions)?;
+        st.end()
+    }
 }
 
 impl CacheSpec {
-    /// Short name, as `kvchat bench --modes` spells it (see [`CacheMode`]).
-    pub fn name(&self) -> String {
-        let p = |p: &Precision| {
-            if *p == DEFAULT_PRECISION {
-                String::new()
-            } else {
-                format!("+{}", p.name())
-            }
-        };
-        match self {
-            CacheSpec::None { precision } => format!("none{}", p(precision)),
-            CacheSpec::Full { precision, .. } => format!("full{}", p(precision)),
-            CacheSpec::Window {
-                window,
-                sinks,
+    /// Every position kept, at `precision`, for a context of `ctx`.
+    pub const fn full(precision: Precision, ctx: usize) -> Self {
+        Self {
+            mode: CacheMode {
                 precision,
-            } => format!("window:{window}+{sinks}{}", p(precision)),
-            CacheSpec::Int8 { .. } => "int8".into(),
-            CacheSpec::Offload { precision, .. } => format!("offload{}", p(precision)),
+                retention: Retention::All,
+                offload: false,
+                residual: DEFAULT_RESIDUAL,
+            },
+            max_positions: ctx,
         }
     }
 
-    /// The float precision of the storage (None for INT8).
-    pub fn precision(&self) -> Option<Precision> {
-        match self {
-            CacheSpec::None { precision }
-            | CacheSpec::Full { precision, .. }
-            | CacheSpec::Window { precision, .. }
-            | CacheSpec::Offload { precision, .. } => Some(*precision),
-            CacheSpec::Int8 { .. } => None,
+    /// Nothing kept: the recompute baseline, keys and values rounded to `precision`.
+    pub fn none(precision: Precision) -> Self {
+        Self {
+            mode: CacheMode {
+                precision,
+                retention: Retention::None,
+                ..CacheMode::default()
+            },
+            max_positions: usize::MAX,
         }
+    }
+
+    /// The same cache with another retention / precision / placement.
+    pub fn with(mut self, f: impl FnOnce(&mut CacheMode)) -> Self {
+        f(&mut self.mode);
+        self
+    }
+
+    /// Short name, as `kvchat bench --modes` spells it (see [`CacheMode`]).
+    pub fn name(&self) -> String {
+        self.mode.to_string()
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.mode.precision
+    }
+
+    pub fn retention(&self) -> Retention {
+        self.mode.retention
     }
 
     pub fn describe(&self) -> String {
-        match self {
-            CacheSpec::None { precision } => format!(
-                "none (recompute every step, keys and values rounded to {})",
-                precision.name()
+        let m = &self.mode;
+        let precision = match m.precision {
+            p if p.quantized() => format!(
+                "{} (groups of {} values, f16 scales, rows Hadamard-rotated; last {} positions also f16)",
+                p.name(),
+                crate::model::kernels::kvrows::QK,
+                m.residual
             ),
-            CacheSpec::Full {
-                max_positions,
-                precision,
-            } => format!("full {}, up to {max_positions} positions", precision.name()),
-            CacheSpec::Window {
-                window,
-                sinks,
-                precision,
-            } => format!(
-                "window of {window} positions + {sinks} attention sinks, {}, keys rotated in-cache",
-                precision.name()
-            ),
-            CacheSpec::Int8 {
-                max_positions,
-                residual,
-            } => format!(
-                "int8 (K per-channel over {}-token groups, V per-token), last {residual} positions f32, up to {max_positions} positions",
-                int8::GROUP
-            ),
-            CacheSpec::Offload {
-                max_positions,
-                precision,
-            } => format!(
-                "full {} in host memory (offload), up to {max_positions} positions",
-                precision.name()
-            ),
-        }
+            p => p.name().to_string(),
+        };
+        let retention = match m.retention {
+            Retention::None => {
+                "none (recompute every step, keys and values rounded as stored)".to_string()
+            }
+            Retention::All => format!("all positions, up to {}", self.max_positions),
+            Retention::Window { window, sinks } => {
+                format!("window of {window} positions + {sinks} attention sinks")
+            }
+        };
+        let placement = if m.offload {
+            "host memory (offload)"
+        } else {
+            "compute device"
+        };
+        format!("precision {precision}; retention {retention}; placement {placement}")
     }
 
     /// Whether the generation loop must feed the whole sequence at every step.
     pub fn recomputes(&self) -> bool {
-        matches!(self, CacheSpec::None { .. })
+        self.mode.retention == Retention::None
     }
 
-    /// The longest sequence this cache can hold; None when unbounded (a window).
+    /// The longest sequence this cache can hold; None when unbounded (a window, or none).
     pub fn max_positions(&self) -> Option<usize> {
-        match self {
-            CacheSpec::None { .. } => None,
-            CacheSpec::Full { max_positions, .. }
-            | CacheSpec::Int8 { max_positions, .. }
-            | CacheSpec::Offload { max_positions, .. } => Some(*max_positions),
-            CacheSpec::Window { .. } => None,
-        }
+        (self.mode.retention == Retention::All).then_some(self.max_positions)
     }
 
     /// Whether the sequence may not outgrow the context (a window holds a bounded number of
     /// positions however long the sequence runs).
     pub fn bounded_by_context(&self) -> bool {
-        !matches!(self, CacheSpec::Window { .. })
+        !matches!(self.mode.retention, Retention::Window { .. })
     }
 
-    /// The most positions one forward may append (a window cannot take more than its width at once).
-    pub fn max_step(&self) -> Option<usize> {
-        match self {
-            CacheSpec::Window { window, .. } => Some(*window),
-            _ => None,
+    /// Why this cache cannot hold rows of this model, if it cannot.
+    pub fn unfit(&self, cfg: &Config) -> Option<String> {
+        self.mode.precision.unfit(cfg.head_dim)
+    }
+
+    /// Layer i's axes: the configured ones, except that a layer the model declares a sliding
+    /// window for keeps no more than that window (and no sinks).
+    pub fn layer_spec(&self, cfg: &Config, i: usize) -> LayerSpec {
+        let m = &self.mode;
+        let retention = match (m.retention, cfg.layer_window(i)) {
+            (Retention::All, Some(w)) => Retention::Window {
+                window: w,
+                sinks: 0,
+            },
+            (Retention::Window { window, .. }, Some(w)) if w <= window => Retention::Window {
+                window: w,
+                sinks: 0,
+            },
+            (r, _) => r,
+        };
+        LayerSpec {
+            precision: m.precision,
+            retention,
+            offload: m.offload,
+            residual: m.residual,
+            max_positions: self.max_positions,
         }
     }
 
     pub fn build(&self, cfg: &Config, device: &Device) -> KvCache {
-        let (nkv, hd) = (cfg.n_kv_head, cfg.head_dim);
         let layers = (0..cfg.n_layer)
-            .map(|_| -> Box<dyn LayerCache> {
-                match self {
-                    CacheSpec::None { precision } => {
-                        Box::new(none::NoCache::new(precision.dtype()))
-                    }
-                    CacheSpec::Full {
-                        max_positions,
-                        precision,
-                    } => Box::new(full::FullCache::new(
-                        nkv,
-                        hd,
-                        *max_positions,
-                        precision.dtype(),
-                        device.clone(),
-                    )),
-                    CacheSpec::Window {
-                        window,
-                        sinks,
-                        precision,
-                    } => Box::new(window::WindowCache::new(
-                        nkv,
-                        hd,
-                        *window,
-                        *sinks,
-                        precision.dtype(),
-                        device.clone(),
-                    )),
-                    CacheSpec::Int8 {
-                        max_positions,
-                        residual,
-                    } => Box::new(int8::Int8Cache::new(nkv, hd, *max_positions, *residual)),
-                    CacheSpec::Offload {
-                        max_positions,
-                        precision,
-                    } => Box::new(offload::OffloadCache::new(
-                        nkv,
-                        hd,
-                        *max_positions,
-                        precision.dtype(),
-                        device.clone(),
-                    )),
-                }
+            .map(|i| {
+                Layer::new(
+                    &self.layer_spec(cfg, i),
+                    cfg.n_kv_head,
+                    cfg.head_dim,
+                    device,
+                )
             })
             .collect();
         KvCache {
@@ -447,7 +337,7 @@ impl CacheSpec {
 /// All layers' caches for one sequence.
 pub struct KvCache {
     spec: CacheSpec,
-    layers: Vec<Box<dyn LayerCache>>,
+    layers: Vec<Layer>,
 }
 
 impl DecoderCache for KvCache {
@@ -455,13 +345,18 @@ impl DecoderCache for KvCache {
         self.layers.len()
     }
     fn layer(&mut self, i: usize) -> &mut dyn LayerCache {
-        self.layers[i].as_mut()
+        &mut self.layers[i]
     }
     fn recomputes(&self) -> bool {
         self.spec.recomputes()
     }
     fn max_step(&self) -> Option<usize> {
-        self.spec.max_step()
+        None
+    }
+    fn step_done(&mut self) {
+        for l in &mut self.layers {
+            l.step_done();
+        }
     }
 }
 
@@ -469,15 +364,15 @@ impl KvCache {
     pub fn spec(&self) -> &CacheSpec {
         &self.spec
     }
-    pub fn layer(&mut self, i: usize) -> &mut dyn LayerCache {
-        self.layers[i].as_mut()
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
     }
-    pub fn n_layers(&self) -> usize {
-        self.layers.len()
+    pub fn layers_mut(&mut self) -> &mut [Layer] {
+        &mut self.layers
     }
-    /// Positions held (the same in every layer).
+    /// Positions held (the most any layer holds).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |l| l.len())
+        self.layers.iter().map(|l| l.len()).max().unwrap_or(0)
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -495,25 +390,26 @@ impl KvCache {
     pub fn reset(&mut self) -> Result<()> {
         self.truncate(0)
     }
-    /// Every layer's `state()`.
-    pub fn layers_state(&self) -> Result<Vec<Option<(Tensor, Tensor)>>> {
-        self.layers.iter().map(|l| l.state()).collect()
-    }
-    /// What must match for a saved state to be loaded into this cache: the storage, not the capacity.
+    /// What must match for a saved state to be loaded into this cache: the axes, not the capacity.
     pub fn persist_key(&self) -> Result<String> {
-        match &self.spec {
-            // Offload holds the same state as the full cache: one file serves both.
-            CacheSpec::Full { precision, .. } | CacheSpec::Offload { precision, .. } => {
-                Ok(format!("full {}", precision.name()))
-            }
-            other => Err(crate::fixable(
+        if self.spec.recomputes() {
+            return Err(crate::fixable(
                 crate::Fix::FullCache,
-                format!(
-                    "saving the KV state is not supported with the {} cache yet",
-                    other.name()
-                ),
-            )),
+                "with no cache there is no KV state to save".into(),
+            ));
         }
+        let m = &self.spec.mode;
+        let retention = match m.retention {
+            Retention::Window { window, sinks } => format!("window {window} sinks {sinks}"),
+            _ => "all".into(),
+        };
+        let residual = if m.precision.quantized() {
+            format!(" residual {}", m.residual)
+        } else {
+            String::new()
+        };
+        // Placement is not part of it: offloaded or not, the rows are the same.
+        Ok(format!("{retention}, {}{residual}", m.precision.name()))
     }
     /// Bytes resident in all layers now (allocated storage).
     pub fn bytes(&self) -> usize {
@@ -525,26 +421,33 @@ impl KvCache {
     }
 }
 
-/// A RoPE table for unit tests of the strategies: one KV head of size 2.
+/// A RoPE table for unit tests of the caches, heads of `hd` values.
 #[cfg(test)]
-pub(crate) fn test_rope(max_positions: usize) -> Rope {
-    let cfg = Config {
+pub(crate) fn test_rope(max_positions: usize, hd: usize) -> Rope {
+    let cfg = test_config(1, hd);
+    Rope::new(&cfg, max_positions, None, DType::F32, &Device::Cpu).unwrap()
+}
+
+/// A config with `nkv` KV heads of `hd` values, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
+    Config {
         arch: "llama".into(),
         n_layer: 1,
-        n_head: 1,
-        n_kv_head: 1,
-        head_dim: 2,
-        hidden: 2,
+        n_head: nkv,
+        n_kv_head: nkv,
+        head_dim: hd,
+        hidden: nkv * hd,
         ffn: 2,
         vocab: 2,
-        ctx_train: max_positions,
+        ctx_train: 4096,
         rope_base: 10_000.0,
-        rope_dim: 2,
+        rope_dim: hd,
         rope_linear_scale: 1.0,
         rope_style: crate::model::config::RopeStyle::Interleaved,
         rms_eps: 1e-5,
-    };
-    Rope::new(&cfg, max_positions, None, DType::F32, &Device::Cpu).unwrap()
+        sliding_window: None,
+    }
 }
 
 #[cfg(test)]
@@ -559,64 +462,91 @@ mod tests {
             "full",
             "full+f32",
             "full+bf16",
-            "int8",
-            "int8:16",
-            "offload",
-            "offload+f32",
+            "full+int8",
+            "full+int8:16",
+            "full+int4",
+            "full+offload",
+            "full+f32+offload",
             "window:256+4",
             "window:64+0+bf16",
+            "window:512+4+int8+offload",
+            "window:512+4+int4:0",
         ] {
             let m: CacheMode = name.parse().unwrap();
             assert_eq!(m.to_string(), name);
         }
+        let w = "window:256".parse::<CacheMode>().unwrap();
         assert_eq!(
-            "window:256".parse::<CacheMode>().unwrap(),
-            CacheMode::Window {
+            w.retention,
+            Retention::Window {
                 window: 256,
-                sinks: DEFAULT_SINKS,
-                precision: Precision::F16
+                sinks: DEFAULT_SINKS
             }
         );
-        // Parts in any order; a precision alone means the full cache.
-        assert_eq!(
-            "f32+window:8+2".parse::<CacheMode>().unwrap().to_string(),
-            "window:8+2+f32"
-        );
-        assert_eq!(
-            "bf16".parse::<CacheMode>().unwrap().to_string(),
-            "full+bf16"
-        );
+        assert_eq!(w.precision, Precision::F16);
+    }
+
+    #[test]
+    fn cache_mode_parts_come_in_any_order_and_default_to_a_full_f16_cache() {
+        let m = |s: &str| s.parse::<CacheMode>().unwrap().to_string();
+        assert_eq!(m("f32+window:8+2"), "window:8+2+f32");
+        assert_eq!(m("bf16"), "full+bf16");
+        assert_eq!(m("int8"), "full+int8");
+        assert_eq!(m("offload+int4"), "full+int4+offload");
+    }
+
+    #[test]
+    fn malformed_cache_modes_are_refused() {
         for bad in [
             "window:x",
             "window:4+y",
-            "int4",
+            "int3",
             "",
             "full:3",
             "full+none",
             "f16+f32",
-            "int8+f32",
+            "int8+int4",
+            "f16:4",
+            "offload+offload",
+            "none+offload",
         ] {
             assert!(bad.parse::<CacheMode>().is_err(), "{bad}");
         }
     }
 
     #[test]
-    fn impossible_windows_are_refused_against_the_context() {
-        let w = |window, sinks| CacheMode::Window {
-            window,
-            sinks,
-            precision: Precision::F32,
+    fn impossible_windows_are_refused() {
+        let w = |window, sinks| CacheMode {
+            retention: Retention::Window { window, sinks },
+            ..CacheMode::default()
         };
         assert!(w(0, 0).spec(100).is_err());
         assert!(w(4, 4).spec(100).is_err());
-        assert!(w(50, 4).spec(100).is_err(), "needs 104 positions");
-        assert!(w(usize::MAX / 2 + 1, 0).spec(100).is_err());
+        assert!(w(97, 4).spec(100).is_err(), "101 positions held");
+        assert!(w(96, 4).spec(100).is_ok());
+    }
+
+    #[test]
+    fn int4_refuses_a_head_dim_its_groups_cannot_split() {
+        let spec = CacheSpec::full(Precision::Int4, 64);
+        let why = spec.unfit(&test_config(1, 48)).unwrap();
+        assert!(
+            why.contains("int4") && why.contains("head_dim of 48"),
+            "{why}"
+        );
+        assert!(spec.unfit(&test_config(1, 64)).is_none());
+    }
+
+    #[test]
+    fn a_layer_the_model_declares_a_window_for_keeps_only_that_window() {
+        let mut cfg = test_config(1, 8);
+        cfg.sliding_window = Some((16, vec![true]));
+        let spec = CacheSpec::full(Precision::F16, 1024).layer_spec(&cfg, 0);
         assert_eq!(
-            w(48, 4).spec(100).unwrap(),
-            CacheSpec::Window {
-                window: 48,
-                sinks: 4,
-                precision: Precision::F32
+            spec.retention,
+            Retention::Window {
+                window: 16,
+                sinks: 0
             }
         );
     }

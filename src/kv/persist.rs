@@ -1,8 +1,9 @@
 //! Saving and restoring a sequence's KV state — the prompt cache (`--prompt-cache`) and chat's
-//! `/save`/`/load`. The container is safetensors: each layer's keys and values (`k.{i}`, `v.{i}`,
-//! `[1, n_kv_heads, positions, head_dim]`, f32) and the token ids (`tokens`), with a JSON header
-//! naming the format, the model (a digest of its GGUF metadata and tensor layout) and the cache
-//! configuration.
+//! `/save`/`/load`. The container is safetensors: each layer's stored rows as bytes (`k.{i}`,
+//! `v.{i}`, `[n_kv_heads, positions held, row bytes]`, u8, in the cache's precision, oldest
+//! first), a quantized cache's f16 residual (`rk.{i}`, `rv.{i}`, positions `residual_from..`), and
+//! the token ids (`tokens`), with a JSON header naming the format, the model (a digest of its GGUF
+//! metadata and tensor layout) and the cache's axes, which must match to load.
 //!
 //! Files are handled as if hostile: only a regular file is read (never a link, pipe or device), its
 //! size is checked against what this model's cache can hold before a byte is read, and what it holds
@@ -10,6 +11,7 @@
 //! a kvchat KV file (or nothing): the state goes to a temporary file created anew in the same
 //! directory, which is removed on any failure or signal, then renamed over the old one.
 
+use super::layer::RawState;
 use super::KvCache;
 use crate::interrupt::TempFile;
 use anyhow::{anyhow, bail, Context, Result};
@@ -18,13 +20,15 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::Path;
 
-pub const FORMAT: &str = "kvchat-kv/1";
+pub const FORMAT: &str = "kvchat-kv/2";
+/// What every version's format starts with: a file with an older version may be replaced.
+const FORMAT_FAMILY: &str = "kvchat-kv/";
 
 /// What a file holds, once checked.
 pub struct Snapshot {
     pub tokens: Vec<u32>,
-    /// Per layer: keys and values.
-    pub kv: Vec<(Tensor, Tensor)>,
+    /// Per layer: the stored rows.
+    pub layers: Vec<RawState>,
     /// Whatever the writer added (the chat's messages).
     pub extra: serde_json::Value,
 }
@@ -135,7 +139,10 @@ pub fn check_target(path: &Path) -> Result<bool> {
     };
     let mut f = open_regular(path).map_err(|e| refuse(crate::first_line(e)))?;
     let meta = read_header_metadata(&mut f, path).map_err(|e| refuse(crate::first_line(e)))?;
-    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+    if !meta
+        .get("format")
+        .is_some_and(|f| f.starts_with(FORMAT_FAMILY))
+    {
         return Err(refuse(format!(
             "{} is not a kvchat KV file",
             path.display()
@@ -159,26 +166,40 @@ pub fn save(
     if n == 0 {
         bail!("there is nothing to save yet (no positions in the cache)");
     }
-    if cache.seen() != n || cache.len() != n {
+    if cache.seen() != n {
         bail!(
-            "the cache holds {} of {} positions: only a full cache of the whole sequence can be saved",
-            cache.len(),
+            "the cache has seen {} of {} positions: only the state of the whole sequence can be saved",
+            cache.seen(),
             n
         );
     }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     tensors.push(("tokens".into(), Tensor::new(tokens, &Device::Cpu)?));
-    let mut state = cache.layers_state()?;
-    for (i, kv) in state.drain(..).enumerate() {
-        let (k, v) = kv.ok_or_else(|| anyhow!("layer {i} holds nothing to save"))?;
-        tensors.push((format!("k.{i}"), k.to_device(&Device::Cpu)?.contiguous()?));
-        tensors.push((format!("v.{i}"), v.to_device(&Device::Cpu)?.contiguous()?));
+    let mut residual_from = None;
+    for (i, layer) in cache.layers().iter().enumerate() {
+        let st = layer.raw_state()?;
+        let nkv = layer.n_kv_heads();
+        let bytes = |b: Vec<u8>| -> Result<Tensor> {
+            let per_head = b.len() / nkv;
+            Ok(Tensor::from_vec(b, (nkv, per_head), &Device::Cpu)?)
+        };
+        tensors.push((format!("k.{i}"), bytes(st.k)?));
+        tensors.push((format!("v.{i}"), bytes(st.v)?));
+        if !st.residual_k.is_empty() {
+            tensors.push((format!("rk.{i}"), bytes(st.residual_k)?));
+            tensors.push((format!("rv.{i}"), bytes(st.residual_v)?));
+        }
+        residual_from.get_or_insert(st.residual_from);
     }
     let meta: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
         ("model".to_string(), model_digest.to_string()),
         ("cache".to_string(), cache_key.to_string()),
         ("extra".to_string(), extra.to_string()),
+        (
+            "residual_from".to_string(),
+            residual_from.unwrap_or(n).to_string(),
+        ),
     ]
     .into_iter()
     .collect();
@@ -272,50 +293,49 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
             expect.max_positions
         );
     }
-    let want = [1, expect.n_kv_heads, tokens.len(), expect.head_dim];
-    let mut kv = Vec::with_capacity(expect.n_layers);
-    for i in 0..expect.n_layers {
-        let (k, v) = match (
-            tensors.remove(&format!("k.{i}")),
-            tensors.remove(&format!("v.{i}")),
-        ) {
-            (Some(k), Some(v)) => (k, v),
-            _ => bail!("{} lacks layer {i}'s keys or values", path.display()),
-        };
-        if k.dims() != want || v.dims() != want {
-            bail!(
-                "{}: layer {i}'s keys {:?} and values {:?} are not the {want:?} this model's cache holds for {} tokens",
-                path.display(),
-                k.dims(),
-                v.dims(),
-                tokens.len()
-            );
-        }
-        if k.dtype() != DType::F32 || v.dtype() != DType::F32 {
-            bail!(
-                "{}: layer {i} is stored as {:?}, not f32",
-                path.display(),
-                k.dtype()
-            );
-        }
-        for (name, t) in [("keys", &k), ("values", &v)] {
-            let finite = t
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .iter()
-                .all(|x| x.is_finite());
-            if !finite {
-                bail!(
-                    "{}: layer {i}'s {name} hold NaN or infinite values",
-                    path.display()
-                );
+    let residual_from: usize = get("residual_from")
+        .parse()
+        .map_err(|_| anyhow!("{} has no valid residual_from", path.display()))?;
+    let nkv = expect.n_kv_heads;
+    let mut layers = Vec::with_capacity(expect.n_layers);
+    let mut take = |name: String, required: bool| -> Result<Vec<u8>> {
+        let Some(t) = tensors.remove(&name) else {
+            if required {
+                bail!("{} lacks {name} (a layer's keys or values)", path.display());
             }
+            return Ok(Vec::new());
+        };
+        if t.dtype() != DType::U8 || t.rank() != 2 || t.dim(0)? != nkv {
+            bail!(
+                "{}: {name} is {:?} {:?}, not the [{nkv}, bytes] u8 rows this model's cache holds",
+                path.display(),
+                t.dtype(),
+                t.dims()
+            );
         }
-        kv.push((k, v));
+        Ok(t.flatten_all()?.to_vec1::<u8>()?)
+    };
+    for i in 0..expect.n_layers {
+        let (k, v) = (take(format!("k.{i}"), true)?, take(format!("v.{i}"), true)?);
+        let (residual_k, residual_v) = (
+            take(format!("rk.{i}"), false)?,
+            take(format!("rv.{i}"), false)?,
+        );
+        layers.push(RawState {
+            k,
+            v,
+            residual_k,
+            residual_v,
+            residual_from,
+        });
     }
     if !tensors.is_empty() {
         bail!("{} holds more layers than this model has", path.display());
     }
     let extra = serde_json::from_str(get("extra")).unwrap_or(serde_json::Value::Null);
-    Ok(Snapshot { tokens, kv, extra })
+    Ok(Snapshot {
+        tokens,
+        layers,
+        extra,
+    })
 }

@@ -1,7 +1,8 @@
-//! Memory accounting: how many bytes a KV cache holds, per token and per context, for each storage
-//! mode — the arithmetic that `kvchat kv-size` prints and that the caches' own `bytes_used` must match.
+//! Memory accounting: how many bytes a KV cache holds, per token and per context, for each
+//! precision and retention — the arithmetic that `kvchat kv-size` prints and that the caches' own
+//! `bytes_used` must match (a test compares them).
 
-use super::int8::GROUP;
+use super::{CacheMode, Precision, Retention};
 
 /// The dimensions that decide KV cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -11,73 +12,46 @@ pub struct KvDims {
     pub head_dim: usize,
 }
 
-/// How the cache stores each element.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Storage {
-    F32,
-    F16,
-    Bf16,
-    /// INT8 as `kv::int8` stores it: K per (channel, head) over GROUP tokens, V per (token, head), f32 scales.
-    Int8,
-    /// Two values a byte with the same scales as INT8 (a projection: no INT4 cache exists yet).
-    Int4,
-}
-
-impl Storage {
-    pub const ALL: [Storage; 5] = [
-        Storage::F32,
-        Storage::F16,
-        Storage::Bf16,
-        Storage::Int8,
-        Storage::Int4,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Storage::F32 => "f32",
-            Storage::F16 => "f16",
-            Storage::Bf16 => "bf16",
-            Storage::Int8 => "int8",
-            Storage::Int4 => "int4",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.name() == s)
-    }
-}
-
 impl KvDims {
-    /// Bytes one token adds in steady state: 2 × layers × kv_heads × head_dim × bytes per element,
-    /// plus the scales of the quantized modes (per KV head and layer: K `4·hd/GROUP`, V 4).
-    pub fn bytes_per_token(&self, m: Storage) -> f64 {
-        let elems = (self.layers * self.kv_heads * self.head_dim) as f64;
-        let scales = (self.layers * self.kv_heads) as f64
-            * (4.0 * self.head_dim as f64 / GROUP as f64 + 4.0);
-        match m {
-            Storage::F32 => 2.0 * elems * 4.0,
-            Storage::F16 | Storage::Bf16 => 2.0 * elems * 2.0,
-            Storage::Int8 => 2.0 * elems + scales,
-            Storage::Int4 => elems + scales,
-        }
+    /// Bytes one token adds: 2 (K and V) × layers × kv_heads × the bytes of a row of head_dim
+    /// values in this precision (scales included).
+    pub fn bytes_per_token(&self, p: Precision) -> f64 {
+        (2 * self.layers * self.kv_heads * p.row_bytes(self.head_dim)) as f64
     }
 
-    /// Bytes held for a sequence of `n` positions. For the dense modes, n × bytes per token; for INT8,
-    /// exactly what `kv::int8` holds after a decode step: `residual`..`residual + GROUP` newest
-    /// positions in f32, the rest INT8.
-    pub fn bytes_for(&self, m: Storage, n: usize, residual: usize) -> f64 {
-        match m {
-            Storage::Int8 => {
-                let tail = if n <= residual {
-                    n
-                } else {
-                    residual + 1 + (n - residual - 1) % GROUP
-                };
-                let quant = n - tail;
-                quant as f64 * self.bytes_per_token(Storage::Int8)
-                    + tail as f64 * self.bytes_per_token(Storage::F32)
-            }
-            _ => n as f64 * self.bytes_per_token(m),
-        }
+    /// Bytes held for a sequence of `n` positions with every position kept: n × bytes per token,
+    /// plus, for a quantized precision, the f16 copies of the newest `residual` positions.
+    pub fn bytes_for(&self, p: Precision, n: usize, residual: usize) -> f64 {
+        let resid = if p.quantized() { n.min(residual) } else { 0 };
+        n as f64 * self.bytes_per_token(p) + resid as f64 * self.bytes_per_token(Precision::F16)
+    }
+
+    /// Bytes a cache configured as `mode` holds after `n` positions of a sequence.
+    pub fn bytes_for_mode(&self, mode: &CacheMode, n: usize) -> f64 {
+        let held = match mode.retention {
+            Retention::None => 0,
+            Retention::All => n,
+            Retention::Window { window, sinks } => n.min(window + sinks),
+        };
+        self.bytes_for(mode.precision, held, mode.residual.min(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smollm2_holds_23040_bytes_a_token_at_f16_and_under_0_15_of_f32_at_int4() {
+        let d = KvDims {
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+        };
+        assert_eq!(d.bytes_per_token(Precision::F32), 46_080.0);
+        assert_eq!(d.bytes_per_token(Precision::F16), 23_040.0);
+        let f32 = d.bytes_per_token(Precision::F32);
+        assert!(d.bytes_per_token(Precision::Int8) / f32 <= 0.27);
+        assert!(d.bytes_per_token(Precision::Int4) / f32 <= 0.15);
     }
 }

@@ -38,9 +38,19 @@ pub struct Config {
     pub rope_linear_scale: f32,
     pub rope_style: RopeStyle,
     pub rms_eps: f64,
+    /// A sliding window some layers attend within (Gemma 3's local layers): its width, and for
+    /// each layer whether it is one of them. None: every layer attends to the whole sequence.
+    pub sliding_window: Option<(usize, Vec<bool>)>,
 }
 
 impl Config {
+    /// The window layer `i` attends within, if the model declares one for it: the cache need
+    /// keep no more than that on this layer.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let (w, layers) = self.sliding_window.as_ref()?;
+        layers.get(i).copied().unwrap_or(false).then_some(*w)
+    }
+
     /// Reads the hyperparameters from GGUF metadata (`{arch}.block_count`, …).
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
         let md = &ct.metadata;
@@ -134,6 +144,7 @@ impl Config {
             rope_linear_scale,
             rope_style,
             rms_eps,
+            sliding_window: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -207,6 +218,7 @@ impl Config {
             rope_linear_scale,
             rope_style: RopeStyle::HalfSplit,
             rms_eps: get_f("rms_norm_eps").context("config.json lacks rms_norm_eps")?,
+            sliding_window: None,
             arch,
         };
         cfg.validate()?;

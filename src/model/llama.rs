@@ -174,6 +174,7 @@ impl Llama {
             }
             x = self.block(layer, &x, cache.layer(i))?;
         }
+        cache.step_done();
         let x = match which {
             Logits::Last => x.narrow(1, t - 1, 1)?, // [1, 1, hidden]
             Logits::All => x,
@@ -235,13 +236,16 @@ impl Llama {
 
         // The cache stores this step's K/V and returns everything to attend over.
         let att = cache.append(&k, &v, &self.rope)?;
-        let q = self.rope.apply(&q, att.q_pos)?; // [1, nh, t, hd], contiguous
-
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
-        let q = q.reshape((nkv, g * t, hd))?;
+        let rotated = |pos: usize| -> Result<Tensor> {
+            Ok(self.rope.apply(&q, pos)?.reshape((nkv, g * t, hd))?)
+        };
+        let q_main = rotated(att.q_pos)?;
+        let q_sink = att.sink_q_pos.map(rotated).transpose()?;
+        let qs: Vec<&Tensor> = std::iter::once(&q_main).chain(q_sink.as_ref()).collect();
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = super::kernels::attention::attend_view(&q, &att.view, t, scale)?; // [nkv, g*t, hd]
+        let out = super::kernels::attention::attend_view(&qs, &att.view, t, scale)?; // [nkv, g*t, hd]
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]

@@ -13,6 +13,8 @@ pub struct Rope {
     rope_dim: usize,
     head_dim: usize,
     max_positions: usize,
+    inv_freq: Vec<f32>,
+    linear_scale: f32,
 }
 
 impl Rope {
@@ -40,7 +42,7 @@ impl Rope {
         let mut sin = Vec::with_capacity(max_positions * half);
         for p in 0..max_positions {
             let p = p as f32 / cfg.rope_linear_scale;
-            for f in &inv_freq {
+            for f in inv_freq.iter() {
                 let (s, c) = (p * f).sin_cos();
                 cos.push(c);
                 sin.push(s);
@@ -55,6 +57,8 @@ impl Rope {
             rope_dim: cfg.rope_dim,
             head_dim: cfg.head_dim,
             max_positions,
+            inv_freq,
+            linear_scale: cfg.rope_linear_scale,
         })
     }
 
@@ -63,18 +67,30 @@ impl Rope {
     }
 
     /// Rotates `x` [b, heads, t, head_dim] as if its t tokens sat at positions `pos .. pos + t`.
+    /// Positions past the table (a window runs past the context) are computed the table's way.
     pub fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
         let (_b, _h, t, d) = x.dims4()?;
-        if pos + t > self.max_positions {
-            bail!(
-                "position {} is beyond the {} positions this run was set up for",
-                pos + t,
-                self.max_positions
-            );
-        }
         debug_assert_eq!(d, self.head_dim);
-        let cos = self.cos.narrow(0, pos, t)?; // [t, rope_dim/2]
-        let sin = self.sin.narrow(0, pos, t)?;
+        let (cos, sin) = if pos + t <= self.max_positions {
+            (self.cos.narrow(0, pos, t)?, self.sin.narrow(0, pos, t)?) // [t, rope_dim/2]
+        } else {
+            let (mut cos, mut sin) = (Vec::new(), Vec::new());
+            for p in pos..pos + t {
+                let p = p as f32 / self.linear_scale;
+                for f in &self.inv_freq {
+                    let (s, c) = (p * f).sin_cos();
+                    cos.push(c);
+                    sin.push(s);
+                }
+            }
+            let shape = (t, self.inv_freq.len());
+            let dev = self.cos.device();
+            let dt = self.cos.dtype();
+            (
+                Tensor::from_vec(cos, shape, dev)?.to_dtype(dt)?,
+                Tensor::from_vec(sin, shape, dev)?.to_dtype(dt)?,
+            )
+        };
         let rotate = |x: &Tensor| -> Result<Tensor> {
             let x = x.contiguous()?;
             Ok(match self.style {

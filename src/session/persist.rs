@@ -12,11 +12,19 @@ impl Session<'_> {
     pub fn restore(&mut self, snap: &persist::Snapshot) -> Result<()> {
         self.cache.reset()?;
         self.tokens.clear();
-        for (i, (k, v)) in snap.kv.iter().enumerate() {
-            if let Err(e) = self.cache.layer(i).restore(k, v) {
+        let n = snap.tokens.len();
+        if snap.layers.len() != self.cache.layers().len() {
+            anyhow::bail!(
+                "the saved state has {} layers, this model {}",
+                snap.layers.len(),
+                self.cache.layers().len()
+            );
+        }
+        for (i, st) in snap.layers.iter().enumerate() {
+            if let Err(e) = self.cache.layers_mut()[i].restore_raw(n, st) {
                 // Never leave a half-restored cache behind.
                 self.cache.reset()?;
-                return Err(e);
+                return Err(anyhow::anyhow!("layer {i}: {e}"));
             }
         }
         self.tokens = snap.tokens.clone();
@@ -33,7 +41,7 @@ impl Session<'_> {
         persist::Expect {
             model_digest,
             cache_key,
-            n_layers: self.cache.n_layers(),
+            n_layers: self.cache.layers().len(),
             n_kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
             max_positions: self.max_positions,

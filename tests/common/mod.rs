@@ -51,10 +51,7 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// The full cache at the tests' context size.
 pub fn full() -> CacheSpec {
-    CacheSpec::Full {
-        precision: kvchat::kv::Precision::F32,
-        max_positions: 4096,
-    }
+    CacheSpec::full(kvchat::kv::Precision::F32, 4096)
 }
 
 /// The chat prompt for one user question, with the model's template.

@@ -5,5 +5,7 @@
 //! its scalar reference.
 
 pub mod attention;
+pub mod kvrows;
+
 pub mod disjoint;
 pub mod q4_1;

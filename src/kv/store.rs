@@ -1,0 +1,385 @@
+//! The precision axis: where a layer's rows live, slot by slot, in one format. A slot holds one
+//! position of every KV head; which position goes in which slot is the retention axis's business
+//! (`layer.rs`), not the store's.
+//!
+//! Layout, per store: keys and values each `[n_kv_heads, capacity, row]`, a row being `head_dim`
+//! values in the precision's format (`model::kernels::kvrows`). [`HostStore`] keeps them in host
+//! memory and hands attention borrowed rows; [`DeviceStore`] keeps float rows as tensors on a
+//! CUDA/Metal device.
+
+use crate::model::cache::{HostRows, Part, Precision, Rows};
+use crate::model::kernels::kvrows::{self, Codec};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// A layer's rows in one precision.
+pub trait Store: Send {
+    fn precision(&self) -> Precision;
+    /// Slots allocated.
+    fn capacity(&self) -> usize;
+    /// Makes room for `cap` slots, keeping what slots `0..keep` hold.
+    fn grow(&mut self, cap: usize, keep: usize) -> Result<()>;
+    /// Encodes keys and values `[1, n_kv_heads, t, head_dim]` (f32, keys rotated) into slots
+    /// `slot..slot + t`.
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<()>;
+    /// Slots `slot..slot + len` as a part of a view.
+    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>>;
+    /// Slots `slot..slot + len` decoded to f32, `[1, n_kv_heads, len, head_dim]` each, on the CPU.
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor)>;
+    /// The stored bytes of slots `slot..slot + len`, `[n_kv_heads, len, row bytes]` each (saving).
+    fn raw(&self, slot: usize, len: usize) -> Result<(Vec<u8>, Vec<u8>)>;
+    /// Puts bytes from [`Store::raw`] back into slots `slot..slot + len`.
+    fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()>;
+    /// Bytes allocated.
+    fn bytes(&self) -> usize;
+}
+
+/// The store for `precision` on `device`: float rows on a CUDA/Metal device when asked to keep
+/// them there, everything else in host memory.
+pub fn new_store(
+    precision: Precision,
+    n_kv_heads: usize,
+    head_dim: usize,
+    on_device: Option<&Device>,
+) -> Box<dyn Store> {
+    if let Some(dev) = on_device.filter(|d| !d.is_cpu() && !precision.quantized()) {
+        return Box::new(DeviceStore::new(
+            precision,
+            n_kv_heads,
+            head_dim,
+            dev.clone(),
+        ));
+    }
+    match precision {
+        Precision::F32 => Box::new(HostStore::<kvrows::F32>::new(n_kv_heads, head_dim)),
+        Precision::F16 => Box::new(HostStore::<kvrows::F16>::new(n_kv_heads, head_dim)),
+        Precision::Bf16 => Box::new(HostStore::<kvrows::Bf16>::new(n_kv_heads, head_dim)),
+        Precision::Int8 => Box::new(HostStore::<kvrows::Q8>::new(n_kv_heads, head_dim)),
+        Precision::Int4 => Box::new(HostStore::<kvrows::Q4>::new(n_kv_heads, head_dim)),
+    }
+}
+
+/// A row format as the cache knows it: its precision and how its rows enter a view.
+pub trait Format: Codec {
+    const PRECISION: Precision;
+    fn rows(x: HostRows<'_, Self::E>) -> Rows<'_>;
+}
+
+impl Format for kvrows::F32 {
+    const PRECISION: Precision = Precision::F32;
+    fn rows(x: HostRows<'_, f32>) -> Rows<'_> {
+        Rows::F32(x)
+    }
+}
+impl Format for kvrows::F16 {
+    const PRECISION: Precision = Precision::F16;
+    fn rows(x: HostRows<'_, half::f16>) -> Rows<'_> {
+        Rows::F16(x)
+    }
+}
+impl Format for kvrows::Bf16 {
+    const PRECISION: Precision = Precision::Bf16;
+    fn rows(x: HostRows<'_, half::bf16>) -> Rows<'_> {
+        Rows::Bf16(x)
+    }
+}
+impl Format for kvrows::Q8 {
+    const PRECISION: Precision = Precision::Int8;
+    fn rows(x: HostRows<'_, u8>) -> Rows<'_> {
+        Rows::Q8(x)
+    }
+}
+impl Format for kvrows::Q4 {
+    const PRECISION: Precision = Precision::Int4;
+    fn rows(x: HostRows<'_, u8>) -> Rows<'_> {
+        Rows::Q4(x)
+    }
+}
+
+/// Rows in host memory, `[n_kv_heads, capacity, row_len]` elements of `C::E` for keys and values.
+pub struct HostStore<C: Format> {
+    nkv: usize,
+    hd: usize,
+    row: usize,
+    cap: usize,
+    k: Vec<C::E>,
+    v: Vec<C::E>,
+}
+
+impl<C: Format> HostStore<C> {
+    pub fn new(nkv: usize, hd: usize) -> Self {
+        Self {
+            nkv,
+            hd,
+            row: C::row_len(hd),
+            cap: 0,
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+
+    fn check(&self, slot: usize, len: usize) -> Result<()> {
+        if slot.checked_add(len).is_none_or(|e| e > self.cap) {
+            bail!(
+                "KV slots {slot}..{} are outside the {} allocated",
+                slot.saturating_add(len),
+                self.cap
+            );
+        }
+        Ok(())
+    }
+
+    /// Index of the first element of (head, slot).
+    fn at(&self, h: usize, slot: usize) -> usize {
+        (h * self.cap + slot) * self.row
+    }
+}
+
+impl<C: Format> Store for HostStore<C> {
+    fn precision(&self) -> Precision {
+        C::PRECISION
+    }
+
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn grow(&mut self, cap: usize, keep: usize) -> Result<()> {
+        if cap <= self.cap {
+            return Ok(());
+        }
+        let keep = keep.min(self.cap);
+        let n = self.nkv * cap * self.row;
+        let (mut k, mut v) = (vec![C::E::default(); n], vec![C::E::default(); n]);
+        for h in 0..self.nkv {
+            let (src, dst) = (self.at(h, 0), h * cap * self.row);
+            let len = keep * self.row;
+            k[dst..dst + len].copy_from_slice(&self.k[src..src + len]);
+            v[dst..dst + len].copy_from_slice(&self.v[src..src + len]);
+        }
+        (self.k, self.v, self.cap) = (k, v, cap);
+        Ok(())
+    }
+
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(2)?;
+        self.check(slot, t)?;
+        if let Some(why) = C::PRECISION.unfit(self.hd) {
+            return Err(crate::fixable(crate::Fix::KvType, why));
+        }
+        for (src, dst) in [(k, 0), (v, 1)] {
+            let xs: Vec<f32> = src
+                .to_device(&Device::Cpu)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            if xs.len() != self.nkv * t * self.hd {
+                bail!("KV rows of shape {:?} do not fit this cache", src.dims());
+            }
+            for h in 0..self.nkv {
+                for i in 0..t {
+                    let at = self.at(h, slot + i);
+                    let out = if dst == 0 { &mut self.k } else { &mut self.v };
+                    C::encode(
+                        &xs[(h * t + i) * self.hd..][..self.hd],
+                        &mut out[at..at + self.row],
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+        self.check(slot, len)?;
+        let start = self.at(0, slot);
+        Ok(Part {
+            rows: C::rows(HostRows {
+                k: &self.k[start..],
+                v: &self.v[start..],
+                head_stride: self.cap * self.row,
+                row_len: self.row,
+                len,
+            }),
+            query,
+        })
+    }
+
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        self.check(slot, len)?;
+        let mut buf = vec![0f32; self.hd];
+        let mut out = |src: &[C::E]| -> Result<Tensor> {
+            let mut xs = Vec::with_capacity(self.nkv * len * self.hd);
+            for h in 0..self.nkv {
+                for i in 0..len {
+                    let at = self.at(h, slot + i);
+                    xs.extend_from_slice(C::decode_scalar(&src[at..at + self.row], &mut buf));
+                }
+            }
+            Ok(Tensor::from_vec(
+                xs,
+                (1, self.nkv, len, self.hd),
+                &Device::Cpu,
+            )?)
+        };
+        Ok((out(&self.k)?, out(&self.v)?))
+    }
+
+    fn raw(&self, slot: usize, len: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        self.check(slot, len)?;
+        let bytes = |src: &[C::E]| {
+            let mut out = Vec::with_capacity(self.nkv * len * self.row * size_of::<C::E>());
+            for h in 0..self.nkv {
+                let at = self.at(h, slot);
+                out.extend_from_slice(bytemuck::cast_slice(&src[at..at + len * self.row]));
+            }
+            out
+        };
+        Ok((bytes(&self.k), bytes(&self.v)))
+    }
+
+    fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()> {
+        self.check(slot, len)?;
+        let per_head = len * self.row * size_of::<C::E>();
+        if k.len() != self.nkv * per_head || v.len() != k.len() {
+            bail!(
+                "saved rows of {} bytes do not fit {len} positions of this cache",
+                k.len()
+            );
+        }
+        for h in 0..self.nkv {
+            let at = self.at(h, slot);
+            for (src, dst) in [(k, &mut self.k), (v, &mut self.v)] {
+                let rows: &mut [C::E] = &mut dst[at..at + len * self.row];
+                bytemuck::cast_slice_mut::<C::E, u8>(rows)
+                    .copy_from_slice(&src[h * per_head..(h + 1) * per_head]);
+            }
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.nkv * self.cap * self.row * size_of::<C::E>()
+    }
+}
+
+/// Float rows as tensors on a CUDA/Metal device, `[1, n_kv_heads, capacity, head_dim]` each.
+pub struct DeviceStore {
+    precision: Precision,
+    nkv: usize,
+    hd: usize,
+    cap: usize,
+    device: Device,
+    buffers: Option<(Tensor, Tensor)>,
+}
+
+impl DeviceStore {
+    pub fn new(precision: Precision, nkv: usize, hd: usize, device: Device) -> Self {
+        Self {
+            precision,
+            nkv,
+            hd,
+            cap: 0,
+            device,
+            buffers: None,
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self.precision {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            _ => DType::F16,
+        }
+    }
+
+    fn buffers(&self, slot: usize, len: usize) -> Result<(&Tensor, &Tensor)> {
+        match &self.buffers {
+            Some((k, v)) if slot + len <= self.cap => Ok((k, v)),
+            _ => bail!(
+                "KV slots {slot}..{} are outside the {} allocated",
+                slot + len,
+                self.cap
+            ),
+        }
+    }
+}
+
+impl Store for DeviceStore {
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn grow(&mut self, cap: usize, keep: usize) -> Result<()> {
+        if cap <= self.cap {
+            return Ok(());
+        }
+        let shape = (1, self.nkv, cap, self.hd);
+        let k = Tensor::zeros(shape, self.dtype(), &self.device)?;
+        let v = Tensor::zeros(shape, self.dtype(), &self.device)?;
+        let keep = keep.min(self.cap);
+        if let (Some((ok, ov)), true) = (&self.buffers, keep > 0) {
+            k.slice_set(&ok.narrow(2, 0, keep)?.contiguous()?, 2, 0)?;
+            v.slice_set(&ov.narrow(2, 0, keep)?.contiguous()?, 2, 0)?;
+        }
+        (self.buffers, self.cap) = (Some((k, v)), cap);
+        Ok(())
+    }
+
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (kb, vb) = self.buffers(slot, k.dim(2)?)?;
+        let dt = self.dtype();
+        let dev = &self.device;
+        kb.slice_set(&k.to_device(dev)?.to_dtype(dt)?.contiguous()?, 2, slot)?;
+        vb.slice_set(&v.to_device(dev)?.to_dtype(dt)?.contiguous()?, 2, slot)?;
+        Ok(())
+    }
+
+    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+        let (k, v) = self.buffers(slot, len)?;
+        Ok(Part {
+            rows: Rows::Dense {
+                k: k.narrow(2, slot, len)?,
+                v: v.narrow(2, slot, len)?,
+            },
+            query,
+        })
+    }
+
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        let (k, v) = self.buffers(slot, len)?;
+        let get = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.narrow(2, slot, len)?
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?
+                .contiguous()?)
+        };
+        Ok((get(k)?, get(v)?))
+    }
+
+    fn raw(&self, slot: usize, len: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        // Saved as a host store of the same precision saves them (widening and narrowing back a
+        // float row is exact).
+        let (k, v) = self.read(slot, len)?;
+        let mut host = new_store(self.precision, self.nkv, self.hd, None);
+        host.grow(len, 0)?;
+        host.write(0, &k, &v)?;
+        host.raw(0, len)
+    }
+
+    fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()> {
+        let mut host = new_store(self.precision, self.nkv, self.hd, None);
+        host.grow(len, 0)?;
+        host.write_raw(0, len, k, v)?;
+        let (k, v) = host.read(0, len)?;
+        self.write(slot, &k, &v)
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.nkv * self.cap * self.hd * self.dtype().size_in_bytes()
+    }
+}
