@@ -292,27 +292,28 @@ struct Seg<'a, 'b> {
     query: usize,
 }
 
-/// One tile's scores against keys `lo..hi` of a part (positions from `start`), in place in `scores`.
+/// One tile's scores against keys `lo..hi` of a part (positions from `start`), in place in
+/// `scores`: row r (query `q[r]`) scores key j when `j < ends[r]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn part_scores<'q, E>(
+fn part_scores<E>(
     x: &HostRows<'_, E>,
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    rows: usize,
-    end: &dyn Fn(usize) -> usize,
-    q_row: &dyn Fn(usize) -> &'q [f32],
+    ends: &[usize],
+    q: &[&[f32]],
     scale: f32,
     scores: &mut [f32],
     buf: &mut [f32],
 ) {
+    let base = h * x.head_stride;
     for j in lo..hi {
-        let row = &x.k[h * x.head_stride + (j - start) * x.row_len..][..x.row_len];
+        let row = &x.k[base + (j - start) * x.row_len..][..x.row_len];
         let kj = dec(row, buf);
-        for r in 0..rows {
-            if j < end(r) {
-                scores[r * CHUNK + j - j0] = kvrows::dot(q_row(r), kj) * scale;
+        for (r, (&end, q)) in ends.iter().zip(q).enumerate() {
+            if j < end {
+                scores[r * CHUNK + j - j0] = kvrows::dot(q, kj) * scale;
             }
         }
     }
@@ -326,18 +327,18 @@ fn part_values<E>(
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    rows: usize,
-    end: &dyn Fn(usize) -> usize,
+    ends: &[usize],
     scores: &[f32],
     parts: &mut [f32],
     w: usize,
     buf: &mut [f32],
 ) {
+    let base = h * x.head_stride;
     for j in lo..hi {
-        let row = &x.v[h * x.head_stride + (j - start) * x.row_len..][..x.row_len];
+        let row = &x.v[base + (j - start) * x.row_len..][..x.row_len];
         let vj = dec(row, buf);
-        for r in 0..rows {
-            if j < end(r) {
+        for (r, &end) in ends.iter().enumerate() {
+            if j < end {
                 let pj = scores[r * CHUNK + j - j0];
                 for (oe, ve) in parts[r * w + 2..(r + 1) * w].iter_mut().zip(vj) {
                     *oe += pj * ve;
@@ -408,8 +409,14 @@ fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Resul
     let chunk =
         |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
             let j0 = c * CHUNK;
-            let end = |r: usize| (offset + (r0 + r) % t + 1).min(j0 + CHUNK);
-            let most = (0..rows).map(end).max().unwrap_or(0);
+            // Row r of the tile sees the keys below ends[r] (within this chunk).
+            let mut ends_buf = [0usize; TILE];
+            for (r, e) in ends_buf.iter_mut().enumerate().take(rows) {
+                *e = (offset + (r0 + r) % t + 1).min(j0 + CHUNK);
+            }
+            let ends = &ends_buf[..rows];
+            let end = |r: usize| ends[r];
+            let most = ends.iter().copied().max().unwrap_or(0);
             // The scratch holds TILE × (CHUNK + hd): scores first, then one widened K/V row.
             let (scores, buf) = scratch.split_at_mut(TILE * CHUNK);
             let buf = &mut buf[..hd];
@@ -417,16 +424,20 @@ fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Resul
             for s in overlapping() {
                 let span = (s.start, s.start.max(j0), s.end.min(most), j0);
                 let qv = &q[s.query];
-                let q_row = |r: usize| &qv[(h * gt + r0 + r) * hd..][..hd];
+                let mut q_buf: [&[f32]; TILE] = [&[]; TILE];
+                for (r, qr) in q_buf.iter_mut().enumerate().take(rows) {
+                    *qr = &qv[(h * gt + r0 + r) * hd..][..hd];
+                }
+                let q_rows = &q_buf[..rows];
                 with_rows!(s.rows, |x, dec| part_scores(
-                    x, dec, h, span, rows, &end, &q_row, scale, scores, buf
+                    x, dec, h, span, ends, q_rows, scale, scores, buf
                 ));
             }
             chunk_softmax(scores, rows, j0, end, parts, w);
             for s in overlapping() {
                 let span = (s.start, s.start.max(j0), s.end.min(most), j0);
                 with_rows!(s.rows, |x, dec| part_values(
-                    x, dec, h, span, rows, &end, scores, parts, w, buf
+                    x, dec, h, span, ends, scores, parts, w, buf
                 ));
             }
         };

@@ -290,24 +290,28 @@ mod simd {
     }
 }
 
-/// Σ a[i]·b[i] in 16 fixed lanes: vectorizes, and always sums in the same order.
+/// Σ a[i]·b[i] in a fixed order whatever the caller (two 8-lane accumulators, then a fixed tree),
+/// so that every path through attention gives the same bits; vectorizes.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
     let n = a.len().min(b.len());
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut s0 = [0f32; 8];
+    let mut s1 = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+        for l in 0..8 {
+            s0[l] += x[l] * y[l];
+            s1[l] += x[8 + l] * y[8 + l];
         }
     }
-    let mut s = 0f32;
+    let mut tail = 0f32;
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+        tail += x * y;
     }
-    acc.iter().sum::<f32>() + s
+    let s: [f32; 8] = std::array::from_fn(|l| s0[l] + s1[l]);
+    (((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))) + tail
 }
 
 /// The Hadamard rotation that quantized rows are stored in. Keys have a few outlier channels that
