@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # What each KV precision, and each combination with a window and offload, costs and buys on the
 # default model, measured here:
-#   scripts/kv-precision-check.sh [ROUNDS=3] [THREADS=2]
+#   scripts/kv-precision-check.sh [ROUNDS=2] [THREADS=2]   (about 40 minutes on 2 cores)
 # 1. Bytes per token of every precision (kvchat kv-size on the model's own dimensions).
 # 2. Perplexity, c512, on a >= 30 KB English text (the license texts Debian ships in
 #    /usr/share/common-licenses, concatenated; the same text every run), for every precision, and
-#    for a window of 256 + 4 sinks alone and with int8.
+#    for a window of 256 + 4 sinks alone and with int8; then f16 and int8 against f32 paired over the
+#    same tokens (`kvchat ppl --against`), which tells a small difference from noise.
 # 3. Decode ms/token at 4096 context for every precision and for the combinations with offload and
 #    a window, alternated round by round (each round one `kvchat bench` cell per mode, in the same
 #    order), medians and ratios to f32 (and of each +offload mode to the same mode without).
 # Prints tables; raw outputs go to target/kv-precision/.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rounds="${1:-3}"
+rounds="${1:-2}"
 threads="${2:-2}"
 out="$root/target/kv-precision"
 mkdir -p "$out"
@@ -44,7 +45,13 @@ for m in $ppl_modes; do
   echo "$m $(cat "$out/ppl-$m.json")"
 done
 
-speed_modes="full+f32 full full+bf16 full+int8 full+int4 full+offload full+int8+offload full+int4+offload window:1024+4+int8 window:1024+4+int8+offload"
+echo "== f16 and int8 against f32, paired over the same tokens (kvchat ppl --against)"
+for t in f16 int8; do
+  "$kv" ppl "$text" --threads "$threads" --kv-type "$t" --against full+f32 --json >"$out/paired-$t.json"
+  echo "$t $(cat "$out/paired-$t.json")"
+done
+
+speed_modes="full+f32 full full+int8 full+int4 full+offload full+int8+offload window:1024+4+int4 window:1024+4+int4+offload"
 echo "== decode at 4096 context, $rounds rounds alternated"
 for r in $(seq 1 "$rounds"); do
   for m in $speed_modes; do
@@ -63,6 +70,9 @@ for m in ppl_modes:
     print(f"{m:<22} {ppl[m]:>10.4f} {100 * (ppl[m] / ppl['full+f32'] - 1):>+8.3f}%")
 w, wq = ppl["window:256+4"], ppl["window:256+4+int8"]
 print(f"window:256+4+int8 vs window:256+4: {100 * (wq / w - 1):+.3f}%")
+for t in ["f16", "int8"]:
+    a = json.load(open(f"{out}/paired-{t}.json"))["against"]
+    print(f"{t} vs f32, paired: {a['diff_pct']:+.3f}% ± {a['diff_stderr_pct']:.3f}%")
 ms = {}
 for m in speed_modes:
     xs = [json.load(open(f"{out}/bench-{m}-{r}.json"))["cells"][0]["decode_ms_per_token"]["median"]

@@ -221,3 +221,32 @@ fn no_cache_run_prints_the_same_answer_as_the_cached_run() {
     assert_eq!(cached.stdout, recomputed.stdout);
     assert!(!cached.stdout.is_empty());
 }
+
+#[test]
+fn bench_json_dash_writes_the_json_to_stdout_and_the_table_to_stderr() {
+    let out = kvchat(
+        &[
+            "bench",
+            "--modes",
+            "full+int4",
+            "--contexts",
+            "16",
+            "--gen",
+            "2",
+            "--repeat",
+            "1",
+            "--warmup",
+            "0",
+            "--no-summary",
+            "--json",
+            "-",
+        ],
+        "",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cells"][0]["mode"], "full+int4");
+    assert!(err.contains("decode ms/tok"), "{err}");
+    assert!(!Path::new("-").exists(), "a file named - was written");
+}

@@ -101,7 +101,7 @@ pub struct BenchArgs {
     /// Skip the chat-turn summary (512 + 256 tokens, cached vs no-cache)
     #[arg(long)]
     pub no_summary: bool,
-    /// Write the results as JSON to this file
+    /// Write the results as JSON to this file (`-`: to stdout, the table then goes to stderr)
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Draw decode ms/token against context per mode to this .svg file
@@ -126,7 +126,11 @@ pub struct PplArgs {
     /// Score the whole text as one sequence (after a warm-up of chunk/2 tokens) instead of chunks
     #[arg(long)]
     pub long: bool,
-    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks"} as JSON
+    /// Also score the text through another cache (a mode name: full+f32, window:256+4, …) and
+    /// report the difference with its paired standard error
+    #[arg(long, value_name = "MODE")]
+    pub against: Option<String>,
+    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks", "against"?} as JSON
     #[arg(long)]
     pub json: bool,
 }

@@ -424,8 +424,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         chat_turn,
         peak_rss_bytes: rss().1,
     };
-    print!("{}", render_table(&report));
-    if let Some(p) = &args.json {
+    // `--json -`: the JSON is stdout, so the table goes to stderr.
+    let json_to_stdout = args.json.as_deref() == Some(std::path::Path::new("-"));
+    if json_to_stdout {
+        eprint!("{}", render_table(&report));
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render_table(&report));
+    }
+    if let Some(p) = args.json.as_ref().filter(|_| !json_to_stdout) {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("cannot write {}", p.display()))?;
     }

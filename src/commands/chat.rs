@@ -22,7 +22,7 @@ const HELP: &str = "commands:
   /reset           forget the conversation (keeps the system message)
   /system TEXT     set the system message
   /stats           tokens and bytes in the cache, per-layer shape, last turn's speed
-  /cache           the cache strategy and its parameters
+  /cache           the cache's precision, retention and placement
   /save FILE       save the conversation and its KV state
   /load FILE       load a saved conversation (same model and cache configuration)
   /undo            drop the last exchange

@@ -24,6 +24,40 @@ pub struct Perplexity {
     pub ppl_stderr: f64,
     pub tokens_scored: usize,
     pub chunks: usize,
+    /// −log p of every scored token, in order.
+    #[serde(skip)]
+    pub nll: Vec<f64>,
+}
+
+/// One cache against another on the same tokens: how much its perplexity differs, with the
+/// standard error of the paired per-token differences (the two runs score the same tokens, so
+/// their common difficulty cancels and a small difference can be told from noise).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Paired {
+    pub against: String,
+    pub against_ppl: f64,
+    /// ppl / against_ppl − 1, in percent.
+    pub diff_pct: f64,
+    /// Its standard error, in percent.
+    pub diff_stderr_pct: f64,
+}
+
+/// `a` against `b` (the same tokens scored by two caches).
+pub fn paired(a: &Perplexity, b: &Perplexity, against: &str) -> Result<Paired> {
+    if a.nll.len() != b.nll.len() || a.nll.is_empty() {
+        bail!("the two runs scored different tokens");
+    }
+    let d: Vec<f64> = a.nll.iter().zip(&b.nll).map(|(x, y)| x - y).collect();
+    let n = d.len() as f64;
+    let mean = d.iter().sum::<f64>() / n;
+    let var = d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    Ok(Paired {
+        against: against.to_string(),
+        against_ppl: b.ppl,
+        diff_pct: 100.0 * mean.exp_m1(),
+        // Delta method: d/dm e^m = e^m.
+        diff_stderr_pct: 100.0 * mean.exp() * (var / n).sqrt(),
+    })
 }
 
 /// −log p(target) under `logits` [vocab].
@@ -113,13 +147,24 @@ pub fn perplexity(
         ppl_stderr: ppl * (var / n).sqrt(),
         tokens_scored: nlls.len(),
         chunks: n_chunks,
+        nll: nlls,
     })
 }
 
 pub fn run(args: PplArgs) -> Result<()> {
     let mut load = args.model.options()?;
     let mode = args.cache.mode()?;
-    load.kv_precisions = vec![mode.precision];
+    let against = match &args.against {
+        Some(a) => Some((
+            a.clone(),
+            a.parse::<CacheMode>()
+                .map_err(|e| anyhow::anyhow!("--against: {e}"))?,
+        )),
+        None => None,
+    };
+    load.kv_precisions = std::iter::once(mode.precision)
+        .chain(against.as_ref().map(|(_, m)| m.precision))
+        .collect();
     if args.chunk < 4 {
         bail!("--chunk must be at least 4 tokens");
     }
@@ -130,11 +175,26 @@ pub fn run(args: PplArgs) -> Result<()> {
     let engine = Engine::load(&load)?;
     // The mode must fit the context the chunks need (a window check names the flags).
     let spec = args.cache.spec(engine.ctx.max(args.chunk))?;
+    if let Some((name, m)) = &against {
+        m.spec(engine.ctx.max(args.chunk))
+            .map_err(|e| anyhow::anyhow!("--against {name}: {e}"))?;
+    }
     let tokens = engine.tokenizer.encode(&text)?;
     let p = perplexity(&engine, mode, &tokens, args.chunk, args.chunks, args.long)?;
+    let vs = match against {
+        Some((name, m)) => {
+            let b = perplexity(&engine, m, &tokens, args.chunk, args.chunks, args.long)?;
+            Some(paired(&p, &b, &name)?)
+        }
+        None => None,
+    };
     let mut out = std::io::stdout().lock();
     if args.json {
-        writeln!(out, "{}", serde_json::to_string(&p)?)?;
+        let mut j = serde_json::to_value(&p)?;
+        if let Some(v) = &vs {
+            j["against"] = serde_json::to_value(v)?;
+        }
+        writeln!(out, "{j}")?;
     } else {
         writeln!(
             out,
@@ -146,6 +206,13 @@ pub fn run(args: PplArgs) -> Result<()> {
             args.chunk,
             spec.describe()
         )?;
+        if let Some(v) = &vs {
+            writeln!(
+                out,
+                "against {}: ppl {:.4}; this cache {:+.3}% ± {:.3}% (paired over the same tokens)",
+                v.against, v.against_ppl, v.diff_pct, v.diff_stderr_pct
+            )?;
+        }
     }
     Ok(())
 }

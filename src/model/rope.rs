@@ -107,3 +107,41 @@ impl Rope {
         Ok(Tensor::cat(&[&rot, &pass], D::Minus1)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config {
+            arch: "llama".into(),
+            n_layer: 1,
+            n_head: 2,
+            n_kv_head: 2,
+            head_dim: 8,
+            hidden: 16,
+            ffn: 2,
+            vocab: 2,
+            ctx_train: 64,
+            rope_base: 10_000.0,
+            rope_dim: 8,
+            rope_linear_scale: 1.0,
+            rope_style: RopeStyle::Interleaved,
+            rms_eps: 1e-5,
+            sliding_window: None,
+        }
+    }
+
+    #[test]
+    fn positions_past_the_table_rotate_as_a_longer_table_would() {
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 5, 8), &Device::Cpu).unwrap();
+        let short = Rope::new(&cfg(), 16, None, DType::F32, &Device::Cpu).unwrap();
+        let long = Rope::new(&cfg(), 64, None, DType::F32, &Device::Cpu).unwrap();
+        for pos in [12, 16, 40] {
+            let a = short.apply(&x, pos).unwrap().flatten_all().unwrap();
+            let b = long.apply(&x, pos).unwrap().flatten_all().unwrap();
+            let (a, b): (Vec<f32>, Vec<f32>) = (a.to_vec1().unwrap(), b.to_vec1().unwrap());
+            assert_eq!(a, b, "position {pos}");
+        }
+    }
+}
