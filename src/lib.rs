@@ -82,3 +82,49 @@ pub fn first_line(e: impl std::fmt::Display) -> String {
         .trim_end()
         .to_string()
 }
+
+/// Edit distance (insertions, deletions, substitutions), for "did you mean".
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// "; did you mean 'x'?" for the candidate nearest to `word` (at most 2 edits, or a third of its
+/// length for longer names), else "".
+pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    let limit = (word.chars().count() / 3).max(2);
+    candidates
+        .into_iter()
+        .map(|c| (edit_distance(word, c), c))
+        .filter(|(d, _)| *d <= limit)
+        .min()
+        .map(|(_, c)| format!("; did you mean '{c}'?"))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod did_you_mean_tests {
+    #[test]
+    fn a_near_miss_is_suggested_and_a_stranger_is_not() {
+        let names = ["smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b"];
+        assert_eq!(
+            super::did_you_mean("smollm-135m", names),
+            "; did you mean 'smollm2-135m'?"
+        );
+        assert_eq!(
+            super::did_you_mean("qwen2.5-05b", names),
+            "; did you mean 'qwen2.5-0.5b'?"
+        );
+        assert_eq!(super::did_you_mean("gpt-17", names), "");
+    }
+}

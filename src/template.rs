@@ -81,22 +81,6 @@ impl std::io::Write for Capped {
     }
 }
 
-/// Edit distance, for "did you mean" on template names.
-pub fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
-                .min(prev[j + 1] + 1)
-                .min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 #[derive(Clone)]
 pub struct ChatTemplate {
     source: String,
@@ -120,13 +104,7 @@ impl ChatTemplate {
             return Self::new(&text, bos_token, eos_token);
         }
         let names: Vec<&str> = NAMED.iter().map(|(n, _)| *n).collect();
-        let hint = names
-            .iter()
-            .map(|n| (edit_distance(spec, n), n))
-            .filter(|(d, _)| *d <= 2)
-            .min()
-            .map(|(_, n)| format!("; did you mean '{n}'?"))
-            .unwrap_or_default();
+        let hint = crate::did_you_mean(spec, names.iter().copied());
         bail!(
             "chat template '{spec}' is not a template name ({}), Jinja text or an existing file{hint}",
             names.join(", ")

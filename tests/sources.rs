@@ -507,6 +507,19 @@ fn an_unknown_model_name_lists_the_known_ones() {
         err.contains("smollm2-135m") && err.contains("qwen2.5-0.5b"),
         "{err}"
     );
+    assert!(!err.contains("did you mean"), "{err}");
+}
+
+#[test]
+fn a_mistyped_model_name_gets_a_suggestion() {
+    let hub = Hub::start();
+    let out = kvchat_at(
+        &hub,
+        &temp("typo"),
+        &["run", "-m", "qwen2.5-05b", "hi"],
+        &[],
+    );
+    assert_one_line_error(&out, "did you mean 'qwen2.5-0.5b'?");
 }
 
 #[test]

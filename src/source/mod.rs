@@ -46,10 +46,12 @@ pub fn resolve(model: Option<&str>, models_file: Option<&Path>) -> Result<Locati
         ModelRef::Named(name) => {
             let reg = Registry::load(models_file)?;
             let entry = reg.get(&name).with_context(|| {
+                let names = reg.names();
                 format!(
-                    "unknown model '{name}': not a file, and not in {} (known: {}); or use hf:owner/repo",
+                    "unknown model '{name}': not a file, and not in {} (known: {}); or use hf:owner/repo{}",
                     reg.origin,
-                    reg.names().join(", ")
+                    names.join(", "),
+                    crate::did_you_mean(&name, names.iter().copied())
                 )
             })?;
             fetch_entry(entry)
