@@ -250,3 +250,23 @@ fn bench_json_dash_writes_the_json_to_stdout_and_the_table_to_stderr() {
     assert!(err.contains("decode ms/tok"), "{err}");
     assert!(!Path::new("-").exists(), "a file named - was written");
 }
+
+#[test]
+fn completions_for_bash_know_the_subcommands_and_cache_flags() {
+    let out = kvchat(&["completions", "bash"], "");
+    assert!(out.status.success());
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(script.contains("_kvchat()"), "{script}");
+    for word in ["chat", "bench", "--kv-type", "--kv-window", "--kv-offload"] {
+        assert!(script.contains(word), "{word} missing");
+    }
+}
+
+#[test]
+fn version_names_the_compute_features_and_cpu_paths() {
+    let out = kvchat(&["--version"], "");
+    assert!(out.status.success());
+    let v = String::from_utf8_lossy(&out.stdout);
+    assert!(v.starts_with("kvchat 0.1.0"), "{v}");
+    assert!(v.contains("features: ") && v.contains("CPU paths: "), "{v}");
+}

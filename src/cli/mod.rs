@@ -43,4 +43,47 @@ pub enum Command {
     Tokenize(TokenizeArgs),
     /// The model registry (models.toml): list entries and what is on disk, pull a model.
     Models(ModelsArgs),
+    /// Print a completion script for a shell (e.g. `kvchat completions bash > ~/.local/share/bash-completion/completions/kvchat`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `kvchat --version`: the version, the compute features built in, and the CPU paths this machine
+/// runs (chosen at run time).
+pub fn long_version() -> String {
+    let features: Vec<&str> = [
+        ("cuda", cfg!(feature = "cuda")),
+        ("metal", cfg!(feature = "metal")),
+    ]
+    .into_iter()
+    .filter_map(|(n, on)| on.then_some(n))
+    .collect();
+    let features = if features.is_empty() {
+        "none (CPU only)".to_string()
+    } else {
+        features.join(", ")
+    };
+    #[cfg(target_arch = "x86_64")]
+    let cpu: Vec<&str> = [
+        ("avx2", std::arch::is_x86_feature_detected!("avx2")),
+        ("fma", std::arch::is_x86_feature_detected!("fma")),
+        ("f16c", std::arch::is_x86_feature_detected!("f16c")),
+        ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
+    ]
+    .into_iter()
+    .filter_map(|(n, on)| on.then_some(n))
+    .collect();
+    #[cfg(not(target_arch = "x86_64"))]
+    let cpu: Vec<&str> = vec!["portable"];
+    format!(
+        "{}\nfeatures: {features}\nCPU paths: {}",
+        env!("CARGO_PKG_VERSION"),
+        if cpu.is_empty() {
+            "scalar".to_string()
+        } else {
+            cpu.join(", ")
+        }
+    )
 }
