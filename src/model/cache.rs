@@ -70,7 +70,7 @@ impl Precision {
         use super::kernels::kvrows::QK;
         match self {
             p if p.quantized() && !hd.is_multiple_of(QK) => Some(format!(
-                "a {} KV cache cannot hold this model: its head_dim of {hd} cannot be split into groups of {QK}",
+                "an {} KV cache cannot hold this model: its head_dim of {hd} cannot be split into groups of {QK}",
                 p.name()
             )),
             _ => None,
