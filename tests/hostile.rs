@@ -678,6 +678,25 @@ fn a_bad_bench_mode_is_refused_before_the_model_loads() {
 }
 
 #[test]
+fn a_bad_ppl_against_mode_is_refused_before_the_text_or_model_is_read() {
+    let home = temp("ppl-against");
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "/nonexistent.txt",
+            "-m",
+            "/nonexistent.gguf",
+            "--against",
+            "int3",
+        ],
+        b"",
+    );
+    assert_refused(&o, "--against: cache mode 'int3': unknown part 'int3'");
+}
+
+#[test]
 fn ten_thousand_threads_are_capped_with_a_note_and_the_run_answers() {
     let home = temp("threads");
     let model = tiny_model("threads");

@@ -109,7 +109,8 @@ impl Layer {
             (spec.precision.quantized() && spec.residual > 0 && spec.retention != Retention::None)
                 .then(|| Residual {
                     store: new_store(Precision::F16, nkv, hd, None),
-                    r: spec.residual,
+                    // More recent positions than the context holds could never be used.
+                    r: spec.residual.min(spec.max_positions),
                     lo: 0,
                     hi: 0,
                 });
@@ -162,6 +163,18 @@ impl Layer {
         }
     }
 
+    /// The slot of position p and how many positions from p on sit in consecutive slots (until
+    /// the sinks or the ring end; unbounded for `All`).
+    fn slot_run(&self, p: usize) -> (usize, usize) {
+        let slot = self.slot(p);
+        let room = match self.retention {
+            Retention::Window { window, sinks } if p >= sinks => sinks + window - slot,
+            Retention::Window { sinks, .. } => sinks - p,
+            _ => usize::MAX,
+        };
+        (slot, room)
+    }
+
     /// The positions held, oldest first, as (sinks, window) ranges.
     fn held(&self) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
         let (s, _) = self.shape();
@@ -186,12 +199,7 @@ impl Layer {
                 let seq = self.pending.as_ref().expect("pend is set").seq;
                 (Source::Pending, p - seq, res_lo - p)
             } else {
-                let slot = self.slot(p);
-                let room = match self.retention {
-                    Retention::Window { window, sinks } if p >= sinks => sinks + window - slot,
-                    Retention::Window { sinks, .. } => sinks - p,
-                    _ => usize::MAX,
-                };
+                let (slot, room) = self.slot_run(p);
                 (Source::Main, slot, room.min(res_lo.min(pend) - p))
             };
             let len = room.min(c - p);
@@ -267,12 +275,7 @@ impl Layer {
                 p = first_kept;
                 continue;
             }
-            let slot = self.slot(p);
-            let room = match self.retention {
-                Retention::Window { window, sinks } if p >= sinks => sinks + window - slot,
-                Retention::Window { sinks, .. } => sinks - p,
-                _ => e - p,
-            };
+            let (slot, room) = self.slot_run(p);
             let len = room.min(e - p);
             self.store
                 .write(slot, &k.narrow(2, p - b, len)?, &v.narrow(2, p - b, len)?)?;
@@ -364,14 +367,7 @@ impl Layer {
                 let (store, slot, len): (&dyn Store, usize, usize) = match &self.pending {
                     Some(pd) if p >= pd.seq => (pd.store.as_ref(), p - pd.seq, range.end - p),
                     _ => {
-                        let slot = self.slot(p);
-                        let room = match self.retention {
-                            Retention::Window { window, sinks } if p >= sinks => {
-                                sinks + window - slot
-                            }
-                            Retention::Window { sinks, .. } => sinks - p,
-                            _ => usize::MAX,
-                        };
+                        let (slot, room) = self.slot_run(p);
                         let stop = self.pending.as_ref().map_or(range.end, |pd| pd.seq.max(p));
                         (self.store.as_ref(), slot, room.min(stop.min(range.end) - p))
                     }
@@ -452,12 +448,7 @@ impl Layer {
         for range in [sinks, window] {
             let mut p = range.start;
             while p < range.end {
-                let slot = self.slot(p);
-                let room = match self.retention {
-                    Retention::Window { window, sinks } if p >= sinks => sinks + window - slot,
-                    Retention::Window { sinks, .. } => sinks - p,
-                    _ => usize::MAX,
-                };
+                let (slot, room) = self.slot_run(p);
                 let len = room.min(range.end - p);
                 // Rows i..i + len of each head.
                 let (k, v) = (
@@ -981,6 +972,20 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_residual_larger_than_the_context_allocates_no_more_than_the_context() {
+        let mut s = spec(Precision::Int8, Retention::All);
+        (s.residual, s.max_positions) = (usize::MAX / 2, 64);
+        let mut c = Layer::new(&s, NKV, HD, &Device::Cpu);
+        run(&mut c, &[10, 1]);
+        // 256 main slots (the first allocation) and at most 64 f16 residual rows.
+        assert!(
+            c.bytes() <= 2 * NKV * (256 * 68 + 64 * 128),
+            "{}",
+            c.bytes()
+        );
     }
 
     #[test]
