@@ -2,6 +2,7 @@
 
 use crate::model::gguf::GgufFile;
 use crate::model::safetensors::HfCheckpoint;
+use crate::model::sampling::SamplingPrefs;
 use crate::model::Llama;
 use crate::source::Location;
 use crate::template::{ChatTemplate, Message};
@@ -24,6 +25,14 @@ pub struct Engine {
     pub digest: String,
     /// How the weights are stored: "quantized" (GGUF) or the dense dtype (safetensors).
     pub weights: String,
+    /// Recommended sampling settings, most important first: the registry entry's ("models.toml"),
+    /// then the model file's (GGUF `general.sampling.*` or generation_config.json). Flags go on top
+    /// (`Resolved::from_layers`).
+    pub sampling: Vec<(String, SamplingPrefs)>,
+    /// Number of weights (every tensor's elements).
+    pub params: u64,
+    /// The tensors' storage types and how many of each, most common first ("q4_1 ×182, f32 ×61").
+    pub tensor_types: String,
 }
 
 /// sha256 over a GGUF's metadata and tensor layout (names, types, shapes, offsets): cheap, and two
@@ -172,6 +181,29 @@ pub fn available_memory() -> u64 {
 }
 
 impl Engine {
+    /// What `/show` prints: the model's facts, one per line.
+    pub fn facts(&self) -> Vec<(&'static str, String)> {
+        let c = &self.model.cfg;
+        vec![
+            ("model", self.path.display().to_string()),
+            ("architecture", c.arch.clone()),
+            ("parameters", format!("{:.1}M", self.params as f64 / 1e6)),
+            ("weights", self.tensor_types.clone()),
+            (
+                "shape",
+                format!(
+                    "{} layers, hidden {}, {} heads ({} KV) of {}, ffn {}, vocab {}",
+                    c.n_layer, c.hidden, c.n_head, c.n_kv_head, c.head_dim, c.ffn, c.vocab
+                ),
+            ),
+            (
+                "context",
+                format!("{} tokens (trained: {})", self.ctx, c.ctx_train),
+            ),
+            ("device", format!("{:?}", self.device.location())),
+        ]
+    }
+
     /// Finds the model the options name (fetching it if needed), and loads it on their device.
     pub fn load(args: &LoadOptions) -> Result<Self> {
         if let Some(n) = args.threads {
@@ -182,11 +214,24 @@ impl Engine {
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         }
         let device = args.device.open()?;
-        let location = crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())?;
-        match location {
-            Location::Gguf(path) => Self::load_gguf(path, args, device),
-            Location::Safetensors(files) => Self::load_hf(files, args, device),
+        let (location, registry) =
+            crate::source::resolve_model(args.model.as_deref(), args.models_file.as_deref())?;
+        let mut engine = match location {
+            Location::Gguf(path) => Self::load_gguf(path, args, device)?,
+            Location::Safetensors(files) => Self::load_hf(files, args, device)?,
+        };
+        if let Some(r) = registry.filter(|r| !r.is_empty()) {
+            engine.sampling.insert(0, ("models.toml".into(), r));
         }
+        Ok(engine)
+    }
+
+    /// The sampling settings in force: `flags` over the model's recommendations (see `sampling`)
+    /// over the built-in defaults; a random seed unless one is given.
+    pub fn sampling_for(&self, flags: &SamplingPrefs) -> crate::session::Resolved {
+        let mut layers: Vec<(&str, &SamplingPrefs)> = vec![("flag", flags)];
+        layers.extend(self.sampling.iter().map(|(o, p)| (o.as_str(), p)));
+        crate::session::Resolved::from_layers(&layers)
     }
 
     /// The context size asked for, else the model's trained context. Either must fit in memory
@@ -257,6 +302,11 @@ impl Engine {
             .get("tokenizer.chat_template")
             .and_then(|v| v.to_string().ok())
             .cloned();
+        let file_sampling = SamplingPrefs::from_gguf(&gguf.content.metadata);
+        let infos = gguf.content.tensor_infos.values();
+        let params = infos.clone().map(|t| t.shape.elem_count() as u64).sum();
+        let tensor_types =
+            crate::tally(infos.map(|t| format!("{:?}", t.ggml_dtype).to_lowercase()));
         let mut digest = gguf_digest(&gguf.content);
         let weights = match gguf.dense {
             Some(d) => {
@@ -266,7 +316,7 @@ impl Engine {
             }
             None => "quantized".to_string(),
         };
-        Self::finish(
+        let mut e = Self::finish(
             path,
             model,
             tokenizer,
@@ -275,7 +325,13 @@ impl Engine {
             device,
             digest,
             &weights,
-        )
+        )?;
+        if !file_sampling.is_empty() {
+            e.sampling
+                .push(("GGUF general.sampling".into(), file_sampling));
+        }
+        (e.params, e.tensor_types) = (params, tensor_types);
+        Ok(e)
     }
 
     fn load_hf(files: crate::source::HfFiles, args: &LoadOptions, device: Device) -> Result<Self> {
@@ -295,8 +351,22 @@ impl Engine {
             }
         };
         let digest = ckpt.digest(dtype);
+        let (params, tensor_types) = ckpt.tensor_summary();
         let weights = format!("{dtype:?}").to_lowercase();
-        Self::finish(
+        let file_sampling = match &files.generation_config {
+            Some(p) => match crate::read_json(p) {
+                Ok(j) => SamplingPrefs::from_generation_config(&j),
+                Err(e) => {
+                    eprintln!(
+                        "note: ignoring generation_config.json: {}",
+                        crate::error_line(&e)
+                    );
+                    SamplingPrefs::default()
+                }
+            },
+            None => SamplingPrefs::default(),
+        };
+        let mut e = Self::finish(
             PathBuf::from(&files.label),
             model,
             tokenizer,
@@ -305,7 +375,14 @@ impl Engine {
             device,
             digest,
             &weights,
-        )
+        )?;
+        if !file_sampling.is_empty() {
+            e.sampling
+                .push(("generation_config.json".into(), file_sampling));
+        }
+        e.params = params;
+        e.tensor_types = format!("{tensor_types} in the files, loaded as {weights}");
+        Ok(e)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -346,6 +423,9 @@ impl Engine {
             ctx,
             device,
             weights: weights.to_string(),
+            sampling: Vec::new(),
+            params: 0,
+            tensor_types: String::new(),
         })
     }
 

@@ -112,6 +112,23 @@ pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str
         .unwrap_or_default()
 }
 
+/// "a ×3, b ×1": each distinct name with how often it occurs, most common first.
+pub fn tally(names: impl IntoIterator<Item = String>) -> String {
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for n in names {
+        match counts.iter_mut().find(|(m, _)| *m == n) {
+            Some((_, c)) => *c += 1,
+            None => counts.push((n, 1)),
+        }
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    counts
+        .iter()
+        .map(|(n, c)| format!("{n} ×{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod did_you_mean_tests {
     #[test]

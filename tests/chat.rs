@@ -267,7 +267,7 @@ fn a_prompt_cache_path_holding_something_else_is_refused_and_left_as_it_was() {
 }
 
 #[test]
-fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
+fn ctrl_c_in_a_terminal_clears_a_typed_line_stops_an_answer_and_the_chat_goes_on() {
     use std::io::Read;
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
@@ -322,6 +322,13 @@ fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
     };
 
     wait_for("the banner", &|t| t.contains("/help for commands"));
+    // Ctrl-C on a line being typed clears that line; the chat goes on.
+    stdin.write_all(b"half a thought").unwrap();
+    wait_for("the typed text", &|t| t.contains("half a thought"));
+    stdin.write_all(b"\x03").unwrap();
+    wait_for("the line to be cleared", &|t| {
+        t.contains("(line cleared; Ctrl-D or /exit to leave)")
+    });
     stdin
         .write_all(b"Tell me a very long story about dragons.\r")
         .unwrap();
@@ -357,6 +364,14 @@ fn ctrl_c_mid_answer_in_a_terminal_stops_it_and_the_next_turn_works() {
         "dragons.",
     );
     assert!(story.len() < 2000, "not interrupted early: {story}");
+    assert!(
+        !story.contains("^C"),
+        "the terminal echoed ^C into the answer: {story}"
+    );
+    // The cleared line never became a turn (turns go into the history file).
+    let history = std::fs::read_to_string(temp("history.txt")).unwrap_or_default();
+    assert!(history.contains("dragons"), "{history}");
+    assert!(!history.contains("half a thought"), "{history}");
     assert!(status.success(), "{status}: {text}");
 }
 
@@ -384,8 +399,13 @@ fn a_full_context_stops_with_a_message_or_shifts_out_old_turns() {
         questions,
     );
     let err = String::from_utf8_lossy(&stop.stderr);
-    assert!(stop.status.success());
     assert!(err.contains("no longer fits the context of 160"), "{err}");
+    // Piped input is a script: a turn that failed makes the whole run fail.
+    assert_eq!(stop.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("of the chat's turns or commands failed"),
+        "{err}"
+    );
 
     let shift = kvchat(
         &[
@@ -413,4 +433,97 @@ fn a_full_context_stops_with_a_message_or_shifts_out_old_turns() {
         4,
         "{err}"
     );
+    // Turns dropped to make room still count: the fourth turn is turn 4.
+    assert!(err.contains("[stats] turn 4:"), "{err}");
+}
+
+#[test]
+fn set_changes_sampling_mid_chat_and_show_says_where_each_setting_came_from() {
+    let out = kvchat(
+        &["chat", "-n", "4", "--top-k", "5"],
+        "/set temperature 0\n/set max-tokens 3\n/show\n",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("(temperature = 0)"), "{text}");
+    let sampling = text
+        .lines()
+        .find(|l| l.starts_with("sampling"))
+        .unwrap_or_else(|| panic!("no sampling line in /show: {text}"));
+    assert!(sampling.contains("temperature 0 (/set)"), "{sampling}");
+    assert!(sampling.contains("top-k 5 (flag)"), "{sampling}");
+    assert!(sampling.contains("(random)"), "{sampling}");
+    assert!(text.contains("max tokens   3"), "{text}");
+    for fact in [
+        "architecture llama",
+        "parameters   134.5M",
+        "context      ",
+        "cache        ",
+    ] {
+        assert!(text.contains(fact), "{fact:?} not in /show: {text}");
+    }
+}
+
+#[test]
+fn a_refused_set_changes_nothing_and_a_mistyped_command_gets_a_suggestion() {
+    let out = kvchat(
+        &["chat", "--temperature", "0.5"],
+        "/set top-p 2\n/sett\n/set\n",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("error: /set top-p must be between 0 and 1, got 2"),
+        "{text}"
+    );
+    assert!(text.contains("did you mean '/set'?"), "{text}");
+    assert!(text.contains("temperature 0.5 (flag)"), "{text}");
+    assert!(text.contains("top-p 0.95,"), "unchanged: {text}");
+    assert_eq!(out.status.code(), Some(1), "errors in a piped chat fail it");
+}
+
+#[test]
+fn undo_of_the_only_exchange_keeps_the_system_prompt_cached() {
+    let mut c = conversation();
+    c.system = Some("You are terse.".into());
+    ask(&mut c, "hi");
+    assert!(c.undo().unwrap());
+    let system_ids = engine()
+        .encode_conversation(
+            &c.template,
+            &[kvchat::template::Message::new("system", "You are terse.")],
+            false,
+        )
+        .unwrap();
+    assert!(
+        c.session.tokens().len() >= system_ids.len(),
+        "holds {} positions, the system prompt is {}",
+        c.session.tokens().len(),
+        system_ids.len()
+    );
+    assert_eq!(&c.session.tokens()[..system_ids.len()], &system_ids[..]);
+}
+
+#[test]
+fn an_answer_cut_by_the_full_context_says_so_not_max_tokens() {
+    let out = kvchat(
+        &[
+            "chat",
+            "--temperature",
+            "0",
+            "-n",
+            "500",
+            "--ctx",
+            "48",
+            "--stats",
+        ],
+        "Tell me a long story.\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("stop: context full"), "{err}");
+    assert!(err.contains("the context of 48 tokens is full"), "{err}");
+    assert!(!err.contains("max tokens"), "{err}");
 }

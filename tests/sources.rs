@@ -570,3 +570,150 @@ fn a_safetensors_dir_whose_shapes_do_not_match_config_json_is_refused() {
     );
     assert_one_line_error(&out, "has no config.json");
 }
+
+#[test]
+fn sampling_comes_from_a_flag_then_the_registry_then_the_model_file_then_the_built_in_default() {
+    use candle_core::quantized::gguf_file::Value;
+    let home = temp("sampling");
+    // The GGUF recommends temperature 0.9, top-k 7 and top-p 0.5 (llama.cpp's keys) ...
+    let mut md = common::tiny::spm_metadata(common::tiny::VOCAB);
+    md.extend([
+        ("general.sampling.temp".to_string(), Value::F32(0.9)),
+        ("general.sampling.top_k".to_string(), Value::U32(7)),
+        ("general.sampling.top_p".to_string(), Value::F32(0.5)),
+    ]);
+    let g = std::fs::read(common::tiny::write_tiny("sources-sampling", md)).unwrap();
+    let dest = home.join("kv/models/tiny.gguf");
+    std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+    std::fs::write(&dest, &g).unwrap();
+    // ... the registry entry overrides the temperature ...
+    let models = home.join("models.toml");
+    std::fs::write(
+        &models,
+        format!(
+            r#"default = "tiny"
+[models.tiny]
+description = "a tiny test model"
+sources = [{{ type = "pip", package = "tiny-model", version = "1.0", member = "tiny_model/tiny.gguf", sha256 = "{}" }}]
+[models.tiny.sampling]
+temperature = 0.3
+"#,
+            sha256_hex(&g)
+        ),
+    )
+    .unwrap();
+    let hub = Hub::start();
+    // ... and flags override both.
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &[
+            "run",
+            "--models-file",
+            models.to_str().unwrap(),
+            "--raw",
+            "-n",
+            "2",
+            "--stats",
+            "--min-p",
+            "0.1",
+            "--top-p",
+            "0.6",
+            "hello",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("[stats] sampling:"))
+        .unwrap_or_else(|| panic!("no sampling line: {err}"));
+    for part in [
+        "temperature 0.3 (models.toml)",
+        "top-k 7 (GGUF general.sampling)",
+        "top-p 0.6 (flag)",
+        "min-p 0.1 (flag)",
+        "repeat-penalty 1,",
+        "(random)",
+    ] {
+        assert!(line.contains(part), "{part:?} not in {line}");
+    }
+    assert_eq!(hub.request_count(), 0, "the model was on disk");
+}
+
+#[test]
+fn every_flag_error_is_reported_before_anything_is_downloaded() {
+    let hub = Hub::start();
+    let home = temp("early-flags");
+    // A model that does not exist anywhere: were it looked up first, the error would be the hub's.
+    let m = "hf:test/never-there:model.gguf";
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["run", "-m", m, "--no-cache", "--kv-window", "64", "hi"],
+            "--no-cache and --kv-window",
+        ),
+        (
+            &["run", "-m", m, "--no-cache", "--kv-offload", "hi"],
+            "--no-cache and --kv-offload",
+        ),
+        (&["run", "-m", m, "--temperature=-1", "hi"], "--temperature"),
+        (&["run", "-m", m, "--top-p", "2", "hi"], "--top-p"),
+        (
+            &["run", "-m", m, "--kv-window", "8", "--kv-sinks", "8", "hi"],
+            "--kv-sinks 8",
+        ),
+        (
+            &["run", "-m", m, "--kv-window", "512", "--ctx", "256", "hi"],
+            "--kv-window 512",
+        ),
+        (
+            &["run", "-m", m, "--kv-residual", "8", "hi"],
+            "--kv-residual",
+        ),
+        (&["run", "-m", m, "--threads", "0", "hi"], "--threads"),
+        (&["run", "-m", m, "--ctx", "0", "hi"], "--ctx"),
+        (&["run", "-m", m, "--device", "tpu", "hi"], "--device"),
+        (&["run", "-m", m, "-n", "0", "hi"], "--max-tokens"),
+        (
+            &[
+                "run",
+                "-m",
+                m,
+                "--no-cache",
+                "--prompt-cache",
+                "x.kvc",
+                "hi",
+            ],
+            "--prompt-cache",
+        ),
+        (&["chat", "-m", m, "--min-p", "7"], "--min-p"),
+        (&["chat", "-m", m, "--on-full", "never"], "--on-full"),
+        (
+            &["chat", "-m", m, "--repeat-penalty", "0"],
+            "--repeat-penalty",
+        ),
+        (
+            &["ppl", "-m", m, "--against", "window:0", "/dev/null"],
+            "--against",
+        ),
+        (&["bench", "-m", m, "--modes", "full,sideways"], "--modes"),
+        (&["bench", "-m", m, "--contexts", "0"], "--contexts"),
+    ];
+    for (args, needle) in cases {
+        let out = kvchat_at(&hub, &home, args, &[]);
+        let err = stderr(&out);
+        assert_ne!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err}"
+        );
+        assert!(
+            !err.contains("never-there"),
+            "{args:?}: looked the model up: {err}"
+        );
+    }
+    assert_eq!(hub.request_count(), 0, "a flag error let a download start");
+    assert!(files_under(&home).is_empty(), "{:?}", files_under(&home));
+}

@@ -5,6 +5,7 @@
 
 pub mod options;
 pub mod report;
+pub mod style;
 pub mod subcommands;
 
 pub use options::{CacheArgs, ModelArgs, SamplingArgs};

@@ -6,7 +6,7 @@ use crate::engine::{max_threads, DeviceChoice, LoadOptions};
 use crate::kv::{
     CacheMode, Precision, Retention, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS,
 };
-use crate::session::SamplingParams;
+use crate::model::sampling::SamplingPrefs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -149,6 +149,15 @@ impl CacheArgs {
         })
     }
 
+    /// The cache mode, checked against `--ctx` when that is given (so that a window wider than the
+    /// context is refused before anything loads).
+    pub fn mode_for(&self, ctx: Option<usize>) -> Result<CacheMode> {
+        if let Some(c) = ctx {
+            self.spec(c)?;
+        }
+        self.mode()
+    }
+
     /// The cache for a context of `ctx` positions (`--ctx`).
     pub fn spec(&self, ctx: usize) -> Result<crate::kv::CacheSpec> {
         let mode = self.mode()?;
@@ -161,50 +170,37 @@ impl CacheArgs {
     }
 }
 
-/// How the next token is picked.
+/// How the next token is picked. A setting not given here comes from the model's recommendation
+/// (models.toml, then the model file), else the built-in default shown.
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
-    /// Temperature; 0 = greedy (always the most likely token)
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f32,
-    /// Keep only the K most likely tokens (0 = off)
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1 = off)
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Drop tokens less likely than P × the most likely one (0 = off)
-    #[arg(long, default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Penalty for repeating recent tokens (1 = off)
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// How many recent tokens the repeat penalty looks at
-    #[arg(long, default_value_t = 64)]
-    pub repeat_last_n: usize,
-    /// Random seed for sampling
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// Temperature; 0 = greedy (always the most likely token) [default: the model's, else 0.8]
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep only the K most likely tokens (0 = off) [default: the model's, else 40]
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off) [default: the model's, else 0.95]
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P × the most likely one (0 = off) [default: the model's, else 0.05]
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Penalty for repeating recent tokens (1 = off) [default: the model's, else 1]
+    #[arg(long)]
+    pub repeat_penalty: Option<f32>,
+    /// How many recent tokens the repeat penalty looks at [default: the model's, else 64]
+    #[arg(long)]
+    pub repeat_last_n: Option<usize>,
+    /// Random seed for sampling [default: a random one, shown by --stats]
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 impl SamplingArgs {
-    pub fn params(&self) -> Result<SamplingParams> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            bail!(
-                "--temperature must be a number ≥ 0, got {}",
-                self.temperature
-            );
-        }
-        if !(0.0..=1.0).contains(&self.top_p) {
-            bail!("--top-p must be between 0 and 1, got {}", self.top_p);
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            bail!("--min-p must be between 0 and 1, got {}", self.min_p);
-        }
-        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
-            bail!("--repeat-penalty must be > 0, got {}", self.repeat_penalty);
-        }
-        Ok(SamplingParams {
+    /// The settings the flags state, each checked (the error names the flag).
+    pub fn prefs(&self) -> Result<SamplingPrefs> {
+        let p = SamplingPrefs {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -212,6 +208,10 @@ impl SamplingArgs {
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             seed: self.seed,
-        })
+        };
+        if let Some((name, why)) = p.problems().into_iter().next() {
+            bail!("--{name} {why}");
+        }
+        Ok(p)
     }
 }

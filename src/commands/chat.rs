@@ -2,32 +2,47 @@
 //!
 //! On a terminal: rustyline line editing, a history file shared safely between sessions, multi-line
 //! input (a trailing `\` continues the line; a `"""` line opens and closes a block), Ctrl-C during an
-//! answer stops it (the partial answer stays), Ctrl-C at an empty prompt or Ctrl-D exits.
+//! answer stops it (the partial answer stays; the terminal echoes no ^C into it), Ctrl-C on a line
+//! being typed clears it, Ctrl-C at an empty prompt or Ctrl-D exits. `/set` changes sampling and
+//! max tokens mid-chat, `/show` prints the model's facts and the settings in force.
 //! Not on a terminal: each input line is one turn (slash commands too), so chats can be scripted.
 
 use crate::cli::report::describe;
+use crate::cli::style;
 use crate::cli::ChatArgs;
 use crate::engine::Engine;
 use crate::kv::persist;
+use crate::model::sampling::SamplingPrefs;
 use crate::session::conversation::{Conversation, TurnStats};
-use crate::session::Sampler;
-use crate::source::kvchat_home;
+use crate::session::{Resolved, Sampler, StopReason};
+use crate::source::{human_bytes, kvchat_home};
 use anyhow::{bail, Context, Result};
 use std::io::{BufRead, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 const HELP: &str = "commands:
-  /help            this text
-  /reset           forget the conversation (keeps the system message)
-  /system TEXT     set the system message
-  /stats           tokens and bytes in the cache, per-layer shape, last turn's speed
-  /cache           the cache's precision, retention and placement
-  /save FILE       save the conversation and its KV state
-  /load FILE       load a saved conversation (same model and cache configuration)
-  /undo            drop the last exchange
-  /exit            leave (also Ctrl-D, or Ctrl-C at an empty prompt)
-input: end a line with \\ to continue it; a line \"\"\" opens and closes a multi-line block";
+  /help              this text
+  /reset             forget the conversation (keeps the system message)
+  /system TEXT       set the system message
+  /set NAME VALUE    change a setting: temperature, top-k, top-p, min-p, repeat-penalty,
+                     repeat-last-n, seed, max-tokens (/set alone lists them)
+  /show              the model, its context, template, cache and the sampling in force
+  /stats             tokens and bytes in the cache, per-layer shape, last turn's speed
+  /cache             the cache's precision, retention and placement
+  /save FILE         save the conversation and its KV state
+  /load FILE         load a saved conversation (same model and cache configuration)
+  /undo              drop the last exchange
+  /exit              leave (also Ctrl-D, or Ctrl-C at an empty prompt)
+input: end a line with \\ to continue it; a line \"\"\" opens and closes a multi-line block;
+Ctrl-C clears a line being typed, or stops an answer";
+
+/// The slash commands, for "did you mean" and completion.
+const COMMANDS: [&str; 13] = [
+    "/help", "/reset", "/system", "/set", "/show", "/stats", "/cache", "/save", "/load", "/undo",
+    "/exit", "/quit", "/bye",
+];
 
 /// The platform's data directory for kvchat's history.
 fn default_history() -> PathBuf {
@@ -36,59 +51,124 @@ fn default_history() -> PathBuf {
         .join("history.txt")
 }
 
-pub fn print_turn_stats(c: &Conversation<'_>, t: &TurnStats) {
-    eprintln!(
-        "[stats] turn {}: reused {} cached tokens, prefilled {} new ({:.1} tok/s){} | generated {} tok, decode {:.1} tok/s | cache {} positions, {} bytes | stop: {:?}",
-        c.turns.len(),
-        t.reused,
-        t.prefilled,
-        t.gen.prefill_tok_s(),
-        if t.shifted > 0 { format!(", dropped {} old turn(s)", t.shifted) } else { String::new() },
-        t.gen.generated,
-        t.gen.decode_tok_s(),
-        c.session.cache().len(),
-        c.session.cache().bytes_used(),
-        t.reason
-    );
+/// A chat in progress: the conversation and what steers it.
+struct Chat<'e> {
+    conv: Conversation<'e>,
+    sampler: Sampler,
+    /// The sampling settings in force and where each came from.
+    sampling: Resolved,
+    max_tokens: usize,
+    /// Where the template came from (for /show).
+    template: String,
+    /// Colour on stderr.
+    colour: bool,
 }
 
-fn stats_text(c: &Conversation<'_>) -> String {
-    let cfg = &c.engine.model.cfg;
-    let cache = &c.session.cache();
-    let mut s = format!(
-        "cache: {} positions held ({} seen), {} bytes used, {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
-        cache.len(),
-        cache.seen(),
-        cache.bytes_used(),
-        cache.bytes(),
-        cfg.n_layer,
-        cfg.n_kv_head,
-        cache.len(),
-        cfg.head_dim,
-        cache.spec().precision().name(),
-        c.engine.device.location(),
-        candle_core::utils::get_num_threads()
-    );
-    if let Some(t) = &c.last {
-        s += &format!(
-            "\nlast turn: reused {}, prefilled {} at {:.1} tok/s, generated {} at {:.1} tok/s",
+impl Chat<'_> {
+    fn print_turn_stats(&self, t: &TurnStats) {
+        let c = &self.conv;
+        let line = format!(
+            "[stats] turn {}: reused {} cached tokens, prefilled {} new ({:.1} tok/s){} | generated {} tok, decode {:.1} tok/s | cache {} positions, {} | stop: {}",
+            t.number,
             t.reused,
             t.prefilled,
             t.gen.prefill_tok_s(),
+            if t.shifted > 0 { format!(", dropped {} old turn(s)", t.shifted) } else { String::new() },
             t.gen.generated,
-            t.gen.decode_tok_s()
+            t.gen.decode_tok_s(),
+            c.session.cache().len(),
+            human_bytes(c.session.cache().bytes_used() as u64),
+            t.reason
         );
+        eprintln!("{}", style::paint(self.colour, style::DIM, &line));
     }
-    s
+
+    fn stats_text(&self) -> String {
+        let c = &self.conv;
+        let cfg = &c.engine.model.cfg;
+        let cache = &c.session.cache();
+        let mut s = format!(
+            "cache: {} positions held ({} seen), {} used of {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
+            cache.len(),
+            cache.seen(),
+            human_bytes(cache.bytes_used() as u64),
+            human_bytes(cache.bytes() as u64),
+            cfg.n_layer,
+            cfg.n_kv_head,
+            cache.len(),
+            cfg.head_dim,
+            cache.spec().precision().name(),
+            c.engine.device.location(),
+            candle_core::utils::get_num_threads()
+        );
+        if let Some(t) = &c.last {
+            s += &format!(
+                "\nlast turn: reused {}, prefilled {} at {:.1} tok/s, generated {} at {:.1} tok/s, stop: {}",
+                t.reused,
+                t.prefilled,
+                t.gen.prefill_tok_s(),
+                t.gen.generated,
+                t.gen.decode_tok_s(),
+                t.reason
+            );
+        }
+        s
+    }
+
+    fn show_text(&self) -> String {
+        let mut lines: Vec<(&str, String)> = self.conv.engine.facts();
+        lines.push(("template", self.template.clone()));
+        lines.push(("cache", self.conv.session.cache().spec().describe()));
+        lines.push(("sampling", self.sampling.describe()));
+        lines.push(("max tokens", self.max_tokens.to_string()));
+        lines
+            .iter()
+            .map(|(k, v)| format!("{k:<13}{v}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// `/set NAME VALUE`.
+    fn set(&mut self, arg: &str) -> std::result::Result<String, String> {
+        let (name, value) = arg
+            .split_once(char::is_whitespace)
+            .map(|(n, v)| (n, v.trim()))
+            .ok_or_else(|| "usage: /set NAME VALUE (/set alone lists the settings)".to_string())?;
+        let name = name.replace('_', "-");
+        if name == "max-tokens" {
+            match value.parse::<usize>() {
+                Ok(n) if n > 0 => self.max_tokens = n,
+                _ => return Err(format!("max-tokens: '{value}' is not a whole number ≥ 1")),
+            }
+        } else {
+            let mut p = SamplingPrefs::default();
+            p.set(&name, value).map_err(|e| {
+                if e.starts_with("unknown setting") {
+                    format!("{e}; max-tokens is also one")
+                } else {
+                    e
+                }
+            })?;
+            self.sampling.apply(&p, "/set");
+            self.sampler.update(self.sampling.params.clone());
+        }
+        Ok(format!("({name} = {value})"))
+    }
 }
 
-/// Handles a slash command; returns false to leave.
-fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result<bool> {
+/// Handles a slash command; returns false to leave. Errors a command reports are counted.
+fn command(
+    chat: &mut Chat<'_>,
+    line: &str,
+    out: &mut impl Write,
+    errors: &mut usize,
+) -> Result<bool> {
     let (cmd, arg) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
     let arg = arg.trim();
+    let c = &mut chat.conv;
     match cmd {
         "/help" => writeln!(out, "{HELP}")?,
-        "/exit" | "/quit" => return Ok(false),
+        "/exit" | "/quit" | "/bye" => return Ok(false),
         "/reset" => {
             c.reset()?;
             writeln!(out, "(conversation cleared)")?;
@@ -105,8 +185,22 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
                 writeln!(out, "(system message set)")?;
             }
         }
-        "/stats" => writeln!(out, "{}", stats_text(c))?,
+        "/stats" => writeln!(out, "{}", chat.stats_text())?,
         "/cache" => writeln!(out, "{}", c.session.cache().spec().describe())?,
+        "/show" => writeln!(out, "{}", chat.show_text())?,
+        "/set" if arg.is_empty() => writeln!(
+            out,
+            "sampling: {}\nmax-tokens {}",
+            chat.sampling.describe(),
+            chat.max_tokens
+        )?,
+        "/set" => match chat.set(arg) {
+            Ok(done) => writeln!(out, "{done}")?,
+            Err(e) => {
+                *errors += 1;
+                writeln!(out, "error: /set {e}")?
+            }
+        },
         "/undo" => {
             if c.undo()? {
                 writeln!(
@@ -126,7 +220,10 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
                 c.turns.len(),
                 c.session.tokens().len()
             )?,
-            Err(e) => writeln!(out, "error: {}", describe(&e))?,
+            Err(e) => {
+                *errors += 1;
+                writeln!(out, "error: {}", describe(&e))?
+            }
         },
         "/load" => match c.load(Path::new(arg)) {
             Ok(()) => writeln!(
@@ -135,12 +232,137 @@ fn command(c: &mut Conversation<'_>, line: &str, out: &mut impl Write) -> Result
                 c.turns.len(),
                 c.session.tokens().len()
             )?,
-            Err(e) => writeln!(out, "error: {}", describe(&e))?,
+            Err(e) => {
+                *errors += 1;
+                writeln!(out, "error: {}", describe(&e))?
+            }
         },
-        other => writeln!(out, "unknown command {other}: /help lists them")?,
+        other => {
+            *errors += 1;
+            writeln!(
+                out,
+                "unknown command {other}: /help lists them{}",
+                crate::did_you_mean(other, COMMANDS.iter().copied())
+            )?
+        }
     }
     out.flush()?;
     Ok(true)
+}
+
+/// The line editor's helper: a coloured prompt and completion of slash commands and /set names.
+struct EditorHelper {
+    colour: bool,
+}
+
+impl rustyline::completion::Completer for EditorHelper {
+    type Candidate = String;
+    fn complete(
+        &self,
+        line: &str,
+        pos: usize,
+        _: &rustyline::Context<'_>,
+    ) -> rustyline::Result<(usize, Vec<String>)> {
+        let head = &line[..pos];
+        if !head.starts_with('/') {
+            return Ok((0, Vec::new()));
+        }
+        let (candidates, start, word): (Vec<&str>, usize, &str) = match head.strip_prefix("/set ") {
+            Some(rest) if !rest.contains(' ') => {
+                let mut names = crate::model::sampling::SETTINGS.to_vec();
+                names.push("max-tokens");
+                (names, 5, rest)
+            }
+            Some(_) => return Ok((0, Vec::new())),
+            None if !head.contains(' ') => (COMMANDS.to_vec(), 0, head),
+            None => return Ok((0, Vec::new())),
+        };
+        let found = candidates
+            .into_iter()
+            .filter(|c| c.starts_with(word))
+            .map(|c| format!("{c} "))
+            .collect();
+        Ok((start, found))
+    }
+}
+
+impl rustyline::hint::Hinter for EditorHelper {
+    type Hint = String;
+}
+
+impl rustyline::validate::Validator for EditorHelper {}
+
+impl rustyline::highlight::Highlighter for EditorHelper {
+    fn highlight_prompt<'b, 's: 'b, 'p: 'b>(
+        &'s self,
+        prompt: &'p str,
+        _default: bool,
+    ) -> std::borrow::Cow<'b, str> {
+        std::borrow::Cow::Owned(style::paint(self.colour, style::PROMPT, prompt))
+    }
+}
+
+impl rustyline::Helper for EditorHelper {}
+
+/// Ctrl-C at the prompt: notes whether a line was being typed (that line is then dropped, and the
+/// chat goes on), then interrupts the read as usual.
+struct CtrlC(Arc<AtomicBool>);
+
+impl rustyline::ConditionalEventHandler for CtrlC {
+    fn handle(
+        &self,
+        _: &rustyline::Event,
+        _: rustyline::RepeatCount,
+        _: bool,
+        ctx: &rustyline::EventContext<'_>,
+    ) -> Option<rustyline::Cmd> {
+        self.0.store(!ctx.line().is_empty(), Ordering::SeqCst);
+        None
+    }
+}
+
+/// While an answer streams on a terminal, the terminal does not echo what is typed — neither a
+/// ^C into the answer nor keys typed ahead (they wait for the next prompt). Restored when dropped.
+struct QuietTerminal {
+    #[cfg(unix)]
+    saved: Option<nix::sys::termios::Termios>,
+}
+
+impl QuietTerminal {
+    fn new(tty: bool) -> Self {
+        #[cfg(unix)]
+        {
+            use nix::sys::termios::{tcgetattr, tcsetattr, LocalFlags, SetArg};
+            let stdin = std::io::stdin();
+            let saved = if tty { tcgetattr(&stdin).ok() } else { None };
+            if let Some(t) = &saved {
+                let mut quiet = t.clone();
+                quiet
+                    .local_flags
+                    .remove(LocalFlags::ECHO | LocalFlags::ECHOCTL);
+                let _ = tcsetattr(&stdin, SetArg::TCSANOW, &quiet);
+            }
+            Self { saved }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tty;
+            Self {}
+        }
+    }
+}
+
+impl Drop for QuietTerminal {
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        if let Some(t) = &self.saved {
+            let _ = nix::sys::termios::tcsetattr(
+                std::io::stdin(),
+                nix::sys::termios::SetArg::TCSANOW,
+                t,
+            );
+        }
+    }
 }
 
 /// The longest input line taken from a pipe (a turn cannot be longer than the context anyway).
@@ -200,9 +422,9 @@ pub fn run(args: ChatArgs) -> Result<()> {
         bail!("-n/--max-tokens must be at least 1");
     }
     // Every flag is checked before anything is fetched or loaded.
-    let sampling = args.sampling.params()?;
+    let flags = args.sampling.prefs()?;
     let mut load = args.model.options()?;
-    let mode = args.cache.mode()?;
+    let mode = args.cache.mode_for(args.model.ctx)?;
     load.kv_precisions = vec![mode.precision];
     let on_full: crate::session::conversation::OnFull =
         args.on_full.parse().context("--on-full")?;
@@ -217,24 +439,45 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let engine = Engine::load(&load)?;
     let spec = args.cache.spec(engine.ctx)?;
     let template = engine.chat_template(args.chat_template.as_deref())?;
-    let mut conv = Conversation::new(&engine, &spec, template, args.system.clone(), on_full);
+    let sampling = engine.sampling_for(&flags);
+    let mut chat = Chat {
+        conv: Conversation::new(&engine, &spec, template, args.system.clone(), on_full),
+        sampler: Sampler::new(sampling.params.clone()),
+        sampling,
+        max_tokens: args.max_tokens,
+        template: match &args.chat_template {
+            Some(t) if t.len() < 40 && !t.contains('{') => format!("{t} (--chat-template)"),
+            Some(_) => "Jinja text from --chat-template".into(),
+            None => "the model's own".into(),
+        },
+        colour: style::stderr(),
+    };
     if let Some(pc) = &args.prompt_cache {
         if pc.exists() {
-            match conv.load(pc) {
+            match chat.conv.load(pc) {
                 Ok(()) => eprintln!(
                     "kvchat: resumed {} turns from {}",
-                    conv.turns.len(),
+                    chat.conv.turns.len(),
                     pc.display()
                 ),
                 Err(e) => eprintln!("kvchat: ignoring prompt cache: {}", describe(&e)),
             }
         }
     }
-    let mut sampler = Sampler::new(sampling);
     let tty = std::io::stdin().is_terminal();
+    // Set by the Ctrl-C key binding when it dropped a line being typed.
+    let dropped_line = Arc::new(AtomicBool::new(false));
 
     let mut editor = if tty {
-        let mut ed = rustyline::DefaultEditor::new().context("cannot start the line editor")?;
+        let mut ed: rustyline::Editor<EditorHelper, rustyline::history::DefaultHistory> =
+            rustyline::Editor::new().context("cannot start the line editor")?;
+        ed.set_helper(Some(EditorHelper {
+            colour: style::enabled(std::io::stdout().is_terminal()),
+        }));
+        ed.bind_sequence(
+            rustyline::KeyEvent::ctrl('C'),
+            rustyline::EventHandler::Conditional(Box::new(CtrlC(dropped_line.clone()))),
+        );
         let hist = args.history.clone().unwrap_or_else(default_history);
         if let Some(dir) = hist.parent() {
             let _ = std::fs::create_dir_all(dir);
@@ -252,16 +495,27 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let stdin = std::io::stdin();
     let mut input_lines = stdin.lock();
     let mut stdout = std::io::stdout();
+    // Turns and commands that failed: a chat that is not interactive then exits non-zero.
+    let mut errors = 0usize;
     loop {
         let input = match &mut editor {
             Some((ed, hist)) => {
+                dropped_line.store(false, Ordering::SeqCst);
                 let r = read_turn(|cont| match ed.readline(if cont { "... " } else { "> " }) {
                     Ok(l) => Ok(Some(l)),
-                    Err(rustyline::error::ReadlineError::Interrupted) if !cont => Ok(None),
-                    Err(rustyline::error::ReadlineError::Interrupted) => Ok(Some(String::new())),
+                    // Ctrl-C in a block or a continued line drops the whole turn.
+                    Err(rustyline::error::ReadlineError::Interrupted) if cont => {
+                        dropped_line.store(true, Ordering::SeqCst);
+                        Ok(None)
+                    }
+                    Err(rustyline::error::ReadlineError::Interrupted) => Ok(None),
                     Err(rustyline::error::ReadlineError::Eof) => Ok(None),
                     Err(e) => Err(e.into()),
                 })?;
+                if dropped_line.load(Ordering::SeqCst) {
+                    eprintln!("(line cleared; Ctrl-D or /exit to leave)");
+                    continue;
+                }
                 if let Some(l) = &r {
                     if !l.trim().is_empty() {
                         let _ = ed.add_history_entry(l.as_str());
@@ -279,35 +533,55 @@ pub fn run(args: ChatArgs) -> Result<()> {
             continue;
         }
         if input.starts_with('/') {
-            if !command(&mut conv, input, &mut stdout)? {
+            if !command(&mut chat, input, &mut stdout, &mut errors)? {
                 break;
             }
             continue;
         }
         interrupt.generating.store(true, Ordering::SeqCst);
-        let result = conv.ask(input, &mut sampler, args.max_tokens, &interrupt.stop, |t| {
-            stdout.write_all(t.as_bytes())?;
-            stdout.flush()?;
-            Ok(())
-        });
+        let quiet = QuietTerminal::new(tty);
+        let result = chat.conv.ask(
+            input,
+            &mut chat.sampler,
+            chat.max_tokens,
+            &interrupt.stop,
+            |t| {
+                stdout.write_all(t.as_bytes())?;
+                stdout.flush()?;
+                Ok(())
+            },
+        );
+        drop(quiet);
         interrupt.generating.store(false, Ordering::SeqCst);
         writeln!(stdout)?;
         match result {
             Ok(t) => {
-                if t.reason == crate::session::StopReason::Interrupted {
-                    eprintln!("(interrupted)");
+                match t.reason {
+                    StopReason::Interrupted => eprintln!("(interrupted)"),
+                    StopReason::ContextFull => eprintln!(
+                        "(the answer was cut: the context of {} tokens is full; /undo, /reset, or --on-full shift)",
+                        chat.conv.session.max_positions()
+                    ),
+                    _ => {}
                 }
                 if args.stats {
-                    print_turn_stats(&conv, &t);
+                    chat.print_turn_stats(&t);
                 }
                 if let Some(pc) = &args.prompt_cache {
-                    if let Err(e) = conv.save(pc) {
+                    if let Err(e) = chat.conv.save(pc) {
+                        errors += 1;
                         eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
                     }
                 }
             }
-            Err(e) => eprintln!("error: {}", describe(&e)),
+            Err(e) => {
+                errors += 1;
+                eprintln!("error: {}", describe(&e))
+            }
         }
+    }
+    if !tty && errors > 0 {
+        bail!("{errors} of the chat's turns or commands failed (see above)");
     }
     Ok(())
 }

@@ -153,7 +153,9 @@ pub fn perplexity(
 
 pub fn run(args: PplArgs) -> Result<()> {
     let mut load = args.model.options()?;
-    let mode = args.cache.mode()?;
+    let mode = args
+        .cache
+        .mode_for(args.model.ctx.map(|c| c.max(args.chunk)))?;
     let against = match &args.against {
         Some(a) => Some((
             a.clone(),

@@ -5,6 +5,7 @@ use crate::cli::RunArgs;
 use crate::engine::Engine;
 use crate::kv::{persist, KvCache};
 use crate::session::{GenStats, Sampler, StopReason};
+use crate::source::human_bytes;
 use crate::template::Message;
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Result};
@@ -19,9 +20,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         bail!("-n/--max-tokens must be at least 1");
     }
     // Every flag is checked before the prompt is read or anything is fetched or loaded.
-    let sampling = args.sampling.params()?;
+    let sampling = args.sampling.prefs()?;
     let mut load = args.model.options()?;
-    let mode = args.cache.mode()?;
+    let mode = args.cache.mode_for(args.model.ctx)?;
     load.kv_precisions = vec![mode.precision];
     if mode.retention == crate::kv::Retention::None && args.prompt_cache.is_some() {
         bail!("--prompt-cache needs a KV cache (drop --no-cache)");
@@ -86,7 +87,8 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
     }
     let mut session = engine.session(&spec);
-    let mut sampler = Sampler::new(sampling);
+    let sampling = engine.sampling_for(&sampling);
+    let mut sampler = Sampler::new(sampling.params.clone());
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
     let t0 = Instant::now();
@@ -145,6 +147,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             );
         }
         print_stats(&engine, &stats, session.cache(), reason);
+        eprintln!("[stats] sampling: {}", sampling.describe());
     }
     Ok(())
 }
@@ -152,7 +155,7 @@ pub fn run(args: RunArgs) -> Result<()> {
 pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopReason) {
     let threads = candle_core::utils::get_num_threads();
     eprintln!(
-        "[stats] prompt {} tok, prefill {:.1} tok/s ({:.0} ms) | generated {} tok, decode {:.1} tok/s | stop: {:?}",
+        "[stats] prompt {} tok, prefill {:.1} tok/s ({:.0} ms) | generated {} tok, decode {:.1} tok/s | stop: {}",
         s.prompt_tokens,
         s.prefill_tok_s(),
         s.prefill.as_secs_f64() * 1e3,
@@ -161,13 +164,13 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {} ({}): {} positions held of {} seen, {} bytes used, {} bytes allocated | device {:?}, weights {}, activations f32, {threads} threads",
+        "[stats] kv cache {} ({}): {} positions held of {} seen, {} used of {} allocated | device {:?}, weights {}, activations f32, {threads} threads",
         cache.spec().name(),
         cache.spec().describe(),
         cache.len(),
         cache.seen(),
-        cache.bytes_used(),
-        cache.bytes(),
+        human_bytes(cache.bytes_used() as u64),
+        human_bytes(cache.bytes() as u64),
         engine.device.location(),
         engine.weights,
     );

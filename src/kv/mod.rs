@@ -93,6 +93,14 @@ impl std::str::FromStr for CacheMode {
                         }
                         _ => DEFAULT_SINKS,
                     };
+                    if window == 0 {
+                        anyhow::bail!("cache mode '{s}': a window must hold at least 1 position");
+                    }
+                    if sinks >= window {
+                        anyhow::bail!(
+                            "cache mode '{s}': {sinks} sinks do not fit a window of {window}"
+                        );
+                    }
                     set_retention(&mut retention, Retention::Window { window, sinks })?
                 }
                 ("offload", None) => {

@@ -10,6 +10,8 @@ pub struct HfFiles {
     pub config: PathBuf,
     pub tokenizer: Option<PathBuf>,
     pub tokenizer_config: Option<PathBuf>,
+    /// Recommended generation settings (sampling), when the model has them.
+    pub generation_config: Option<PathBuf>,
     pub weights: Vec<PathBuf>,
 }
 

@@ -9,6 +9,7 @@ pub mod kernels;
 pub mod llama;
 pub mod rope;
 pub mod safetensors;
+pub mod sampling;
 
 pub use config::Config;
 pub use llama::{Llama, Logits};

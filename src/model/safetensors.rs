@@ -62,6 +62,21 @@ impl HfCheckpoint {
         })
     }
 
+    /// The number of weights, and the tensors' dtypes with their counts ("bf16 ×272").
+    pub fn tensor_summary(&self) -> (u64, String) {
+        let tensors = self.st.tensors();
+        let params = tensors
+            .iter()
+            .map(|(_, t)| t.shape().iter().product::<usize>() as u64)
+            .sum();
+        let types = crate::tally(
+            tensors
+                .iter()
+                .map(|(_, t)| format!("{:?}", t.dtype()).to_lowercase()),
+        );
+        (params, types)
+    }
+
     /// sha256 over config.json and the tensor layout (names, dtypes, shapes), plus the load dtype.
     pub fn digest(&self, dtype: DType) -> String {
         use sha2::{Digest, Sha256};

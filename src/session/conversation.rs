@@ -35,6 +35,8 @@ impl std::str::FromStr for OnFull {
 /// What one turn did.
 #[derive(Debug, Clone)]
 pub struct TurnStats {
+    /// Which turn of the conversation this was (1 = the first), counting turns shifted out.
+    pub number: usize,
     /// Positions reused from the cache.
     pub reused: usize,
     /// Positions prefilled this turn.
@@ -54,6 +56,8 @@ pub struct Conversation<'e> {
     pub session: Session<'e>,
     pub on_full: OnFull,
     pub last: Option<TurnStats>,
+    /// Turns shifted out by [`OnFull::Shift`] so far (turn numbers keep counting them).
+    pub shifted_out: usize,
 }
 
 impl<'e> Conversation<'e> {
@@ -72,6 +76,7 @@ impl<'e> Conversation<'e> {
             session: engine.session(spec),
             on_full,
             last: None,
+            shifted_out: 0,
         }
     }
 
@@ -146,10 +151,12 @@ impl<'e> Conversation<'e> {
         let engine = self.engine;
         let mut stream = TextStream::new();
         interrupt.store(false, Ordering::SeqCst);
-        let (out, reason, gen) = self.session.generate(
+        // The answer may take what is left of the context, if that is less than max_tokens.
+        let room = limit.saturating_sub(ids.len());
+        let (out, mut reason, gen) = self.session.generate(
             &new,
             sampler,
-            max_tokens.min(limit.saturating_sub(ids.len())).max(1),
+            max_tokens.min(room).max(1),
             &engine.stop_ids,
             false,
             |id| {
@@ -162,9 +169,14 @@ impl<'e> Conversation<'e> {
         if let Some(t) = stream.finish(&engine.tokenizer)? {
             on_text(&t)?;
         }
+        if reason == StopReason::MaxTokens && room < max_tokens {
+            reason = StopReason::ContextFull;
+        }
         let answer = engine.tokenizer.decode(&out, true)?;
         self.turns.push((question.to_string(), answer));
+        self.shifted_out += shifted;
         let stats = TurnStats {
+            number: self.shifted_out + self.turns.len(),
             reused,
             prefilled: new.len(),
             shifted,
@@ -175,20 +187,28 @@ impl<'e> Conversation<'e> {
         Ok(stats)
     }
 
-    /// Drops the last exchange and truncates the cache to the conversation that remains.
+    /// Drops the last exchange and truncates the cache to the conversation that remains — the
+    /// system prompt's positions included when no exchange remains (rendered with a placeholder
+    /// question, so that a template's default system prompt is kept too).
     pub fn undo(&mut self) -> Result<bool> {
         if self.turns.pop().is_none() {
             return Ok(false);
         }
-        let ids = self.render_ids(None, false)?;
+        let ids = self.render_ids(Some("x"), true)?;
         self.session.keep_common_prefix(&ids)?;
         Ok(true)
+    }
+
+    /// The number the next turn will have.
+    pub fn next_turn(&self) -> usize {
+        self.shifted_out + self.turns.len() + 1
     }
 
     pub fn reset(&mut self) -> Result<()> {
         self.turns.clear();
         self.session.reset()?;
         self.last = None;
+        self.shifted_out = 0;
         Ok(())
     }
 
@@ -213,6 +233,7 @@ impl<'e> Conversation<'e> {
         self.system = system;
         self.turns = turns;
         self.last = None;
+        self.shifted_out = 0;
         Ok(())
     }
 }

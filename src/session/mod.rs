@@ -6,7 +6,7 @@ pub mod conversation;
 pub mod persist;
 pub mod sampler;
 
-pub use sampler::{argmax, Sampler, SamplingParams};
+pub use sampler::{argmax, Resolved, Sampler, SamplingParams};
 
 use crate::kv::KvCache;
 use crate::model::{Llama, Logits};
@@ -21,6 +21,17 @@ pub enum StopReason {
     MaxTokens,
     ContextFull,
     Interrupted,
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StopReason::EndOfText => "end of text",
+            StopReason::MaxTokens => "max tokens",
+            StopReason::ContextFull => "context full",
+            StopReason::Interrupted => "interrupted",
+        })
+    }
 }
 
 /// Timings and counts of one prefill + decode.

@@ -1,6 +1,9 @@
 //! Picking the next token: temperature, top-k, top-p, min-p and a repeat penalty (llama.cpp's
-//! defaults), from a seeded generator.
+//! defaults), from a seeded generator; and which settings are in force ([`Resolved`]: a flag, else the
+//! registry's recommendation, else the model file's, else the built-in default; a random seed unless
+//! one is given).
 
+use crate::model::sampling::{SamplingPrefs, SETTINGS};
 use anyhow::Result;
 use candle_core::Tensor;
 use rand::rngs::StdRng;
@@ -46,6 +49,80 @@ impl SamplingParams {
     }
 }
 
+/// The settings in force and where each came from ("flag", "models.toml", "model file", "built-in",
+/// "random", "/set").
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub params: SamplingParams,
+    /// One origin per entry of [`SETTINGS`], in that order.
+    pub origins: [String; 7],
+}
+
+impl Resolved {
+    /// `layers` (most important first) over the built-in defaults. A seed no layer states is drawn
+    /// at random, so a bad sampled answer does not repeat on every rerun (`--seed` fixes it).
+    pub fn from_layers(layers: &[(&str, &SamplingPrefs)]) -> Self {
+        let mut r = Self {
+            params: SamplingParams::default(),
+            origins: std::array::from_fn(|_| "built-in".to_string()),
+        };
+        for (origin, prefs) in layers.iter().rev() {
+            r.apply(prefs, origin);
+        }
+        if r.origins[6] == "built-in" {
+            r.params.seed = u64::from(rand::random::<u32>());
+            r.origins[6] = "random".into();
+        }
+        r
+    }
+
+    /// Overrides what `prefs` states, recording `origin` for each.
+    pub fn apply(&mut self, prefs: &SamplingPrefs, origin: &str) {
+        let p = &mut self.params;
+        let stated = [
+            prefs.temperature.map(|v| p.temperature = v),
+            prefs.top_k.map(|v| p.top_k = v),
+            prefs.top_p.map(|v| p.top_p = v),
+            prefs.min_p.map(|v| p.min_p = v),
+            prefs.repeat_penalty.map(|v| p.repeat_penalty = v),
+            prefs.repeat_last_n.map(|v| p.repeat_last_n = v),
+            prefs.seed.map(|v| p.seed = v),
+        ];
+        for (i, s) in stated.iter().enumerate() {
+            if s.is_some() {
+                self.origins[i] = origin.to_string();
+            }
+        }
+    }
+
+    /// One line: each setting, its value and (when not built in) where it came from.
+    pub fn describe(&self) -> String {
+        let p = &self.params;
+        let values = [
+            format!("{}", p.temperature),
+            p.top_k.to_string(),
+            format!("{}", p.top_p),
+            format!("{}", p.min_p),
+            format!("{}", p.repeat_penalty),
+            p.repeat_last_n.to_string(),
+            p.seed.to_string(),
+        ];
+        SETTINGS
+            .iter()
+            .zip(values)
+            .zip(&self.origins)
+            .map(|((name, v), o)| {
+                if o == "built-in" {
+                    format!("{name} {v}")
+                } else {
+                    format!("{name} {v} ({o})")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 pub struct Sampler {
     p: SamplingParams,
     rng: StdRng,
@@ -55,6 +132,18 @@ impl Sampler {
     pub fn new(p: SamplingParams) -> Self {
         let rng = StdRng::seed_from_u64(p.seed);
         Self { p, rng }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.p
+    }
+
+    /// New settings from now on; the generator restarts only when the seed changes.
+    pub fn update(&mut self, p: SamplingParams) {
+        if p.seed != self.p.seed {
+            self.rng = StdRng::seed_from_u64(p.seed);
+        }
+        self.p = p;
     }
 
     /// Picks the next token from `logits` [vocab]; `recent` are the tokens the repeat penalty looks at.
@@ -195,6 +284,54 @@ mod tests {
         });
         // Token 1 leads by a little, but it was just said: halved, it falls behind token 2.
         assert_eq!(s.sample(&logits(&[0.0, 3.0, 2.0]), &[1]).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_flag_beats_the_registry_which_beats_the_model_file() {
+        let flag = SamplingPrefs {
+            top_k: Some(5),
+            ..Default::default()
+        };
+        let registry = SamplingPrefs {
+            temperature: Some(0.2),
+            top_k: Some(50),
+            ..Default::default()
+        };
+        let file = SamplingPrefs {
+            temperature: Some(0.7),
+            top_p: Some(0.8),
+            ..Default::default()
+        };
+        let r = Resolved::from_layers(&[
+            ("flag", &flag),
+            ("models.toml", &registry),
+            ("model file", &file),
+        ]);
+        assert_eq!(r.params.top_k, 5);
+        assert_eq!(r.params.temperature, 0.2);
+        assert_eq!(r.params.top_p, 0.8);
+        assert_eq!(r.params.min_p, 0.05, "nobody said: the built-in default");
+        assert_eq!(
+            r.origins[..4],
+            // temperature, top-k, top-p, min-p
+            ["models.toml", "flag", "model file", "built-in"].map(String::from)
+        );
+        assert!(r.describe().contains("temperature 0.2 (models.toml)"));
+    }
+
+    #[test]
+    fn the_seed_is_random_unless_given() {
+        let seeds: std::collections::HashSet<u64> = (0..8)
+            .map(|_| Resolved::from_layers(&[]).params.seed)
+            .collect();
+        assert!(seeds.len() > 1, "eight draws gave one seed");
+        assert_eq!(Resolved::from_layers(&[]).origins[6], "random");
+        let fixed = SamplingPrefs {
+            seed: Some(7),
+            ..Default::default()
+        };
+        let r = Resolved::from_layers(&[("flag", &fixed)]);
+        assert_eq!((r.params.seed, r.origins[6].as_str()), (7, "flag"));
     }
 
     #[test]

@@ -63,6 +63,7 @@ pub fn local(p: &Path) -> Result<Location> {
         config,
         tokenizer: opt("tokenizer.json"),
         tokenizer_config: opt("tokenizer_config.json"),
+        generation_config: opt("generation_config.json"),
         weights,
     }))
 }

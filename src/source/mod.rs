@@ -32,16 +32,25 @@ use std::path::Path;
 
 /// Finds (and if needed fetches) the model `-m` names, or the registry's default.
 pub fn resolve(model: Option<&str>, models_file: Option<&Path>) -> Result<Location> {
+    Ok(resolve_model(model, models_file)?.0)
+}
+
+/// As [`resolve`], with the registry entry's recommended sampling settings, if any.
+pub fn resolve_model(
+    model: Option<&str>,
+    models_file: Option<&Path>,
+) -> Result<(Location, Option<crate::model::sampling::SamplingPrefs>)> {
     let spec = match model {
         Some(m) => ModelRef::parse(m)?,
         None => ModelRef::Default,
     };
+    let with = |entry: &Entry| -> Result<_> { Ok((fetch_entry(entry)?, entry.sampling.clone())) };
     match spec {
-        ModelRef::Path(p) => local(&p),
-        ModelRef::Hub(src) => fetch_source(&src),
+        ModelRef::Path(p) => Ok((local(&p)?, None)),
+        ModelRef::Hub(src) => Ok((fetch_source(&src)?, None)),
         ModelRef::Default => {
             let reg = Registry::load(models_file)?;
-            fetch_entry(reg.get(&reg.default).expect("checked when parsed"))
+            with(reg.get(&reg.default).expect("checked when parsed"))
         }
         ModelRef::Named(name) => {
             let reg = Registry::load(models_file)?;
@@ -54,7 +63,7 @@ pub fn resolve(model: Option<&str>, models_file: Option<&Path>) -> Result<Locati
                     crate::did_you_mean(&name, names.iter().copied())
                 )
             })?;
-            fetch_entry(entry)
+            with(entry)
         }
     }
 }
@@ -83,6 +92,7 @@ fn hf_layout(
         config,
         tokenizer: get("tokenizer.json", true)?,
         tokenizer_config: get("tokenizer_config.json", true)?,
+        generation_config: get("generation_config.json", true)?,
         weights,
     }))
 }

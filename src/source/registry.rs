@@ -1,6 +1,7 @@
 //! The model registry, `models.toml`: named entries, each a list of sources tried in order.
 
 use super::paths::{check_repo_file, check_repo_id, check_revision, member_file_name};
+use crate::model::sampling::SamplingPrefs;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::Path;
@@ -64,6 +65,8 @@ impl std::fmt::Display for Source {
 struct RawEntry {
     description: String,
     sources: Vec<Source>,
+    #[serde(default)]
+    sampling: Option<SamplingPrefs>,
 }
 
 /// A named model of the registry.
@@ -72,6 +75,8 @@ pub struct Entry {
     pub name: String,
     pub description: String,
     pub sources: Vec<Source>,
+    /// Recommended sampling settings (`[models.NAME.sampling]`): over the model file's, under flags.
+    pub sampling: Option<SamplingPrefs>,
 }
 
 /// The parsed `models.toml`.
@@ -123,6 +128,7 @@ impl Registry {
                 name: name.clone(),
                 description: raw.description,
                 sources: raw.sources,
+                sampling: raw.sampling,
             };
             entry
                 .validate()
@@ -164,6 +170,13 @@ impl Entry {
     fn validate(&self) -> Result<()> {
         if self.sources.is_empty() {
             bail!("field sources: empty (give at least one hf or pip source)");
+        }
+        if let Some((name, why)) = self
+            .sampling
+            .as_ref()
+            .and_then(|s| s.problems().into_iter().next())
+        {
+            bail!("sampling: {} {why}", name.replace('-', "_"));
         }
         for s in &self.sources {
             match s {
