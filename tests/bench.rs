@@ -135,7 +135,9 @@ fn a_cell_over_its_time_budget_stops_early_and_says_so() {
         peak_rss_bytes: None,
     };
     let table = render_table(&report);
-    assert!(table.contains("capped by budget"), "{table}");
+    // The note is a numbered footnote under the table, not a wide column.
+    assert!(table.contains("[1] none @ "), "{table}");
+    assert!(table.contains("capped by the time budget"), "{table}");
     let json: serde_json::Value = serde_json::to_value(&report).unwrap();
     assert_eq!(json["cells"][0]["capped"], true);
     assert_eq!(json["cells"][0]["mode"], "none");
@@ -154,7 +156,7 @@ fn a_cell_over_its_time_budget_stops_early_and_says_so() {
 #[test]
 fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     let e = tiny_engine("table");
-    let cells = ["full", "window:16+2", "full+bf16+offload"]
+    let cells = ["full", "window:16+2", "window:16+2+bf16+offload"]
         .iter()
         .map(|m| measure_cell(&e, m, &mode(m).spec(e.ctx).unwrap(), 32, &bench_args(60.0)).unwrap())
         .collect();
@@ -169,12 +171,21 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     };
     let table = render_table(&report);
     let lines: Vec<&str> = table.lines().collect();
-    assert_eq!(lines.len(), 4, "{table}");
-    let width = lines[1].find("32").unwrap();
+    assert_eq!(
+        lines.len(),
+        5,
+        "two header lines and a row per cell: {table}"
+    );
+    let width = lines[2].find("32").unwrap();
     assert!(
-        lines.iter().skip(1).all(|l| l.find("32") == Some(width)),
+        lines.iter().skip(2).all(|l| l.find("32") == Some(width)),
         "{table}"
     );
+    assert!(
+        lines.iter().all(|l| l.chars().count() <= 100),
+        "wider than 100 columns: {table}"
+    );
+    assert!(table.contains(" KiB"), "kv bytes are readable: {table}");
     let svg = kvchat::commands::bench::plot_svg(&report);
     assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("window:16+2"));
 }
@@ -211,4 +222,29 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         let predicted = d.bytes_for_mode(&mode(name), n);
         assert_eq!(c.kv_bytes as f64, predicted, "{name} @ {ctx}");
     }
+}
+
+#[test]
+fn the_bench_bar_on_a_terminal_has_an_eta_and_covers_the_chat_turn_summary() {
+    let model = common::tiny::write_tiny_with_tokenizer("bench-bar");
+    let cmd = format!(
+        "exec {} bench -m {} --modes full,none --contexts 32,64 --gen 4 --repeat 1",
+        env!("CARGO_BIN_EXE_kvchat"),
+        model.display()
+    );
+    let out = std::process::Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("SHELL", "/bin/sh")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("script (util-linux) gives kvchat a pseudo-terminal");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{shown}");
+    // Four cells and the summary: five steps.
+    assert!(shown.contains("/5 steps"), "{shown}");
+    assert!(shown.contains("(ETA "), "{shown}");
+    assert!(
+        shown.contains("chat turn (512 prompt + 256 generated tokens)"),
+        "{shown}"
+    );
 }

@@ -270,3 +270,63 @@ fn version_names_the_compute_features_and_cpu_paths() {
     assert!(v.starts_with("kvchat 0.1.0"), "{v}");
     assert!(v.contains("features: ") && v.contains("CPU paths: "), "{v}");
 }
+
+/// Runs `shell_cmd` (kvchat's arguments after the binary, shell-quoted, redirections allowed) in a
+/// pseudo-terminal (util-linux `script`), and returns what the terminal showed.
+fn on_a_terminal(shell_cmd: &str) -> String {
+    let cmd = format!("exec {} {shell_cmd}", env!("CARGO_BIN_EXE_kvchat"));
+    let out = std::process::Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("KVCHAT_MODEL", common::model_path())
+        .env("SHELL", "/bin/sh")
+        .env_remove("NO_COLOR")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("script (util-linux) gives kvchat a pseudo-terminal");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn ppl_on_a_terminal_shows_a_bar_with_an_eta_and_the_running_perplexity() {
+    let d = temp_dir("ppl-bar");
+    let text = d.join("text.txt");
+    std::fs::write(&text, kvchat::commands::bench::BENCH_TEXT).unwrap();
+    let shown = on_a_terminal(&format!("ppl --chunk 64 --chunks 4 {}", p(&text)));
+    assert!(shown.contains("/124 tokens scored"), "{shown}");
+    assert!(shown.contains("(ETA "), "{shown}");
+    assert!(shown.contains(") ppl "), "no running perplexity: {shown}");
+    assert!(
+        shown.contains("ppl ") && shown.contains("over 124 tokens"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn a_long_generation_into_a_file_shows_progress_on_the_terminal() {
+    let d = temp_dir("gen-bar");
+    let answer = d.join("answer.txt");
+    // --no-cache over a ~500-token prompt: each step is a forward over the whole sequence, so the
+    // run passes the 2 s after which the bar appears.
+    let prompt: String = kvchat::commands::bench::BENCH_TEXT
+        .chars()
+        .take(2000)
+        .collect();
+    let prompt_file = d.join("prompt.txt");
+    std::fs::write(&prompt_file, prompt).unwrap();
+    let shown = on_a_terminal(&format!(
+        "run --raw --no-cache --temperature 0 --ignore-eos -n 4 < {} > {}",
+        p(&prompt_file),
+        p(&answer)
+    ));
+    assert!(shown.contains("/4 tokens"), "{shown}");
+    assert!(
+        shown.contains("--no-cache: every step recomputes"),
+        "{shown}"
+    );
+    assert!(!std::fs::read_to_string(&answer).unwrap().trim().is_empty());
+}

@@ -265,6 +265,8 @@ pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Resu
     })
 }
 
+/// The table a person reads: at most 100 columns for the usual mode names (notes are numbered
+/// footnotes under it), byte counts in KiB/MiB. The JSON keeps the exact integers.
 pub fn render_table(r: &BenchReport) -> String {
     // The mode column is as wide as the longest name (`window:1024+4+int8+offload`).
     let mw = r
@@ -273,18 +275,16 @@ pub fn render_table(r: &BenchReport) -> String {
         .map(|c| c.mode.len())
         .max()
         .unwrap_or(0)
-        .max(14);
+        .max(4);
     let mut s = format!(
-        "{:<mw$} {:>7} {:>12} {:>26} {:>10} {:>12} {:>10}  {}\n",
-        "mode",
-        "context",
-        "prefill t/s",
-        "decode ms/tok med [min-max]",
-        "kv pos",
-        "kv bytes",
-        "rss MiB",
-        "note"
+        "{:<mw$} {:>7} {:>9} {:>21} {:>7} {:>10} {:>7}\n",
+        "mode", "context", "prefill", "decode ms/tok", "kv pos", "kv mem", "rss"
     );
+    s += &format!(
+        "{:<mw$} {:>7} {:>9} {:>21} {:>7} {:>10} {:>7}\n",
+        "", "", "tok/s", "median [min-max]", "", "", "MiB"
+    );
+    let mut notes = Vec::new();
     for c in &r.cells {
         let d = c.decode_ms_per_token;
         let decode = if d.median.is_nan() {
@@ -292,30 +292,33 @@ pub fn render_table(r: &BenchReport) -> String {
         } else {
             format!("{:.2} [{:.2}-{:.2}]", d.median, d.min, d.max)
         };
-        let note = if c.capped {
-            format!(
-                "capped by budget: {} of {} tokens, {} run(s)",
-                c.decode_tokens, r.gen, c.runs
-            )
+        let mark = if c.capped {
+            notes.push(format!(
+                "{} @ {}: capped by the time budget (--budget-s): {} of {} tokens decoded, {} run(s)",
+                c.mode, c.context, c.decode_tokens, r.gen, c.runs
+            ));
+            format!(" [{}]", notes.len())
         } else {
             String::new()
         };
         s += &format!(
-            "{:<mw$} {:>7} {:>12.1} {:>26} {:>10} {:>12} {:>10}  {}\n",
+            "{:<mw$} {:>7} {:>9.1} {:>21} {:>7} {:>10} {:>7}{mark}\n",
             c.mode,
             c.context,
             c.prefill_tok_s.median,
             decode,
             c.kv_positions,
-            c.kv_bytes,
+            crate::source::human_bytes(c.kv_bytes as u64),
             c.rss_bytes
                 .map_or("-".into(), |b| format!("{:.0}", b as f64 / 1048576.0)),
-            note
         );
+    }
+    for (i, n) in notes.iter().enumerate() {
+        s += &format!("[{}] {n}\n", i + 1);
     }
     if let Some(t) = &r.chat_turn {
         s += &format!(
-            "\nchat turn ({} prompt + {} generated tokens): {} {:.2} s vs no-cache {:.2} s — the cache is {:.1}× faster end to end\n  (no-cache: {})\n",
+            "\nchat turn ({} prompt + {} generated tokens): {} {:.2} s vs no-cache {:.2} s,\n  the cache is {:.1}× faster end to end (no-cache: {})\n",
             t.prompt_tokens, t.generated_tokens, t.cached_mode, t.cached_s, t.no_cache_s, t.speedup, t.no_cache_method
         );
     }
@@ -385,11 +388,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let n_cells = specs.len() * args.contexts.len();
-    let bar = ProgressBar::new(n_cells as u64);
+    // One step per cell, and one for the chat-turn summary (two forwards and a full turn).
+    let bar = ProgressBar::new((n_cells + usize::from(!args.no_summary)) as u64);
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} cells, {elapsed} {msg}")
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps, {elapsed} (ETA {eta}) {msg}")
             .expect("valid template"),
     );
+    bar.enable_steady_tick(Duration::from_secs(1));
     let mut cells = Vec::new();
     for (name, spec) in &specs {
         for &ctx in &args.contexts {
@@ -398,7 +403,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bar.inc(1);
         }
     }
-    bar.finish_and_clear();
     let chat_turn = if args.no_summary {
         None
     } else {
@@ -410,8 +414,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "full".into(),
                 CacheSpec::full(crate::kv::DEFAULT_PRECISION, engine.ctx),
             ));
-        Some(chat_turn(&engine, &name, &spec)?)
+        bar.set_message(format!("chat-turn summary ({name} vs no-cache)"));
+        let t = chat_turn(&engine, &name, &spec)?;
+        bar.inc(1);
+        Some(t)
     };
+    bar.finish_and_clear();
     let report = BenchReport {
         model: engine
             .path

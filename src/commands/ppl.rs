@@ -68,16 +68,55 @@ fn nll(logits: &Tensor, target: u32) -> Result<f64> {
     Ok(lse - l[target as usize] as f64)
 }
 
-/// Prefills `seq[..warm]`, then feeds the rest token by token, returning the NLL of every token after
-/// the warm-up (each predicted from the logits of the one before).
-fn score(session: &mut Session<'_>, seq: &[u32], warm: usize) -> Result<Vec<f64>> {
+/// Prefills `seq[..warm]`, then feeds the rest token by token, appending to `out` the NLL of every
+/// token after the warm-up (each predicted from the logits of the one before); `tick` sees `out`
+/// after each.
+fn score(
+    session: &mut Session<'_>,
+    seq: &[u32],
+    warm: usize,
+    out: &mut Vec<f64>,
+    tick: &mut dyn FnMut(&[f64]),
+) -> Result<()> {
     let mut logits = session.feed(&seq[..warm])?;
-    let mut out = Vec::with_capacity(seq.len() - warm);
     for &tok in &seq[warm..] {
         out.push(nll(&logits, tok)?);
+        tick(out);
         logits = session.feed(&[tok])?;
     }
-    Ok(out)
+    Ok(())
+}
+
+/// Advances `bar` by one scored token; every 32 tokens shows the running perplexity.
+fn tick(bar: &indicatif::ProgressBar, label: String) -> impl FnMut(&[f64]) + '_ {
+    move |nlls| {
+        bar.inc(1);
+        if nlls.len() % 32 == 0 {
+            let mean = nlls.iter().sum::<f64>() / nlls.len() as f64;
+            bar.set_message(format!("{label}ppl {:.4}", mean.exp()));
+        }
+    }
+}
+
+/// How many tokens a run scores (what a progress bar counts to).
+pub fn tokens_to_score(
+    n_tokens: usize,
+    add_bos: bool,
+    chunk: usize,
+    max_chunks: usize,
+    long: bool,
+) -> usize {
+    if long {
+        (n_tokens + usize::from(add_bos)).saturating_sub(chunk / 2)
+    } else {
+        let available = n_tokens / chunk.max(1);
+        let n = if max_chunks == 0 {
+            available
+        } else {
+            available.min(max_chunks)
+        };
+        n * (chunk - chunk / 2 - 1)
+    }
 }
 
 /// Perplexity of `tokens` through the engine with the given cache mode.
@@ -88,6 +127,19 @@ pub fn perplexity(
     chunk: usize,
     max_chunks: usize,
     long: bool,
+) -> Result<Perplexity> {
+    perplexity_with(engine, cache, tokens, chunk, max_chunks, long, &mut |_| {})
+}
+
+/// As [`perplexity`]; `tick` sees the NLLs scored so far after each token (for a progress bar).
+pub fn perplexity_with(
+    engine: &Engine,
+    cache: CacheMode,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+    long: bool,
+    tick: &mut dyn FnMut(&[f64]),
 ) -> Result<Perplexity> {
     if chunk < 4 {
         bail!("a chunk of {chunk} tokens is too short (at least 4)");
@@ -112,7 +164,7 @@ pub fn perplexity(
         seq.extend(bos);
         seq.extend_from_slice(tokens);
         let mut s = engine.session(&spec);
-        nlls = score(&mut s, &seq, chunk / 2)?;
+        score(&mut s, &seq, chunk / 2, &mut nlls, tick)?;
         n_chunks = 1;
     } else {
         let available = tokens.len() / chunk;
@@ -134,7 +186,7 @@ pub fn perplexity(
             }
             let mut s = engine.session(&spec);
             // Positions chunk/2 .. chunk-1 predict tokens chunk/2+1 .. chunk-1.
-            nlls.extend(score(&mut s, &seq, chunk / 2 + 1)?);
+            score(&mut s, &seq, chunk / 2 + 1, &mut nlls, tick)?;
         }
     }
     let n = nlls.len() as f64;
@@ -182,14 +234,48 @@ pub fn run(args: PplArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("--against {name}: {e}"))?;
     }
     let tokens = engine.tokenizer.encode(&text)?;
-    let p = perplexity(&engine, mode, &tokens, args.chunk, args.chunks, args.long)?;
+    // A bar on stderr (drawn only on a terminal) with the ETA and the running perplexity, as
+    // llama-perplexity prints each chunk's; with --against it covers both passes.
+    let per_pass = tokens_to_score(
+        tokens.len(),
+        engine.tokenizer.add_bos && engine.tokenizer.bos_id.is_some(),
+        args.chunk,
+        args.chunks,
+        args.long,
+    );
+    let passes = 1 + usize::from(against.is_some());
+    let bar = indicatif::ProgressBar::new((per_pass * passes) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} tokens scored, {elapsed} (ETA {eta}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    let p = perplexity_with(
+        &engine,
+        mode,
+        &tokens,
+        args.chunk,
+        args.chunks,
+        args.long,
+        &mut tick(&bar, String::new()),
+    )?;
     let vs = match against {
         Some((name, m)) => {
-            let b = perplexity(&engine, m, &tokens, args.chunk, args.chunks, args.long)?;
+            let b = perplexity_with(
+                &engine,
+                m,
+                &tokens,
+                args.chunk,
+                args.chunks,
+                args.long,
+                &mut tick(&bar, format!("against {name}: ")),
+            )?;
             Some(paired(&p, &b, &name)?)
         }
         None => None,
     };
+    bar.finish_and_clear();
     let mut out = std::io::stdout().lock();
     if args.json {
         let mut j = serde_json::to_value(&p)?;
@@ -217,4 +303,18 @@ pub fn run(args: PplArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_to_score_counts_what_the_chunks_score() {
+        // Two chunks of 512 (the rest is dropped): positions 257..511 of each, 255 tokens.
+        assert_eq!(tokens_to_score(1030, true, 512, 0, false), 510);
+        assert_eq!(tokens_to_score(1030, true, 512, 1, false), 255);
+        // One sequence after a warm-up of 256, the BOS included.
+        assert_eq!(tokens_to_score(1000, true, 512, 0, true), 745);
+    }
 }

@@ -110,6 +110,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     }
     let mut first_token: Option<Duration> = None;
+    // A generation whose answer goes to a file or a pipe shows a bar on stderr (a terminal only)
+    // once it has run a few seconds; on a terminal the streaming answer is the progress.
+    let show_bar = !std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut generated = 0u64;
+    let recomputes = spec.recomputes();
     let (_, reason, mut stats) = session.decode(
         logits,
         &mut sampler,
@@ -118,6 +124,13 @@ pub fn run(args: RunArgs) -> Result<()> {
         args.ignore_eos,
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
+            generated += 1;
+            if show_bar && bar.is_none() && t0.elapsed() > Duration::from_secs(2) {
+                bar = Some(generation_bar(args.max_tokens as u64, recomputes));
+            }
+            if let Some(b) = &bar {
+                b.set_position(generated);
+            }
             if let Some(text) = stream.push(&engine.tokenizer, id)? {
                 stdout.write_all(text.as_bytes())?;
                 stdout.flush()?;
@@ -125,6 +138,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             Ok(true)
         },
     )?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
     stats.prompt_tokens = ids.len() - reused;
     stats.prefill = prefill;
     if let Some(text) = stream.finish(&engine.tokenizer)? {
@@ -150,6 +166,21 @@ pub fn run(args: RunArgs) -> Result<()> {
         eprintln!("[stats] sampling: {}", sampling.describe());
     }
     Ok(())
+}
+
+/// The bar of a long generation: tokens out of `max`, speed and ETA.
+fn generation_bar(max: u64, recomputes: bool) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(max);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} tokens, {elapsed} (ETA {eta}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    if recomputes {
+        bar.set_message("--no-cache: every step recomputes the whole sequence");
+    }
+    bar
 }
 
 pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopReason) {
