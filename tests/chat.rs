@@ -527,3 +527,38 @@ fn an_answer_cut_by_the_full_context_says_so_not_max_tokens() {
     assert!(err.contains("the context of 48 tokens is full"), "{err}");
     assert!(!err.contains("max tokens"), "{err}");
 }
+
+#[test]
+fn no_color_turns_the_prompt_colour_off_on_a_terminal() {
+    let cmd = format!("exec {} chat", env!("CARGO_BIN_EXE_kvchat"));
+    let mut child = Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("KVCHAT_MODEL", common::model_path())
+        .env("SHELL", "/bin/sh")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs kvchat in a pseudo-terminal");
+    // The pseudo-terminal buffers what is typed until kvchat reads it at its prompt.
+    child.stdin.take().unwrap().write_all(b"/exit\r").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("/help for commands"), "{text}");
+    assert!(text.contains("> "), "{text}");
+    assert!(
+        !text.contains("\x1b[1;32m"),
+        "coloured despite NO_COLOR: {text}"
+    );
+}
+
+#[test]
+fn piped_chat_stats_carry_no_colour_codes() {
+    let out = kvchat(
+        &["chat", "--temperature", "0", "-n", "2", "--stats"],
+        "hi\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[stats] turn 1:"), "{err}");
+    assert!(!err.contains('\x1b'), "{err}");
+}

@@ -84,7 +84,10 @@ fn stats_report_prefill_decode_and_kv_bytes() {
     assert!(err.contains(&format!("{held} positions held")), "{err}");
     // The default cache stores f16: 2 × 30 layers × 3 KV heads × 64 × 2 bytes = 23,040 per token.
     assert!(
-        err.contains(&format!("{} bytes used", held * 23_040)),
+        err.contains(&format!(
+            "{} used",
+            kvchat::source::human_bytes((held * 23_040) as u64)
+        )),
         "{err}"
     );
     assert!(err.contains("kv cache full (precision f16"), "{err}");
@@ -329,4 +332,55 @@ fn a_long_generation_into_a_file_shows_progress_on_the_terminal() {
         "{shown}"
     );
     assert!(!std::fs::read_to_string(&answer).unwrap().trim().is_empty());
+}
+
+#[test]
+fn scripts_kvchat_says_it_is_building_on_the_first_run_only() {
+    // The script in a scratch root, with a stand-in `cargo` whose "build" writes a kvchat that
+    // prints "ran": what the script says around the build is what is tested, not the build.
+    let root = temp_dir("script-first-run");
+    std::fs::create_dir_all(root.join("scripts")).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kvchat"),
+        root.join("scripts/kvchat"),
+    )
+    .unwrap();
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let fake_cargo = bin.join("cargo");
+    std::fs::write(
+        &fake_cargo,
+        format!(
+            "#!/bin/sh\nmkdir -p {r}/target/release\nprintf '#!/bin/sh\\necho ran\\n' > {r}/target/release/kvchat\nchmod +x {r}/target/release/kvchat\n",
+            r = root.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake_cargo, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let _ = std::fs::remove_dir_all(root.join("target"));
+    let run = || {
+        std::process::Command::new("bash")
+            .arg(root.join("scripts/kvchat"))
+            .env(
+                "PATH",
+                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+            )
+            .output()
+            .unwrap()
+    };
+    let first = run();
+    assert_eq!(String::from_utf8_lossy(&first.stdout).trim(), "ran");
+    assert!(
+        String::from_utf8_lossy(&first.stderr).contains("building it first"),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let second = run();
+    assert_eq!(String::from_utf8_lossy(&second.stdout).trim(), "ran");
+    assert!(
+        second.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
 }
