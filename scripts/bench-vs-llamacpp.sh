@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # kvchat against llama.cpp on the same GGUF, side by side, alternating, on this CPU.
 #   scripts/bench-vs-llamacpp.sh [ROUNDS=3] [THREADS=2]
-# Builds llama.cpp's llama-bench once from the sources vendored in the PyPI sdist of llama-cpp-python
-# (CPU only, GGML_NATIVE, no network features) into ${KVCHAT_HOME:-~/.cache/kvchat}/llama.cpp, outside
-# the repository. Then, ROUNDS times: llama-bench (f16 KV + flash attention; q8_0 KV) and
+# Builds llama.cpp's llama-bench once (scripts/llamacpp.sh: from the sources vendored in the PyPI sdist
+# of llama-cpp-python, CPU only, into ${KVCHAT_HOME:-~/.cache/kvchat}/llama.cpp, outside the
+# repository). Then, ROUNDS times: llama-bench (f16 KV + flash attention; q8_0 KV) and
 # `kvchat bench` (full; int8), each measuring prefill of 512 tokens and decode at contexts 128, 512,
 # 2048, 4096. Prints per-round figures, medians with min–max spread, and kvchat/llama.cpp ratios.
 set -euo pipefail
@@ -11,44 +11,13 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
 threads="${2:-2}"
 reps="${LLAMA_REPS:-3}"   # llama-bench repetitions per test, per round
-ver=0.3.36
-sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
-cache="$home/llama.cpp"
 model="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-bench="$cache/build-$ver/bin/llama-bench"
 out="${OUT:-$root/target/bench-vs-llamacpp}"
-mkdir -p "$cache" "$out"
+mkdir -p "$out"
 
 "$root/scripts/fetch-models.sh" >&2
-
-if [ ! -x "$bench" ]; then
-  tarball="$cache/llama_cpp_python-$ver.tar.gz"
-  if [ ! -f "$tarball" ]; then
-    # The sdist's URL from the index's simple API (pip download --no-binary would build a wheel's
-    # build environment, cmake included, from source).
-    index="${PIP_INDEX_URL:-https://pypi.org/simple}"
-    url=$(curl -fsSL "$index/llama-cpp-python/" | grep -o "https://[^\"#]*llama_cpp_python-$ver.tar.gz" | head -1)
-    curl -fsSL -o "$tarball.part" "$url"
-    echo "$sdist_sha  $tarball.part" | sha256sum --check --status || { echo "sha256 mismatch: $url" >&2; exit 1; }
-    mv "$tarball.part" "$tarball"
-  fi
-  src="$cache/src-$ver"
-  if [ ! -d "$src" ]; then
-    mkdir -p "$src.tmp" && tar -xzf "$tarball" -C "$src.tmp" && mv "$src.tmp" "$src"
-  fi
-  lsrc="$src/llama_cpp_python-$ver/vendor/llama.cpp"
-  cmake_bin=$(command -v cmake || true)
-  if [ -z "$cmake_bin" ]; then
-    python3 -m pip install --quiet --target "$cache/tools" cmake
-    cmake_bin="$cache/tools/bin/cmake"
-    export PYTHONPATH="$cache/tools${PYTHONPATH:+:$PYTHONPATH}"
-  fi
-  "$cmake_bin" -S "$lsrc" -B "$cache/build-$ver" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON >&2
-  "$cmake_bin" --build "$cache/build-$ver" --target llama-bench -j "$(nproc)" >&2
-fi
+bench="$("$root/scripts/llamacpp.sh" llama-bench)/llama-bench"
 
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kvchat="$root/target/release/kvchat"

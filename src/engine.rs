@@ -29,6 +29,9 @@ pub struct Engine {
     /// then the model file's (GGUF `general.sampling.*` or generation_config.json). Flags go on top
     /// (`Resolved::from_layers`).
     pub sampling: Vec<(String, SamplingPrefs)>,
+    /// What was wrong with the model's recommendations and was set aside (printed by the
+    /// commands that sample).
+    pub sampling_notes: Vec<String>,
     /// Number of weights (every tensor's elements).
     pub params: u64,
     /// The tensors' storage types and how many of each, most common first ("q4_1 ×182, f32 ×61").
@@ -226,14 +229,6 @@ impl Engine {
         Ok(engine)
     }
 
-    /// The sampling settings in force: `flags` over the model's recommendations (see `sampling`)
-    /// over the built-in defaults; a random seed unless one is given.
-    pub fn sampling_for(&self, flags: &SamplingPrefs) -> crate::session::Resolved {
-        let mut layers: Vec<(&str, &SamplingPrefs)> = vec![("flag", flags)];
-        layers.extend(self.sampling.iter().map(|(o, p)| (o.as_str(), p)));
-        crate::session::Resolved::from_layers(&layers)
-    }
-
     /// The context size asked for, else the model's trained context. Either must fit in memory
     /// with its KV cache at full length (keys and values in every layer at the widest precision
     /// the run uses, plus the RoPE table): a size asked for that does not is refused, the trained
@@ -302,7 +297,8 @@ impl Engine {
             .get("tokenizer.chat_template")
             .and_then(|v| v.to_string().ok())
             .cloned();
-        let file_sampling = SamplingPrefs::from_gguf(&gguf.content.metadata);
+        let mut notes = Vec::new();
+        let file_sampling = SamplingPrefs::from_gguf(&gguf.content.metadata, &mut notes);
         let infos = gguf.content.tensor_infos.values();
         let params = infos.clone().map(|t| t.shape.elem_count() as u64).sum();
         let tensor_types =
@@ -330,7 +326,7 @@ impl Engine {
             e.sampling
                 .push(("GGUF general.sampling".into(), file_sampling));
         }
-        (e.params, e.tensor_types) = (params, tensor_types);
+        (e.params, e.tensor_types, e.sampling_notes) = (params, tensor_types, notes);
         Ok(e)
     }
 
@@ -353,14 +349,15 @@ impl Engine {
         let digest = ckpt.digest(dtype);
         let (params, tensor_types) = ckpt.tensor_summary();
         let weights = format!("{dtype:?}").to_lowercase();
+        let mut notes = Vec::new();
         let file_sampling = match &files.generation_config {
             Some(p) => match crate::read_json(p) {
-                Ok(j) => SamplingPrefs::from_generation_config(&j),
+                Ok(j) => SamplingPrefs::from_generation_config(&j, &mut notes),
                 Err(e) => {
-                    eprintln!(
-                        "note: ignoring generation_config.json: {}",
+                    notes.push(format!(
+                        "ignoring generation_config.json: {}",
                         crate::error_line(&e)
-                    );
+                    ));
                     SamplingPrefs::default()
                 }
             },
@@ -381,6 +378,7 @@ impl Engine {
                 .push(("generation_config.json".into(), file_sampling));
         }
         e.params = params;
+        e.sampling_notes = notes;
         e.tensor_types = format!("{tensor_types} in the files, loaded as {weights}");
         Ok(e)
     }
@@ -424,6 +422,7 @@ impl Engine {
             device,
             weights: weights.to_string(),
             sampling: Vec::new(),
+            sampling_notes: Vec::new(),
             params: 0,
             tensor_types: String::new(),
         })

@@ -89,6 +89,12 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// Whether `spec` (a `--chat-template` value) names a template that parses and renders, checked
+    /// before any model is loaded (placeholder BOS/EOS text stands in for the model's).
+    pub fn check_spec(spec: &str) -> Result<()> {
+        Self::from_spec(spec, "<s>", "</s>").map(|_| ())
+    }
+
     /// `spec` as the user gives it (`--chat-template`): the name of a built-in template, Jinja text
     /// (it has `{{` or `{%`), or a file holding one. Anything else is a mistyped name.
     pub fn from_spec(spec: &str, bos_token: &str, eos_token: &str) -> Result<Self> {

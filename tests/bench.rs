@@ -160,7 +160,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
         .iter()
         .map(|m| measure_cell(&e, m, &mode(m).spec(e.ctx).unwrap(), 32, &bench_args(60.0)).unwrap())
         .collect();
-    let report = BenchReport {
+    let mut report = BenchReport {
         model: "tiny".into(),
         threads: 1,
         gen: 8,
@@ -169,12 +169,25 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
         chat_turn: None,
         peak_rss_bytes: None,
     };
+    // A slow cell (a recompute at long context) with a big cache must not widen its columns.
+    let mut slow = report.cells[0].clone();
+    slow.decode_ms_per_token = kvchat::commands::bench::Spread {
+        median: 1234.5,
+        min: 999.9,
+        max: 2345.6,
+    };
+    slow.kv_bytes = 1_048_000_000;
+    report.cells.push(slow);
     let table = render_table(&report);
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(
         lines.len(),
-        5,
+        6,
         "two header lines and a row per cell: {table}"
+    );
+    assert!(
+        lines[2..].iter().all(|l| l.len() == lines[2].len()),
+        "rows of different widths: {table}"
     );
     let width = lines[2].find("32").unwrap();
     assert!(

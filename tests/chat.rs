@@ -486,6 +486,26 @@ fn a_refused_set_changes_nothing_and_a_mistyped_command_gets_a_suggestion() {
 }
 
 #[test]
+fn set_seed_replays_the_same_sampled_answer_even_when_the_seed_is_unchanged() {
+    let out = kvchat(
+        &["chat", "--temperature", "1.5", "--seed", "5", "-n", "12"],
+        "/set seed 5\nSay a random word.\n/undo\n/set seed 5\nSay a random word.\n",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('(') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(answers.len(), 2, "{text}");
+    assert_eq!(answers[0], answers[1], "{text}");
+}
+
+#[test]
 fn undo_of_the_only_exchange_keeps_the_system_prompt_cached() {
     let mut c = conversation();
     c.system = Some("You are terse.".into());

@@ -688,6 +688,27 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
             "--prompt-cache",
         ),
         (&["chat", "-m", m, "--min-p", "7"], "--min-p"),
+        (
+            &["run", "-m", m, "--chat-template", "chatmlx", "hi"],
+            "--chat-template",
+        ),
+        (
+            &["chat", "-m", m, "--chat-template", "{% if %}"],
+            "--chat-template",
+        ),
+        (
+            &[
+                "ppl",
+                "-m",
+                m,
+                "--ctx",
+                "256",
+                "--against",
+                "window:512",
+                "/dev/null",
+            ],
+            "--against window:512",
+        ),
         (&["chat", "-m", m, "--on-full", "never"], "--on-full"),
         (
             &["chat", "-m", m, "--repeat-penalty", "0"],

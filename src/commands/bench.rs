@@ -277,11 +277,11 @@ pub fn render_table(r: &BenchReport) -> String {
         .unwrap_or(0)
         .max(4);
     let mut s = format!(
-        "{:<mw$} {:>7} {:>9} {:>21} {:>7} {:>10} {:>7}\n",
+        "{:<mw$} {:>7} {:>9} {:>22} {:>7} {:>11} {:>7}\n",
         "mode", "context", "prefill", "decode ms/tok", "kv pos", "kv mem", "rss"
     );
     s += &format!(
-        "{:<mw$} {:>7} {:>9} {:>21} {:>7} {:>10} {:>7}\n",
+        "{:<mw$} {:>7} {:>9} {:>22} {:>7} {:>11} {:>7}\n",
         "", "", "tok/s", "median [min-max]", "", "", "MiB"
     );
     let mut notes = Vec::new();
@@ -290,7 +290,13 @@ pub fn render_table(r: &BenchReport) -> String {
         let decode = if d.median.is_nan() {
             "-".to_string()
         } else {
-            format!("{:.2} [{:.2}-{:.2}]", d.median, d.min, d.max)
+            // Fewer decimals as the numbers grow, so the column keeps its width.
+            let prec = match d.max {
+                m if m < 100.0 => 2,
+                m if m < 1000.0 => 1,
+                _ => 0,
+            };
+            format!("{:.prec$} [{:.prec$}-{:.prec$}]", d.median, d.min, d.max)
         };
         let mark = if c.capped {
             notes.push(format!(
@@ -302,7 +308,7 @@ pub fn render_table(r: &BenchReport) -> String {
             String::new()
         };
         s += &format!(
-            "{:<mw$} {:>7} {:>9.1} {:>21} {:>7} {:>10} {:>7}{mark}\n",
+            "{:<mw$} {:>7} {:>9.1} {:>22} {:>7} {:>11} {:>7}{mark}\n",
             c.mode,
             c.context,
             c.prefill_tok_s.median,
@@ -389,7 +395,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let n_cells = specs.len() * args.contexts.len();
     // One step per cell, and one for the chat-turn summary (two forwards and a full turn).
-    let bar = ProgressBar::new((n_cells + usize::from(!args.no_summary)) as u64);
+    let bar = ProgressBar::new((n_cells + usize::from(!args.no_summary)) as u64)
+        .with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps, {elapsed} (ETA {eta}) {msg}")
             .expect("valid template"),

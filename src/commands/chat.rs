@@ -62,6 +62,8 @@ struct Chat<'e> {
     template: String,
     /// Colour on stderr.
     colour: bool,
+    /// `--stats`: the sampling in force is printed at the start and after each `/set`.
+    stats: bool,
 }
 
 impl Chat<'_> {
@@ -151,6 +153,20 @@ impl Chat<'_> {
             })?;
             self.sampling.apply(&p, "/set");
             self.sampler.update(self.sampling.params.clone());
+            if name == "seed" {
+                // `/set seed N` replays from N, even when N is the seed already in force.
+                self.sampler.reseed();
+            }
+            if self.stats {
+                eprintln!(
+                    "{}",
+                    style::paint(
+                        self.colour,
+                        style::DIM,
+                        &format!("[stats] sampling: {}", self.sampling.describe())
+                    )
+                );
+            }
         }
         Ok(format!("({name} = {value})"))
     }
@@ -435,6 +451,9 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if let Some(pc) = &args.prompt_cache {
         persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
     }
+    if let Some(t) = &args.chat_template {
+        crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
+    }
     let interrupt = crate::interrupt::install()?;
     let engine = Engine::load(&load)?;
     let spec = args.cache.spec(engine.ctx)?;
@@ -451,7 +470,21 @@ pub fn run(args: ChatArgs) -> Result<()> {
             None => "the model's own".into(),
         },
         colour: style::stderr(),
+        stats: args.stats,
     };
+    for n in &engine.sampling_notes {
+        eprintln!("note: {n}");
+    }
+    if args.stats {
+        eprintln!(
+            "{}",
+            style::paint(
+                chat.colour,
+                style::DIM,
+                &format!("[stats] sampling: {}", chat.sampling.describe())
+            )
+        );
+    }
     if let Some(pc) = &args.prompt_cache {
         if pc.exists() {
             match chat.conv.load(pc) {
@@ -559,8 +592,13 @@ pub fn run(args: ChatArgs) -> Result<()> {
                 match t.reason {
                     StopReason::Interrupted => eprintln!("(interrupted)"),
                     StopReason::ContextFull => eprintln!(
-                        "(the answer was cut: the context of {} tokens is full; /undo, /reset, or --on-full shift)",
-                        chat.conv.session.max_positions()
+                        "(the answer was cut: the context of {} tokens is full; {})",
+                        chat.conv.session.max_positions(),
+                        if on_full == crate::session::conversation::OnFull::Stop {
+                            "/undo, /reset, or --on-full shift"
+                        } else {
+                            "the next turn drops the oldest turns"
+                        }
                     ),
                     _ => {}
                 }

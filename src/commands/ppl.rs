@@ -216,6 +216,11 @@ pub fn run(args: PplArgs) -> Result<()> {
         )),
         None => None,
     };
+    // With --ctx given, the --against mode is checked against it too before anything loads.
+    if let (Some((name, m)), Some(ctx)) = (&against, args.model.ctx) {
+        m.spec(ctx.max(args.chunk))
+            .map_err(|e| anyhow::anyhow!("--against {name}: {e}"))?;
+    }
     load.kv_precisions = std::iter::once(mode.precision)
         .chain(against.as_ref().map(|(_, m)| m.precision))
         .collect();
@@ -244,7 +249,8 @@ pub fn run(args: PplArgs) -> Result<()> {
         args.long,
     );
     let passes = 1 + usize::from(against.is_some());
-    let bar = indicatif::ProgressBar::new((per_pass * passes) as u64);
+    let bar = indicatif::ProgressBar::new((per_pass * passes) as u64)
+        .with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{bar:30} {pos}/{len} tokens scored, {elapsed} (ETA {eta}) {msg}",

@@ -8,7 +8,7 @@ use crate::session::{GenStats, Sampler, StopReason};
 use crate::source::human_bytes;
 use crate::template::Message;
 use crate::tokenizer::TextStream;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -55,6 +55,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(pc) = &args.prompt_cache {
         persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
     }
+    if let Some(t) = &args.chat_template {
+        crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
+    }
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
     let engine = Engine::load(&load)?;
@@ -88,6 +91,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     let mut session = engine.session(&spec);
     let sampling = engine.sampling_for(&sampling);
+    for n in &engine.sampling_notes {
+        eprintln!("note: {n}");
+    }
     let mut sampler = Sampler::new(sampling.params.clone());
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
@@ -113,6 +119,13 @@ pub fn run(args: RunArgs) -> Result<()> {
     // A generation whose answer goes to a file or a pipe shows a bar on stderr (a terminal only)
     // once it has run a few seconds; on a terminal the streaming answer is the progress.
     let show_bar = !std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    // (KVCHAT_PROGRESS_AFTER_MS changes the delay: the tests set 0.)
+    let bar_after = Duration::from_millis(
+        std::env::var("KVCHAT_PROGRESS_AFTER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000),
+    );
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut generated = 0u64;
     let recomputes = spec.recomputes();
@@ -125,7 +138,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
             generated += 1;
-            if show_bar && bar.is_none() && t0.elapsed() > Duration::from_secs(2) {
+            if show_bar && bar.is_none() && t0.elapsed() >= bar_after {
                 bar = Some(generation_bar(args.max_tokens as u64, recomputes));
             }
             if let Some(b) = &bar {
@@ -170,7 +183,7 @@ pub fn run(args: RunArgs) -> Result<()> {
 
 /// The bar of a long generation: tokens out of `max`, speed and ETA.
 fn generation_bar(max: u64, recomputes: bool) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(max);
+    let bar = indicatif::ProgressBar::new(max).with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{bar:30} {pos}/{len} tokens, {elapsed} (ETA {eta}) {msg}",

@@ -86,19 +86,19 @@ impl std::str::FromStr for CacheMode {
                 ("window", Some(w)) => {
                     let window = num("window size", w)?;
                     // A number right after the window is its sink count.
-                    let sinks = match parts.get(i + 1) {
+                    let (sinks, given) = match parts.get(i + 1) {
                         Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
                             i += 1;
-                            num("sink count", n)?
+                            (num("sink count", n)?, "")
                         }
-                        _ => DEFAULT_SINKS,
+                        _ => (DEFAULT_SINKS, " (the default)"),
                     };
                     if window == 0 {
                         anyhow::bail!("cache mode '{s}': a window must hold at least 1 position");
                     }
                     if sinks >= window {
                         anyhow::bail!(
-                            "cache mode '{s}': {sinks} sinks do not fit a window of {window}"
+                            "cache mode '{s}': {sinks} sinks{given} do not fit a window of {window} (give fewer: window:{window}+0)"
                         );
                     }
                     set_retention(&mut retention, Retention::Window { window, sinks })?
@@ -507,7 +507,7 @@ mod tests {
     fn malformed_cache_modes_are_refused() {
         for bad in [
             "window:x",
-            "window:4+y",
+            "window:64+y",
             "int3",
             "",
             "full:3",

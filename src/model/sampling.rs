@@ -19,7 +19,7 @@ pub struct SamplingPrefs {
     pub seed: Option<u64>,
 }
 
-/// The settings by name, as the flags and `/set` spell them.
+/// The settings' names, in the order `Resolved::origins` keeps them (as `/set` takes them).
 pub const SETTINGS: [&str; 7] = [
     "temperature",
     "top-k",
@@ -88,11 +88,11 @@ impl SamplingPrefs {
         Ok(())
     }
 
-    /// Drops the values that are unusable, saying once on stderr which (a model file's
-    /// recommendation is advice: a bad one must not stop the run, nor be used).
-    pub fn usable(mut self, origin: &str) -> Self {
+    /// Drops the values that are unusable (a model file's recommendation is advice: a bad one must
+    /// not stop the run, nor be used), adding a note for each to `notes`.
+    pub fn usable(mut self, origin: &str, notes: &mut Vec<String>) -> Self {
         for (name, why) in self.problems() {
-            eprintln!("note: ignoring {origin}'s {name}: it {why}");
+            notes.push(format!("ignoring {origin}'s {name}: it {why}"));
             match name {
                 "temperature" => self.temperature = None,
                 "top-p" => self.top_p = None,
@@ -103,8 +103,9 @@ impl SamplingPrefs {
         self
     }
 
-    /// The `general.sampling.*` keys of a GGUF's metadata (llama.cpp's names).
-    pub fn from_gguf(md: &HashMap<String, Value>) -> Self {
+    /// The `general.sampling.*` keys of a GGUF's metadata (llama.cpp's names); a note in `notes`
+    /// for each unusable value dropped.
+    pub fn from_gguf(md: &HashMap<String, Value>, notes: &mut Vec<String>) -> Self {
         let float = |k: &str| -> Option<f32> {
             match md.get(k)? {
                 Value::F32(v) => Some(*v),
@@ -122,12 +123,12 @@ impl SamplingPrefs {
             repeat_last_n: count("general.sampling.penalty_last_n"),
             seed: None,
         }
-        .usable("the GGUF's general.sampling")
+        .usable("the GGUF's general.sampling", notes)
     }
 
     /// A Hugging Face `generation_config.json` (already parsed): temperature, top_k, top_p, min_p,
     /// repetition_penalty; `do_sample: false` means greedy.
-    pub fn from_generation_config(j: &serde_json::Value) -> Self {
+    pub fn from_generation_config(j: &serde_json::Value, notes: &mut Vec<String>) -> Self {
         let float = |k: &str| j.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
         let greedy = j.get("do_sample").and_then(|v| v.as_bool()) == Some(false);
         Self {
@@ -146,7 +147,7 @@ impl SamplingPrefs {
             repeat_last_n: None,
             seed: None,
         }
-        .usable("generation_config.json")
+        .usable("generation_config.json", notes)
     }
 }
 
@@ -182,7 +183,7 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        let p = SamplingPrefs::from_gguf(&md);
+        let p = SamplingPrefs::from_gguf(&md, &mut Vec::new());
         assert_eq!(p.temperature, Some(0.6));
         assert_eq!(p.top_k, Some(20));
         assert_eq!(p.top_p, Some(0.95));
@@ -193,7 +194,7 @@ mod tests {
 
     #[test]
     fn a_gguf_without_sampling_keys_states_nothing() {
-        assert!(SamplingPrefs::from_gguf(&HashMap::new()).is_empty());
+        assert!(SamplingPrefs::from_gguf(&HashMap::new(), &mut Vec::new()).is_empty());
     }
 
     #[test]
@@ -203,23 +204,28 @@ mod tests {
             ("general.sampling.top_p".to_string(), Value::F32(0.5)),
         ]
         .into();
-        let p = SamplingPrefs::from_gguf(&md);
+        let mut notes = Vec::new();
+        let p = SamplingPrefs::from_gguf(&md, &mut notes);
         assert_eq!(p.temperature, None);
         assert_eq!(p.top_p, Some(0.5));
+        assert_eq!(
+            notes,
+            ["ignoring the GGUF's general.sampling's temperature: it must be a number ≥ 0, got -1"]
+        );
     }
 
     #[test]
     fn generation_config_maps_hf_names_and_do_sample_false_is_greedy() {
         let j = serde_json::json!({"temperature": 0.7, "top_p": 0.8, "top_k": 20,
             "repetition_penalty": 1.05, "bos_token_id": 1});
-        let p = SamplingPrefs::from_generation_config(&j);
+        let p = SamplingPrefs::from_generation_config(&j, &mut Vec::new());
         assert_eq!(
             (p.temperature, p.top_p, p.top_k, p.repeat_penalty),
             (Some(0.7), Some(0.8), Some(20), Some(1.05))
         );
         let greedy = serde_json::json!({"do_sample": false, "temperature": 0.7});
         assert_eq!(
-            SamplingPrefs::from_generation_config(&greedy).temperature,
+            SamplingPrefs::from_generation_config(&greedy, &mut Vec::new()).temperature,
             Some(0.0)
         );
     }

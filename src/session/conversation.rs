@@ -141,6 +141,7 @@ impl<'e> Conversation<'e> {
                         );
                     }
                     self.turns.remove(0);
+                    self.shifted_out += 1;
                     shifted += 1;
                     ids = self.render_ids(Some(question), true)?;
                 }
@@ -174,7 +175,6 @@ impl<'e> Conversation<'e> {
         }
         let answer = engine.tokenizer.decode(&out, true)?;
         self.turns.push((question.to_string(), answer));
-        self.shifted_out += shifted;
         let stats = TurnStats {
             number: self.shifted_out + self.turns.len(),
             reused,

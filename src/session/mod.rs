@@ -9,6 +9,7 @@ pub mod sampler;
 pub use sampler::{argmax, Resolved, Sampler, SamplingParams};
 
 use crate::kv::KvCache;
+use crate::model::sampling::SamplingPrefs;
 use crate::model::{Llama, Logits};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -66,6 +67,14 @@ impl crate::engine::Engine {
             usize::MAX
         };
         Session::new(&self.model, cache, max)
+    }
+
+    /// The sampling settings in force: `flags` over the model's recommendations (`sampling`)
+    /// over the built-in defaults; a random seed unless one is given.
+    pub fn sampling_for(&self, flags: &SamplingPrefs) -> Resolved {
+        let mut layers: Vec<(&str, &SamplingPrefs)> = vec![("flag", flags)];
+        layers.extend(self.sampling.iter().map(|(o, p)| (o.as_str(), p)));
+        Resolved::from_layers(&layers)
     }
 }
 

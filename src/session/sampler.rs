@@ -146,6 +146,11 @@ impl Sampler {
         self.p = p;
     }
 
+    /// Restarts the generator from the seed: what follows is sampled as in a run started now.
+    pub fn reseed(&mut self) {
+        self.rng = StdRng::seed_from_u64(self.p.seed);
+    }
+
     /// Picks the next token from `logits` [vocab]; `recent` are the tokens the repeat penalty looks at.
     pub fn sample(&mut self, logits: &Tensor, recent: &[u32]) -> Result<u32> {
         let mut logits: Vec<f32> = logits.to_vec1()?;
