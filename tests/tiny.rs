@@ -118,3 +118,130 @@ fn sentencepiece_tokenizer_falls_back_to_bytes() {
     assert_eq!(ids, vec![10, 3, 4]); // "▁h" <0xC3> <0xA9>
     assert_eq!(tk.decode(&ids, false).unwrap(), "hé");
 }
+
+fn load_arch(name: &str, arch: &str) -> Llama {
+    let path = write_tiny_arch(name, arch, Vec::new());
+    GgufFile::open(&path)
+        .unwrap()
+        .load_llama(&Device::Cpu, 128)
+        .unwrap()
+}
+
+#[test]
+fn qwen3_and_gemma3_read_their_block_pieces_from_the_table() {
+    let q = load_arch("cfg-qwen3", "qwen3");
+    assert!(q.cfg.block.qk_norm && !q.cfg.block.post_norms && !q.cfg.block.embed_scale);
+    assert!(q.layers[0].q_norm.is_some() && q.layers[0].wq.b.is_none());
+    assert_eq!(q.cfg.sliding_window, None);
+    let g = load_arch("cfg-gemma3", "gemma3");
+    let b = g.cfg.block;
+    assert!(b.qk_norm && b.post_norms && b.embed_scale);
+    assert_eq!(b.act, kvchat::model::config::Activation::GeluTanh);
+    assert!(g.layers[1].post_ffn_norm.is_some());
+    // Pattern 2: layer 0 is a sliding-window layer, layer 1 global; local layers rotate at 10,000.
+    assert_eq!(g.cfg.sliding_window, Some((TINY_WINDOW, vec![true, false])));
+    assert_eq!(g.cfg.layer_window(0), Some(TINY_WINDOW));
+    assert_eq!(g.cfg.layer_window(1), None);
+    assert_eq!(g.cfg.rope_base_local, Some(10_000.0));
+    assert!(g.rope_local.is_some());
+}
+
+/// Logits at every position of `tokens`: one prefill, then token by token through `spec`.
+fn prefill_and_decode(
+    m: &Llama,
+    spec: &CacheSpec,
+    tokens: &[u32],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let all = session(m, spec).feed_with(tokens, Logits::All).unwrap();
+    let prefill = (0..tokens.len())
+        .map(|i| all.get(i).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let mut s = session(m, spec);
+    let decode = tokens
+        .iter()
+        .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    (prefill, decode)
+}
+
+#[test]
+fn qwen3_prefill_decode_and_recompute_give_the_same_logits() {
+    let m = load_arch("eq-qwen3", "qwen3");
+    let tokens: Vec<u32> = (0..20).map(|i| (i * 7 % VOCAB) as u32).collect();
+    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens);
+    let none = CacheSpec::none(kvchat::kv::Precision::F32);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    for i in 0..tokens.len() {
+        assert_eq!(prefill[i], decode[i], "position {i}");
+        assert_eq!(decode[i], recompute[i], "position {i}");
+    }
+}
+
+#[test]
+fn gemma3_past_its_window_prefill_decode_and_recompute_agree() {
+    // 30 positions, far past layer 0's window of 8: the cache keeps 8 positions on that layer, the
+    // recompute keeps none and masks the same window per query row, a prefill does it in one step.
+    let m = load_arch("eq-gemma3", "gemma3");
+    let tokens: Vec<u32> = (0..30).map(|i| (i * 11 % VOCAB) as u32).collect();
+    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens);
+    let none = CacheSpec::none(kvchat::kv::Precision::F32);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    for i in 0..tokens.len() {
+        let d = common::rel_diff(&decode[i], &recompute[i]);
+        assert!(d < 1e-5, "position {i}: decode vs recompute differ by {d}");
+        let p = common::rel_diff(&prefill[i], &decode[i]);
+        assert!(p < 1e-5, "position {i}: prefill vs decode differ by {p}");
+    }
+}
+
+#[test]
+fn gemma3_window_changes_the_answer_once_the_sequence_outgrows_it() {
+    // The window is real: the same weights with layer 0's window made wider than the sequence agree
+    // while the sequence fits in 8 positions, then differ.
+    let path = write_tiny_arch("win-gemma3", "gemma3", Vec::new());
+    let open = || {
+        GgufFile::open(&path)
+            .unwrap()
+            .load_llama(&Device::Cpu, 128)
+            .unwrap()
+    };
+    let windowed = open();
+    let mut wide = open();
+    wide.cfg.sliding_window = Some((1000, vec![true, false]));
+    let tokens: Vec<u32> = (0..16).map(|i| (i * 5 % VOCAB) as u32).collect();
+    let (a, _) = prefill_and_decode(&windowed, &FULL, &tokens);
+    let (b, _) = prefill_and_decode(&wide, &FULL, &tokens);
+    for i in 0..tokens.len() {
+        let d = common::rel_diff(&a[i], &b[i]);
+        if i < TINY_WINDOW {
+            assert!(d < 1e-6, "position {i} fits the window, yet differs by {d}");
+        } else {
+            assert!(
+                d > 1e-4,
+                "position {i} is past the window, yet differs by only {d}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gemma3_cache_keeps_only_the_window_on_its_local_layer() {
+    let m = load_arch("bytes-gemma3", "gemma3");
+    let mut s = session(&m, &FULL);
+    let tokens: Vec<u32> = (0..30).map(|i| (i % VOCAB) as u32).collect();
+    s.feed(&tokens).unwrap();
+    let per_layer_position = 2 * KV_HEADS * HEAD_DIM * 4; // K and V, f32
+                                                          // Layer 0 holds its window of 8, layer 1 all 30.
+    assert_eq!(
+        s.cache().bytes_used(),
+        (TINY_WINDOW + tokens.len()) * per_layer_position
+    );
+    assert_eq!(
+        s.cache().bytes_used() as f64,
+        kvchat::kv::size::KvDims::bytes_for_spec(&FULL, &m.cfg, tokens.len())
+    );
+    assert_eq!(
+        s.cache().bytes_uniform(&m.cfg),
+        (2 * tokens.len() * per_layer_position) as f64
+    );
+}

@@ -57,6 +57,9 @@ pub struct Cell {
     pub runs: usize,
     pub kv_positions: usize,
     pub kv_bytes: usize,
+    /// What a cache of the same axes would hold with no layer kept to a declared window (equal to
+    /// kv_bytes for models that declare none).
+    pub kv_bytes_uniform: usize,
     pub kv_bytes_allocated: usize,
     pub rss_bytes: Option<u64>,
     /// The cell hit its time budget.
@@ -122,6 +125,7 @@ struct Run {
     steps: Vec<Duration>,
     kv_positions: usize,
     kv_bytes: usize,
+    kv_bytes_uniform: usize,
     kv_bytes_allocated: usize,
 }
 
@@ -159,6 +163,7 @@ fn one_run(
         steps,
         kv_positions: s.cache().len(),
         kv_bytes: s.cache().bytes_used(),
+        kv_bytes_uniform: s.cache().bytes_uniform(&engine.model.cfg) as usize,
         kv_bytes_allocated: s.cache().bytes(),
     })
 }
@@ -225,6 +230,7 @@ pub fn measure_cell(
         runs: used.len(),
         kv_positions: r.kv_positions,
         kv_bytes: r.kv_bytes,
+        kv_bytes_uniform: r.kv_bytes_uniform,
         kv_bytes_allocated: r.kv_bytes_allocated,
         rss_bytes: rss().0,
         capped,
@@ -321,6 +327,27 @@ pub fn render_table(r: &BenchReport) -> String {
     }
     for (i, n) in notes.iter().enumerate() {
         s += &format!("[{}] {n}\n", i + 1);
+    }
+    let saved: Vec<String> = r
+        .cells
+        .iter()
+        .filter(|c| c.kv_bytes_uniform > c.kv_bytes)
+        .map(|c| {
+            format!(
+                "{} @ {}: {} against {} ({:.2}×)",
+                c.mode,
+                c.context,
+                crate::source::human_bytes(c.kv_bytes as u64),
+                crate::source::human_bytes(c.kv_bytes_uniform as u64),
+                c.kv_bytes as f64 / c.kv_bytes_uniform as f64
+            )
+        })
+        .collect();
+    if !saved.is_empty() {
+        s += "kv mem with the model's sliding-window layers kept to their window, against a uniform cache:\n";
+        for l in saved {
+            s += &format!("  {l}\n");
+        }
     }
     if let Some(t) = &r.chat_turn {
         s += &format!(

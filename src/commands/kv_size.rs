@@ -24,6 +24,17 @@ pub struct KvSizeReport {
     pub modes: Vec<ModeRow>,
     /// (query heads, MHA bytes per token in `dtype`, saving factor)
     pub gqa: Option<(usize, f64, f64)>,
+    /// A model whose layers declare sliding windows: (window, layers that declare it, bytes per
+    /// user at `ctx` in `dtype` with those layers kept to their window, the same for a uniform cache).
+    pub declared_windows: Option<DeclaredWindows>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeclaredWindows {
+    pub window: usize,
+    pub layers: usize,
+    pub bytes_per_context: f64,
+    pub uniform_bytes_per_context: f64,
 }
 
 /// 1536 → "1.50 KiB"; powers of 1024.
@@ -56,7 +67,7 @@ pub fn grouped(n: f64) -> String {
 }
 
 pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
-    let (dims, model_heads) = match (args.layers, args.kv_heads, args.head_dim) {
+    let (dims, model_heads, cfg) = match (args.layers, args.kv_heads, args.head_dim) {
         (Some(layers), Some(kv_heads), Some(head_dim)) => (
             KvDims {
                 layers,
@@ -64,20 +75,14 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
                 head_dim,
             },
             None,
+            None,
         ),
         _ => {
             let cfg = crate::model::files::config_of(&crate::source::resolve(
                 args.model.as_deref(),
                 args.models_file.as_deref(),
             )?)?;
-            (
-                KvDims {
-                    layers: cfg.n_layer,
-                    kv_heads: cfg.n_kv_head,
-                    head_dim: cfg.head_dim,
-                },
-                Some(cfg.n_head),
-            )
+            (KvDims::of(&cfg), Some(cfg.n_head), Some(cfg))
         }
     };
     if dims.layers == 0 || dims.kv_heads == 0 || dims.head_dim == 0 {
@@ -122,6 +127,23 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
         .bytes_per_token(headline);
         (h, mha, mha / dims.bytes_per_token(headline))
     });
+    let declared_windows = cfg.as_ref().and_then(|cfg| {
+        let (w, layers) = cfg.sliding_window.as_ref()?;
+        let spec = crate::kv::CacheSpec {
+            mode: crate::kv::CacheMode {
+                precision: headline,
+                residual: args.residual,
+                ..crate::kv::CacheMode::default()
+            },
+            max_positions: args.ctx,
+        };
+        Some(DeclaredWindows {
+            window: *w,
+            layers: layers.iter().filter(|&&l| l).count(),
+            bytes_per_context: KvDims::bytes_for_spec(&spec, cfg, args.ctx),
+            uniform_bytes_per_context: dims.bytes_for_mode(&spec.mode, args.ctx),
+        })
+    });
     Ok(KvSizeReport {
         dims,
         ctx: args.ctx,
@@ -129,6 +151,7 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
         dtype: headline.name().to_string(),
         modes,
         gqa,
+        declared_windows,
     })
 }
 
@@ -169,6 +192,18 @@ pub fn render(r: &KvSizeReport) -> String {
             d.kv_heads,
             grouped(mha),
             human(mha)
+        );
+    }
+    if let Some(w) = &r.declared_windows {
+        s += &format!(
+            "sliding-window layers: {} of {} keep at most {} positions: {} per user at {} tokens against {} for a uniform cache ({:.2}×)\n",
+            w.layers,
+            d.layers,
+            w.window,
+            human(w.bytes_per_context),
+            r.ctx,
+            human(w.uniform_bytes_per_context),
+            w.bytes_per_context / w.uniform_bytes_per_context
         );
     }
     s += &format!(

@@ -218,4 +218,23 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         engine.device.location(),
         engine.weights,
     );
+    if let Some(line) = window_saving(engine, cache) {
+        eprintln!("[stats] {line}");
+    }
+}
+
+/// For a model whose layers declare sliding windows: what the cache holds against a uniform one.
+pub fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
+    let cfg = &engine.model.cfg;
+    let (w, layers) = cfg.sliding_window.as_ref()?;
+    let local = layers.iter().filter(|&&l| l).count();
+    let uniform = cache.bytes_uniform(cfg);
+    let used = cache.bytes_used() as f64;
+    Some(format!(
+        "sliding-window layers: {local} of {} keep at most {w} positions: {} held against {} for a uniform cache ({:.2}×)",
+        cfg.n_layer,
+        human_bytes(used as u64),
+        human_bytes(uniform as u64),
+        if uniform > 0.0 { used / uniform } else { 1.0 }
+    ))
 }

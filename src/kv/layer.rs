@@ -75,6 +75,8 @@ pub struct Layer {
     precision: Precision,
     retention: Retention,
     max_positions: usize,
+    /// See [`LayerSpec::attend_window`].
+    attend_window: Option<usize>,
     store: Box<dyn Store>,
     residual: Option<Residual>,
     pending: Option<Pending>,
@@ -98,6 +100,8 @@ pub struct LayerSpec {
     pub offload: bool,
     pub residual: usize,
     pub max_positions: usize,
+    /// The window the model declares for this layer, which attention enforces per query row.
+    pub attend_window: Option<usize>,
 }
 
 impl Layer {
@@ -120,6 +124,7 @@ impl Layer {
             precision: spec.precision,
             retention: spec.retention,
             max_positions: spec.max_positions,
+            attend_window: spec.attend_window,
             store,
             residual,
             pending: None,
@@ -351,6 +356,7 @@ impl Layer {
             parts,
             // Offloaded rows arrive decoded and rotated back.
             hadamard: self.hadamard.filter(|_| self.offload_to.is_none()),
+            window: self.attend_window.filter(|_| sink_end == 0),
         })
     }
 
@@ -713,6 +719,7 @@ mod tests {
             offload: false,
             residual: 8,
             max_positions: 4096,
+            attend_window: None,
         }
     }
 

@@ -301,19 +301,20 @@ impl CacheSpec {
     }
 
     /// Layer i's axes: the configured ones, except that a layer the model declares a sliding
-    /// window for keeps no more than that window (and no sinks).
+    /// window for keeps no more than that window (and no sinks), and its attention sees, per query,
+    /// only that window. A `--kv-window` narrower than the model's is the user's approximation
+    /// (sinks and a ring) and governs that layer alone.
     pub fn layer_spec(&self, cfg: &Config, i: usize) -> LayerSpec {
         let m = &self.mode;
-        let retention = match (m.retention, cfg.layer_window(i)) {
-            (Retention::All, Some(w)) => Retention::Window {
-                window: w,
-                sinks: 0,
-            },
-            (Retention::Window { window, .. }, Some(w)) if w <= window => Retention::Window {
-                window: w,
-                sinks: 0,
-            },
-            (r, _) => r,
+        let declared = Retention::Window {
+            window: cfg.layer_window(i).unwrap_or(0),
+            sinks: 0,
+        };
+        let (retention, attend_window) = match (m.retention, cfg.layer_window(i)) {
+            (Retention::All, Some(w)) => (declared, Some(w)),
+            (Retention::Window { window, .. }, Some(w)) if w <= window => (declared, Some(w)),
+            (Retention::None, Some(w)) => (Retention::None, Some(w)),
+            (r, _) => (r, None),
         };
         LayerSpec {
             precision: m.precision,
@@ -321,6 +322,7 @@ impl CacheSpec {
             offload: m.offload,
             residual: m.residual,
             max_positions: self.max_positions,
+            attend_window,
         }
     }
 
@@ -427,6 +429,12 @@ impl KvCache {
     pub fn bytes_used(&self) -> usize {
         self.layers.iter().map(|l| l.bytes_used()).sum()
     }
+
+    /// What a cache of the same axes would hold for the positions seen if no layer kept less than
+    /// the others (the model's declared windows ignored): the saving's reference.
+    pub fn bytes_uniform(&self, cfg: &crate::model::Config) -> f64 {
+        size::KvDims::of(cfg).bytes_for_mode(&self.spec.mode, self.seen())
+    }
 }
 
 /// A RoPE table for unit tests of the caches, heads of `hd` values.
@@ -455,6 +463,9 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         rope_style: crate::model::config::RopeStyle::Interleaved,
         rms_eps: 1e-5,
         sliding_window: None,
+        rope_base_local: None,
+        attn_scale: 0.125,
+        block: crate::model::config::Block::of("llama").unwrap(),
     }
 }
 

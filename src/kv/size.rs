@@ -2,7 +2,8 @@
 //! precision and retention — the arithmetic that `kvchat kv-size` prints and that the caches' own
 //! `bytes_used` must match (a test compares them).
 
-use super::{CacheMode, Precision, Retention};
+use super::{CacheMode, CacheSpec, Precision, Retention};
+use crate::model::Config;
 
 /// The dimensions that decide KV cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -13,6 +14,34 @@ pub struct KvDims {
 }
 
 impl KvDims {
+    /// A model's dimensions.
+    pub fn of(cfg: &Config) -> Self {
+        Self {
+            layers: cfg.n_layer,
+            kv_heads: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
+        }
+    }
+
+    /// Bytes a cache built from `spec` for the model `cfg` holds after `n` positions, layer by
+    /// layer: a layer the model declares a sliding window for keeps only that window
+    /// (`CacheSpec::layer_spec`). Equals `bytes_for_mode` for a model without declared windows.
+    pub fn bytes_for_spec(spec: &CacheSpec, cfg: &Config, n: usize) -> f64 {
+        let one = KvDims {
+            layers: 1,
+            ..Self::of(cfg)
+        };
+        (0..cfg.n_layer)
+            .map(|i| {
+                let layer = CacheMode {
+                    retention: spec.layer_spec(cfg, i).retention,
+                    ..spec.mode
+                };
+                one.bytes_for_mode(&layer, n)
+            })
+            .sum()
+    }
+
     /// Bytes one token adds: 2 (K and V) × layers × kv_heads × the bytes of a row of head_dim
     /// values in this precision (scales included).
     pub fn bytes_per_token(&self, p: Precision) -> f64 {

@@ -132,6 +132,10 @@ pub struct KvView<'a> {
     /// Rows are stored multiplied by the orthonormal Hadamard matrix of this block size (the
     /// quantized precisions): attention rotates its queries the same way and its output back.
     pub hadamard: Option<usize>,
+    /// A sliding window the model declares for this layer: each query sees only the `w` most recent
+    /// positions up to its own (itself included). Set only where the view's positions are
+    /// consecutive (no sinks), so view index and position differ by a constant.
+    pub window: Option<usize>,
 }
 
 impl KvView<'_> {

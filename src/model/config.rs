@@ -16,8 +16,66 @@ pub enum RopeStyle {
 /// or hostile file, not a model.
 const MAX_DIM: u64 = 1 << 31;
 
-/// Architectures whose decoder is the one in `model::llama`.
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2"];
+/// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+
+/// The FFN's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) · up.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU: gelu_tanh(gate) · up (Gemma).
+    GeluTanh,
+}
+
+/// The optional pieces of a decoder block. One decoder grows by configuration: each architecture
+/// is a row of [`Block::of`], saying which pieces it uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Block {
+    /// Per-head RMSNorm of q and k (weights `attn_q_norm`, `attn_k_norm`) before RoPE.
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and FFN outputs before each residual add (`post_attention_norm`,
+    /// `post_ffw_norm`).
+    pub post_norms: bool,
+    /// The embeddings are multiplied by √hidden.
+    pub embed_scale: bool,
+    pub act: Activation,
+    /// RoPE pairs dimensions (x_i, x_{i+d/2}) in GGUF files (llama.cpp's NEOX mode).
+    pub neox_rope: bool,
+}
+
+impl Block {
+    /// The table: which pieces each architecture uses (as llama.cpp's `llm_build_*` for it).
+    pub fn of(arch: &str) -> Option<Self> {
+        let plain = Block {
+            qk_norm: false,
+            post_norms: false,
+            embed_scale: false,
+            act: Activation::Silu,
+            neox_rope: false,
+        };
+        Some(match arch {
+            "llama" | "mistral" => plain,
+            "qwen2" => Block {
+                neox_rope: true,
+                ..plain
+            },
+            "qwen3" => Block {
+                qk_norm: true,
+                neox_rope: true,
+                ..plain
+            },
+            "gemma3" => Block {
+                qk_norm: true,
+                post_norms: true,
+                embed_scale: true,
+                act: Activation::GeluTanh,
+                neox_rope: true,
+            },
+            _ => return None,
+        })
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -41,6 +99,13 @@ pub struct Config {
     /// A sliding window some layers attend within (Gemma 3's local layers): its width, and for
     /// each layer whether it is one of them. None: every layer attends to the whole sequence.
     pub sliding_window: Option<(usize, Vec<bool>)>,
+    /// The RoPE base of the sliding-window layers, when it differs from `rope_base` (Gemma 3's
+    /// local layers: 10,000 against the global layers' 1,000,000; and no linear scaling).
+    pub rope_base_local: Option<f32>,
+    /// Scores are q·k × this (1/√head_dim but for Gemma 3 27B).
+    pub attn_scale: f32,
+    /// Which optional pieces the blocks use.
+    pub block: Block,
 }
 
 impl Config {
@@ -125,9 +190,50 @@ impl Config {
                     .len(),
             },
         };
-        let rope_style = match arch.as_str() {
-            "qwen2" => RopeStyle::HalfSplit,
-            _ => RopeStyle::Interleaved,
+        let block = Block::of(&arch).expect("checked against SUPPORTED_ARCHS");
+        let rope_style = if block.neox_rope {
+            RopeStyle::HalfSplit
+        } else {
+            RopeStyle::Interleaved
+        };
+        // Gemma 3: five sliding-window layers for every global one (llama.cpp's swa pattern 6:
+        // layer i is global when i % 6 == 5), unless the file states its pattern; local layers
+        // rotate with base 10,000 (llama.cpp's rope_freq_base_train_swa for gemma3).
+        let (sliding_window, rope_base_local) = if arch == "gemma3" {
+            let w = get_u("attention.sliding_window")?;
+            if w == 0 {
+                bail!("GGUF {arch}.attention.sliding_window is 0");
+            }
+            let pattern = match md.get(&format!("{arch}.attention.sliding_window_pattern")) {
+                Some(gguf_file::Value::Array(a)) => {
+                    if a.len() != n_layer {
+                        bail!(
+                            "GGUF {arch}.attention.sliding_window_pattern has {} entries for {n_layer} layers",
+                            a.len()
+                        );
+                    }
+                    a.iter()
+                        .map(|v| v.to_bool().map_err(|_| anyhow::anyhow!("GGUF {arch}.attention.sliding_window_pattern holds a non-boolean")))
+                        .collect::<Result<Vec<bool>>>()?
+                }
+                Some(_) => {
+                    let n = get_u("attention.sliding_window_pattern")?;
+                    if n == 0 {
+                        bail!("GGUF {arch}.attention.sliding_window_pattern is 0");
+                    }
+                    (0..n_layer).map(|i| i % n < n - 1).collect()
+                }
+                None => (0..n_layer).map(|i| i % 6 < 5).collect(),
+            };
+            (Some((w, pattern)), Some(10_000.0))
+        } else {
+            (None, None)
+        };
+        // llama.cpp: Gemma 3 27B scales by 1/√(hidden / heads), every other size by 1/√head_dim.
+        let attn_scale = if arch == "gemma3" && n_layer == 62 {
+            1.0 / ((hidden / n_head.max(1)) as f32).sqrt()
+        } else {
+            1.0 / (head_dim as f32).sqrt()
         };
         let cfg = Self {
             arch,
@@ -144,7 +250,10 @@ impl Config {
             rope_linear_scale,
             rope_style,
             rms_eps,
-            sliding_window: None,
+            sliding_window,
+            rope_base_local,
+            attn_scale,
+            block,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -158,10 +267,11 @@ impl Config {
             .and_then(|v| v.as_str())
             .context("config.json has no model_type")?
             .to_string();
-        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
+        const HF_ARCHS: &[&str] = &["llama", "mistral", "qwen2"];
+        if !HF_ARCHS.contains(&arch.as_str()) {
             bail!(
-                "unsupported model_type '{arch}' in config.json (supported: {})",
-                SUPPORTED_ARCHS.join(", ")
+                "unsupported model_type '{arch}' in config.json (supported in the safetensors layout: {}; qwen3 and gemma3 run from GGUF)",
+                HF_ARCHS.join(", ")
             );
         }
         let get_u = |key: &str| -> Result<usize> {
@@ -219,6 +329,9 @@ impl Config {
             rope_style: RopeStyle::HalfSplit,
             rms_eps: get_f("rms_norm_eps").context("config.json lacks rms_norm_eps")?,
             sliding_window: None,
+            rope_base_local: None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            block: Block::of(&arch).expect("a supported arch"),
             arch,
         };
         cfg.validate()?;
@@ -307,6 +420,15 @@ impl Config {
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
             bail!("RoPE base {} is not a positive number", self.rope_base);
+        }
+        if let Some((w, layers)) = &self.sliding_window {
+            if *w == 0 || layers.len() != self.n_layer {
+                bail!(
+                    "sliding window of {w} over {} of {} layers is not a usable pattern",
+                    layers.len(),
+                    self.n_layer
+                );
+            }
         }
         if !(self.rope_linear_scale.is_finite() && self.rope_linear_scale > 0.0) {
             bail!(

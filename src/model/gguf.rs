@@ -130,9 +130,24 @@ impl GgufFile {
         let embed = Arc::new(self.tensor("token_embd.weight", device)?);
         expect_dims("token_embd.weight", embed.shape().dims(), &[cfg.vocab, h])?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
+        let block = cfg.block;
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
             let qkv_bias = self.has_tensor(&format!("{p}.attn_q.bias"));
+            // A norm weight the architecture's block uses, of `n` values.
+            let mut norm = |used: bool, name: &str, n: usize| -> Result<Option<Tensor>> {
+                if !used {
+                    return Ok(None);
+                }
+                let name = format!("{p}.{name}.weight");
+                let w = self.dense(&name, device)?;
+                expect_dims(&name, w.dims(), &[n])?;
+                Ok(Some(w))
+            };
+            let q_norm = norm(block.qk_norm, "attn_q_norm", hd)?;
+            let k_norm = norm(block.qk_norm, "attn_k_norm", hd)?;
+            let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
+            let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
             let mut layer = Layer {
                 qkv: None,
                 gate_up: None,
@@ -145,6 +160,10 @@ impl GgufFile {
                 w_gate: self.linear(&format!("{p}.ffn_gate"), false, [ffn, h], device)?,
                 w_up: self.linear(&format!("{p}.ffn_up"), false, [ffn, h], device)?,
                 w_down: self.linear(&format!("{p}.ffn_down"), false, [h, ffn], device)?,
+                q_norm,
+                k_norm,
+                post_attn_norm,
+                post_ffn_norm,
             };
             layer.stack_projections()?;
             layers.push(layer);
@@ -171,6 +190,7 @@ impl GgufFile {
             DType::F32,
             device,
         )?;
+        let rope_local = Rope::local(&cfg, max_positions, DType::F32, device)?;
         let embed = match (embed.dtype(), self.dense) {
             (_, Some(dtype)) => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
             (candle_core::quantized::GgmlDType::F32, None) => {
@@ -185,6 +205,7 @@ impl GgufFile {
             norm,
             output,
             rope,
+            rope_local,
             device: device.clone(),
             prefill_chunk: super::llama::PREFILL_CHUNK,
         })

@@ -1,10 +1,13 @@
-//! The llama-family decoder (llama, mistral, qwen2, smollm), written on candle ops.
+//! The llama-family decoder (llama, mistral, qwen2, smollm, qwen3, gemma3), written on candle ops.
+//! One block with optional pieces (`Config::block`): q/k norms (qwen3, gemma3), norms after
+//! attention and FFN (gemma3), GeGLU (gemma3), embeddings scaled by √hidden (gemma3), and per layer
+//! a RoPE base and a sliding window (gemma3's local layers).
 //!
 //! Reads top to bottom like the math. Shapes: `t` = tokens in this step, `L` = positions attended over,
 //! `nh` = query heads, `nkv` = KV heads, `g = nh / nkv` query heads per KV head, `hd` = head size.
 
 use super::cache::{DecoderCache, LayerCache};
-use super::config::Config;
+use super::config::{Activation, Config};
 use super::rope::Rope;
 use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -60,6 +63,12 @@ pub struct Layer {
     pub w_gate: Linear,
     pub w_up: Linear,
     pub w_down: Linear,
+    /// Per-head RMSNorm weights of q and k, `[hd]` (qwen3, gemma3).
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    /// RMSNorm weights applied to the attention and FFN outputs before the residual adds (gemma3).
+    pub post_attn_norm: Option<Tensor>,
+    pub post_ffn_norm: Option<Tensor>,
 }
 
 /// Token embeddings: kept quantized when the file has them quantized, rows dequantized on lookup.
@@ -85,6 +94,8 @@ pub struct Llama {
     pub norm: Tensor,
     pub output: Linear,
     pub rope: Rope,
+    /// The rotation of the sliding-window layers when their base differs (gemma3).
+    pub rope_local: Option<Rope>,
     pub device: Device,
     /// Longest step a single forward computes at once; longer prompts are prefilled in chunks of this
     /// many tokens, so the score matrix of a long prompt never has to exist whole.
@@ -119,6 +130,14 @@ impl Layer {
 impl Llama {
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The rotation layer `i` uses: the local one on a sliding-window layer that has its own.
+    pub fn layer_rope(&self, i: usize) -> &Rope {
+        match (&self.rope_local, self.cfg.layer_window(i)) {
+            (Some(local), Some(_)) => local,
+            _ => &self.rope,
+        }
     }
 
     /// Runs `tokens` through the decoder, continuing after what `cache` holds, and returns logits
@@ -166,13 +185,16 @@ impl Llama {
             Embedding::Dense(e) => e.embedding(&ids)?.to_dtype(candle_core::DType::F32)?,
         }
         .unsqueeze(0)?; // [1, t, hidden]
+        if self.cfg.block.embed_scale {
+            x = (x * (self.cfg.hidden as f64).sqrt())?;
+        }
         cache.layer(0).prefetch()?;
         for (i, layer) in self.layers.iter().enumerate() {
             // Offload: the next layer's cache starts its way to the device before this layer computes.
             if i + 1 < self.layers.len() {
                 cache.layer(i + 1).prefetch()?;
             }
-            x = self.block(layer, &x, cache.layer(i))?;
+            x = self.block(i, layer, &x, cache.layer(i))?;
         }
         cache.step_done();
         let x = match which {
@@ -187,12 +209,24 @@ impl Llama {
         })
     }
 
-    /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)).
-    fn block(&self, layer: &Layer, x: &Tensor, cache: &mut dyn LayerCache) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(x, &layer.attn_norm, self.cfg.rms_eps as f32)?;
-        let x = (x + self.attention(layer, &h, cache)?)?;
-        let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
-        let ffn = {
+    /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)); with post norms (gemma3)
+    /// each branch's output is normed again before its add.
+    fn block(
+        &self,
+        i: usize,
+        layer: &Layer,
+        x: &Tensor,
+        cache: &mut dyn LayerCache,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.rms_eps as f32;
+        let h = candle_nn::ops::rms_norm(x, &layer.attn_norm, eps)?;
+        let mut att = self.attention(i, layer, &h, cache)?;
+        if let Some(n) = &layer.post_attn_norm {
+            att = candle_nn::ops::rms_norm(&att, n, eps)?;
+        }
+        let x = (x + att)?;
+        let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+        let mut ffn = {
             let (gate, up) = match &layer.gate_up {
                 Some(w) => {
                     let gu = w.forward(&h)?; // [1, t, 2 * ffn]
@@ -201,13 +235,25 @@ impl Llama {
                 }
                 None => (layer.w_gate.forward(&h)?, layer.w_up.forward(&h)?), // [1, t, ffn] each
             };
-            let gate = candle_nn::ops::silu(&gate)?;
+            let gate = match self.cfg.block.act {
+                Activation::Silu => candle_nn::ops::silu(&gate)?,
+                Activation::GeluTanh => gate.gelu()?, // candle's gelu is the tanh approximation
+            };
             layer.w_down.forward(&(gate * up)?)? // [1, t, hidden]
         };
+        if let Some(n) = &layer.post_ffn_norm {
+            ffn = candle_nn::ops::rms_norm(&ffn, n, eps)?;
+        }
         Ok((x + ffn)?)
     }
 
-    fn attention(&self, layer: &Layer, h: &Tensor, cache: &mut dyn LayerCache) -> Result<Tensor> {
+    fn attention(
+        &self,
+        i: usize,
+        layer: &Layer,
+        h: &Tensor,
+        cache: &mut dyn LayerCache,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
@@ -228,24 +274,37 @@ impl Llama {
                 layer.wv.forward(h)?,
             ),
         };
-        // [1, t, n*hd] -> [1, t, n, hd] -> [1, n, t, hd]
-        let q = q.reshape((1, t, nh, hd))?.transpose(1, 2)?;
-        let k = k.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
+        // [1, t, n*hd] -> [1, t, n, hd]
+        let q = q.reshape((1, t, nh, hd))?;
+        let k = k.reshape((1, t, nkv, hd))?;
+        // Per-head RMSNorm over hd (qwen3, gemma3), before the rotation.
+        let eps = cfg.rms_eps as f32;
+        let q = match &layer.q_norm {
+            Some(n) => candle_nn::ops::rms_norm(&q.contiguous()?, n, eps)?,
+            None => q,
+        };
+        let k = match &layer.k_norm {
+            Some(n) => candle_nn::ops::rms_norm(&k.contiguous()?, n, eps)?,
+            None => k,
+        };
+        // [1, t, n, hd] -> [1, n, t, hd]
+        let q = q.transpose(1, 2)?;
+        let k = k.transpose(1, 2)?;
         let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
         let v = v.contiguous()?;
 
-        // The cache stores this step's K/V and returns everything to attend over.
-        let att = cache.append(&k, &v, &self.rope)?;
+        // The cache stores this step's K/V and returns everything to attend over (on a layer with
+        // a declared window, each query row sees only its last `window` positions).
+        let rope = self.layer_rope(i);
+        let att = cache.append(&k, &v, rope)?;
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
-        let rotated = |pos: usize| -> Result<Tensor> {
-            Ok(self.rope.apply(&q, pos)?.reshape((nkv, g * t, hd))?)
-        };
+        let rotated =
+            |pos: usize| -> Result<Tensor> { Ok(rope.apply(&q, pos)?.reshape((nkv, g * t, hd))?) };
         let q_main = rotated(att.q_pos)?;
         let q_sink = att.sink_q_pos.map(rotated).transpose()?;
         let qs: Vec<&Tensor> = std::iter::once(&q_main).chain(q_sink.as_ref()).collect();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let out = super::kernels::attention::attend_view(&qs, &att.view, t, scale)?; // [nkv, g*t, hd]
+        let out = super::kernels::attention::attend_view(&qs, &att.view, t, cfg.attn_scale)?; // [nkv, g*t, hd]
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]

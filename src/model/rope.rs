@@ -26,6 +26,37 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::with_base(
+            cfg,
+            (cfg.rope_base, cfg.rope_linear_scale),
+            max_positions,
+            freq_factors,
+            dtype,
+            device,
+        )
+    }
+
+    /// The rotation of the model's sliding-window layers when they have a base of their own
+    /// (`Config::rope_base_local`: no scaling, no frequency factors); None when they do not.
+    pub fn local(
+        cfg: &Config,
+        max_positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<Self>> {
+        cfg.rope_base_local
+            .map(|base| Self::with_base(cfg, (base, 1.0), max_positions, None, dtype, device))
+            .transpose()
+    }
+
+    fn with_base(
+        cfg: &Config,
+        (rope_base, linear_scale): (f32, f32),
+        max_positions: usize,
+        freq_factors: Option<&[f32]>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let half = cfg.rope_dim / 2;
         if let Some(f) = freq_factors {
             if f.len() != half {
@@ -34,14 +65,14 @@ impl Rope {
         }
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| {
-                let base = 1.0 / cfg.rope_base.powf(2.0 * i as f32 / cfg.rope_dim as f32);
+                let base = 1.0 / rope_base.powf(2.0 * i as f32 / cfg.rope_dim as f32);
                 base / freq_factors.map_or(1.0, |f| f[i])
             })
             .collect();
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
         for p in 0..max_positions {
-            let p = p as f32 / cfg.rope_linear_scale;
+            let p = p as f32 / linear_scale;
             for f in inv_freq.iter() {
                 let (s, c) = (p * f).sin_cos();
                 cos.push(c);
@@ -58,7 +89,7 @@ impl Rope {
             head_dim: cfg.head_dim,
             max_positions,
             inv_freq,
-            linear_scale: cfg.rope_linear_scale,
+            linear_scale,
         })
     }
 
@@ -129,6 +160,9 @@ mod tests {
             rope_style: RopeStyle::Interleaved,
             rms_eps: 1e-5,
             sliding_window: None,
+            rope_base_local: None,
+            attn_scale: 0.125,
+            block: crate::model::config::Block::of("llama").unwrap(),
         }
     }
 

@@ -154,6 +154,10 @@ impl HfCheckpoint {
                 w_gate: lin("mlp.gate_proj", [ffn, h])?,
                 w_up: lin("mlp.up_proj", [ffn, h])?,
                 w_down: lin("mlp.down_proj", [h, ffn])?,
+                q_norm: None,
+                k_norm: None,
+                post_attn_norm: None,
+                post_ffn_norm: None,
             });
         }
         let norm = self.tensor("model.norm.weight", &[h], f32, device)?;
@@ -185,6 +189,7 @@ impl HfCheckpoint {
             norm,
             output,
             rope,
+            rope_local: None,
             device: device.clone(),
             prefill_chunk: super::llama::PREFILL_CHUNK,
         })

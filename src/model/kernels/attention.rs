@@ -51,7 +51,7 @@ pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> R
     }
     let scores = Tensor::cat(&scores, 2)?;
     let values = Tensor::cat(&values, 1)?.contiguous()?;
-    softmax_weighted(scores, &values, t, scale)
+    softmax_weighted(scores, &values, t, scale, view.window)
 }
 
 /// `k`, `v`: `[nkv, L, hd]` tensors, attended with candle ops (the reference for the fused kernel).
@@ -63,15 +63,22 @@ pub fn attend_candle_ops(
     scale: f32,
 ) -> Result<Tensor> {
     let scores = q.matmul(&k.t()?)?; // [nkv, g*t, L]
-    softmax_weighted(scores, &v.contiguous()?, t, scale)
+    softmax_weighted(scores, &v.contiguous()?, t, scale, None)
 }
 
-/// softmax(scale · scores + causal mask) · v, scores `[nkv, g*t, L]`, v `[nkv, L, hd]`.
-fn softmax_weighted(scores: Tensor, v: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
+/// softmax(scale · scores + causal mask) · v, scores `[nkv, g*t, L]`, v `[nkv, L, hd]`; with a
+/// `window`, each query also sees no key more than `window - 1` positions before it.
+fn softmax_weighted(
+    scores: Tensor,
+    v: &Tensor,
+    t: usize,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let (nkv, gt, kv_len) = scores.dims3()?;
     let scores = (scores * scale as f64)?;
-    let scores = if t > 1 {
-        let mask = causal_mask(t, kv_len, scores.device())?; // [t, L]
+    let scores = if t > 1 || window.is_some_and(|w| w < kv_len) {
+        let mask = causal_mask(t, kv_len, window, scores.device())?; // [t, L]
         scores
             .reshape((nkv, gt / t, t, kv_len))?
             .broadcast_add(&mask)?
@@ -83,13 +90,20 @@ fn softmax_weighted(scores: Tensor, v: &Tensor, t: usize, scale: f32) -> Result<
     Ok(probs.matmul(v)?)
 }
 
-/// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future.
-pub fn causal_mask(t: usize, kv_len: usize, device: &candle_core::Device) -> Result<Tensor> {
+/// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future
+/// (or, with a `window`, `window` or more positions in its past).
+pub fn causal_mask(
+    t: usize,
+    kv_len: usize,
+    window: Option<usize>,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
     let offset = kv_len - t;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
+            let start = window.map_or(0, |w| (offset + i + 1).saturating_sub(w));
             (0..kv_len).map(move |j| {
-                if j <= offset + i {
+                if j <= offset + i && j >= start {
                     0.0
                 } else {
                     f32::NEG_INFINITY
@@ -128,24 +142,24 @@ fn exp_nonpositive(x: f32) -> f32 {
 /// a decode can spread one row's chunks over threads.
 const CHUNK: usize = 256;
 
-/// Per row of a chunk: scores → exp(score − m) in place, and `parts` row r starts [m, Σ, 0…]
-/// (m = −∞, Σ = 0 for a row with no key in the chunk).
+/// Per row of a chunk: scores of keys `starts[r]..ends[r]` → exp(score − m) in place, and `parts`
+/// row r starts [m, Σ, 0…] (m = −∞, Σ = 0 for a row with no key in the chunk).
 #[inline(always)]
 fn chunk_softmax(
     scores: &mut [f32],
-    rows: usize,
     j0: usize,
-    end: impl Fn(usize) -> usize,
+    (starts, ends): (&[usize], &[usize]),
     parts: &mut [f32],
     w: usize,
 ) {
-    for r in 0..rows {
+    for (r, (&start, &end)) in starts.iter().zip(ends).enumerate() {
         let p = &mut parts[r * w..(r + 1) * w];
         p[0] = f32::NEG_INFINITY;
         p[1] = 0.0;
         p[2..].fill(0.0);
-        if end(r) > j0 {
-            let row = &mut scores[r * CHUNK..r * CHUNK + end(r) - j0];
+        let start = start.max(j0);
+        if end > start {
+            let row = &mut scores[r * CHUNK + start - j0..r * CHUNK + end - j0];
             let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             for x in row.iter_mut() {
                 *x = exp_nonpositive(*x - m);
@@ -293,7 +307,7 @@ struct Seg<'a, 'b> {
 }
 
 /// One tile's scores against keys `lo..hi` of a part (positions from `start`), in place in
-/// `scores`: row r (query `q[r]`) scores key j when `j < ends[r]`.
+/// `scores`: row r (query `q[r]`) scores key j when `starts[r] <= j < ends[r]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn part_scores<E>(
@@ -301,7 +315,7 @@ fn part_scores<E>(
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    ends: &[usize],
+    (starts, ends): (&[usize], &[usize]),
     q: &[&[f32]],
     scale: f32,
     scores: &mut [f32],
@@ -311,8 +325,8 @@ fn part_scores<E>(
     for j in lo..hi {
         let row = &x.k[base + (j - start) * x.row_len..][..x.row_len];
         let kj = dec(row, buf);
-        for (r, (&end, q)) in ends.iter().zip(q).enumerate() {
-            if j < end {
+        for (r, ((&from, &end), q)) in starts.iter().zip(ends).zip(q).enumerate() {
+            if from <= j && j < end {
                 scores[r * CHUNK + j - j0] = kvrows::dot(q, kj) * scale;
             }
         }
@@ -327,7 +341,7 @@ fn part_values<E>(
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    ends: &[usize],
+    (starts, ends): (&[usize], &[usize]),
     scores: &[f32],
     parts: &mut [f32],
     w: usize,
@@ -337,8 +351,8 @@ fn part_values<E>(
     for j in lo..hi {
         let row = &x.v[base + (j - start) * x.row_len..][..x.row_len];
         let vj = dec(row, buf);
-        for (r, &end) in ends.iter().enumerate() {
-            if j < end {
+        for (r, (&from, &end)) in starts.iter().zip(ends).enumerate() {
+            if from <= j && j < end {
                 let pj = scores[r * CHUNK + j - j0];
                 for (oe, ve) in parts[r * w + 2..(r + 1) * w].iter_mut().zip(vj) {
                     *oe += pj * ve;
@@ -403,19 +417,24 @@ fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Resul
     }
     let offset = kv_len - t;
     let w = hd + 2;
+    let window = view.window;
     // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
     // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits,
     // nor does the split of the positions into parts.
     let chunk =
         |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
             let j0 = c * CHUNK;
-            // Row r of the tile sees the keys below ends[r] (within this chunk).
+            // Row r of the tile sees the keys from starts[r] (a declared window's lower bound)
+            // below ends[r] (within this chunk).
             let mut ends_buf = [0usize; TILE];
-            for (r, e) in ends_buf.iter_mut().enumerate().take(rows) {
-                *e = (offset + (r0 + r) % t + 1).min(j0 + CHUNK);
+            let mut starts_buf = [0usize; TILE];
+            for r in 0..rows {
+                let own = offset + (r0 + r) % t; // the row's own position in the view
+                ends_buf[r] = (own + 1).min(j0 + CHUNK);
+                starts_buf[r] = window.map_or(0, |w| (own + 1).saturating_sub(w));
             }
             let ends = &ends_buf[..rows];
-            let end = |r: usize| ends[r];
+            let starts = &starts_buf[..rows];
             let most = ends.iter().copied().max().unwrap_or(0);
             // The scratch holds TILE × (CHUNK + hd): scores first, then one widened K/V row.
             let (scores, buf) = scratch.split_at_mut(TILE * CHUNK);
@@ -430,14 +449,30 @@ fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Resul
                 }
                 let q_rows = &q_buf[..rows];
                 with_rows!(s.rows, |x, dec| part_scores(
-                    x, dec, h, span, ends, q_rows, scale, scores, buf
+                    x,
+                    dec,
+                    h,
+                    span,
+                    (starts, ends),
+                    q_rows,
+                    scale,
+                    scores,
+                    buf
                 ));
             }
-            chunk_softmax(scores, rows, j0, end, parts, w);
+            chunk_softmax(scores, j0, (starts, ends), parts, w);
             for s in overlapping() {
                 let span = (s.start, s.start.max(j0), s.end.min(most), j0);
                 with_rows!(s.rows, |x, dec| part_values(
-                    x, dec, h, span, ends, scores, parts, w, buf
+                    x,
+                    dec,
+                    h,
+                    span,
+                    (starts, ends),
+                    scores,
+                    parts,
+                    w,
+                    buf
                 ));
             }
         };
@@ -535,6 +570,7 @@ mod tests {
         KvView {
             parts,
             hadamard: None,
+            window: None,
         }
     }
 
@@ -572,6 +608,54 @@ mod tests {
                 max_diff(&parts, &fused),
                 0.0,
                 "t={t} L={l}: parts change bits"
+            );
+        }
+    }
+
+    #[test]
+    fn a_declared_window_limits_each_query_to_its_last_w_positions() {
+        let (nkv, g, hd) = (1, 2, 64);
+        for (t, l, w) in [(1, 40, 7), (5, 40, 7), (9, 600, 300), (3, 10, 16)] {
+            let (k, v, q) = (
+                rand((nkv, l, hd)),
+                rand((nkv, l, hd)),
+                rand((nkv, g * t, hd)),
+            );
+            let (kr, vr, _, _) = encoded::<kvrows::F32>(&k, &v);
+            let mut view = view_of(&kr, &vr, l, hd, &[l / 2], Rows::F32);
+            view.window = Some(w);
+            let fused = attend_view(&[&q], &view, t, 0.125).unwrap();
+            // Reference: each row alone over exactly its last w keys, with candle ops.
+            for r in 0..t {
+                let own = l - t + r;
+                let from = (own + 1).saturating_sub(w);
+                let (k, v) = (
+                    k.narrow(1, from, own + 1 - from).unwrap(),
+                    v.narrow(1, from, own + 1 - from).unwrap(),
+                );
+                for gi in 0..g {
+                    let qr = q.narrow(1, gi * t + r, 1).unwrap();
+                    let want = attend_candle_ops(&qr, &k, &v, 1, 0.125).unwrap();
+                    let got = fused.narrow(1, gi * t + r, 1).unwrap();
+                    assert!(max_diff(&got, &want) < 1e-5, "t={t} L={l} w={w} row {r}");
+                }
+            }
+            // The device path (candle ops with the mask) agrees.
+            let dense = KvView {
+                parts: vec![Part {
+                    rows: Rows::Dense {
+                        k: k.unsqueeze(0).unwrap(),
+                        v: v.unsqueeze(0).unwrap(),
+                    },
+                    query: 0,
+                }],
+                hadamard: None,
+                window: Some(w),
+            };
+            let masked = attend_view(&[&q.to_dtype(DType::F32).unwrap()], &dense, t, 0.125);
+            assert!(
+                max_diff(&masked.unwrap(), &fused) < 1e-5,
+                "device path t={t}"
             );
         }
     }
@@ -671,7 +755,7 @@ mod tests {
             .matmul(&k.narrow(1, 4, l - 4).unwrap().t().unwrap())
             .unwrap();
         let scores = Tensor::cat(&[s0, s1], 2).unwrap();
-        let want = softmax_weighted(scores, &v, t, 0.125).unwrap();
+        let want = softmax_weighted(scores, &v, t, 0.125, None).unwrap();
         assert!(max_diff(&got, &want) < 1e-5);
         assert!(attend_view(&[&q0], &view, t, 0.125).is_err(), "q1 missing");
     }
