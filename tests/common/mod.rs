@@ -64,7 +64,11 @@ pub fn chat_ids(question: &str) -> Vec<u32> {
 
 /// Greedy tokens and the logits of the last step, with the given cache strategy.
 pub fn greedy(spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let e = engine();
+    greedy_with(engine(), spec, prompt, n)
+}
+
+/// As `greedy`, on another model.
+pub fn greedy_with(e: &Engine, spec: &CacheSpec, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     let mut s = e.session(spec);
     let mut sampler = Sampler::new(SamplingParams::greedy());
     let mut logits = s.feed(prompt).unwrap();
