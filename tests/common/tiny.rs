@@ -202,3 +202,145 @@ pub fn spm_metadata(pad_to: usize) -> Vec<(String, Value)> {
 pub fn write_tiny_with_tokenizer(name: &str) -> PathBuf {
     write_tiny(name, spm_metadata(VOCAB))
 }
+
+/// A deterministic stream of numbers in [-1, 1) (splitmix64): the same file on every machine.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// A random-weight `qwen3` model in a small real shape (2 layers, hidden 256, 4 heads of 96 over 2
+/// KV heads — head size ≠ hidden/heads, as in Qwen3 —, FFN 512) with the real model's SmolLM2
+/// tokenizer, Q8_0 matrices, tied embeddings. Bit-identical on every machine (a fixed generator,
+/// metadata in sorted order), so llama.cpp's perplexity of this file is a constant the tests can
+/// hold. Written to `path`.
+pub fn write_random_qwen3(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    let (hidden, heads, kv_heads, hd, ffn, layers) =
+        (256usize, 4usize, 2usize, 96usize, 512usize, 2usize);
+    let mut f = std::fs::File::open(tokenizer_from).unwrap();
+    let src = gguf_file::Content::read(&mut f).unwrap();
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len(),
+        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
+    };
+    let dev = Device::Cpu;
+    let mut rng = Rng(0x0005_eed0_f0e3);
+    // Uniform(offset - scale, offset + scale) values, quantized.
+    let mut mat = |rows: usize, cols: usize, scale: f32, offset: f32, q: GgmlDType| {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| offset + rng.next() * scale)
+            .collect();
+        let t = match rows {
+            1 => Tensor::from_vec(v, cols, &dev), // a vector (norm weights)
+            _ => Tensor::from_vec(v, (rows, cols), &dev),
+        };
+        QTensor::quantize(&t.unwrap(), q).unwrap()
+    };
+    let q8 = GgmlDType::Q8_0;
+    let f32t = GgmlDType::F32;
+    // Uniform(-s, s) has standard deviation s/√3: s = √3/√in keeps activations at unit scale.
+    let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
+    let mut tensors: Vec<(String, QTensor)> = vec![(
+        "token_embd.weight".into(),
+        mat(vocab, hidden, 0.27, 0.0, q8),
+    )];
+    for i in 0..layers {
+        let p = format!("blk.{i}");
+        tensors.push((
+            format!("{p}.attn_q.weight"),
+            mat(heads * hd, hidden, s(hidden), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.attn_k.weight"),
+            mat(kv_heads * hd, hidden, s(hidden), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.attn_v.weight"),
+            mat(kv_heads * hd, hidden, s(hidden), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.attn_output.weight"),
+            mat(hidden, heads * hd, s(heads * hd), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.ffn_gate.weight"),
+            mat(ffn, hidden, s(hidden), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.ffn_up.weight"),
+            mat(ffn, hidden, s(hidden), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.ffn_down.weight"),
+            mat(hidden, ffn, s(ffn), 0.0, q8),
+        ));
+        tensors.push((
+            format!("{p}.attn_norm.weight"),
+            mat(1, hidden, 0.5, 1.0, f32t),
+        ));
+        tensors.push((
+            format!("{p}.ffn_norm.weight"),
+            mat(1, hidden, 0.5, 1.0, f32t),
+        ));
+        // q/k norm weights of about 2.5 make attention sharp (scores of several units), so
+        // that leaving either norm out, or rotating wrongly, changes the answer.
+        tensors.push((
+            format!("{p}.attn_q_norm.weight"),
+            mat(1, hd, 1.0, 2.5, f32t),
+        ));
+        tensors.push((
+            format!("{p}.attn_k_norm.weight"),
+            mat(1, hd, 1.0, 2.5, f32t),
+        ));
+    }
+    let ones = Tensor::ones(hidden, DType::F32, &dev).unwrap();
+    tensors.push((
+        "output_norm.weight".into(),
+        QTensor::quantize(&ones, f32t).unwrap(),
+    ));
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("qwen3".into())),
+        (
+            "general.name".into(),
+            Value::String("kvchat random qwen3".into()),
+        ),
+        ("qwen3.block_count".into(), Value::U32(layers as u32)),
+        ("qwen3.context_length".into(), Value::U32(4096)),
+        ("qwen3.embedding_length".into(), Value::U32(hidden as u32)),
+        ("qwen3.feed_forward_length".into(), Value::U32(ffn as u32)),
+        (
+            "qwen3.attention.head_count".into(),
+            Value::U32(heads as u32),
+        ),
+        (
+            "qwen3.attention.head_count_kv".into(),
+            Value::U32(kv_heads as u32),
+        ),
+        ("qwen3.attention.key_length".into(), Value::U32(hd as u32)),
+        ("qwen3.attention.value_length".into(), Value::U32(hd as u32)),
+        (
+            "qwen3.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-6),
+        ),
+        ("qwen3.rope.freq_base".into(), Value::F32(1_000_000.0)),
+    ];
+    md.extend(
+        src.metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer.") && *k != "tokenizer.chat_template")
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = std::fs::File::create(path).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
+}
