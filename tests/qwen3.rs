@@ -9,10 +9,15 @@ use kvchat::engine::{Engine, LoadOptions};
 /// measured again on the new file.
 const FILE_SHA256: &str = "27f4faa6b1aab33ab45cf01764af564e8f37c6fb6a8ab0059ea57fa2883041ae";
 
+/// The random model, written once per test run (the tests of this file share it).
 fn random_qwen3() -> std::path::PathBuf {
-    let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("random-qwen3.gguf");
-    common::tiny::write_random_qwen3(&p, &common::model_path());
-    p
+    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("random-qwen3.gguf");
+        common::tiny::write_random_qwen3(&p, &common::model_path());
+        p
+    })
+    .clone()
 }
 
 #[test]
@@ -46,4 +51,51 @@ fn qwen3_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fil
         (p / reference - 1.0).abs() < 0.005,
         "kvchat {p:.4} vs llama.cpp {reference}"
     );
+}
+
+/// Qwen3's own chat template (its tokenizer_config.json), thinking tags and all.
+const QWEN3_TEMPLATE: &str = include_str!("data/qwen3-chat-template.jinja");
+
+#[test]
+fn qwen3_chat_template_renders_through_minijinja_as_jinja2_does() {
+    use kvchat::template::{ChatTemplate, Message};
+    let t = ChatTemplate::new(QWEN3_TEMPLATE, "", "<|im_end|>").unwrap();
+    let messages = [
+        Message::new("system", "S"),
+        Message::new("user", "hi"),
+        // An earlier answer's reasoning is dropped from the history, as the template says.
+        Message::new("assistant", "<think>\nplan\n</think>\n\nHello!"),
+        Message::new("user", "again"),
+    ];
+    // Python's jinja2 renders the same template to exactly this (checked when it was written).
+    let want = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n\
+                <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n\
+                <|im_start|>assistant\n";
+    assert_eq!(t.render(&messages, true).unwrap(), want);
+    assert!(t.end_of_turn_tokens().contains(&"<|im_end|>"));
+}
+
+#[test]
+fn a_qwen3_model_answers_a_chat_turn_with_its_template() {
+    let path = random_qwen3();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvchat"))
+        .args(["run", "-m", path.to_str().unwrap(), "--chat-template"])
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/qwen3-chat-template.jinja"),
+        )
+        .args([
+            "--temperature",
+            "0",
+            "-n",
+            "6",
+            "--ignore-eos",
+            "--stats",
+            "hi",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("generated 6 tok"), "{err}");
 }
