@@ -38,6 +38,12 @@ pub const NAMED: &[(&str, &str)] = &[
         "llama2",
         "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '[INST] <<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}{% elif message['role'] == 'user' %}{% if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'system' %}{{ '[INST] ' }}{% endif %}{{ message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}",
     ),
+    (
+        // Gemma's turns (Gemma 3 has no system role: a system message opens the first user turn,
+        // as its own template does).
+        "gemma",
+        "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + (ns.system if role == 'user' else '') + message['content'] | trim + '<end_of_turn>\\n' }}{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}",
+    ),
 ];
 
 /// Tokens that end an assistant turn in the common templates.
@@ -238,5 +244,32 @@ impl ChatTemplate {
             .copied()
             .filter(|t| self.source.contains(t))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gemma_template_folds_the_system_message_into_the_first_user_turn() {
+        let t = ChatTemplate::from_spec("gemma", "<bos>", "<eos>").unwrap();
+        let text = t
+            .render(
+                &[
+                    Message::new("system", "Be brief."),
+                    Message::new("user", "Hi"),
+                    Message::new("assistant", "Hello."),
+                    Message::new("user", "Bye"),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            text,
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(t.end_of_turn_tokens(), vec!["<end_of_turn>"]);
     }
 }

@@ -11,7 +11,7 @@ pub fn advice(fix: Fix) -> &'static str {
         Fix::LowerContext => "lower --ctx",
         Fix::CpuDevice => "use --device cpu",
         Fix::Tokenizer => "pass --tokenizer tokenizer.json",
-        Fix::ChatTemplate => "pass --chat-template chatml|llama3|llama2, or --raw",
+        Fix::ChatTemplate => "pass --chat-template chatml|llama3|llama2|gemma, or --raw",
         Fix::FullCache => "use a cache: drop --no-cache",
         Fix::KvType => "choose another --kv-type (f16, bf16 or f32 store any head size)",
         Fix::ChatFull => "/undo, /reset, or run with --on-full shift or a larger --ctx",

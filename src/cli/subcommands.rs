@@ -22,7 +22,7 @@ pub struct RunArgs {
     /// System message for the chat template
     #[arg(long, conflicts_with = "raw")]
     pub system: Option<String>,
-    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
+    /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
     #[arg(long, conflicts_with = "raw")]
     pub chat_template: Option<String>,
     /// Most tokens to generate
@@ -51,7 +51,7 @@ pub struct ChatArgs {
     /// System message
     #[arg(long)]
     pub system: Option<String>,
-    /// Chat template: a name (chatml, llama3, llama2) or Jinja text, instead of the model's own
+    /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
     #[arg(long)]
     pub chat_template: Option<String>,
     /// Most tokens per answer
