@@ -136,7 +136,8 @@ fn gemma3_perplexity_is_within_1_percent_of_llama_perplexity_past_the_window() {
 }
 
 #[test]
-fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_a_fifth_of_the_bytes() {
+fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_a_quarter_of_the_bytes(
+) {
     let e = gemma();
     let prompt = kvchat::commands::bench::bench_tokens(e, 700).unwrap();
     let cached = CacheSpec::full(Precision::F16, e.ctx);
@@ -145,7 +146,7 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_a_fift
     // masking per query row what the cache drops.
     let (recomputed, _) = common::greedy_with(e, &CacheSpec::none(Precision::F16), &prompt, 8);
     assert_eq!(tokens, recomputed);
-    // Bytes: 15 of 18 layers hold 512 positions; at 8192 that is 0.22 of a uniform cache.
+    // Bytes: 15 of 18 layers hold 512 + 64 spare positions; at 8192 that is 0.23 of a uniform cache.
     let mut s = e.session(&cached);
     s.feed(&prompt).unwrap();
     let held = s.cache().bytes_used() as f64;

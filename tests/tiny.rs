@@ -179,10 +179,10 @@ fn qwen3_prefill_decode_and_recompute_give_the_same_logits() {
 
 #[test]
 fn gemma3_past_its_window_prefill_decode_and_recompute_agree() {
-    // 30 positions, far past layer 0's window of 8: the cache keeps 8 positions on that layer, the
+    // 100 positions, far past layer 0's window of 8 and its 64 spare: the cache keeps 72 on that layer, the
     // recompute keeps none and masks the same window per query row, a prefill does it in one step.
     let m = load_arch("eq-gemma3", "gemma3");
-    let tokens: Vec<u32> = (0..30).map(|i| (i * 11 % VOCAB) as u32).collect();
+    let tokens: Vec<u32> = (0..100).map(|i| (i * 11 % VOCAB) as u32).collect();
     let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens);
     let none = CacheSpec::none(kvchat::kv::Precision::F32);
     let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
@@ -228,13 +228,15 @@ fn gemma3_window_changes_the_answer_once_the_sequence_outgrows_it() {
 fn gemma3_cache_keeps_only_the_window_on_its_local_layer() {
     let m = load_arch("bytes-gemma3", "gemma3");
     let mut s = session(&m, &FULL);
-    let tokens: Vec<u32> = (0..30).map(|i| (i % VOCAB) as u32).collect();
+    let tokens: Vec<u32> = (0..100).map(|i| (i % VOCAB) as u32).collect();
     s.feed(&tokens).unwrap();
-    let per_layer_position = 2 * KV_HEADS * HEAD_DIM * 4; // K and V, f32
-                                                          // Layer 0 holds its window of 8, layer 1 all 30.
+    // K and V, f32.
+    let per_layer_position = 2 * KV_HEADS * HEAD_DIM * 4;
+    // Layer 0 holds its window of 8 and the spare positions, layer 1 all 100.
+    let local = TINY_WINDOW + kvchat::kv::DECLARED_WINDOW_SPARE;
     assert_eq!(
         s.cache().bytes_used(),
-        (TINY_WINDOW + tokens.len()) * per_layer_position
+        (local + tokens.len()) * per_layer_position
     );
     assert_eq!(
         s.cache().bytes_used() as f64,
@@ -244,4 +246,24 @@ fn gemma3_cache_keeps_only_the_window_on_its_local_layer() {
         s.cache().bytes_uniform(&m.cfg),
         (2 * tokens.len() * per_layer_position) as f64
     );
+}
+
+#[test]
+fn gemma3_going_back_within_the_spare_positions_gives_the_same_logits_as_a_fresh_feed() {
+    let m = load_arch("back-gemma3", "gemma3");
+    let tokens: Vec<u32> = (0..100).map(|i| (i * 13 % VOCAB) as u32).collect();
+    let fresh: Vec<f32> = session(&m, &FULL).feed(&tokens).unwrap().to_vec1().unwrap();
+    let mut s = session(&m, &FULL);
+    s.feed(&tokens).unwrap();
+    // Back 20 positions (the layer keeps 8 + 64), then forward again over the same tokens.
+    s.truncate(80).unwrap();
+    let again: Vec<f32> = s.feed(&tokens[80..]).unwrap().to_vec1().unwrap();
+    let d = common::rel_diff(&again, &fresh);
+    assert!(d < 1e-5, "differs by {d}");
+    // Back to a position still held (the layer holds 28..100) but whose next query needs keys
+    // 23..30, already dropped: refused, and nothing changes.
+    let err = s.truncate(30).unwrap_err().to_string();
+    assert!(err.contains("needs the 8 positions before it"), "{err}");
+    assert_eq!(s.tokens().len(), 100);
+    assert_eq!(s.cache().seen(), 100);
 }

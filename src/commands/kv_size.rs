@@ -196,10 +196,11 @@ pub fn render(r: &KvSizeReport) -> String {
     }
     if let Some(w) = &r.declared_windows {
         s += &format!(
-            "sliding-window layers: {} of {} keep at most {} positions: {} per user at {} tokens against {} for a uniform cache ({:.2}×)\n",
+            "sliding-window layers: {} of {} attend within {} positions (and keep {}): {} per user at {} tokens against {} for a uniform cache ({:.2}×)\n",
             w.layers,
             d.layers,
             w.window,
+            w.window + crate::kv::DECLARED_WINDOW_SPARE,
             human(w.bytes_per_context),
             r.ctx,
             human(w.uniform_bytes_per_context),

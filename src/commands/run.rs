@@ -231,8 +231,9 @@ pub fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
     let uniform = cache.bytes_uniform(cfg);
     let used = cache.bytes_used() as f64;
     Some(format!(
-        "sliding-window layers: {local} of {} keep at most {w} positions: {} held against {} for a uniform cache ({:.2}×)",
+        "sliding-window layers: {local} of {} attend within {w} positions (and keep {}): {} held against {} for a uniform cache ({:.2}×)",
         cfg.n_layer,
+        w + crate::kv::DECLARED_WINDOW_SPARE,
         human_bytes(used as u64),
         human_bytes(uniform as u64),
         if uniform > 0.0 { used / uniform } else { 1.0 }

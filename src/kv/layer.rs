@@ -113,8 +113,15 @@ impl Layer {
             (spec.precision.quantized() && spec.residual > 0 && spec.retention != Retention::None)
                 .then(|| Residual {
                     store: new_store(Precision::F16, nkv, hd, None),
-                    // More recent positions than the context holds could never be used.
-                    r: spec.residual.min(spec.max_positions),
+                    // More recent positions than the context (or the window) holds could never
+                    // be used.
+                    r: spec
+                        .residual
+                        .min(spec.max_positions)
+                        .min(match spec.retention {
+                            Retention::Window { window, sinks } => window + sinks,
+                            _ => usize::MAX,
+                        }),
                     lo: 0,
                     hi: 0,
                 });
@@ -360,6 +367,32 @@ impl Layer {
         })
     }
 
+    /// Why this layer cannot go back to `len` positions, if it cannot: a window that dropped
+    /// position `len`, or a declared window whose next query would miss keys already dropped
+    /// (it needs the `attend_window` positions before it). Changes nothing.
+    pub fn truncate_refusal(&self, len: usize) -> Option<String> {
+        if self.retention == Retention::None || len >= self.seen || len == 0 {
+            return None;
+        }
+        let (sinks, window) = self.held();
+        let dropped = window.start > sinks.end;
+        if dropped && len < window.start {
+            return Some(format!(
+                "the window no longer holds position {len}: it holds {} sinks and positions {}..{}",
+                sinks.len(),
+                window.start,
+                self.seen
+            ));
+        }
+        match self.attend_window {
+            Some(w) if dropped && len + 1 < window.start + w => Some(format!(
+                "going back to position {len} needs the {w} positions before it, and this layer dropped those before {}",
+                window.start
+            )),
+            _ => None,
+        }
+    }
+
     /// Every held position's stored bytes, oldest first (`[nkv, held, row bytes]` each), and the
     /// residual's rows with the first position it holds.
     pub fn raw_state(&self) -> Result<RawState> {
@@ -601,7 +634,9 @@ impl LayerCache for Layer {
         // What the step's queries see: the sinks, the window before the step, the step.
         let sink_end = s.min(b);
         let lo = self.win_lo.max(sink_end).max(b.saturating_sub(n));
-        let dropped = lo > sink_end;
+        // Sinks pair with queries rotated at their place in the cache once positions between
+        // them and the window have been dropped (no sinks: nothing to pair).
+        let dropped = sink_end > 0 && lo > sink_end;
         if e > s.saturating_add(n) {
             // Writing into the ring would overwrite positions lo..b that this step attends to.
             let mut store = new_store(self.precision, self.nkv, self.hd, None);
@@ -647,21 +682,14 @@ impl LayerCache for Layer {
         if self.retention == Retention::None || len >= self.seen {
             return Ok(());
         }
+        if let Some(why) = self.truncate_refusal(len) {
+            bail!(why);
+        }
         self.commit()?;
         self.staged = None;
         if len == 0 {
             self.reset();
             return Ok(());
-        }
-        let (sinks, window) = self.held();
-        let dropped = window.start > sinks.end;
-        if dropped && len < window.start {
-            bail!(
-                "the window no longer holds position {len}: it holds {} sinks and positions {}..{}",
-                sinks.len(),
-                window.start,
-                self.seen
-            );
         }
         self.seen = len;
         self.win_lo = self.win_lo.min(len);

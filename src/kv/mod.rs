@@ -306,8 +306,11 @@ impl CacheSpec {
     /// (sinks and a ring) and governs that layer alone.
     pub fn layer_spec(&self, cfg: &Config, i: usize) -> LayerSpec {
         let m = &self.mode;
+        // The declared window plus a few spare positions, so that a chat going back a few
+        // tokens (a re-tokenized answer, /undo of a short turn) still has every key its next
+        // query needs; attention still sees only the declared window.
         let declared = Retention::Window {
-            window: cfg.layer_window(i).unwrap_or(0),
+            window: cfg.layer_window(i).unwrap_or(0) + DECLARED_WINDOW_SPARE,
             sinks: 0,
         };
         let (retention, attend_window) = match (m.retention, cfg.layer_window(i)) {
@@ -391,7 +394,12 @@ impl KvCache {
     pub fn seen(&self) -> usize {
         self.layers.first().map_or(0, |l| l.seen())
     }
+    /// Drops every position from `len` on, in every layer — or, when some layer cannot go back
+    /// that far, in none (an error names why).
     pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if let Some(why) = self.layers.iter().find_map(|l| l.truncate_refusal(len)) {
+            anyhow::bail!(why);
+        }
         for l in &mut self.layers {
             l.truncate(len)?;
         }
@@ -443,6 +451,9 @@ pub(crate) fn test_rope(max_positions: usize, hd: usize) -> Rope {
     let cfg = test_config(1, hd);
     Rope::new(&cfg, max_positions, None, DType::F32, &Device::Cpu).unwrap()
 }
+
+/// Positions a layer with a model-declared window keeps beyond it (see `CacheSpec::layer_spec`).
+pub const DECLARED_WINDOW_SPARE: usize = 64;
 
 /// A config with `nkv` KV heads of `hd` values, for unit tests.
 #[cfg(test)]
@@ -557,16 +568,23 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_the_model_declares_a_window_for_keeps_only_that_window() {
+    fn a_layer_the_model_declares_a_window_for_keeps_only_that_window_and_attends_within_it() {
         let mut cfg = test_config(1, 8);
         cfg.sliding_window = Some((16, vec![true]));
         let spec = CacheSpec::full(Precision::F16, 1024).layer_spec(&cfg, 0);
         assert_eq!(
             spec.retention,
             Retention::Window {
-                window: 16,
+                window: 16 + DECLARED_WINDOW_SPARE,
                 sinks: 0
             }
+        );
+        assert_eq!(spec.attend_window, Some(16));
+        // Recomputing keeps nothing, and still attends within the window.
+        let none = CacheSpec::none(Precision::F16).layer_spec(&cfg, 0);
+        assert_eq!(
+            (none.retention, none.attend_window),
+            (Retention::None, Some(16))
         );
     }
 }

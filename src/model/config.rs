@@ -199,6 +199,9 @@ impl Config {
         // Gemma 3: five sliding-window layers for every global one (llama.cpp's swa pattern 6:
         // layer i is global when i % 6 == 5), unless the file states its pattern; local layers
         // rotate with base 10,000 (llama.cpp's rope_freq_base_train_swa for gemma3).
+        if n_layer > 4096 {
+            bail!("model block_count = {n_layer} is beyond any real model's (at most 4096); the file is damaged");
+        }
         let (sliding_window, rope_base_local) = if arch == "gemma3" {
             let w = get_u("attention.sliding_window")?;
             if w == 0 {

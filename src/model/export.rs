@@ -60,6 +60,12 @@ pub fn gguf_to_hf(gguf_path: &Path, out_dir: &Path) -> Result<()> {
     let dev = Device::Cpu;
     let mut gguf = GgufFile::open(gguf_path)?;
     let cfg = gguf.config()?;
+    if !["llama", "mistral", "qwen2"].contains(&cfg.arch.as_str()) {
+        anyhow::bail!(
+            "exporting a {} model to the HF layout is not supported (llama, mistral, qwen2 only): its extra norms would be lost",
+            cfg.arch
+        );
+    }
     let interleaved = cfg.rope_style == RopeStyle::Interleaved;
     if interleaved && cfg.rope_dim != cfg.head_dim {
         bail!("partial rotary with interleaved pairs is not supported by the exporter");

@@ -134,6 +134,11 @@ fn fetch_member(
         })
         .with_context(|| format!("package {package}=={version} has no wheel on {index}"))?;
     let name = url.rsplit('/').next().unwrap_or("wheel.whl").to_string();
+    // The index names the wheel: a plain file name, or nothing is written for it.
+    super::paths::member_file_name(&name)
+        .ok()
+        .filter(|n| *n == name && !name.contains('\\'))
+        .with_context(|| format!("{page}: wheel name '{name}' is not a plain file name"))?;
     let wheel_part = dir.join(format!(".{name}.part"));
     let result = (|| -> Result<String> {
         let resp = http_get(&url)?;
