@@ -863,6 +863,43 @@ fn hand_written_gguf_files_with_impossible_tensors_are_refused() {
 }
 
 #[test]
+fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
+    let home = temp("gguf-types");
+    let mut kvs = llama_kvs();
+    kvs.push(("general.alignment", Val::U32(32)));
+    kvs.push(("tokenizer.ggml.model", Val::Str("llama".into())));
+    for (ty, name) in [
+        (17u32, "type IQ2_XS"),
+        (39, "type MXFP4"),
+        (23, "type IQ4_XS"),
+        (99, "type 99 (unknown to kvchat)"),
+    ] {
+        let tensors = [
+            (
+                "token_embd.weight",
+                vec![32u64, 8],
+                0u32,
+                vec![0u8; 32 * 8 * 4],
+            ),
+            ("blk.0.ffn_up.weight", vec![32, 64], ty, vec![0u8; 64]),
+        ];
+        let p = home.join(format!("type-{ty}.gguf"));
+        std::fs::write(&p, gguf_bytes(&kvs, &tensors)).unwrap();
+        let o = kvchat(
+            &home,
+            None,
+            &["run", "-m", p.to_str().unwrap(), "--raw", "hi"],
+            b"",
+        );
+        assert_refused(
+            &o,
+            &format!("tensor blk.0.ffn_up.weight has {name}, which kvchat cannot run yet; supported: F32, F16, BF16, Q4_0"),
+        );
+        assert!(!String::from_utf8_lossy(&o.stderr).contains("damaged"));
+    }
+}
+
+#[test]
 fn files_read_whole_are_regular_and_bounded() {
     let home = temp("bounded-reads");
     let model = tiny_model("bounded-reads");

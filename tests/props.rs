@@ -372,6 +372,24 @@ proptest! {
     }
 
     #[test]
+    fn the_tensor_type_scan_never_panics_on_any_header(
+        tail in proptest::collection::vec(any::<u8>(), 0..256),
+        version in 0u32..5,
+        n_tensors in 0u64..4,
+        n_kv in 0u64..4,
+    ) {
+        // A GGUF magic, then counts and bytes that may say anything.
+        let mut b = b"GGUF".to_vec();
+        b.extend(version.to_le_bytes());
+        b.extend(n_tensors.to_le_bytes());
+        b.extend(n_kv.to_le_bytes());
+        b.extend(&tail);
+        let p = std::env::temp_dir().join(format!("kvchat-scan-{}.gguf", std::process::id()));
+        std::fs::write(&p, &b).unwrap();
+        let _ = kvchat::model::gguf_types::unsupported_tensor(&p);
+    }
+
+    #[test]
     fn arbitrary_toml_text_never_panics_the_registry_parser(text in any::<String>()) {
         let _ = Registry::parse(&text, "prop");
     }

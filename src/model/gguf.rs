@@ -37,12 +37,14 @@ impl GgufFile {
                     path.display()
                 )
             })?
-            .map_err(|e| {
-                anyhow::anyhow!(
+            .map_err(|e| match super::gguf_types::unsupported_tensor(path) {
+                // A tensor type candle's reader does not know: name it, not "damaged".
+                Some(why) => anyhow::anyhow!("{}: {why}", path.display()),
+                None => anyhow::anyhow!(
                     "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
                     path.display(),
                     e = crate::first_line(e)
-                )
+                ),
             })?;
         Ok(Self {
             path: path.to_path_buf(),

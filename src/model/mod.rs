@@ -5,6 +5,7 @@ pub mod config;
 pub mod export;
 pub mod files;
 pub mod gguf;
+pub mod gguf_types;
 pub mod kernels;
 pub mod llama;
 pub mod rope;
