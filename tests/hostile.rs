@@ -180,6 +180,9 @@ fn registry_fields_that_climb_out_of_the_cache_are_refused_naming_entry_and_fiel
         (format!("type = \"pip\"\npackage = \"p\"\nversion = \"1\"\nmember = \"../../x.gguf\"\nsha256 = \"{sha}\""), "field member"),
         (format!("type = \"pip\"\npackage = \"../p\"\nversion = \"1\"\nmember = \"x.gguf\"\nsha256 = \"{sha}\""), "field package"),
         (format!("type = \"pip\"\npackage = \"p\"\nversion = \"1/../../x\"\nmember = \"x.gguf\"\nsha256 = \"{sha}\""), "field version"),
+        (format!("type = \"pip-parts\"\nfile = \"../x.gguf\"\nsha256 = \"{sha}\"\nparts = [{{ package = \"p\", version = \"1\", member = \"a/x.part0\" }}]"), "field file"),
+        (format!("type = \"pip-parts\"\nfile = \"x.gguf\"\nsha256 = \"{sha}\"\nparts = [{{ package = \"p\", version = \"1\", member = \"../../x.part0\" }}]"), "field member"),
+        (format!("type = \"pip-parts\"\nfile = \"x.gguf\"\nsha256 = \"{sha}\"\nparts = []"), "field parts"),
     ];
     for (source, field) in cases {
         let file = home.join("models.toml");
@@ -196,6 +199,84 @@ fn registry_fields_that_climb_out_of_the_cache_are_refused_naming_entry_and_fiel
         );
         assert_refused(&o, field);
         assert!(stderr(&o).contains("entry 'm'"), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn a_registry_sampling_table_with_an_unusable_value_is_refused_naming_entry_and_setting() {
+    let home = temp("registry-sampling");
+    let sha = "0".repeat(64);
+    for (table, needle) in [
+        (
+            "temperature = -1.0",
+            "sampling: temperature must be a number ≥ 0",
+        ),
+        ("top_p = 2.0", "sampling: top_p must be between 0 and 1"),
+        ("warmth = 1.0", "unknown field `warmth`"),
+    ] {
+        let file = home.join("models.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "default = \"m\"\n[models.m]\ndescription = \"d\"\n[[models.m.sources]]\n\
+                 type = \"pip\"\npackage = \"p\"\nversion = \"1\"\nmember = \"x.gguf\"\nsha256 = \"{sha}\"\n\
+                 [models.m.sampling]\n{table}\n"
+            ),
+        )
+        .unwrap();
+        let o = kvchat(
+            &home,
+            None,
+            &["models", "list", "--models-file", file.to_str().unwrap()],
+            b"",
+        );
+        assert_refused(&o, needle);
+        assert!(stderr(&o).contains("entry 'm'"), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn gemma3_sliding_window_metadata_that_makes_no_sense_is_refused_naming_the_key() {
+    use candle_core::quantized::gguf_file::Value;
+    let home = temp("gemma3-window");
+    let cases = [
+        (
+            "gemma3.attention.sliding_window",
+            Value::U32(0),
+            "sliding_window is 0",
+        ),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            Value::U32(0),
+            "sliding_window_pattern is 0",
+        ),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(vec![Value::Bool(true); 5]),
+            "sliding_window_pattern has 5 entries for 2 layers",
+        ),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(vec![Value::U32(1), Value::U32(0)]),
+            "non-boolean",
+        ),
+        (
+            "gemma3.block_count",
+            Value::U32(1 << 31),
+            "beyond any real model",
+        ),
+    ];
+    for (i, (key, value, needle)) in cases.into_iter().enumerate() {
+        let mut md = common::tiny::spm_metadata(common::tiny::VOCAB);
+        md.push((key.to_string(), value));
+        let model = common::tiny::write_tiny_arch(&format!("hostile-gemma3-{i}"), "gemma3", md);
+        let o = kvchat(
+            &home,
+            None,
+            &["run", "-m", model.to_str().unwrap(), "--raw", "hi"],
+            b"",
+        );
+        assert_refused(&o, needle);
     }
 }
 
