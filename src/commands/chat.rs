@@ -157,18 +157,17 @@ impl Chat<'_> {
                 // `/set seed N` replays from N, even when N is the seed already in force.
                 self.sampler.reseed();
             }
-            if self.stats {
-                eprintln!(
-                    "{}",
-                    style::paint(
-                        self.colour,
-                        style::DIM,
-                        &format!("[stats] sampling: {}", self.sampling.describe())
-                    )
-                );
-            }
+            self.print_sampling();
         }
         Ok(format!("({name} = {value})"))
+    }
+
+    /// With `--stats`: the sampling in force, one line on stderr.
+    fn print_sampling(&self) {
+        if self.stats {
+            let line = format!("[stats] sampling: {}", self.sampling.describe());
+            eprintln!("{}", style::paint(self.colour, style::DIM, &line));
+        }
     }
 }
 
@@ -475,16 +474,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");
     }
-    if args.stats {
-        eprintln!(
-            "{}",
-            style::paint(
-                chat.colour,
-                style::DIM,
-                &format!("[stats] sampling: {}", chat.sampling.describe())
-            )
-        );
-    }
+    chat.print_sampling();
     if let Some(pc) = &args.prompt_cache {
         if pc.exists() {
             match chat.conv.load(pc) {

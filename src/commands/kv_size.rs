@@ -128,7 +128,7 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
         (h, mha, mha / dims.bytes_per_token(headline))
     });
     let declared_windows = cfg.as_ref().and_then(|cfg| {
-        let (w, layers) = cfg.sliding_window.as_ref()?;
+        let (w, layers) = cfg.window_layers()?;
         let spec = crate::kv::CacheSpec {
             mode: crate::kv::CacheMode {
                 precision: headline,
@@ -138,8 +138,8 @@ pub fn report(args: &KvSizeArgs) -> Result<KvSizeReport> {
             max_positions: args.ctx,
         };
         Some(DeclaredWindows {
-            window: *w,
-            layers: layers.iter().filter(|&&l| l).count(),
+            window: w,
+            layers,
             bytes_per_context: KvDims::bytes_for_spec(&spec, cfg, args.ctx),
             uniform_bytes_per_context: dims.bytes_for_mode(&spec.mode, args.ctx),
         })

@@ -226,8 +226,7 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
 /// For a model whose layers declare sliding windows: what the cache holds against a uniform one.
 pub fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
     let cfg = &engine.model.cfg;
-    let (w, layers) = cfg.sliding_window.as_ref()?;
-    let local = layers.iter().filter(|&&l| l).count();
+    let (w, local) = cfg.window_layers()?;
     let uniform = cache.bytes_uniform(cfg);
     let used = cache.bytes_used() as f64;
     Some(format!(

@@ -109,6 +109,12 @@ pub struct Config {
 }
 
 impl Config {
+    /// The model's declared sliding window and how many layers attend within it, if it has one.
+    pub fn window_layers(&self) -> Option<(usize, usize)> {
+        let (w, layers) = self.sliding_window.as_ref()?;
+        Some((*w, layers.iter().filter(|&&l| l).count()))
+    }
+
     /// The window layer `i` attends within, if the model declares one for it: the cache need
     /// keep no more than that on this layer.
     pub fn layer_window(&self, i: usize) -> Option<usize> {
