@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # kvchat against llama.cpp on the same GGUF, side by side, alternating, on this CPU.
 #   scripts/bench-vs-llamacpp.sh [ROUNDS=3] [THREADS=2]
+#       SmolLM2-135M Q4_1 in detail: prefill of 512 tokens and decode at contexts 128, 512, 2048,
+#       4096, kvchat's full and int8 caches against llama-bench's f16 (flash attention) and q8_0.
+#   scripts/bench-vs-llamacpp.sh [ROUNDS] [THREADS] FILE.gguf...
+#       One row per file (issue 16's table): decode at each context of $CONTEXTS (default 128)
+#       and prefill of 512 tokens, kvchat (full cache) ÷ llama.cpp (f16 KV, flash attention),
+#       medians over ROUNDS; each round runs every file through both tools in turn.
+#       Files from scripts/make-test-models.sh suit it.
 # Builds llama.cpp's llama-bench once (scripts/llamacpp.sh: from the sources vendored in the PyPI sdist
 # of llama-cpp-python, CPU only, into ${KVCHAT_HOME:-~/.cache/kvchat}/llama.cpp, outside the
-# repository). Then, ROUNDS times: llama-bench (f16 KV + flash attention; q8_0 KV) and
-# `kvchat bench` (full; int8), each measuring prefill of 512 tokens and decode at contexts 128, 512,
-# 2048, 4096. Prints per-round figures, medians with min–max spread, and kvchat/llama.cpp ratios.
+# repository). Prints per-round figures, medians with min–max spread, and kvchat/llama.cpp ratios.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
 threads="${2:-2}"
+shift $(( $# < 2 ? $# : 2 ))
 reps="${LLAMA_REPS:-3}"   # llama-bench repetitions per test, per round
 home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
 model="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,6 +27,56 @@ bench="$("$root/scripts/llamacpp.sh" llama-bench)/llama-bench"
 
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kvchat="$root/target/release/kvchat"
+
+if [ $# -gt 0 ]; then
+  contexts="${CONTEXTS:-128}"
+  for f in "$@"; do
+    [ -f "$f" ] || { echo "no such model file: $f" >&2; exit 2; }
+  done
+  for r in $(seq 1 "$rounds"); do
+    i=0
+    for f in "$@"; do
+      i=$((i + 1))
+      echo "round $r/$rounds: $(basename "$f")" >&2
+      "$bench" -m "$f" -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/f$i-llama-pp-$r.json"
+      "$bench" -m "$f" -t "$threads" -fa on -r "$reps" -p 0 -n 32 -d "$contexts" -o json > "$out/f$i-llama-tg-$r.json"
+      "$kvchat" bench -m "$f" --threads "$threads" --modes full --contexts "512,$contexts" \
+        --gen 32 --repeat 1 --warmup 1 --no-summary --json "$out/f$i-kvchat-$r.json" > /dev/null
+    done
+  done
+  python3 - "$out" "$rounds" "$contexts" "$@" <<'PY'
+import json, os, statistics, sys
+out, rounds, contexts, files = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+ctxs = [int(c) for c in contexts.split(",")]
+def med(v):
+    return statistics.median(v) if v else float("nan")
+head = f"{'file':24}" + "".join(f" {'decode @'+str(c)+' (llama.cpp/kvchat tok/s)':>40}" for c in ctxs)
+head += f" {'prefill 512 (llama.cpp/kvchat)':>36}"
+print(head)
+for i, f in enumerate(files, 1):
+    dec = {c: ([], []) for c in ctxs}
+    pp = ([], [])
+    for r in range(1, rounds + 1):
+        for e in json.load(open(f"{out}/f{i}-llama-pp-{r}.json")):
+            pp[0].append(e["avg_ts"])
+        for e in json.load(open(f"{out}/f{i}-llama-tg-{r}.json")):
+            if e["n_depth"] in dec:
+                dec[e["n_depth"]][0].append(e["avg_ts"])
+        for c in json.load(open(f"{out}/f{i}-kvchat-{r}.json"))["cells"]:
+            if c["context"] == 512:
+                pp[1].append(c["prefill_tok_s"]["median"])
+            if c["context"] in dec:
+                dec[c["context"]][1].append(1000.0 / c["decode_ms_per_token"]["median"])
+    row = f"{os.path.basename(f)[:24]:24}"
+    for c in ctxs:
+        a, b = med(dec[c][0]), med(dec[c][1])
+        row += f" {a:12.1f} / {b:8.1f} = {b / a:5.2f}x{'':8}"
+    a, b = med(pp[0]), med(pp[1])
+    row += f" {a:10.1f} / {b:8.1f} = {b / a:5.2f}x"
+    print(row)
+PY
+  exit 0
+fi
 
 for r in $(seq 1 "$rounds"); do
   echo "round $r/$rounds" >&2

@@ -157,6 +157,8 @@ pub struct LoadOptions {
     /// The KV precisions the run will use: each must fit the model's heads (checked once its
     /// metadata is read, before the weights load), the widest sizes the context's memory check.
     pub kv_precisions: Vec<crate::kv::Precision>,
+    /// Which CPU matmul runs quantized GGUF matrices (ours or candle's, per type).
+    pub kernels: crate::model::kernels::quant::Kernels,
 }
 
 impl LoadOptions {
@@ -282,6 +284,7 @@ impl Engine {
     fn load_gguf(path: PathBuf, args: &LoadOptions, device: Device) -> Result<Self> {
         let mut gguf = GgufFile::open(&path)?;
         gguf.dense = args.dtype;
+        gguf.kernels = args.kernels;
         let cfg = gguf.config()?;
         let ctx = Self::ctx_for(args, &cfg)?;
         let model = gguf.load_llama_with(cfg, &device, ctx)?;

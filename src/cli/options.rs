@@ -37,6 +37,10 @@ pub struct ModelArgs {
     /// Context size in tokens: the most positions a sequence may reach [default: the model's trained context]
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// CPU matmul for quantized GGUF matrices: preferred (the faster per type), ours or candle —
+    /// for side-by-side measurements
+    #[arg(long, hide = true, env = "KVCHAT_KERNELS", default_value = "preferred")]
+    pub kernels: String,
 }
 
 impl ModelArgs {
@@ -73,6 +77,7 @@ impl ModelArgs {
             threads,
             ctx: self.ctx,
             kv_precisions: Vec::new(),
+            kernels: self.kernels.parse().context("--kernels")?,
         })
     }
 }

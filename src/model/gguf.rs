@@ -1,7 +1,7 @@
 //! GGUF files: metadata and quantized weights, read once; matrices stay quantized (candle's QMatMul).
 
 use super::config::Config;
-use super::kernels::q4_1::Q4_1Matrix;
+use super::kernels::quant::{Kernels, QMatrix};
 use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{Context, Result};
@@ -12,6 +12,15 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The matrix in our CPU kernels' block store, when the device is the CPU and `kernels` picks
+/// ours for its type.
+fn own_kernels(kernels: Kernels, device: &Device, w: &QTensor) -> Result<Option<QMatrix>> {
+    if !device.is_cpu() || !kernels.ours_for(w.dtype()) {
+        return Ok(None);
+    }
+    QMatrix::from_qtensor(w)
+}
+
 /// An opened GGUF file: its metadata is read, its tensors are read on demand.
 pub struct GgufFile {
     pub path: PathBuf,
@@ -19,6 +28,8 @@ pub struct GgufFile {
     reader: BufReader<File>,
     /// Dequantize every matrix to this dtype at load (`--dtype`); None keeps them quantized.
     pub dense: Option<DType>,
+    /// Our CPU kernels or candle's QMatMul, per type.
+    pub kernels: Kernels,
 }
 
 impl GgufFile {
@@ -51,6 +62,7 @@ impl GgufFile {
             content,
             reader,
             dense: None,
+            kernels: Kernels::default(),
         })
     }
 
@@ -97,15 +109,12 @@ impl GgufFile {
 
     /// A matrix as the decoder uses it: quantized, or dequantized to `self.dense`.
     fn weight(&self, w: Arc<QTensor>, device: &Device) -> Result<Weight> {
-        // KVCHAT_CANDLE_Q4_1=1 keeps candle's own Q4_1 path (for side-by-side measurements).
-        let own_q4_1 = device.is_cpu() && std::env::var_os("KVCHAT_CANDLE_Q4_1").is_none();
         Ok(match self.dense {
             Some(dtype) => Weight::Dense(w.dequantize(device)?.to_dtype(dtype)?),
-            None if own_q4_1 => match Q4_1Matrix::from_qtensor(&w)? {
-                Some(m) => Weight::Q4_1(m),
+            None => match own_kernels(self.kernels, device, &w)? {
+                Some(m) => Weight::Cpu(m),
                 None => Weight::Quantized(QMatMul::from_arc(w)?),
             },
-            None => Weight::Quantized(QMatMul::from_arc(w)?),
         })
     }
 
@@ -172,11 +181,21 @@ impl GgufFile {
         }
         let norm = self.dense("output_norm.weight", device)?;
         // Tied embeddings: with no output.weight, the output projection is the embedding matrix.
+        // The table in our kernels' store when they run its type (no dequantized copy; with tied
+        // embeddings, the output matrix is the same store).
+        let embed_own = match self.dense {
+            None => own_kernels(self.kernels, device, &embed)?,
+            Some(_) => None,
+        };
+        // Tied embeddings: with no output.weight, the output projection is the embedding matrix.
         let output = if self.has_tensor("output.weight") {
             self.linear("output", false, [cfg.vocab, h], device)?
         } else {
             Linear {
-                w: self.weight(embed.clone(), device)?,
+                w: match &embed_own {
+                    Some(m) => Weight::Cpu(m.clone()),
+                    None => self.weight(embed.clone(), device)?,
+                },
                 b: None,
             }
         };
@@ -194,6 +213,7 @@ impl GgufFile {
         )?;
         let rope_local = Rope::local(&cfg, max_positions, DType::F32, device)?;
         let embed = match (embed.dtype(), self.dense) {
+            (_, None) if embed_own.is_some() => Embedding::Cpu(embed_own.expect("checked")),
             (_, Some(dtype)) => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
             (candle_core::quantized::GgmlDType::F32, None) => {
                 Embedding::Dense(embed.dequantize(device)?)

@@ -8,6 +8,7 @@
 
 use super::cache::{DecoderCache, LayerCache};
 use super::config::{Activation, Config};
+use super::kernels::quant::QMatrix;
 use super::rope::Rope;
 use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -18,8 +19,8 @@ use std::sync::Arc;
 /// f16 or bf16). Activations stay f32; a dense matrix of another dtype gets its input cast to it.
 pub enum Weight {
     Quantized(QMatMul),
-    /// Q4_1 on the CPU: our AVX2 kernel, bit-identical to candle's scalar QMatMul path.
-    Q4_1(super::kernels::q4_1::Q4_1Matrix),
+    /// Quantized on the CPU, in a format our kernels run (`kernels::quant`).
+    Cpu(QMatrix),
     Dense(Tensor),
 }
 
@@ -33,7 +34,7 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.w {
             Weight::Quantized(w) => w.forward(x)?,
-            Weight::Q4_1(w) => w.forward(x)?,
+            Weight::Cpu(w) => w.forward(x)?,
             Weight::Dense(w) => {
                 let dtype = x.dtype();
                 // [.., in] x [in, out] -> [.., out]
@@ -50,10 +51,11 @@ impl Linear {
 }
 
 pub struct Layer {
-    /// q, k and v stacked into one matrix (CPU Q4_1, no biases): one pass instead of three.
-    pub qkv: Option<super::kernels::q4_1::Q4_1Matrix>,
+    /// q, k and v stacked into one matrix (CPU kernels, one format, no biases): one pass instead
+    /// of three.
+    pub qkv: Option<QMatrix>,
     /// gate and up stacked likewise.
-    pub gate_up: Option<super::kernels::q4_1::Q4_1Matrix>,
+    pub gate_up: Option<QMatrix>,
     pub attn_norm: Tensor,
     pub wq: Linear,
     pub wk: Linear,
@@ -74,6 +76,8 @@ pub struct Layer {
 /// Token embeddings: kept quantized when the file has them quantized, rows dequantized on lookup.
 pub enum Embedding {
     Quantized(Arc<QTensor>),
+    /// The table in our CPU kernels' block store, shared with a tied output matrix.
+    Cpu(QMatrix),
     Dense(Tensor),
 }
 
@@ -103,25 +107,27 @@ pub struct Llama {
 }
 
 impl Layer {
-    /// Stacks q/k/v and gate/up into one matrix each where all are CPU Q4_1 without biases; the
-    /// separate weights become views of the stacked ones (nothing is stored twice).
+    /// Stacks q/k/v and gate/up into one matrix each where all run on our CPU kernels in one
+    /// format, without biases; the separate weights become views of the stacked ones (nothing is
+    /// stored twice).
     pub fn stack_projections(&mut self) -> Result<()> {
-        use super::kernels::q4_1::Q4_1Matrix;
         let no_bias = self.wq.b.is_none() && self.wk.b.is_none() && self.wv.b.is_none();
-        if let (true, Weight::Q4_1(q), Weight::Q4_1(k), Weight::Q4_1(v)) =
+        if let (true, Weight::Cpu(q), Weight::Cpu(k), Weight::Cpu(v)) =
             (no_bias, &self.wq.w, &self.wk.w, &self.wv.w)
         {
-            let (all, mut parts) = Q4_1Matrix::stack(&[q, k, v])?;
-            self.wv.w = Weight::Q4_1(parts.pop().expect("v"));
-            self.wk.w = Weight::Q4_1(parts.pop().expect("k"));
-            self.wq.w = Weight::Q4_1(parts.pop().expect("q"));
-            self.qkv = Some(all);
+            if let Some((all, mut parts)) = QMatrix::stack(&[q, k, v])? {
+                self.wv.w = Weight::Cpu(parts.pop().expect("v"));
+                self.wk.w = Weight::Cpu(parts.pop().expect("k"));
+                self.wq.w = Weight::Cpu(parts.pop().expect("q"));
+                self.qkv = Some(all);
+            }
         }
-        if let (Weight::Q4_1(g), Weight::Q4_1(u)) = (&self.w_gate.w, &self.w_up.w) {
-            let (all, mut parts) = Q4_1Matrix::stack(&[g, u])?;
-            self.w_up.w = Weight::Q4_1(parts.pop().expect("up"));
-            self.w_gate.w = Weight::Q4_1(parts.pop().expect("gate"));
-            self.gate_up = Some(all);
+        if let (Weight::Cpu(g), Weight::Cpu(u)) = (&self.w_gate.w, &self.w_up.w) {
+            if let Some((all, mut parts)) = QMatrix::stack(&[g, u])? {
+                self.w_up.w = Weight::Cpu(parts.pop().expect("up"));
+                self.w_gate.w = Weight::Cpu(parts.pop().expect("gate"));
+                self.gate_up = Some(all);
+            }
         }
         Ok(())
     }
@@ -182,6 +188,7 @@ impl Llama {
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = match &self.embed {
             Embedding::Quantized(q) => q.embedding(&ids)?,
+            Embedding::Cpu(q) => q.rows(tokens)?,
             Embedding::Dense(e) => e.embedding(&ids)?.to_dtype(candle_core::DType::F32)?,
         }
         .unsqueeze(0)?; // [1, t, hidden]

@@ -8,4 +8,4 @@ pub mod attention;
 pub mod kvrows;
 
 pub mod disjoint;
-pub mod q4_1;
+pub mod quant;

@@ -1,0 +1,836 @@
+//! CPU matrix kernels for GGUF quantized weights: one driver, one dot product per block format.
+//!
+//! As in llama.cpp's ggml-cpu, each weight format pairs with an activation format (`Act`): the f32
+//! input rows are quantized once per matmul (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for
+//! the K-quants), and a row of the output is a sum of block dot products. A format states (trait
+//! [`Format`]) its block layout, how to dequantize a block, and per block the exact integer dot
+//! product in 8 lanes with the float scale it is multiplied by; [`dot_scalar`] sums those the one
+//! way every path sums them, and the AVX2 paths (module `avx2` of each format file, and the driver's
+//! [`avx2`]) reproduce that sum bit for bit (tested, per format).
+//!
+//! **The summation order** (the same for every format and path): lane `l` of a block holds the
+//! integer sum over its elements `i` with `(i % 32) / 4 == l` — what AVX2's maddubs+madd leave in
+//! lane `l` — of `w_i · y_i` (w_i the integer weight, times its sub-block scale for K-quants). Each
+//! lane is converted to f32 and fused-multiply-added with the block's scale into its own
+//! accumulator; a format with a min term (Q4_1, Q5_1, Q4_K, Q5_K) adds it to a separate f32 sum;
+//! at the end the 8 lanes are added pairwise, ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the min
+//! sum. Decode (one token) and prefill (four tokens per unpacked block) sum identically, so a
+//! prefill, a decode and a `--no-cache` recompute agree to the bit.
+//!
+//! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
+//! pool competing with its spinning workers). Weights are kept once, as loaded (the blocks of the
+//! GGUF tensor, reinterpreted); stacked matrices (q/k/v, gate/up) share one block store.
+
+mod kquants;
+mod legacy;
+
+use super::disjoint::DisjointOut;
+use anyhow::{bail, Result};
+use bytemuck::{Pod, Zeroable};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+use std::sync::Arc;
+
+pub use kquants::{Q4K, Q5K, Q6K};
+pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+
+/// An activation block format: how an f32 input row is quantized before the dot products.
+pub trait Act: Pod + Send + Sync {
+    /// Values per block.
+    const N: usize;
+    fn quantize(xs: &[f32], ys: &mut [Self]);
+}
+
+/// A weight block format. `Block` is the GGUF block, byte for byte.
+pub trait Format: Send + Sync + 'static {
+    type Block: Pod + Send + Sync;
+    type Act: Act;
+    /// Values per block (32, or 256 for the K-quants); `Act::N` is the same.
+    const N: usize;
+    const DTYPE: GgmlDType;
+    /// Whether the format has a min term (`min_term` is not zero).
+    const HAS_MIN: bool;
+    /// The block's `N` weights as f32 (GGUF's dequantization).
+    fn dequantize(x: &Self::Block, out: &mut [f32]);
+    /// The 8 integer lanes of the block's dot product with `y` (see the module's summation order).
+    fn lanes(x: &Self::Block, y: &Self::Act) -> [i32; 8];
+    /// The float factor of the block's lanes.
+    fn scale(x: &Self::Block, y: &Self::Act) -> f32;
+    /// The block's min term (0 where `HAS_MIN` is false).
+    fn min_term(x: &Self::Block, y: &Self::Act) -> f32;
+}
+
+/// The 8 lane accumulators added in the fixed order every path uses.
+#[inline(always)]
+fn hsum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// The portable dot product of one weight row with one activation row: the reference every SIMD
+/// path is tested against, bit for bit.
+pub fn dot_scalar<F: Format>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut summ = 0f32;
+    for (x, y) in xs.iter().zip(ys) {
+        let lanes = F::lanes(x, y);
+        let d = F::scale(x, y);
+        for (a, l) in acc.iter_mut().zip(lanes) {
+            *a = (l as f32).mul_add(d, *a);
+        }
+        if F::HAS_MIN {
+            summ += F::min_term(x, y);
+        }
+    }
+    hsum(acc) + summ
+}
+
+/// The lane of element `i` of a block (see the module's summation order).
+#[inline(always)]
+fn lane(i: usize) -> usize {
+    (i % 32) / 4
+}
+
+/// Q8_0 activations: `{d: f16, qs: [i8; 32]}`, x ≈ d·q.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; 32],
+}
+
+/// Q8_1 activations: Q8_0 plus `s = d·Σq` (for the min term of Q4_1/Q5_1).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockQ8_1 {
+    pub d: f16,
+    pub s: f16,
+    pub qs: [i8; 32],
+}
+
+/// Q8_K activations: `{d: f32, qs: [i8; 256], bsums: [i16; 16]}` (sums of each 16 values).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; 256],
+    pub bsums: [i16; 16],
+}
+
+/// llama.cpp's `quantize_row_q8_0` (and candle's), value for value: d = max|x| / 127.
+fn q8_scale(x: &[f32]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    (d, if d != 0.0 { 1.0 / d } else { 0.0 })
+}
+
+impl Act for BlockQ8_0 {
+    const N: usize = 32;
+    fn quantize(xs: &[f32], ys: &mut [Self]) {
+        for (x, y) in xs.chunks_exact(32).zip(ys) {
+            let (d, id) = q8_scale(x);
+            y.d = f16::from_f32(d);
+            for (q, v) in y.qs.iter_mut().zip(x) {
+                *q = (v * id).round() as i8;
+            }
+        }
+    }
+}
+
+impl Act for BlockQ8_1 {
+    const N: usize = 32;
+    /// candle's `quantize_row_q8_1`, value for value.
+    fn quantize(xs: &[f32], ys: &mut [Self]) {
+        for (x, y) in xs.chunks_exact(32).zip(ys) {
+            let (d, id) = q8_scale(x);
+            y.d = f16::from_f32(d);
+            let mut sum = 0i32;
+            for (q, v) in y.qs.iter_mut().zip(x) {
+                *q = (v * id).round() as i8;
+                sum += *q as i32;
+            }
+            y.s = f16::from_f32(sum as f32) * y.d;
+        }
+    }
+}
+
+impl Act for BlockQ8K {
+    const N: usize = 256;
+    /// llama.cpp's `quantize_row_q8_K_ref`: scale from the value of largest magnitude, sign kept.
+    fn quantize(xs: &[f32], ys: &mut [Self]) {
+        for (x, y) in xs.chunks_exact(256).zip(ys) {
+            let (mut max, mut amax) = (0f32, 0f32);
+            for &v in x {
+                if v.abs() > amax {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            if amax == 0.0 {
+                *y = Zeroable::zeroed();
+                continue;
+            }
+            let iscale = -127.0 / max;
+            for (q, v) in y.qs.iter_mut().zip(x) {
+                *q = (iscale * v).round().min(127.0) as i8;
+            }
+            for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
+                *s = q.iter().map(|&v| v as i16).sum();
+            }
+            y.d = 1.0 / iscale;
+        }
+    }
+}
+
+/// The instruction sets a kernel can use, best last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Scalar,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512 (F, BW, VL) with VNNI, on top of AVX2.
+    Vnni,
+}
+
+/// The best level this CPU runs, capped by `KVCHAT_SIMD=scalar|avx2` (for side-by-side checks);
+/// decided once per process.
+pub fn level() -> Level {
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let cap = match std::env::var("KVCHAT_SIMD").as_deref() {
+            Ok("scalar") => Level::Scalar,
+            Ok("avx2") => Level::Avx2,
+            _ => Level::Vnni,
+        };
+        cap.min(detected())
+    })
+}
+
+/// The best level of this CPU.
+fn detected() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx2") && has!("fma")) {
+            return Level::Scalar;
+        }
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+            return Level::Vnni;
+        }
+        Level::Avx2
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Level::Scalar
+    }
+}
+
+/// A format's SIMD kernels: the block unpacked into registers once, then its integer lanes with
+/// any number of activation blocks (and its min term, from what was unpacked). `*512` are the
+/// AVX-512 VNNI versions, giving the same lanes.
+///
+/// SAFETY contract (the one for every `unsafe fn` of this trait and of the `avx2` modules): call
+/// the plain ones only when [`level`] is at least `Avx2`, the `*512` ones only when it is `Vnni`.
+#[cfg(target_arch = "x86_64")]
+pub trait Avx2: Format {
+    type Unpacked: Copy;
+    /// # Safety
+    /// The trait's contract.
+    unsafe fn unpack(x: &Self::Block) -> Self::Unpacked;
+    /// # Safety
+    /// The trait's contract.
+    unsafe fn ilanes(u: &Self::Unpacked, y: &Self::Act) -> std::arch::x86_64::__m256i;
+    /// # Safety
+    /// The trait's contract.
+    #[inline(always)]
+    unsafe fn min_u(_u: &Self::Unpacked, x: &Self::Block, y: &Self::Act) -> f32 {
+        Self::min_term(x, y)
+    }
+    type U512: Copy;
+    /// # Safety
+    /// The trait's contract.
+    unsafe fn unpack512(x: &Self::Block) -> Self::U512;
+    /// # Safety
+    /// The trait's contract.
+    unsafe fn ilanes512(u: &Self::U512, y: &Self::Act) -> std::arch::x86_64::__m256i;
+    /// # Safety
+    /// The trait's contract.
+    #[inline(always)]
+    unsafe fn min512(_u: &Self::U512, x: &Self::Block, y: &Self::Act) -> f32 {
+        Self::min_term(x, y)
+    }
+}
+
+/// Without x86-64 there is no SIMD path; every format runs `dot_scalar`.
+#[cfg(not(target_arch = "x86_64"))]
+pub trait Avx2: Format {}
+
+/// The AVX2 drivers of one row's dot product, generic over the format (each format supplies only
+/// `unpack` and `ilanes`). Summed in exactly [`dot_scalar`]'s order.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Avx2, Format};
+    use std::arch::x86_64::*;
+
+    /// The 8 f32 lanes added as [`super::hsum`] adds them.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum_ps(acc: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); // a_i + a_i+4
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s)); // (0+4)+(2+6), (1+5)+(3+7)
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// One weight row with one activation row (decode), given a level's unpack, lanes and min.
+    #[inline(always)]
+    unsafe fn dot_body<F: Format, U>(
+        xs: &[F::Block],
+        ys: &[F::Act],
+        unpack: impl Fn(&F::Block) -> U,
+        ilanes: impl Fn(&U, &F::Act) -> __m256i,
+        min: impl Fn(&U, &F::Block, &F::Act) -> f32,
+    ) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summ = 0f32;
+        for (x, y) in xs.iter().zip(ys) {
+            let u = unpack(x);
+            let p = ilanes(&u, y);
+            let d = _mm256_set1_ps(F::scale(x, y));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
+            if F::HAS_MIN {
+                summ += min(&u, x, y);
+            }
+        }
+        hsum_ps(acc) + summ
+    }
+
+    /// One weight row with four activation rows (prefill): each weight block unpacked once, each
+    /// token's sum formed exactly as [`dot_body`] forms it.
+    #[inline(always)]
+    unsafe fn dot_x4_body<F: Format, U>(
+        xs: &[F::Block],
+        ys: [&[F::Act]; 4],
+        unpack: impl Fn(&F::Block) -> U,
+        ilanes: impl Fn(&U, &F::Act) -> __m256i,
+        min: impl Fn(&U, &F::Block, &F::Act) -> f32,
+    ) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summ = [0f32; 4];
+        for (b, x) in xs.iter().enumerate() {
+            let u = unpack(x);
+            for i in 0..4 {
+                let y = &ys[i][b];
+                let p = ilanes(&u, y);
+                let d = _mm256_set1_ps(F::scale(x, y));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[i]);
+                if F::HAS_MIN {
+                    summ[i] += min(&u, x, y);
+                }
+            }
+        }
+        [0, 1, 2, 3].map(|i| hsum_ps(acc[i]) + summ[i])
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+        dot_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack(x),
+            |u, y| F::ilanes(u, y),
+            |u, x, y| F::min_u(u, x, y),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
+        dot_x4_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack(x),
+            |u, y| F::ilanes(u, y),
+            |u, x, y| F::min_u(u, x, y),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot512<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+        dot_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack512(x),
+            |u, y| F::ilanes512(u, y),
+            |u, x, y| F::min512(u, x, y),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot512_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
+        dot_x4_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack512(x),
+            |u, y| F::ilanes512(u, y),
+            |u, x, y| F::min512(u, x, y),
+        )
+    }
+
+    /// 64 bytes as a vector.
+    #[inline(always)]
+    pub(crate) fn load64<T: bytemuck::Pod>(a: &[T]) -> __m512i {
+        let bytes: &[u8] = bytemuck::cast_slice(a);
+        assert!(bytes.len() >= 64);
+        // SAFETY: 64 readable bytes (checked above); unaligned load.
+        unsafe { _mm512_loadu_si512(bytes.as_ptr() as *const __m512i) }
+    }
+
+    /// Two 256-bit halves as one 512-bit vector (`lo` in the low half).
+    #[inline(always)]
+    pub(crate) unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+
+    /// The two 256-bit halves of 16 i32 lanes added: lane k = lane k + lane k+8.
+    #[inline(always)]
+    pub(crate) unsafe fn fold(v: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// Signed i8 × i8 dot products of 32 bytes into [8 x i32] with VNNI (sign trick as
+    /// [`idot_i8`]).
+    #[inline(always)]
+    pub(crate) unsafe fn idot_i8_vnni(x: __m256i, y: __m256i) -> __m256i {
+        let ax = _mm256_sign_epi8(x, x);
+        let sy = _mm256_sign_epi8(y, x);
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+
+    /// Unsigned u8 × signed i8 dot products of 32 bytes into [8 x i32] with VNNI.
+    #[inline(always)]
+    pub(crate) unsafe fn idot_u8_vnni(x: __m256i, y: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y)
+    }
+
+    /// A 32-byte array as a vector.
+    #[inline(always)]
+    pub(crate) fn load32<T: bytemuck::Pod>(a: &[T]) -> __m256i {
+        let bytes: &[u8] = bytemuck::cast_slice(a);
+        assert!(bytes.len() >= 32);
+        // SAFETY: 32 readable bytes (checked above); unaligned load.
+        unsafe { _mm256_loadu_si256(bytes.as_ptr() as *const __m256i) }
+    }
+
+    /// A 16-byte array as a vector.
+    #[inline(always)]
+    pub(crate) fn load16<T: bytemuck::Pod>(a: &[T]) -> __m128i {
+        let bytes: &[u8] = bytemuck::cast_slice(a);
+        assert!(bytes.len() >= 16);
+        // SAFETY: 16 readable bytes (checked above); unaligned load.
+        unsafe { _mm_loadu_si128(bytes.as_ptr() as *const __m128i) }
+    }
+
+    /// Signed i8 × i8 dot products of 32 bytes, pair-summed to [8 x i32] (llama.cpp's sign trick:
+    /// |x| as u8 times y with x's sign, so maddubs can take them; exact for |x|, |y| ≤ 127).
+    #[inline(always)]
+    pub(crate) unsafe fn idot_i8(x: __m256i, y: __m256i) -> __m256i {
+        let ax = _mm256_sign_epi8(x, x);
+        let sy = _mm256_sign_epi8(y, x);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+    }
+
+    /// Unsigned u8 × signed i8 dot products of 32 bytes, pair-summed to [8 x i32].
+    #[inline(always)]
+    pub(crate) unsafe fn idot_u8(x: __m256i, y: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
+    }
+}
+
+/// One row of `F` with one activation row, at `level` (at most [`level()`]).
+#[inline]
+fn dot<F: Avx2>(level: Level, xs: &[F::Block], ys: &[F::Act]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        debug_assert!(level <= self::level());
+        match level {
+            // SAFETY: the CPU has the level's instructions (checked at run time by `level()`).
+            Level::Vnni => return unsafe { avx2::dot512::<F>(xs, ys) },
+            Level::Avx2 => return unsafe { avx2::dot::<F>(xs, ys) },
+            Level::Scalar => {}
+        }
+    }
+    let _ = level;
+    dot_scalar::<F>(xs, ys)
+}
+
+/// One row of `F` with four activation rows, at `level` (at most [`level()`]).
+#[inline]
+fn dot_x4<F: Avx2>(level: Level, xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        debug_assert!(level <= self::level());
+        match level {
+            // SAFETY: the CPU has the level's instructions (checked at run time by `level()`).
+            Level::Vnni => return unsafe { avx2::dot512_x4::<F>(xs, ys) },
+            Level::Avx2 => return unsafe { avx2::dot_x4::<F>(xs, ys) },
+            Level::Scalar => {}
+        }
+    }
+    let _ = level;
+    ys.map(|y| dot_scalar::<F>(xs, y))
+}
+
+/// Output rows per work item: enough to amortize the hand-off, small enough to balance two threads.
+const ROWS_PER_ITEM: usize = 16;
+/// Tokens per prefill work item: each weight block is unpacked once per four tokens and stays in
+/// L1 across the tile.
+const TOKENS: usize = 16;
+
+/// A weight matrix `[rows, cols]` of format `F`: rows `row0 .. row0 + rows` of a block store that
+/// several matrices may share (see [`QMatrix::stack`]).
+pub struct Matrix<F: Format> {
+    rows: usize,
+    cols: usize,
+    row0: usize,
+    blocks: Arc<Vec<F::Block>>,
+}
+
+impl<F: Format> Clone for Matrix<F> {
+    fn clone(&self) -> Self {
+        Self {
+            rows: self.rows,
+            cols: self.cols,
+            row0: self.row0,
+            blocks: self.blocks.clone(),
+        }
+    }
+}
+
+impl<F: Avx2> Matrix<F> {
+    /// The matrix of a `QTensor [rows, cols]` of this format (its blocks copied once; the caller
+    /// drops the tensor).
+    fn from_qtensor(t: &QTensor) -> Result<Self> {
+        let (rows, cols) = t.shape().dims2()?;
+        if !cols.is_multiple_of(F::N) {
+            bail!(
+                "{:?} matrix with {cols} columns, not a multiple of {}",
+                F::DTYPE,
+                F::N
+            );
+        }
+        let data = t.data()?;
+        let n = rows * cols / F::N;
+        if data.len() != n * std::mem::size_of::<F::Block>() {
+            bail!(
+                "{:?} matrix data of {} bytes for [{rows}, {cols}]",
+                F::DTYPE,
+                data.len()
+            );
+        }
+        let mut blocks = vec![F::Block::zeroed(); n];
+        bytemuck::cast_slice_mut::<F::Block, u8>(&mut blocks).copy_from_slice(&data);
+        Ok(Self {
+            rows,
+            cols,
+            row0: 0,
+            blocks: Arc::new(blocks),
+        })
+    }
+
+    fn row(&self, r: usize) -> &[F::Block] {
+        let kb = self.cols / F::N;
+        &self.blocks[(self.row0 + r) * kb..(self.row0 + r + 1) * kb]
+    }
+
+    fn stack(parts: &[&Self]) -> Result<(Self, Vec<Self>)> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            bail!("stacking matrices of different widths");
+        }
+        let kb = cols / F::N;
+        let mut blocks = Vec::new();
+        let mut views = Vec::new();
+        let mut row0 = 0;
+        for p in parts {
+            blocks.extend_from_slice(&p.blocks[p.row0 * kb..(p.row0 + p.rows) * kb]);
+            views.push((row0, p.rows));
+            row0 += p.rows;
+        }
+        let blocks = Arc::new(blocks);
+        let view = |row0, rows| Matrix::<F> {
+            rows,
+            cols,
+            row0,
+            blocks: blocks.clone(),
+        };
+        let parts = views.into_iter().map(|(r0, n)| view(r0, n)).collect();
+        Ok((view(0, row0), parts))
+    }
+
+    /// Row `r` dequantized into `out` (`cols` values): an embedding lookup.
+    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        for (x, o) in self.row(r).iter().zip(out.chunks_exact_mut(F::N)) {
+            F::dequantize(x, o);
+        }
+    }
+
+    /// `xs [m, cols]` (f32, row-major) times the transposed matrix into `out [m, rows]`.
+    fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
+        let (n, k) = (self.rows, self.cols);
+        let kb = k / F::N;
+        let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
+        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
+            F::Act::quantize(row, qrow);
+        }
+        let level = level();
+        let dst = DisjointOut::new(out);
+        let items = n.div_ceil(ROWS_PER_ITEM);
+        let pool = candle_core::utils::barrier_pool();
+        let act = |t: usize| &q[t * kb..(t + 1) * kb];
+        if m == 1 {
+            // Decode: work items are blocks of output rows.
+            pool.execute_chunked(items, |range| {
+                for item in range {
+                    let (r0, r1) = (item * ROWS_PER_ITEM, n.min((item + 1) * ROWS_PER_ITEM));
+                    // SAFETY (DisjointOut's contract): rows r0..r1 belong to this item alone.
+                    let o = unsafe { dst.slice(r0, r1 - r0) };
+                    for (r, o) in (r0..r1).zip(o) {
+                        *o = dot::<F>(level, self.row(r), act(0));
+                    }
+                }
+            });
+        } else {
+            // Prefill: work items are (block of output rows, tile of TOKENS tokens).
+            let tiles = m.div_ceil(TOKENS);
+            pool.execute_chunked(items * tiles, |range| {
+                for item in range {
+                    let (r0, t0) = ((item / tiles) * ROWS_PER_ITEM, (item % tiles) * TOKENS);
+                    let (r1, t1) = (n.min(r0 + ROWS_PER_ITEM), m.min(t0 + TOKENS));
+                    // SAFETY (DisjointOut's contract): rows r0..r1 of tokens t0..t1 belong to this
+                    // item alone (one slice per token, as the output is [tokens, rows]).
+                    let o: [&mut [f32]; TOKENS] = std::array::from_fn(|i| {
+                        if t0 + i < t1 {
+                            unsafe { dst.slice((t0 + i) * n + r0, r1 - r0) }
+                        } else {
+                            &mut []
+                        }
+                    });
+                    for r in r0..r1 {
+                        let w = self.row(r);
+                        let mut t = t0;
+                        while t + 4 <= t1 {
+                            let v =
+                                dot_x4::<F>(level, w, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
+                            for (i, v) in v.into_iter().enumerate() {
+                                o[t + i - t0][r - r0] = v;
+                            }
+                            t += 4;
+                        }
+                        for t in t..t1 {
+                            o[t - t0][r - r0] = dot::<F>(level, w, act(t));
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
+macro_rules! each_format {
+    ($q:expr, $m:ident => $body:expr) => {
+        match $q {
+            QMatrix::Q4_0($m) => $body,
+            QMatrix::Q4_1($m) => $body,
+            QMatrix::Q5_0($m) => $body,
+            QMatrix::Q5_1($m) => $body,
+            QMatrix::Q8_0($m) => $body,
+            QMatrix::Q4K($m) => $body,
+            QMatrix::Q5K($m) => $body,
+            QMatrix::Q6K($m) => $body,
+        }
+    };
+}
+
+/// A quantized weight matrix on the CPU, of any format this driver runs.
+#[derive(Clone)]
+pub enum QMatrix {
+    Q4_0(Matrix<Q4_0>),
+    Q4_1(Matrix<Q4_1>),
+    Q5_0(Matrix<Q5_0>),
+    Q5_1(Matrix<Q5_1>),
+    Q8_0(Matrix<Q8_0>),
+    Q4K(Matrix<Q4K>),
+    Q5K(Matrix<Q5K>),
+    Q6K(Matrix<Q6K>),
+}
+
+/// The GGUF types this driver runs.
+pub const FORMATS: [GgmlDType; 8] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Which CPU matmul runs a GGUF's quantized matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// Ours where [`preferred`] says they are faster, candle's QMatMul elsewhere.
+    #[default]
+    Preferred,
+    /// Ours for every type they run.
+    Ours,
+    /// candle's QMatMul for every type.
+    Candle,
+}
+
+impl Kernels {
+    /// Whether our kernels take a matrix of `dtype`.
+    pub fn ours_for(self, dtype: GgmlDType) -> bool {
+        match self {
+            Kernels::Preferred => preferred(dtype),
+            Kernels::Ours => FORMATS.contains(&dtype),
+            Kernels::Candle => false,
+        }
+    }
+}
+
+impl std::str::FromStr for Kernels {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "preferred" => Kernels::Preferred,
+            "ours" => Kernels::Ours,
+            "candle" => Kernels::Candle,
+            other => bail!("unknown kernels {other:?}: preferred, ours or candle"),
+        })
+    }
+}
+
+/// Whether our kernels are the faster choice on the CPU for `dtype` (where not, candle's QMatMul
+/// runs it). Measured side by side on a 2-core AVX-512 VNNI machine, random-weight model with
+/// Llama-3.2-1B's dims, `kvchat bench --contexts 512` with `KVCHAT_KERNELS=ours` and `=candle`
+/// (ms per decoded token; prefill tok/s), 2026-11-30:
+///   Q4_0  82 vs 91 ms;  24 vs 13 tok/s          Q8_0  90 vs 56 ms;  24 vs 107 tok/s
+///   Q4_1, Q5_0, Q5_1, Q5_K: ours 1.5–3× candle's in the kernel bench (`quant::tests::speed`)
+///   Q4_K  72 vs 53 ms;  28 vs 98 tok/s          Q6_K  68 vs 79 ms;  48 vs 92 tok/s
+/// candle 0.11 repacks Q4_K, Q6_K and Q8_0 into 16-row tiles for AVX-512 VNNI (and keeps the
+/// original too: twice the weight memory); ours read the GGUF blocks as they are. Until our driver
+/// has row-interleaved tiles of its own, those three stay with candle.
+pub fn preferred(dtype: GgmlDType) -> bool {
+    matches!(
+        dtype,
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q5K
+    )
+}
+
+impl QMatrix {
+    /// The matrix of a `QTensor [rows, cols]`; None for a type this driver does not run.
+    pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
+        Ok(Some(match t.dtype() {
+            GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_qtensor(t)?),
+            GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_qtensor(t)?),
+            GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_qtensor(t)?),
+            GgmlDType::Q5_1 => Self::Q5_1(Matrix::from_qtensor(t)?),
+            GgmlDType::Q8_0 => Self::Q8_0(Matrix::from_qtensor(t)?),
+            GgmlDType::Q4K => Self::Q4K(Matrix::from_qtensor(t)?),
+            GgmlDType::Q5K => Self::Q5K(Matrix::from_qtensor(t)?),
+            GgmlDType::Q6K => Self::Q6K(Matrix::from_qtensor(t)?),
+            _ => return Ok(None),
+        }))
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        fn of<F: Format>(_: &Matrix<F>) -> GgmlDType {
+            F::DTYPE
+        }
+        each_format!(self, m => of(m))
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> (usize, usize) {
+        each_format!(self, m => (m.rows, m.cols))
+    }
+
+    /// The rows of `parts` stacked into one matrix (so one pass computes all their outputs: q, k
+    /// and v, or gate and up), and each part as a view into it; no weight is stored twice. None
+    /// when the parts are not all of one format.
+    pub fn stack(parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>> {
+        macro_rules! same {
+            ($v:ident) => {{
+                let typed: Option<Vec<_>> = parts
+                    .iter()
+                    .map(|p| match p {
+                        QMatrix::$v(m) => Some(m),
+                        _ => None,
+                    })
+                    .collect();
+                match typed {
+                    Some(t) => {
+                        let (all, views) = Matrix::stack(&t)?;
+                        Some((
+                            QMatrix::$v(all),
+                            views.into_iter().map(QMatrix::$v).collect(),
+                        ))
+                    }
+                    None => None,
+                }
+            }};
+        }
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        Ok(match first {
+            QMatrix::Q4_0(_) => same!(Q4_0),
+            QMatrix::Q4_1(_) => same!(Q4_1),
+            QMatrix::Q5_0(_) => same!(Q5_0),
+            QMatrix::Q5_1(_) => same!(Q5_1),
+            QMatrix::Q8_0(_) => same!(Q8_0),
+            QMatrix::Q4K(_) => same!(Q4K),
+            QMatrix::Q5K(_) => same!(Q5K),
+            QMatrix::Q6K(_) => same!(Q6K),
+        })
+    }
+
+    /// `x [.., cols]` (f32) times the transposed matrix: `[.., rows]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, k) = self.dims();
+        let dims = x.dims().to_vec();
+        if dims.last() != Some(&k) {
+            bail!(
+                "{:?} matmul: input of shape {dims:?}, the matrix has {k} columns",
+                self.dtype()
+            );
+        }
+        let m = x.elem_count() / k;
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; m * n];
+        each_format!(self, w => w.matmul(&xs, m, &mut out));
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("at least one dim") = n;
+        Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?)
+    }
+
+    /// The rows `ids` dequantized: `[ids.len(), cols]` (an embedding lookup; nothing else of the
+    /// table is dequantized).
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let (n, k) = self.dims();
+        let mut out = vec![0f32; ids.len() * k];
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+            let id = id as usize;
+            if id >= n {
+                bail!("token id {id} is outside the embedding table of {n} rows");
+            }
+            each_format!(self, w => w.dequantize_row(id, o));
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
+    }
+}
+
+#[cfg(test)]
+mod tests;

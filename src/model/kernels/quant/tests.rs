@@ -1,0 +1,356 @@
+//! Every format against its scalar reference (the AVX2 path bit for bit), against GGUF's layout
+//! (candle's quantizer and dequantizer, which follow ggml's), and the driver's properties: a
+//! prefill row has the bits of that token decoded alone, a stacked matrix computes each part
+//! exactly, an embedding lookup dequantizes the rows asked for.
+
+use super::*;
+use candle_core::quantized::QMatMul;
+use candle_core::Module;
+use rand::{Rng, SeedableRng};
+
+fn rng() -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(16)
+}
+
+/// `n` random rows of `k` values, and their quantization by candle (ggml's reference quantizer).
+fn quantized(dtype: GgmlDType, n: usize, k: usize) -> QTensor {
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+    QTensor::quantize(&w, dtype).unwrap()
+}
+
+/// Blocks of random bytes (every quant and scale value, including the extremes), with the f16
+/// fields at `halves` (byte offsets) set to finite random scales.
+fn random_blocks<F: Format>(n: usize, halves: &[usize]) -> Vec<F::Block> {
+    let mut r = rng();
+    let mut blocks = vec![F::Block::zeroed(); n];
+    for b in blocks.iter_mut() {
+        let bytes: &mut [u8] = bytemuck::bytes_of_mut(b);
+        r.fill(bytes);
+        for &o in halves {
+            let h = f16::from_f32(r.random_range(-0.1f32..0.1));
+            bytes[o..o + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    blocks
+}
+
+fn activations<F: Format>(rows: usize, k: usize) -> Vec<F::Act> {
+    let mut r = rng();
+    let x: Vec<f32> = (0..rows * k).map(|_| r.random_range(-3f32..3.0)).collect();
+    let mut q = vec![F::Act::zeroed(); rows * k / F::N];
+    for (x, q) in x.chunks_exact(k).zip(q.chunks_exact_mut(k / F::N)) {
+        F::Act::quantize(x, q);
+    }
+    q
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+    let scale = b.iter().fold(0f32, |s, v| s.max(v.abs()));
+    let diff = a.iter().zip(b).fold(0f32, |s, (x, y)| s.max((x - y).abs()));
+    (diff, scale)
+}
+
+/// The SIMD dot product (one and four tokens) against the scalar reference, bit for bit, on
+/// blocks of random bytes.
+fn simd_equals_scalar<F: Avx2>(halves: &[usize]) {
+    for level in [Level::Avx2, Level::Vnni] {
+        if level <= super::level() {
+            simd_level_equals_scalar::<F>(level, halves);
+        }
+    }
+}
+
+fn simd_level_equals_scalar<F: Avx2>(level: Level, halves: &[usize]) {
+    let kb = 8;
+    let w = random_blocks::<F>(3 * kb, halves);
+    let y = activations::<F>(4, kb * F::N);
+    let act = |t: usize| &y[t * kb..(t + 1) * kb];
+    for r in 0..3 {
+        let row = &w[r * kb..(r + 1) * kb];
+        let x4 = dot_x4::<F>(level, row, [act(0), act(1), act(2), act(3)]);
+        for (t, v) in x4.into_iter().enumerate() {
+            let reference = dot_scalar::<F>(row, act(t));
+            assert_eq!(
+                v.to_bits(),
+                reference.to_bits(),
+                "{level:?} row {r} token {t} (x4)"
+            );
+            let one = dot::<F>(level, row, act(t));
+            assert_eq!(
+                one.to_bits(),
+                reference.to_bits(),
+                "{level:?} row {r} token {t}"
+            );
+        }
+    }
+}
+
+/// The scalar dot product against f64 arithmetic on the dequantized weights and activations:
+/// lanes, scales and min terms describe the same numbers `dequantize` gives.
+fn scalar_dot_is_the_dequantized_dot<F: Avx2>(
+    halves: &[usize],
+    act_dequant: fn(&F::Act) -> Vec<f32>,
+) {
+    let kb = 4;
+    let w = random_blocks::<F>(kb, halves);
+    let y = activations::<F>(1, kb * F::N);
+    let mut wf = vec![0f32; kb * F::N];
+    for (x, o) in w.iter().zip(wf.chunks_exact_mut(F::N)) {
+        F::dequantize(x, o);
+    }
+    let yf: Vec<f32> = y.iter().flat_map(act_dequant).collect();
+    let exact: f64 = wf.iter().zip(&yf).map(|(a, b)| *a as f64 * *b as f64).sum();
+    let norm: f64 = wf
+        .iter()
+        .zip(&yf)
+        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+        .sum();
+    let got = dot_scalar::<F>(&w, &y) as f64;
+    assert!(
+        (got - exact).abs() <= 1e-3 * norm.max(1e-6),
+        "{got} vs {exact} (Σ|·| {norm})"
+    );
+}
+
+/// Our matmul against candle's QMatMul on the same quantized weights: same formats, other float
+/// summation order (and, for Q8_K, candle's own activation quantizer).
+fn matmul_matches_candle<F: Avx2>(m: usize, k: usize, n: usize, tolerance: f32) {
+    let qt = quantized(F::DTYPE, n, k);
+    let x = Tensor::randn(0f32, 1.0, (1, m, k), &Device::Cpu).unwrap();
+    let ours = QMatrix::from_qtensor(&qt)
+        .unwrap()
+        .unwrap()
+        .forward(&x)
+        .unwrap();
+    let candle = QMatMul::from_qtensor(qt).unwrap().forward(&x).unwrap();
+    assert_eq!(ours.dims(), &[1, m, n]);
+    let (diff, scale) = max_diff(&flat(&ours), &flat(&candle));
+    assert!(
+        diff <= tolerance * scale,
+        "m={m} k={k} n={n}: {diff} of {scale}"
+    );
+}
+
+/// Dequantized rows are candle's dequantization of the same rows, exactly.
+fn rows_are_candles_dequantization<F: Avx2>() {
+    let qt = quantized(F::DTYPE, 12, 2 * F::N);
+    let all = flat(&qt.dequantize(&Device::Cpu).unwrap());
+    let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+    let got = flat(&ours.rows(&[3, 0, 11, 3]).unwrap());
+    let k = 2 * F::N;
+    for (i, r) in [3usize, 0, 11, 3].into_iter().enumerate() {
+        assert_eq!(
+            &got[i * k..(i + 1) * k],
+            &all[r * k..(r + 1) * k],
+            "row {r}"
+        );
+    }
+}
+
+fn prefill_rows_have_the_bits_of_decode<F: Avx2>() {
+    let qt = quantized(F::DTYPE, 40, 2 * F::N);
+    let mat = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, 11, 2 * F::N), &Device::Cpu).unwrap();
+    let all = flat(&mat.forward(&x).unwrap());
+    for t in 0..11 {
+        let one = flat(&mat.forward(&x.narrow(1, t, 1).unwrap()).unwrap());
+        assert_eq!(&all[t * 40..(t + 1) * 40], &one[..], "token {t}");
+    }
+}
+
+macro_rules! format_tests {
+    ($name:ident, $f:ty, halves = $h:expr, act = $act:expr, candle_tolerance = $tol:expr) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn avx2_and_avx512_dots_equal_the_scalar_reference_bit_for_bit() {
+                simd_equals_scalar::<$f>(&$h);
+            }
+
+            #[test]
+            fn scalar_dot_equals_the_dot_of_the_dequantized_values() {
+                scalar_dot_is_the_dequantized_dot::<$f>(&$h, $act);
+            }
+
+            #[test]
+            fn matmul_matches_candles_qmatmul_to_rounding() {
+                matmul_matches_candle::<$f>(1, 2 * <$f>::N, 37, $tol);
+                matmul_matches_candle::<$f>(7, 3 * <$f>::N, 19, $tol);
+            }
+
+            #[test]
+            fn embedding_rows_are_candles_dequantization_exactly() {
+                rows_are_candles_dequantization::<$f>();
+            }
+
+            #[test]
+            fn each_prefill_row_has_the_bits_of_that_token_decoded_alone() {
+                prefill_rows_have_the_bits_of_decode::<$f>();
+            }
+        }
+    };
+}
+
+fn q8_0(y: &BlockQ8_0) -> Vec<f32> {
+    y.qs.iter().map(|&q| q as f32 * y.d.to_f32()).collect()
+}
+fn q8_1(y: &BlockQ8_1) -> Vec<f32> {
+    y.qs.iter().map(|&q| q as f32 * y.d.to_f32()).collect()
+}
+fn q8_k(y: &BlockQ8K) -> Vec<f32> {
+    y.qs.iter().map(|&q| q as f32 * y.d).collect()
+}
+
+format_tests!(
+    q4_0,
+    Q4_0,
+    halves = [0],
+    act = q8_0,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q4_1,
+    Q4_1,
+    halves = [0, 2],
+    act = q8_1,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q5_0,
+    Q5_0,
+    halves = [0],
+    act = q8_0,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q5_1,
+    Q5_1,
+    halves = [0, 2],
+    act = q8_1,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q8_0w,
+    Q8_0,
+    halves = [0],
+    act = q8_0,
+    candle_tolerance = 1e-5
+);
+// Q8_K: candle rounds activations half away from zero as we do; the sums differ in order only.
+format_tests!(
+    q4_k,
+    Q4K,
+    halves = [0, 2],
+    act = q8_k,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q5_k,
+    Q5K,
+    halves = [0, 2],
+    act = q8_k,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q6_k,
+    Q6K,
+    halves = [208],
+    act = q8_k,
+    candle_tolerance = 1e-5
+);
+
+#[test]
+fn a_stacked_matrix_computes_each_part_exactly() {
+    let q = |n| {
+        QMatrix::from_qtensor(&quantized(GgmlDType::Q4K, n, 256))
+            .unwrap()
+            .unwrap()
+    };
+    let (a, b) = (q(40), q(24));
+    let x = Tensor::randn(0f32, 1.0, (1, 3, 256), &Device::Cpu).unwrap();
+    let (all, views) = QMatrix::stack(&[&a, &b]).unwrap().expect("one format");
+    let all = all.forward(&x).unwrap();
+    assert_eq!(
+        flat(&all.narrow(2, 0, 40).unwrap()),
+        flat(&a.forward(&x).unwrap())
+    );
+    assert_eq!(
+        flat(&all.narrow(2, 40, 24).unwrap()),
+        flat(&b.forward(&x).unwrap())
+    );
+    assert_eq!(
+        flat(&views[1].forward(&x).unwrap()),
+        flat(&b.forward(&x).unwrap())
+    );
+}
+
+#[test]
+fn matrices_of_different_formats_are_not_stacked() {
+    let a = QMatrix::from_qtensor(&quantized(GgmlDType::Q4K, 8, 256))
+        .unwrap()
+        .unwrap();
+    let b = QMatrix::from_qtensor(&quantized(GgmlDType::Q6K, 8, 256))
+        .unwrap()
+        .unwrap();
+    assert!(QMatrix::stack(&[&a, &b]).unwrap().is_none());
+}
+
+#[test]
+fn a_token_id_past_the_table_is_an_error_naming_it() {
+    let t = QMatrix::from_qtensor(&quantized(GgmlDType::Q8_0, 8, 64))
+        .unwrap()
+        .unwrap();
+    let e = t.rows(&[8]).unwrap_err().to_string();
+    assert!(e.contains("token id 8") && e.contains("8 rows"), "{e}");
+}
+
+#[test]
+fn q8_k_activations_map_the_largest_magnitude_to_minus_127_and_keep_block_sums() {
+    let mut x = vec![0.5f32; 256];
+    x[7] = -2.0;
+    let mut y = [BlockQ8K::zeroed()];
+    BlockQ8K::quantize(&x, &mut y);
+    assert_eq!(y[0].qs[7], -127);
+    assert_eq!(y[0].d, 2.0 / 127.0);
+    assert_eq!(y[0].qs[0], 32); // 0.5 · 63.5 = 31.75
+    assert_eq!(y[0].bsums[0], 15 * 32 - 127);
+}
+
+/// Not a test: `cargo test --release --lib quant::tests::speed -- --ignored --nocapture` prints
+/// our matmul's time against candle's QMatMul per format (decode and a 128-token prefill).
+#[test]
+#[ignore]
+fn speed() {
+    let only = std::env::var("KVCHAT_SPEED_ONLY").ok();
+    for dtype in FORMATS {
+        if only.as_ref().is_some_and(|o| *o != format!("{dtype:?}")) {
+            continue;
+        }
+        let qt = quantized(dtype, 2048, 2048);
+        let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+        let candle = QMatMul::from_qtensor(qt).unwrap();
+        for m in [1usize, 128] {
+            let x = Tensor::randn(0f32, 1.0, (1, m, 2048), &Device::Cpu).unwrap();
+            let reps = if m == 1 { 200 } else { 4 };
+            let time = |f: &dyn Fn()| {
+                f();
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    f();
+                }
+                t.elapsed().as_secs_f64() * 1e3 / reps as f64
+            };
+            let a = time(&|| drop(ours.forward(&x).unwrap()));
+            let b = time(&|| drop(candle.forward(&x).unwrap()));
+            println!(
+                "{dtype:?} m={m}: ours {a:.3} ms, candle {b:.3} ms, ratio {:.2}",
+                b / a
+            );
+        }
+    }
+}
