@@ -34,7 +34,7 @@ fn requantized(dtype: GgmlDType) -> PathBuf {
         let dims = t.shape().dims().to_vec();
         let t = if dims.len() == 2 && t.dtype() != GgmlDType::F32 {
             let w = t.dequantize(&Device::Cpu).unwrap();
-            let to = if dims[1] % dtype.block_size() == 0 {
+            let to = if dims[1].is_multiple_of(dtype.block_size()) {
                 dtype
             } else {
                 GgmlDType::Q8_0
