@@ -15,7 +15,11 @@ use std::sync::Arc;
 /// The matrix in our CPU kernels' block store, when the device is the CPU and `kernels` picks
 /// ours for its type.
 fn own_kernels(kernels: Kernels, device: &Device, w: &QTensor) -> Result<Option<QMatrix>> {
-    if !device.is_cpu() || !kernels.ours_for(w.dtype()) {
+    let (rows, cols) = match w.shape().dims() {
+        &[rows, cols] => (rows, cols),
+        _ => return Ok(None),
+    };
+    if !device.is_cpu() || !kernels.ours_for(w.dtype(), rows, cols) {
         return Ok(None);
     }
     QMatrix::from_qtensor(w)

@@ -48,7 +48,7 @@ pub struct BlockQ6K {
 /// Done on three u32 words as llama.cpp's kernels do: scale j < 4 is the low 6 bits of byte j,
 /// min j < 4 those of byte j + 4; scale/min j ≥ 4 take their low 4 bits from byte j + 4 and their
 /// high 2 from the top bits of byte j − 4 / j.
-fn scales_mins(q: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+pub(super) fn scales_mins(q: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
@@ -64,7 +64,7 @@ fn scales_mins(q: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
 
 /// Value `e`'s 4-bit quant in a Q4_K/Q5_K super-block.
 #[inline(always)]
-fn nibble(qs: &[u8; 128], e: usize) -> i32 {
+pub(super) fn nibble(qs: &[u8; 128], e: usize) -> i32 {
     let (j, p) = (e / 64, e % 64);
     let b = qs[32 * j + p % 32];
     (if p < 32 { b & 0x0F } else { b >> 4 }) as i32
@@ -72,13 +72,13 @@ fn nibble(qs: &[u8; 128], e: usize) -> i32 {
 
 /// Value `e`'s fifth bit in a Q5_K super-block, as 16 or 0.
 #[inline(always)]
-fn fifth(qh: &[u8; 32], e: usize) -> i32 {
+pub(super) fn fifth(qh: &[u8; 32], e: usize) -> i32 {
     (((qh[e % 32] >> (e / 32)) & 1) << 4) as i32
 }
 
 /// Value `e`'s 6-bit quant (0..64) in a Q6_K super-block.
 #[inline(always)]
-fn q6(x: &BlockQ6K, e: usize) -> i32 {
+pub(super) fn q6(x: &BlockQ6K, e: usize) -> i32 {
     let (n, p) = (e / 128, e % 128);
     let (k, l) = (p / 32, p % 32);
     let ql = x.ql[64 * n + 32 * (k % 2) + l];

@@ -17,12 +17,18 @@
 //! sum. Decode (one token) and prefill (four tokens per unpacked block) sum identically, so a
 //! prefill, a decode and a `--no-cache` recompute agree to the bit.
 //!
+//! Where AVX-512 VNNI runs and a matrix's rows come in 16s (every real model's), its blocks are
+//! interleaved at load into 16-row tiles ([`tiled`]: one `dpbusd` serves 16 rows, one FMA a block
+//! of 16 rows) with their own, simpler summation order (one accumulator per row; the reference is
+//! [`dot_rows_scalar`]); elsewhere the per-row layout and the 8-lane order above run.
+//!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
-//! pool competing with its spinning workers). Weights are kept once, as loaded (the blocks of the
-//! GGUF tensor, reinterpreted); stacked matrices (q/k/v, gate/up) share one block store.
+//! pool competing with its spinning workers). Weights are kept once (the GGUF blocks, or the tiles
+//! that replace them); stacked matrices (q/k/v, gate/up) share one store.
 
 mod kquants;
 mod legacy;
+mod tiled;
 
 use super::disjoint::DisjointOut;
 use anyhow::{bail, Result};
@@ -34,6 +40,7 @@ use std::sync::Arc;
 
 pub use kquants::{Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+pub use tiled::{dot_rows_scalar, Tiled, TiledMatrix};
 
 /// An activation block format: how an f32 input row is quantized before the dot products.
 pub trait Act: Pod + Send + Sync {
@@ -332,6 +339,7 @@ mod avx2 {
         [0, 1, 2, 3].map(|i| hsum_ps(acc[i]) + summ[i])
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
         dot_body::<F, _>(
@@ -343,6 +351,7 @@ mod avx2 {
         )
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
         dot_x4_body::<F, _>(
@@ -354,6 +363,7 @@ mod avx2 {
         )
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn dot512<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
         dot_body::<F, _>(
@@ -365,6 +375,7 @@ mod avx2 {
         )
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn dot512_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
         dot_x4_body::<F, _>(
@@ -537,6 +548,14 @@ impl<F: Avx2> Matrix<F> {
         })
     }
 
+    /// The matrix as row-interleaved tiles (rows a multiple of 16).
+    fn tiled(self) -> TiledMatrix<F>
+    where
+        F: Tiled,
+    {
+        TiledMatrix::from_blocks(self.rows, self.cols, &self.blocks)
+    }
+
     fn row(&self, r: usize) -> &[F::Block] {
         let kb = self.cols / F::N;
         &self.blocks[(self.row0 + r) * kb..(self.row0 + r + 1) * kb]
@@ -636,6 +655,15 @@ impl<F: Avx2> Matrix<F> {
     }
 }
 
+/// Whether a matrix of a tiled type becomes tiles: AVX-512 VNNI runs here (`level()`), its rows
+/// come in 16s.
+fn tileable(t: &QTensor) -> bool {
+    level() == Level::Vnni
+        && t.shape()
+            .dims2()
+            .is_ok_and(|(rows, _)| rows.is_multiple_of(tiled::TR))
+}
+
 /// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
 macro_rules! each_format {
     ($q:expr, $m:ident => $body:expr) => {
@@ -648,6 +676,14 @@ macro_rules! each_format {
             QMatrix::Q4K($m) => $body,
             QMatrix::Q5K($m) => $body,
             QMatrix::Q6K($m) => $body,
+            QMatrix::Q4_0T($m) => $body,
+            QMatrix::Q4_1T($m) => $body,
+            QMatrix::Q5_0T($m) => $body,
+            QMatrix::Q5_1T($m) => $body,
+            QMatrix::Q8_0T($m) => $body,
+            QMatrix::Q4KT($m) => $body,
+            QMatrix::Q5KT($m) => $body,
+            QMatrix::Q6KT($m) => $body,
         }
     };
 }
@@ -663,6 +699,15 @@ pub enum QMatrix {
     Q4K(Matrix<Q4K>),
     Q5K(Matrix<Q5K>),
     Q6K(Matrix<Q6K>),
+    /// Row-interleaved tiles (`tiled`), made where AVX-512 VNNI runs and rows come in 16s.
+    Q4_0T(TiledMatrix<Q4_0>),
+    Q4_1T(TiledMatrix<Q4_1>),
+    Q5_0T(TiledMatrix<Q5_0>),
+    Q5_1T(TiledMatrix<Q5_1>),
+    Q8_0T(TiledMatrix<Q8_0>),
+    Q4KT(TiledMatrix<Q4K>),
+    Q5KT(TiledMatrix<Q5K>),
+    Q6KT(TiledMatrix<Q6K>),
 }
 
 /// The GGUF types this driver runs.
@@ -690,10 +735,10 @@ pub enum Kernels {
 }
 
 impl Kernels {
-    /// Whether our kernels take a matrix of `dtype`.
-    pub fn ours_for(self, dtype: GgmlDType) -> bool {
+    /// Whether our kernels take a `[rows, cols]` matrix of `dtype`.
+    pub fn ours_for(self, dtype: GgmlDType, rows: usize, cols: usize) -> bool {
         match self {
-            Kernels::Preferred => preferred(dtype),
+            Kernels::Preferred => preferred(dtype, rows, cols),
             Kernels::Ours => FORMATS.contains(&dtype),
             Kernels::Candle => false,
         }
@@ -712,27 +757,36 @@ impl std::str::FromStr for Kernels {
     }
 }
 
-/// Whether our kernels are the faster choice on the CPU for `dtype` (where not, candle's QMatMul
-/// runs it). Measured side by side on a 2-core AVX-512 VNNI machine, random-weight model with
-/// Llama-3.2-1B's dims, `kvchat bench --contexts 512` with `KVCHAT_KERNELS=ours` and `=candle`
-/// (ms per decoded token; prefill tok/s), 2026-11-30:
-///   Q4_0  82 vs 91 ms;  24 vs 13 tok/s          Q8_0  90 vs 56 ms;  24 vs 107 tok/s
-///   Q4_1, Q5_0, Q5_1, Q5_K: ours 1.5–3× candle's in the kernel bench (`quant::tests::speed`)
-///   Q4_K  72 vs 53 ms;  28 vs 98 tok/s          Q6_K  68 vs 79 ms;  48 vs 92 tok/s
-/// candle 0.11 repacks Q4_K, Q6_K and Q8_0 into 16-row tiles for AVX-512 VNNI (and keeps the
-/// original too: twice the weight memory); ours read the GGUF blocks as they are. Until our driver
-/// has row-interleaved tiles of its own, those three stay with candle.
-pub fn preferred(dtype: GgmlDType) -> bool {
-    matches!(
-        dtype,
-        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q5K
-    )
+/// Whether our kernels are the faster choice on the CPU for a `[rows, cols]` matrix of `dtype`
+/// (where not, candle's QMatMul runs it). Where AVX-512 VNNI runs and rows come in 16s, ours run
+/// as row-interleaved tiles (`tiled`), faster than candle's for every type (see `tests::speed`
+/// and the closing figures of issue 16). Without VNNI ours keep the per-row layout, and candle
+/// 0.11's own 16-row tiles for Q4_K, Q6_K and Q8_0 (rows in 16s, columns in 256s; AVX2 or
+/// AVX-512) prefill 2-4× faster than that, so those stay with candle.
+pub fn preferred(dtype: GgmlDType, rows: usize, cols: usize) -> bool {
+    if !FORMATS.contains(&dtype) {
+        return false;
+    }
+    let ours_tiled = level() == Level::Vnni && rows.is_multiple_of(tiled::TR);
+    let candle_tiled = rows.is_multiple_of(16) && cols.is_multiple_of(256);
+    match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K => ours_tiled || !candle_tiled,
+        _ => true,
+    }
 }
 
 impl QMatrix {
     /// The matrix of a `QTensor [rows, cols]`; None for a type this driver does not run.
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
         Ok(Some(match t.dtype() {
+            GgmlDType::Q4_0 if tileable(t) => Self::Q4_0T(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q4_1 if tileable(t) => Self::Q4_1T(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q5_0 if tileable(t) => Self::Q5_0T(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q5_1 if tileable(t) => Self::Q5_1T(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q8_0 if tileable(t) => Self::Q8_0T(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q4K if tileable(t) => Self::Q4KT(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q5K if tileable(t) => Self::Q5KT(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q6K if tileable(t) => Self::Q6KT(Matrix::from_qtensor(t)?.tiled()),
             GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_qtensor(t)?),
             GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_qtensor(t)?),
             GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_qtensor(t)?),
@@ -746,10 +800,16 @@ impl QMatrix {
     }
 
     pub fn dtype(&self) -> GgmlDType {
-        fn of<F: Format>(_: &Matrix<F>) -> GgmlDType {
-            F::DTYPE
+        match self {
+            QMatrix::Q4_0(_) | QMatrix::Q4_0T(_) => GgmlDType::Q4_0,
+            QMatrix::Q4_1(_) | QMatrix::Q4_1T(_) => GgmlDType::Q4_1,
+            QMatrix::Q5_0(_) | QMatrix::Q5_0T(_) => GgmlDType::Q5_0,
+            QMatrix::Q5_1(_) | QMatrix::Q5_1T(_) => GgmlDType::Q5_1,
+            QMatrix::Q8_0(_) | QMatrix::Q8_0T(_) => GgmlDType::Q8_0,
+            QMatrix::Q4K(_) | QMatrix::Q4KT(_) => GgmlDType::Q4K,
+            QMatrix::Q5K(_) | QMatrix::Q5KT(_) => GgmlDType::Q5K,
+            QMatrix::Q6K(_) | QMatrix::Q6KT(_) => GgmlDType::Q6K,
         }
-        each_format!(self, m => of(m))
     }
 
     /// `[rows, cols]`.
@@ -782,6 +842,25 @@ impl QMatrix {
                 }
             }};
         }
+        macro_rules! same_tiled {
+            ($v:ident) => {{
+                let typed: Option<Vec<_>> = parts
+                    .iter()
+                    .map(|p| match p {
+                        QMatrix::$v(m) => Some(m),
+                        _ => None,
+                    })
+                    .collect();
+                typed
+                    .and_then(|t| TiledMatrix::stack(&t))
+                    .map(|(all, views)| {
+                        (
+                            QMatrix::$v(all),
+                            views.into_iter().map(QMatrix::$v).collect(),
+                        )
+                    })
+            }};
+        }
         let Some(first) = parts.first() else {
             return Ok(None);
         };
@@ -794,6 +873,14 @@ impl QMatrix {
             QMatrix::Q4K(_) => same!(Q4K),
             QMatrix::Q5K(_) => same!(Q5K),
             QMatrix::Q6K(_) => same!(Q6K),
+            QMatrix::Q4_0T(_) => same_tiled!(Q4_0T),
+            QMatrix::Q4_1T(_) => same_tiled!(Q4_1T),
+            QMatrix::Q5_0T(_) => same_tiled!(Q5_0T),
+            QMatrix::Q5_1T(_) => same_tiled!(Q5_1T),
+            QMatrix::Q8_0T(_) => same_tiled!(Q8_0T),
+            QMatrix::Q4KT(_) => same_tiled!(Q4KT),
+            QMatrix::Q5KT(_) => same_tiled!(Q5KT),
+            QMatrix::Q6KT(_) => same_tiled!(Q6KT),
         })
     }
 

@@ -151,14 +151,14 @@ fn rows_are_candles_dequantization<F: Avx2>() {
     }
 }
 
-fn prefill_rows_have_the_bits_of_decode<F: Avx2>() {
-    let qt = quantized(F::DTYPE, 40, 2 * F::N);
+fn prefill_rows_have_the_bits_of_decode<F: Avx2>(n: usize) {
+    let qt = quantized(F::DTYPE, n, 2 * F::N);
     let mat = QMatrix::from_qtensor(&qt).unwrap().unwrap();
     let x = Tensor::randn(0f32, 1.0, (1, 11, 2 * F::N), &Device::Cpu).unwrap();
     let all = flat(&mat.forward(&x).unwrap());
     for t in 0..11 {
         let one = flat(&mat.forward(&x.narrow(1, t, 1).unwrap()).unwrap());
-        assert_eq!(&all[t * 40..(t + 1) * 40], &one[..], "token {t}");
+        assert_eq!(&all[t * n..(t + 1) * n], &one[..], "token {t}");
     }
 }
 
@@ -190,7 +190,14 @@ macro_rules! format_tests {
 
             #[test]
             fn each_prefill_row_has_the_bits_of_that_token_decoded_alone() {
-                prefill_rows_have_the_bits_of_decode::<$f>();
+                prefill_rows_have_the_bits_of_decode::<$f>(40);
+                prefill_rows_have_the_bits_of_decode::<$f>(48); // tiled where the type has tiles
+            }
+
+            #[test]
+            fn matmul_in_rows_of_16_matches_candles_qmatmul_to_rounding() {
+                matmul_matches_candle::<$f>(1, 2 * <$f>::N, 48, $tol);
+                matmul_matches_candle::<$f>(9, 2 * <$f>::N, 32, $tol);
             }
         }
     };
@@ -264,6 +271,82 @@ format_tests!(
     candle_tolerance = 1e-5
 );
 
+#[cfg(target_arch = "x86_64")]
+mod tiles {
+    use super::*;
+
+    #[test]
+    fn q4_0_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q4_0>(&[0]);
+    }
+
+    #[test]
+    fn q4_1_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q4_1>(&[0, 2]);
+    }
+
+    #[test]
+    fn q5_0_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q5_0>(&[0]);
+    }
+
+    #[test]
+    fn q5_1_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q5_1>(&[0, 2]);
+    }
+
+    #[test]
+    fn q8_0_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q8_0>(&[0]);
+    }
+
+    #[test]
+    fn q4_k_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q4K>(&[0, 2]);
+    }
+
+    #[test]
+    fn q5_k_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q5K>(&[0, 2]);
+    }
+
+    #[test]
+    fn q6_k_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q6K>(&[208]);
+    }
+
+    #[test]
+    fn a_stacked_tiled_matrix_computes_each_part_exactly() {
+        if level() < Level::Vnni {
+            return;
+        }
+        let q = |n| {
+            QMatrix::from_qtensor(&quantized(GgmlDType::Q6K, n, 512))
+                .unwrap()
+                .unwrap()
+        };
+        let (a, b) = (q(48), q(32));
+        assert!(matches!(a, QMatrix::Q6KT(_)), "rows in 16s make tiles");
+        let x = Tensor::randn(0f32, 1.0, (1, 5, 512), &Device::Cpu).unwrap();
+        let (all, views) = QMatrix::stack(&[&a, &b]).unwrap().expect("one format");
+        let all = all.forward(&x).unwrap();
+        assert_eq!(
+            flat(&all.narrow(2, 0, 48).unwrap()),
+            flat(&a.forward(&x).unwrap())
+        );
+        assert_eq!(
+            flat(&all.narrow(2, 48, 32).unwrap()),
+            flat(&b.forward(&x).unwrap())
+        );
+        assert_eq!(
+            flat(&views[1].forward(&x).unwrap()),
+            flat(&b.forward(&x).unwrap())
+        );
+        let rows = flat(&views[1].rows(&[0, 31]).unwrap());
+        assert_eq!(rows.len(), 2 * 512);
+    }
+}
+
 #[test]
 fn a_stacked_matrix_computes_each_part_exactly() {
     let q = |n| {
@@ -319,6 +402,52 @@ fn q8_k_activations_map_the_largest_magnitude_to_minus_127_and_keep_block_sums()
     assert_eq!(y[0].d, 2.0 / 127.0);
     assert_eq!(y[0].qs[0], 32); // 0.5 · 63.5 = 31.75
     assert_eq!(y[0].bsums[0], 15 * 32 - 127);
+}
+
+/// The tile kernel (1 and 4 tokens) against the per-row reference of the tiled order, bit for
+/// bit, on blocks of random bytes; each tile row dequantizes to its block's values.
+#[cfg(target_arch = "x86_64")]
+fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
+    if super::level() < Level::Vnni {
+        return;
+    }
+    let (rows, kb) = (32, 4);
+    let w = random_blocks::<F>(rows * kb, halves);
+    let m = TiledMatrix::<F>::from_blocks(rows, kb * F::N, &w);
+    let mut a = vec![0f32; kb * F::N];
+    let mut b = vec![0f32; F::N];
+    for r in 0..rows {
+        m.dequantize_row(r, &mut a);
+        for (blk, chunk) in w[r * kb..(r + 1) * kb].iter().zip(a.chunks_exact(F::N)) {
+            F::dequantize(blk, &mut b);
+            assert_eq!(chunk, &b[..], "row {r} dequantized");
+        }
+    }
+    let y = activations::<F>(5, kb * F::N);
+    let xs: Vec<f32> = {
+        let mut r = rng();
+        (0..5 * kb * F::N)
+            .map(|_| r.random_range(-3f32..3.0))
+            .collect()
+    };
+    let mut out = vec![0f32; 5 * rows];
+    m.matmul(&xs, 5, &mut out);
+    let _ = &y;
+    let mut q = vec![F::Act::zeroed(); 5 * kb];
+    for (x, q) in xs.chunks_exact(kb * F::N).zip(q.chunks_exact_mut(kb)) {
+        F::Act::quantize(x, q);
+    }
+    for t in 0..5 {
+        for r in 0..rows {
+            let reference =
+                dot_rows_scalar::<F>(&w[r * kb..(r + 1) * kb], &q[t * kb..(t + 1) * kb]);
+            assert_eq!(
+                out[t * rows + r].to_bits(),
+                reference.to_bits(),
+                "token {t} row {r}"
+            );
+        }
+    }
 }
 
 /// Not a test: `cargo test --release --lib quant::tests::speed -- --ignored --nocapture` prints

@@ -1,0 +1,872 @@
+//! Row-interleaved tiles: 16 rows' blocks at one column position stored so that one AVX-512 VNNI
+//! `dpbusd` multiplies 4 values of each of the 16 rows by the same 4 activation values, leaving one
+//! i32 lane per row (llama.cpp's and candle's "repack" idea). Scales are unpacked per tile once, at
+//! load, so a block costs one fused multiply-add per 16 rows instead of one per row. The tile
+//! replaces the GGUF layout (no second copy): Q8_0 and Q6_K tiles are the same size as their 16
+//! blocks, Q4_K's 2.8 % larger (its 6-bit scales and mins kept as bytes).
+//!
+//! **Summation order** (tiled matrices; [`dot_rows_scalar`] is the reference): per row, per block,
+//! the exact integer sum of the block's products (the format's `lanes`, added), converted to f32 and
+//! fused-multiply-added with the block's scale into one accumulator; min terms added apart; then
+//! the two added. Decode and prefill run the same per-block steps, so they agree to the bit.
+//! Tiles need VNNI; without it a matrix keeps the per-row layout and the 8-lane order.
+
+use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
+use super::{BlockQ8K, BlockQ8_0, BlockQ8_1, Format, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+/// Rows per tile.
+pub const TR: usize = 16;
+
+/// A format whose blocks can be interleaved 16 rows to a tile.
+pub trait Tiled: Format {
+    type Tile: Pod + Send + Sync;
+    /// Whether the kernel needs each activation block's integer sum ([`Tiled::ysum`]).
+    const YSUM: bool;
+    /// The blocks of 16 consecutive rows at one column position.
+    fn pack(rows: &[Self::Block; TR]) -> Self::Tile;
+    /// Row `r` of the tile dequantized (`N` values), as `Format::dequantize` gives it.
+    fn dequantize_row(t: &Self::Tile, r: usize, out: &mut [f32]);
+    /// The integer sum of an activation block's values (where `YSUM`).
+    fn ysum(_y: &Self::Act) -> i32 {
+        0
+    }
+}
+
+/// The reference sum of one row (see the module's summation order).
+pub fn dot_rows_scalar<F: Format>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+    let mut acc = 0f32;
+    let mut summ = 0f32;
+    for (x, y) in xs.iter().zip(ys) {
+        let isum: i32 = F::lanes(x, y).iter().sum();
+        acc = (isum as f32).mul_add(F::scale(x, y), acc);
+        if F::HAS_MIN {
+            summ += F::min_term(x, y);
+        }
+    }
+    acc + summ
+}
+
+/// Q8_0 tile: `d` of each row; `qs[g]` holds values 4g..4g+4 of the 16 rows (row r at bytes
+/// 4r..4r+4), each stored + 128 as u8 (dpbusd multiplies u8 by i8; the 128·Σy is taken off).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ8_0 {
+    pub d: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 8],
+}
+
+/// Q4_K tile: d, dmin, the 8 sub-block scales and mins of each row unpacked to bytes; `qs[g]`
+/// holds values 8g..8g+8 of the 16 rows, row r's 4 bytes at 4r: value 8g+j in the low nibble of
+/// byte j, value 8g+j+4 in its high nibble.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ4K {
+    pub d: [f16; TR],
+    pub dmin: [f16; TR],
+    pub sc: [[u8; TR]; 8],
+    pub m: [[u8; TR]; 8],
+    pub qs: [[u8; 4 * TR]; 32],
+}
+
+/// Q5_K tile: Q4_K's, plus the fifth bits of each sub-block j of 32 values in `qh[j]`, laid out
+/// as a Q5_0 tile's `qh`.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ5K {
+    pub d: [f16; TR],
+    pub dmin: [f16; TR],
+    pub sc: [[u8; TR]; 8],
+    pub m: [[u8; TR]; 8],
+    pub qs: [[u8; 4 * TR]; 32],
+    pub qh: [[u8; 4 * TR]; 8],
+}
+
+/// Q6_K tile: d and the 16 sub-block scales of each row; `ql[g]` the low 4 bits of values
+/// 8g..8g+8 (as Q4_K's `qs`), `qh[h]` the high 2 bits of values 16h..16h+16: row r's byte 4r+j
+/// holds values 16h+j, +4, +8, +12 in bits 0-1, 2-3, 4-5, 6-7.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ6K {
+    pub d: [f16; TR],
+    pub sc: [[i8; TR]; 16],
+    pub ql: [[u8; 4 * TR]; 32],
+    pub qh: [[u8; 4 * TR]; 16],
+}
+
+/// Q4_0 tile: `d` of each row; `qs[g]` holds values 8g..8g+8 of the 16 rows as Q4_K's tile does
+/// (unsigned nibbles; the 8·Σy is taken off).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ4_0 {
+    pub d: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 4],
+}
+
+/// Q4_1 tile: `d` and `m` of each row, nibbles as Q4_0's.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ4_1 {
+    pub d: [f16; TR],
+    pub m: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 4],
+}
+
+/// Q5_0 tile: as Q4_0's, plus the fifth bits: row r's byte 4r+j of `qh` holds, in bit k, the
+/// fifth bit of value 4k+j (so group g's low-nibble values have bit 2g, its high ones bit 2g+1).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ5_0 {
+    pub d: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 4],
+    pub qh: [u8; 4 * TR],
+}
+
+/// Q5_1 tile: Q5_0's with `m`.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ5_1 {
+    pub d: [f16; TR],
+    pub m: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 4],
+    pub qh: [u8; 4 * TR],
+}
+
+/// Element `i`'s 4-bit and fifth-bit values in a 32-value block.
+fn legacy_nibble(qs: &[u8; 16], i: usize) -> u8 {
+    if i < 16 {
+        qs[i] & 0x0F
+    } else {
+        qs[i - 16] >> 4
+    }
+}
+
+fn legacy_fifth(qh: &[u8; 4], i: usize) -> u8 {
+    ((u32::from_le_bytes(*qh) >> i) & 1) as u8
+}
+
+/// The fifth bit of value `e` of row `r` in a Q5 tile's `qh`.
+fn fifth_at(qh: &[u8; 4 * TR], r: usize, e: usize) -> u8 {
+    (qh[4 * r + e % 4] >> (e / 4)) & 1
+}
+
+fn set_fifth(qh: &mut [u8; 4 * TR], r: usize, e: usize, v: u8) {
+    qh[4 * r + e % 4] |= (v & 1) << (e / 4);
+}
+
+impl Tiled for Q4_0 {
+    type Tile = TileQ4_0;
+    const YSUM: bool = true;
+    fn pack(rows: &[BlockQ4_0; TR]) -> TileQ4_0 {
+        let mut t = TileQ4_0::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            for i in 0..32 {
+                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ4_0, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (nibble_at(&t.qs, r, i) as i32 - 8) as f32 * d;
+        }
+    }
+    fn ysum(y: &BlockQ8_0) -> i32 {
+        y.qs.iter().map(|&q| q as i32).sum()
+    }
+}
+
+impl Tiled for Q4_1 {
+    type Tile = TileQ4_1;
+    const YSUM: bool = false;
+    fn pack(rows: &[BlockQ4_1; TR]) -> TileQ4_1 {
+        let mut t = TileQ4_1::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            (t.d[r], t.m[r]) = (x.d, x.m);
+            for i in 0..32 {
+                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ4_1, r: usize, out: &mut [f32]) {
+        let (d, m) = (t.d[r].to_f32(), t.m[r].to_f32());
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = nibble_at(&t.qs, r, i) as f32 * d + m;
+        }
+    }
+}
+
+impl Tiled for Q5_0 {
+    type Tile = TileQ5_0;
+    const YSUM: bool = true;
+    fn pack(rows: &[BlockQ5_0; TR]) -> TileQ5_0 {
+        let mut t = TileQ5_0::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            for i in 0..32 {
+                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
+                set_fifth(&mut t.qh, r, i, legacy_fifth(&x.qh, i));
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ5_0, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            let q = (nibble_at(&t.qs, r, i) | (fifth_at(&t.qh, r, i) << 4)) as i32 - 16;
+            *o = q as f32 * d;
+        }
+    }
+    fn ysum(y: &BlockQ8_0) -> i32 {
+        y.qs.iter().map(|&q| q as i32).sum()
+    }
+}
+
+impl Tiled for Q5_1 {
+    type Tile = TileQ5_1;
+    const YSUM: bool = false;
+    fn pack(rows: &[BlockQ5_1; TR]) -> TileQ5_1 {
+        let mut t = TileQ5_1::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            (t.d[r], t.m[r]) = (x.d, x.m);
+            for i in 0..32 {
+                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
+                set_fifth(&mut t.qh, r, i, legacy_fifth(&x.qh, i));
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ5_1, r: usize, out: &mut [f32]) {
+        let (d, m) = (t.d[r].to_f32(), t.m[r].to_f32());
+        for (i, o) in out.iter_mut().enumerate() {
+            let q = nibble_at(&t.qs, r, i) | (fifth_at(&t.qh, r, i) << 4);
+            *o = q as f32 * d + m;
+        }
+    }
+}
+
+impl Tiled for Q8_0 {
+    type Tile = TileQ8_0;
+    const YSUM: bool = true;
+    fn pack(rows: &[BlockQ8_0; TR]) -> TileQ8_0 {
+        let mut t = TileQ8_0::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            for (i, &q) in x.qs.iter().enumerate() {
+                t.qs[i / 4][4 * r + i % 4] = (q as i32 + 128) as u8;
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ8_0, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (t.qs[i / 4][4 * r + i % 4] as i32 - 128) as f32 * d;
+        }
+    }
+    fn ysum(y: &BlockQ8_0) -> i32 {
+        y.qs.iter().map(|&q| q as i32).sum()
+    }
+}
+
+/// Value `e` of a row in a nibble-interleaved array (`qs[g]`: values 8g..8g+8).
+fn nibble_at<const G: usize>(qs: &[[u8; 4 * TR]; G], r: usize, e: usize) -> u8 {
+    let (g, j) = (e / 8, e % 8);
+    let b = qs[g][4 * r + j % 4];
+    if j < 4 {
+        b & 0x0F
+    } else {
+        b >> 4
+    }
+}
+
+fn set_nibble<const G: usize>(qs: &mut [[u8; 4 * TR]; G], r: usize, e: usize, v: u8) {
+    let (g, j) = (e / 8, e % 8);
+    let b = &mut qs[g][4 * r + j % 4];
+    *b |= if j < 4 { v & 0x0F } else { (v & 0x0F) << 4 };
+}
+
+impl Tiled for Q4K {
+    type Tile = TileQ4K;
+    const YSUM: bool = false;
+    fn pack(rows: &[super::kquants::BlockQ4K; TR]) -> TileQ4K {
+        let mut t = TileQ4K::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            t.dmin[r] = x.dmin;
+            let (sc, m) = super::kquants::scales_mins(&x.scales);
+            for j in 0..8 {
+                t.sc[j][r] = sc[j];
+                t.m[j][r] = m[j];
+            }
+            for e in 0..256 {
+                set_nibble(&mut t.qs, r, e, super::kquants::nibble(&x.qs, e) as u8);
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ4K, r: usize, out: &mut [f32]) {
+        let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
+        for (e, o) in out.iter_mut().enumerate() {
+            let j = e / 32;
+            *o = d * t.sc[j][r] as f32 * nibble_at(&t.qs, r, e) as f32 - dmin * t.m[j][r] as f32;
+        }
+    }
+}
+
+impl Tiled for Q5K {
+    type Tile = TileQ5K;
+    const YSUM: bool = false;
+    fn pack(rows: &[super::kquants::BlockQ5K; TR]) -> TileQ5K {
+        let mut t = TileQ5K::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            t.dmin[r] = x.dmin;
+            let (sc, m) = super::kquants::scales_mins(&x.scales);
+            for j in 0..8 {
+                t.sc[j][r] = sc[j];
+                t.m[j][r] = m[j];
+            }
+            for e in 0..256 {
+                set_nibble(&mut t.qs, r, e, super::kquants::nibble(&x.qs, e) as u8);
+                let bit = (super::kquants::fifth(&x.qh, e) >> 4) as u8;
+                set_fifth(&mut t.qh[e / 32], r, e % 32, bit);
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ5K, r: usize, out: &mut [f32]) {
+        let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
+        for (e, o) in out.iter_mut().enumerate() {
+            let j = e / 32;
+            let q = nibble_at(&t.qs, r, e) | (fifth_at(&t.qh[j], r, e % 32) << 4);
+            *o = d * t.sc[j][r] as f32 * q as f32 - dmin * t.m[j][r] as f32;
+        }
+    }
+}
+
+impl Tiled for Q6K {
+    type Tile = TileQ6K;
+    const YSUM: bool = false;
+    fn pack(rows: &[super::kquants::BlockQ6K; TR]) -> TileQ6K {
+        let mut t = TileQ6K::zeroed();
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            for j in 0..16 {
+                t.sc[j][r] = x.scales[j];
+            }
+            for e in 0..256 {
+                let q = super::kquants::q6(x, e) as u8;
+                set_nibble(&mut t.ql, r, e, q & 0x0F);
+                let (h, k) = (e / 16, e % 16);
+                t.qh[h][4 * r + k % 4] |= (q >> 4) << (2 * (k / 4));
+            }
+        }
+        t
+    }
+    fn dequantize_row(t: &TileQ6K, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (e, o) in out.iter_mut().enumerate() {
+            let (h, k) = (e / 16, e % 16);
+            let hi = (t.qh[h][4 * r + k % 4] >> (2 * (k / 4))) & 3;
+            let q = (nibble_at(&t.ql, r, e) | (hi << 4)) as i32 - 32;
+            *o = d * t.sc[e / 16][r] as f32 * q as f32;
+        }
+    }
+}
+
+/// The VNNI kernels: per tile, the 16 rows' exact integer block sums with T activation blocks.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod vnni {
+    use super::super::avx2::{load16, load64};
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Four activation values (i8) broadcast to every i32 lane.
+    #[inline(always)]
+    unsafe fn bcast4(q: &[i8]) -> __m512i {
+        let b: [u8; 4] = bytemuck::cast_slice::<i8, u8>(&q[..4])
+            .try_into()
+            .expect("4");
+        _mm512_set1_epi32(i32::from_le_bytes(b))
+    }
+
+    /// A format's tile kernel (see the module's SAFETY contract in `quant`: VNNI present).
+    pub trait TileKernel: Tiled {
+        /// The 16 rows' integer sums of block `t` with `ys` (and `ysum` of each where `YSUM`).
+        unsafe fn isum<const T: usize>(
+            t: &Self::Tile,
+            ys: [&Self::Act; T],
+            ysums: [i32; T],
+        ) -> [__m512i; T];
+        /// The 16 rows' float scales with `y` (the same operations as `Format::scale`).
+        unsafe fn scale(t: &Self::Tile, y: &Self::Act) -> __m512;
+        /// The 16 rows' min terms (the same operations as `Format::min_term`).
+        unsafe fn min(_t: &Self::Tile, _y: &Self::Act) -> __m512 {
+            _mm512_setzero_ps()
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn halves(d: &[f16; TR]) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i))
+    }
+
+    /// The 16 rows' Σ q·y over a 32-value block of nibbles (plus fifth bits from `qh`).
+    #[inline(always)]
+    unsafe fn isum_nibbles<const T: usize>(
+        qs: &[[u8; 4 * TR]; 4],
+        qh: Option<&[u8; 4 * TR]>,
+        ys: [&[i8; 32]; T],
+    ) -> [__m512i; T] {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let one = _mm512_set1_epi8(1);
+        let h = qh.map(|h| load64(h));
+        let mut acc = [_mm512_setzero_si512(); T];
+        for g in 0..4 {
+            let w = load64(&qs[g]);
+            let mut lo = _mm512_and_si512(w, m4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
+            if let Some(h) = h {
+                // Bits 2g and 2g+1 of each byte, moved to bit 4.
+                let (b0, b1) = match g {
+                    0 => (h, _mm512_srli_epi16::<1>(h)),
+                    1 => (_mm512_srli_epi16::<2>(h), _mm512_srli_epi16::<3>(h)),
+                    2 => (_mm512_srli_epi16::<4>(h), _mm512_srli_epi16::<5>(h)),
+                    _ => (_mm512_srli_epi16::<6>(h), _mm512_srli_epi16::<7>(h)),
+                };
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(_mm512_and_si512(b0, one)));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16::<4>(_mm512_and_si512(b1, one)));
+            }
+            for i in 0..T {
+                let y = &ys[i][8 * g..];
+                acc[i] = _mm512_dpbusd_epi32(acc[i], lo, bcast4(y));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], hi, bcast4(&y[4..]));
+            }
+        }
+        acc
+    }
+
+    impl TileKernel for Q4_0 {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ4_0,
+            ys: [&BlockQ8_0; T],
+            ysums: [i32; T],
+        ) -> [__m512i; T] {
+            let acc = isum_nibbles(&t.qs, None, ys.map(|y| &y.qs));
+            std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(8 * ysums[i])))
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ4_0, y: &BlockQ8_0) -> __m512 {
+            _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        }
+    }
+
+    impl TileKernel for Q4_1 {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ4_1,
+            ys: [&BlockQ8_1; T],
+            _: [i32; T],
+        ) -> [__m512i; T] {
+            isum_nibbles(&t.qs, None, ys.map(|y| &y.qs))
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ4_1, y: &BlockQ8_1) -> __m512 {
+            _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        }
+        #[inline(always)]
+        unsafe fn min(t: &TileQ4_1, y: &BlockQ8_1) -> __m512 {
+            _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s.to_f32()))
+        }
+    }
+
+    impl TileKernel for Q5_0 {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ5_0,
+            ys: [&BlockQ8_0; T],
+            ysums: [i32; T],
+        ) -> [__m512i; T] {
+            let acc = isum_nibbles(&t.qs, Some(&t.qh), ys.map(|y| &y.qs));
+            std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(16 * ysums[i])))
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ5_0, y: &BlockQ8_0) -> __m512 {
+            _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        }
+    }
+
+    impl TileKernel for Q5_1 {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ5_1,
+            ys: [&BlockQ8_1; T],
+            _: [i32; T],
+        ) -> [__m512i; T] {
+            isum_nibbles(&t.qs, Some(&t.qh), ys.map(|y| &y.qs))
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ5_1, y: &BlockQ8_1) -> __m512 {
+            _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        }
+        #[inline(always)]
+        unsafe fn min(t: &TileQ5_1, y: &BlockQ8_1) -> __m512 {
+            _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s.to_f32()))
+        }
+    }
+
+    impl TileKernel for Q8_0 {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ8_0,
+            ys: [&BlockQ8_0; T],
+            ysums: [i32; T],
+        ) -> [__m512i; T] {
+            let mut acc = [_mm512_setzero_si512(); T];
+            for g in 0..8 {
+                let w = load64(&t.qs[g]);
+                for i in 0..T {
+                    acc[i] = _mm512_dpbusd_epi32(acc[i], w, bcast4(&ys[i].qs[4 * g..]));
+                }
+            }
+            std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(128 * ysums[i])))
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ8_0, y: &BlockQ8_0) -> __m512 {
+            _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        }
+    }
+
+    /// The 16 rows' Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits).
+    #[inline(always)]
+    unsafe fn isum_k<const T: usize>(
+        qs: &[[u8; 4 * TR]; 32],
+        qh: Option<&[[u8; 4 * TR]; 8]>,
+        scales: &[[u8; TR]; 8],
+        ys: [&BlockQ8K; T],
+    ) -> [__m512i; T] {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let one = _mm512_set1_epi8(1);
+        let mut total = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            let h = qh.map(|h| load64(&h[j]));
+            let mut part = [_mm512_setzero_si512(); T];
+            for gl in 0..4 {
+                let g = 4 * j + gl;
+                let w = load64(&qs[g]);
+                let mut lo = _mm512_and_si512(w, m4);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
+                if let Some(h) = h {
+                    let (b0, b1) = match gl {
+                        0 => (h, _mm512_srli_epi16::<1>(h)),
+                        1 => (_mm512_srli_epi16::<2>(h), _mm512_srli_epi16::<3>(h)),
+                        2 => (_mm512_srli_epi16::<4>(h), _mm512_srli_epi16::<5>(h)),
+                        _ => (_mm512_srli_epi16::<6>(h), _mm512_srli_epi16::<7>(h)),
+                    };
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(_mm512_and_si512(b0, one)));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16::<4>(_mm512_and_si512(b1, one)));
+                }
+                for i in 0..T {
+                    let y = &ys[i].qs[8 * g..];
+                    part[i] = _mm512_dpbusd_epi32(part[i], lo, bcast4(y));
+                    part[i] = _mm512_dpbusd_epi32(part[i], hi, bcast4(&y[4..]));
+                }
+            }
+            let sc = _mm512_cvtepu8_epi32(load16(&scales[j]));
+            for i in 0..T {
+                total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(part[i], sc));
+            }
+        }
+        total
+    }
+
+    /// −(d_y · dmin) · Σ_j m_j · (Σ of y over sub-block j), per row (Q4_K/Q5_K).
+    #[inline(always)]
+    unsafe fn min_k(mins: &[[u8; TR]; 8], dmin: &[f16; TR], y: &BlockQ8K) -> __m512 {
+        let mut msum = _mm512_setzero_si512();
+        for (j, mins) in mins.iter().enumerate() {
+            let s = y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32;
+            let m = _mm512_cvtepu8_epi32(load16(mins));
+            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(m, _mm512_set1_epi32(s)));
+        }
+        let dd = _mm512_mul_ps(_mm512_set1_ps(y.d), halves(dmin));
+        // Negation as a sign flip (exact, −0 included), as the scalar `-(..)`.
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dd), sign));
+        _mm512_mul_ps(neg, _mm512_cvtepi32_ps(msum))
+    }
+
+    impl TileKernel for Q4K {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ4K,
+            ys: [&BlockQ8K; T],
+            _: [i32; T],
+        ) -> [__m512i; T] {
+            isum_k(&t.qs, None, &t.sc, ys)
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ4K, y: &BlockQ8K) -> __m512 {
+            _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+        }
+        #[inline(always)]
+        unsafe fn min(t: &TileQ4K, y: &BlockQ8K) -> __m512 {
+            min_k(&t.m, &t.dmin, y)
+        }
+    }
+
+    impl TileKernel for Q5K {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ5K,
+            ys: [&BlockQ8K; T],
+            _: [i32; T],
+        ) -> [__m512i; T] {
+            isum_k(&t.qs, Some(&t.qh), &t.sc, ys)
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ5K, y: &BlockQ8K) -> __m512 {
+            _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+        }
+        #[inline(always)]
+        unsafe fn min(t: &TileQ5K, y: &BlockQ8K) -> __m512 {
+            min_k(&t.m, &t.dmin, y)
+        }
+    }
+
+    impl TileKernel for Q6K {
+        #[inline(always)]
+        unsafe fn isum<const T: usize>(
+            t: &TileQ6K,
+            ys: [&BlockQ8K; T],
+            _: [i32; T],
+        ) -> [__m512i; T] {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let m2 = _mm512_set1_epi8(3);
+            let mut total = [_mm512_setzero_si512(); T];
+            for j in 0..16 {
+                let (l0, l1, h) = (
+                    load64(&t.ql[2 * j]),
+                    load64(&t.ql[2 * j + 1]),
+                    load64(&t.qh[j]),
+                );
+                let hi = |v: __m512i| _mm512_slli_epi16::<4>(_mm512_and_si512(v, m2));
+                let v = [
+                    _mm512_or_si512(_mm512_and_si512(l0, m4), hi(h)),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l0), m4),
+                        hi(_mm512_srli_epi16::<2>(h)),
+                    ),
+                    _mm512_or_si512(_mm512_and_si512(l1, m4), hi(_mm512_srli_epi16::<4>(h))),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l1), m4),
+                        hi(_mm512_srli_epi16::<6>(h)),
+                    ),
+                ];
+                let sc = _mm512_cvtepi8_epi32(load16(&t.sc[j]));
+                for i in 0..T {
+                    let y = &ys[i].qs[16 * j..];
+                    let mut p = _mm512_setzero_si512();
+                    for (k, v) in v.iter().enumerate() {
+                        p = _mm512_dpbusd_epi32(p, *v, bcast4(&y[4 * k..]));
+                    }
+                    // Σ (q − 32)·y = Σ q·y − 32 · (Σ of y over the 16 values).
+                    let p = _mm512_sub_epi32(p, _mm512_set1_epi32(32 * ys[i].bsums[j] as i32));
+                    total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(p, sc));
+                }
+            }
+            total
+        }
+        #[inline(always)]
+        unsafe fn scale(t: &TileQ6K, y: &BlockQ8K) -> __m512 {
+            _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+        }
+    }
+
+    /// The 16 rows' dot products over all blocks with T activation rows (`ys[i]`, `ysums[i]` per
+    /// block), in [`dot_rows_scalar`]'s order.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot16<F: TileKernel, const T: usize>(
+        tiles: &[F::Tile],
+        ys: [&[F::Act]; T],
+        ysums: [&[i32]; T],
+    ) -> [[f32; TR]; T] {
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut summ = [_mm512_setzero_ps(); T];
+        for (b, tile) in tiles.iter().enumerate() {
+            let y: [&F::Act; T] = std::array::from_fn(|i| &ys[i][b]);
+            let s: [i32; T] = std::array::from_fn(|i| if F::YSUM { ysums[i][b] } else { 0 });
+            let isum = F::isum::<T>(tile, y, s);
+            for i in 0..T {
+                acc[i] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(isum[i]),
+                    <F as TileKernel>::scale(tile, y[i]),
+                    acc[i],
+                );
+                if F::HAS_MIN {
+                    summ[i] = _mm512_add_ps(summ[i], <F as TileKernel>::min(tile, y[i]));
+                }
+            }
+        }
+        std::array::from_fn(|i| {
+            let mut out = [0f32; TR];
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc[i], summ[i]));
+            out
+        })
+    }
+}
+
+/// A matrix `[rows, cols]` of tiles, `[row group][block]`; rows in 16s. Rows `row0 .. row0 + rows`
+/// (`row0` a multiple of 16) of a tile store several matrices may share (stacking).
+pub struct TiledMatrix<F: Tiled> {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) row0: usize,
+    tiles: std::sync::Arc<Vec<F::Tile>>,
+}
+
+impl<F: Tiled> Clone for TiledMatrix<F> {
+    fn clone(&self) -> Self {
+        Self {
+            rows: self.rows,
+            cols: self.cols,
+            row0: self.row0,
+            tiles: self.tiles.clone(),
+        }
+    }
+}
+
+impl<F: Tiled> TiledMatrix<F> {
+    /// The blocks of a `[rows, cols]` matrix (rows a multiple of 16), interleaved into tiles.
+    pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Self {
+        debug_assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
+        let kb = cols / F::N;
+        let mut tiles = Vec::with_capacity(rows / TR * kb);
+        for g in 0..rows / TR {
+            for b in 0..kb {
+                let group: [F::Block; TR] = std::array::from_fn(|r| blocks[(g * TR + r) * kb + b]);
+                tiles.push(F::pack(&group));
+            }
+        }
+        Self {
+            rows,
+            cols,
+            row0: 0,
+            tiles: std::sync::Arc::new(tiles),
+        }
+    }
+
+    fn kb(&self) -> usize {
+        self.cols / F::N
+    }
+
+    /// The tiles of row group `g` (of this matrix).
+    fn group(&self, g: usize) -> &[F::Tile] {
+        let kb = self.kb();
+        let g = self.row0 / TR + g;
+        &self.tiles[g * kb..(g + 1) * kb]
+    }
+
+    pub(super) fn stack(parts: &[&Self]) -> Option<(Self, Vec<Self>)> {
+        let cols = parts.first()?.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return None;
+        }
+        let kb = cols / F::N;
+        let mut tiles = Vec::new();
+        let mut views = Vec::new();
+        let mut row0 = 0;
+        for p in parts {
+            tiles.extend_from_slice(&p.tiles[p.row0 / TR * kb..(p.row0 + p.rows) / TR * kb]);
+            views.push((row0, p.rows));
+            row0 += p.rows;
+        }
+        let tiles = std::sync::Arc::new(tiles);
+        let view = |row0, rows| Self {
+            rows,
+            cols,
+            row0,
+            tiles: tiles.clone(),
+        };
+        let parts = views.into_iter().map(|(r0, n)| view(r0, n)).collect();
+        Some((view(0, row0), parts))
+    }
+
+    pub(super) fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        for (t, o) in self.group(r / TR).iter().zip(out.chunks_exact_mut(F::N)) {
+            F::dequantize_row(t, r % TR, o);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<F: vnni::TileKernel> TiledMatrix<F> {
+    /// `xs [m, cols]` times the transposed matrix into `out [m, rows]`. Only called when
+    /// `level()` is `Vnni` (tiles are made only then).
+    pub(super) fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
+        use super::Act;
+        let (n, k, kb) = (self.rows, self.cols, self.kb());
+        let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
+        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
+            F::Act::quantize(row, qrow);
+        }
+        let ysums: Vec<i32> = if F::YSUM {
+            q.iter().map(F::ysum).collect()
+        } else {
+            vec![0; m * kb]
+        };
+        let act = |t: usize| &q[t * kb..(t + 1) * kb];
+        let ysum = |t: usize| &ysums[t * kb..(t + 1) * kb];
+        let dst = super::DisjointOut::new(out);
+        let groups = n / TR;
+        const TOKENS: usize = 16;
+        let tiles = m.div_ceil(TOKENS);
+        let pool = candle_core::utils::barrier_pool();
+        pool.execute_chunked(groups * tiles, |range| {
+            for item in range {
+                let (g, t0) = (item / tiles, (item % tiles) * TOKENS);
+                let t1 = m.min(t0 + TOKENS);
+                let w = self.group(g);
+                let put = |t: usize, v: [f32; TR]| {
+                    // SAFETY (DisjointOut's contract): rows 16g..16g+16 of token t belong to this
+                    // item alone.
+                    let o = unsafe { dst.slice(t * n + g * TR, TR) };
+                    o.copy_from_slice(&v);
+                };
+                let mut t = t0;
+                while t + 4 <= t1 {
+                    // SAFETY: VNNI present (tiles exist only at `Level::Vnni`).
+                    let v = unsafe {
+                        vnni::dot16::<F, 4>(
+                            w,
+                            [act(t), act(t + 1), act(t + 2), act(t + 3)],
+                            [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)],
+                        )
+                    };
+                    for (i, v) in v.into_iter().enumerate() {
+                        put(t + i, v);
+                    }
+                    t += 4;
+                }
+                for t in t..t1 {
+                    // SAFETY: as above.
+                    let [v] = unsafe { vnni::dot16::<F, 1>(w, [act(t)], [ysum(t)]) };
+                    put(t, v);
+                }
+            }
+        });
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl<F: Tiled> TiledMatrix<F> {
+    pub(super) fn matmul(&self, _: &[f32], _: usize, _: &mut [f32]) {
+        unreachable!("tiles are made only where AVX-512 VNNI runs")
+    }
+}
