@@ -521,6 +521,31 @@ impl<F: Avx2> Matrix<F> {
     /// The matrix of a `QTensor [rows, cols]` of this format (its blocks copied once; the caller
     /// drops the tensor).
     fn from_qtensor(t: &QTensor) -> Result<Self> {
+        with_blocks::<F, _>(t, |rows, cols, blocks| Self {
+            rows,
+            cols,
+            row0: 0,
+            blocks: Arc::new(blocks.to_vec()),
+        })
+    }
+
+    /// The matrix as row-interleaved tiles (rows a multiple of 16), made from the tensor's blocks
+    /// directly (no per-row copy in between).
+    fn tiled_from(t: &QTensor) -> Result<TiledMatrix<F>>
+    where
+        F: Tiled,
+    {
+        with_blocks::<F, _>(t, TiledMatrix::from_blocks)
+    }
+}
+
+/// Calls `f(rows, cols, blocks)` with the blocks of a `QTensor [rows, cols]` of format `F`,
+/// checked for shape and size (read in place when aligned, else copied once).
+fn with_blocks<F: Format, R>(
+    t: &QTensor,
+    f: impl FnOnce(usize, usize, &[F::Block]) -> R,
+) -> Result<R> {
+    {
         let (rows, cols) = t.shape().dims2()?;
         if !cols.is_multiple_of(F::N) {
             bail!(
@@ -538,24 +563,18 @@ impl<F: Avx2> Matrix<F> {
                 data.len()
             );
         }
-        let mut blocks = vec![F::Block::zeroed(); n];
-        bytemuck::cast_slice_mut::<F::Block, u8>(&mut blocks).copy_from_slice(&data);
-        Ok(Self {
-            rows,
-            cols,
-            row0: 0,
-            blocks: Arc::new(blocks),
+        Ok(match bytemuck::try_cast_slice::<u8, F::Block>(&data) {
+            Ok(blocks) => f(rows, cols, blocks),
+            Err(_) => {
+                let mut blocks = vec![F::Block::zeroed(); n];
+                bytemuck::cast_slice_mut::<F::Block, u8>(&mut blocks).copy_from_slice(&data);
+                f(rows, cols, &blocks)
+            }
         })
     }
+}
 
-    /// The matrix as row-interleaved tiles (rows a multiple of 16).
-    fn tiled(self) -> TiledMatrix<F>
-    where
-        F: Tiled,
-    {
-        TiledMatrix::from_blocks(self.rows, self.cols, &self.blocks)
-    }
-
+impl<F: Avx2> Matrix<F> {
     fn row(&self, r: usize) -> &[F::Block] {
         let kb = self.cols / F::N;
         &self.blocks[(self.row0 + r) * kb..(self.row0 + r + 1) * kb]
@@ -779,14 +798,14 @@ impl QMatrix {
     /// The matrix of a `QTensor [rows, cols]`; None for a type this driver does not run.
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
         Ok(Some(match t.dtype() {
-            GgmlDType::Q4_0 if tileable(t) => Self::Q4_0T(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q4_1 if tileable(t) => Self::Q4_1T(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q5_0 if tileable(t) => Self::Q5_0T(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q5_1 if tileable(t) => Self::Q5_1T(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q8_0 if tileable(t) => Self::Q8_0T(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q4K if tileable(t) => Self::Q4KT(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q5K if tileable(t) => Self::Q5KT(Matrix::from_qtensor(t)?.tiled()),
-            GgmlDType::Q6K if tileable(t) => Self::Q6KT(Matrix::from_qtensor(t)?.tiled()),
+            GgmlDType::Q4_0 if tileable(t) => Self::Q4_0T(Matrix::tiled_from(t)?),
+            GgmlDType::Q4_1 if tileable(t) => Self::Q4_1T(Matrix::tiled_from(t)?),
+            GgmlDType::Q5_0 if tileable(t) => Self::Q5_0T(Matrix::tiled_from(t)?),
+            GgmlDType::Q5_1 if tileable(t) => Self::Q5_1T(Matrix::tiled_from(t)?),
+            GgmlDType::Q8_0 if tileable(t) => Self::Q8_0T(Matrix::tiled_from(t)?),
+            GgmlDType::Q4K if tileable(t) => Self::Q4KT(Matrix::tiled_from(t)?),
+            GgmlDType::Q5K if tileable(t) => Self::Q5KT(Matrix::tiled_from(t)?),
+            GgmlDType::Q6K if tileable(t) => Self::Q6KT(Matrix::tiled_from(t)?),
             GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_qtensor(t)?),
             GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_qtensor(t)?),
             GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_qtensor(t)?),

@@ -284,10 +284,43 @@ fn nibble_at<const G: usize>(qs: &[[u8; 4 * TR]; G], r: usize, e: usize) -> u8 {
     }
 }
 
+/// Row `r`'s values `v` (one per byte, low 4 bits used) written into a nibble-interleaved array.
+fn interleave_nibbles<const G: usize>(v: &[u8], r: usize, qs: &mut [[u8; 4 * TR]; G]) {
+    for (g, group) in qs.iter_mut().enumerate() {
+        for j in 0..4 {
+            group[4 * r + j] = (v[8 * g + j] & 0x0F) | ((v[8 * g + j + 4] & 0x0F) << 4);
+        }
+    }
+}
+
+/// Bit 4 of each of row `r`'s 32 values `v` written into a Q5 tile's `qh` (see [`TileQ5_0`]).
+fn interleave_fifths(v: &[u8], r: usize, qh: &mut [u8; 4 * TR]) {
+    for j in 0..4 {
+        qh[4 * r + j] = (0..8).fold(0u8, |b, k| b | (((v[4 * k + j] >> 4) & 1) << k));
+    }
+}
+
 fn set_nibble<const G: usize>(qs: &mut [[u8; 4 * TR]; G], r: usize, e: usize, v: u8) {
     let (g, j) = (e / 8, e % 8);
     let b = &mut qs[g][4 * r + j % 4];
     *b |= if j < 4 { v & 0x0F } else { (v & 0x0F) << 4 };
+}
+
+/// A Q4_K/Q5_K super-block's 256 quants in value order (with Q5_K's fifth bits at bit 4).
+fn k_values(qs: &[u8; 128], qh: Option<&[u8; 32]>) -> [u8; 256] {
+    let mut v = [0u8; 256];
+    for j in 0..4 {
+        for l in 0..32 {
+            let b = qs[32 * j + l];
+            v[64 * j + l] = b & 0x0F;
+            v[64 * j + 32 + l] = b >> 4;
+            if let Some(qh) = qh {
+                v[64 * j + l] |= ((qh[l] >> (2 * j)) & 1) << 4;
+                v[64 * j + 32 + l] |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            }
+        }
+    }
+    v
 }
 
 impl Tiled for Q4K {
@@ -303,9 +336,7 @@ impl Tiled for Q4K {
                 t.sc[j][r] = sc[j];
                 t.m[j][r] = m[j];
             }
-            for e in 0..256 {
-                set_nibble(&mut t.qs, r, e, super::kquants::nibble(&x.qs, e) as u8);
-            }
+            interleave_nibbles(&k_values(&x.qs, None), r, &mut t.qs);
         }
         t
     }
@@ -331,10 +362,10 @@ impl Tiled for Q5K {
                 t.sc[j][r] = sc[j];
                 t.m[j][r] = m[j];
             }
-            for e in 0..256 {
-                set_nibble(&mut t.qs, r, e, super::kquants::nibble(&x.qs, e) as u8);
-                let bit = (super::kquants::fifth(&x.qh, e) >> 4) as u8;
-                set_fifth(&mut t.qh[e / 32], r, e % 32, bit);
+            let v = k_values(&x.qs, Some(&x.qh));
+            interleave_nibbles(&v, r, &mut t.qs);
+            for (j, qh) in t.qh.iter_mut().enumerate() {
+                interleave_fifths(&v[32 * j..32 * j + 32], r, qh);
             }
         }
         t
@@ -359,11 +390,24 @@ impl Tiled for Q6K {
             for j in 0..16 {
                 t.sc[j][r] = x.scales[j];
             }
-            for e in 0..256 {
-                let q = super::kquants::q6(x, e) as u8;
-                set_nibble(&mut t.ql, r, e, q & 0x0F);
-                let (h, k) = (e / 16, e % 16);
-                t.qh[h][4 * r + k % 4] |= (q >> 4) << (2 * (k / 4));
+            // The 6-bit values in order (ggml's dequantization loop).
+            let mut v = [0u8; 256];
+            for n in 0..2 {
+                let (ql, qh) = (&x.ql[64 * n..], &x.qh[32 * n..]);
+                for l in 0..32 {
+                    let e = 128 * n + l;
+                    v[e] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                    v[e + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                    v[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    v[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            interleave_nibbles(&v, r, &mut t.ql);
+            for (h, qh) in t.qh.iter_mut().enumerate() {
+                for j in 0..4 {
+                    qh[4 * r + j] =
+                        (0..4).fold(0u8, |b, k| b | ((v[16 * h + 4 * k + j] >> 4) << (2 * k)));
+                }
             }
         }
         t
@@ -747,13 +791,23 @@ impl<F: Tiled> TiledMatrix<F> {
     pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Self {
         debug_assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
         let kb = cols / F::N;
-        let mut tiles = Vec::with_capacity(rows / TR * kb);
-        for g in 0..rows / TR {
-            for b in 0..kb {
-                let group: [F::Block; TR] = std::array::from_fn(|r| blocks[(g * TR + r) * kb + b]);
-                tiles.push(F::pack(&group));
+        let groups = rows / TR;
+        let mut tiles = vec![F::Tile::zeroed(); groups * kb];
+        // Row groups split over the cores (packing a 1B model's weights is seconds on one).
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = groups.div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|s| {
+            for (c, chunk) in tiles.chunks_mut(per * kb).enumerate() {
+                s.spawn(move || {
+                    for (i, tile) in chunk.iter_mut().enumerate() {
+                        let (g, b) = (c * per + i / kb, i % kb);
+                        let group: [F::Block; TR] =
+                            std::array::from_fn(|r| blocks[(g * TR + r) * kb + b]);
+                        *tile = F::pack(&group);
+                    }
+                });
             }
-        }
+        });
         Self {
             rows,
             cols,
