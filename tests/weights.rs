@@ -130,3 +130,22 @@ fn q5_k_weights_run_as_the_dequantized_model_does() {
 fn q6_k_weights_run_as_the_dequantized_model_does() {
     check(GgmlDType::Q6K);
 }
+
+#[test]
+fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
+    // llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf -f assets/bench-text.txt -c 512 -t 2
+    //   → Final estimate: PPL = 15.8532 (scripts/ppl-vs-llamacpp.sh 512 <file>)
+    let reference = 15.8532;
+    let e = Engine::load(&LoadOptions::for_path(common::model_path())).unwrap();
+    let ids = e
+        .tokenizer
+        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .unwrap();
+    let p = kvchat::commands::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)
+        .unwrap()
+        .ppl;
+    assert!(
+        (p / reference - 1.0).abs() < 0.005,
+        "kvchat {p:.4} vs llama.cpp {reference}"
+    );
+}

@@ -137,8 +137,9 @@ impl Act for BlockQ8_0 {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
             let (d, id) = q8_scale(x);
             y.d = f16::from_f32(d);
+            // Ties to even, as llama.cpp's SIMD quantizers (`_mm256_round_ps`) round.
             for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (v * id).round() as i8;
+                *q = (v * id).round_ties_even() as i8;
             }
         }
     }
@@ -146,7 +147,9 @@ impl Act for BlockQ8_0 {
 
 impl Act for BlockQ8_1 {
     const N: usize = 32;
-    /// candle's `quantize_row_q8_1`, value for value.
+    /// candle's `quantize_row_q8_1`, value for value (ties away from zero: llama.cpp's SIMD version
+    /// rounds ties to even, but on SmolLM2 Q4_1 this rounding measured closer to llama-perplexity:
+    /// −0.06 % against +0.12 %).
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
             let (d, id) = q8_scale(x);
@@ -179,7 +182,8 @@ impl Act for BlockQ8K {
             }
             let iscale = -127.0 / max;
             for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (iscale * v).round().min(127.0) as i8;
+                // Ties to even, as llama.cpp's `nearest_int`.
+                *q = (iscale * v).round_ties_even().min(127.0) as i8;
             }
             for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
                 *s = q.iter().map(|&v| v as i16).sum();
