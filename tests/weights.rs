@@ -102,6 +102,11 @@ fn q4_0_weights_run_as_the_dequantized_model_does() {
 }
 
 #[test]
+fn q4_1_weights_run_as_the_dequantized_model_does() {
+    check(GgmlDType::Q4_1);
+}
+
+#[test]
 fn q5_0_weights_run_as_the_dequantized_model_does() {
     check(GgmlDType::Q5_0);
 }

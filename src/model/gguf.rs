@@ -1,4 +1,5 @@
-//! GGUF files: metadata and quantized weights, read once; matrices stay quantized (candle's QMatMul).
+//! GGUF files: metadata and quantized weights, read once; matrices stay quantized (our CPU kernels
+//! in `kernels::quant`, or candle's QMatMul where those do not run or are slower).
 
 use super::config::Config;
 use super::kernels::quant::{Kernels, QMatrix};

@@ -1,8 +1,8 @@
-//! CPU kernels: the fused causal attention (f32 and INT8 keys/values) and the Q4_1 matrix kernel.
+//! CPU kernels: the fused causal attention (f32 and INT8 keys/values), the KV row formats, and the
+//! quantized matmuls (`quant`: one driver, one block format per GGUF type, per-row and tiled).
 //! Parallel writes to shared output go through [`disjoint::DisjointOut`], the one place that holds
-//! that `unsafe`; SIMD code sits in its own module per format (`q4_1::avx2`), apart from the driver
-//! but in the same file (a separate file measured 5-15% slower in prefill), each path tested against
-//! its scalar reference.
+//! that `unsafe`; SIMD code sits in an `avx2`/`vnni` module beside each format's scalar code, each
+//! path tested against its scalar reference.
 
 pub mod attention;
 pub mod kvrows;

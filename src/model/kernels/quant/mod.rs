@@ -23,8 +23,9 @@
 //! [`dot_rows_scalar`]); elsewhere the per-row layout and the 8-lane order above run.
 //!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
-//! pool competing with its spinning workers). Weights are kept once (the GGUF blocks, or the tiles
-//! that replace them); stacked matrices (q/k/v, gate/up) share one store.
+//! pool competing with its spinning workers; packing tiles at load uses scoped threads). Weights
+//! this driver runs are kept once (the GGUF blocks, or the tiles that replace them); stacked
+//! matrices (q/k/v, gate/up) share one store.
 
 mod kquants;
 mod legacy;
@@ -124,7 +125,7 @@ pub struct BlockQ8K {
     pub bsums: [i16; 16],
 }
 
-/// llama.cpp's `quantize_row_q8_0` (and candle's), value for value: d = max|x| / 127.
+/// The scale of llama.cpp's `quantize_row_q8_0`: d = max|x| / 127, and its inverse.
 fn q8_scale(x: &[f32]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
@@ -466,9 +467,10 @@ mod avx2 {
 fn dot<F: Avx2>(level: Level, xs: &[F::Block], ys: &[F::Act]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        debug_assert!(level <= self::level());
+        // Never above what this CPU runs (the SAFETY condition below).
+        let level = level.min(self::level());
         match level {
-            // SAFETY: the CPU has the level's instructions (checked at run time by `level()`).
+            // SAFETY: the CPU has the level's instructions (`level()`, checked at run time).
             Level::Vnni => return unsafe { avx2::dot512::<F>(xs, ys) },
             Level::Avx2 => return unsafe { avx2::dot::<F>(xs, ys) },
             Level::Scalar => {}
@@ -483,9 +485,10 @@ fn dot<F: Avx2>(level: Level, xs: &[F::Block], ys: &[F::Act]) -> f32 {
 fn dot_x4<F: Avx2>(level: Level, xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     {
-        debug_assert!(level <= self::level());
+        // Never above what this CPU runs (the SAFETY condition below).
+        let level = level.min(self::level());
         match level {
-            // SAFETY: the CPU has the level's instructions (checked at run time by `level()`).
+            // SAFETY: the CPU has the level's instructions (`level()`, checked at run time).
             Level::Vnni => return unsafe { avx2::dot512_x4::<F>(xs, ys) },
             Level::Avx2 => return unsafe { avx2::dot_x4::<F>(xs, ys) },
             Level::Scalar => {}
@@ -499,7 +502,7 @@ fn dot_x4<F: Avx2>(level: Level, xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4
 const ROWS_PER_ITEM: usize = 16;
 /// Tokens per prefill work item: each weight block is unpacked once per four tokens and stays in
 /// L1 across the tile.
-const TOKENS: usize = 16;
+pub(super) const TOKENS: usize = 16;
 
 /// A weight matrix `[rows, cols]` of format `F`: rows `row0 .. row0 + rows` of a block store that
 /// several matrices may share (see [`QMatrix::stack`]).
@@ -785,9 +788,13 @@ impl std::str::FromStr for Kernels {
 /// as row-interleaved tiles (`tiled`), faster than candle's for every type (see `tests::speed`
 /// and the closing figures of issue 16). Without VNNI ours keep the per-row layout, and candle
 /// 0.11's own 16-row tiles for Q4_K, Q6_K and Q8_0 (rows in 16s, columns in 256s; AVX2 or
-/// AVX-512) prefill 2-4× faster than that, so those stay with candle.
+/// AVX-512; candle tiles Q8_0 only with AVX-512 and Q6_K only for prefill) prefill 2-4× faster
+/// than that, so those stay with candle.
+///
+/// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
+/// everything (it has NEON kernels; ours would run their scalar reference).
 pub fn preferred(dtype: GgmlDType, rows: usize, cols: usize) -> bool {
-    if !FORMATS.contains(&dtype) {
+    if !FORMATS.contains(&dtype) || level() == Level::Scalar {
         return false;
     }
     let ours_tiled = level() == Level::Vnni && rows.is_multiple_of(tiled::TR);

@@ -3,7 +3,7 @@
 //! i32 lane per row (llama.cpp's and candle's "repack" idea). Scales are unpacked per tile once, at
 //! load, so a block costs one fused multiply-add per 16 rows instead of one per row. The tile
 //! replaces the GGUF layout (no second copy): Q8_0 and Q6_K tiles are the same size as their 16
-//! blocks, Q4_K's 2.8 % larger (its 6-bit scales and mins kept as bytes).
+//! blocks, Q4_K's and Q5_K's 2-3 % larger (their 6-bit scales and mins kept as bytes).
 //!
 //! **Summation order** (tiled matrices; [`dot_rows_scalar`] is the reference): per row, per block,
 //! the exact integer sum of the block's products (the format's `lanes`, added), converted to f32 and
@@ -133,26 +133,23 @@ pub struct TileQ5_1 {
     pub qh: [u8; 4 * TR],
 }
 
-/// Element `i`'s 4-bit and fifth-bit values in a 32-value block.
-fn legacy_nibble(qs: &[u8; 16], i: usize) -> u8 {
-    if i < 16 {
-        qs[i] & 0x0F
-    } else {
-        qs[i - 16] >> 4
-    }
-}
-
-fn legacy_fifth(qh: &[u8; 4], i: usize) -> u8 {
-    ((u32::from_le_bytes(*qh) >> i) & 1) as u8
+/// A 32-value block's quants in value order (low nibbles are values 0..16, high 16..32), with
+/// Q5's fifth bits (bit i of `qh`, little-endian) at bit 4.
+fn legacy_values(qs: &[u8; 16], qh: Option<&[u8; 4]>) -> [u8; 32] {
+    let h = qh.map_or(0, |h| u32::from_le_bytes(*h));
+    std::array::from_fn(|i| {
+        let n = if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        };
+        n | ((((h >> i) & 1) as u8) << 4)
+    })
 }
 
 /// The fifth bit of value `e` of row `r` in a Q5 tile's `qh`.
 fn fifth_at(qh: &[u8; 4 * TR], r: usize, e: usize) -> u8 {
     (qh[4 * r + e % 4] >> (e / 4)) & 1
-}
-
-fn set_fifth(qh: &mut [u8; 4 * TR], r: usize, e: usize, v: u8) {
-    qh[4 * r + e % 4] |= (v & 1) << (e / 4);
 }
 
 impl Tiled for Q4_0 {
@@ -162,9 +159,7 @@ impl Tiled for Q4_0 {
         let mut t = TileQ4_0::zeroed();
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
-            for i in 0..32 {
-                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
-            }
+            interleave_nibbles(&legacy_values(&x.qs, None), r, &mut t.qs);
         }
         t
     }
@@ -186,9 +181,7 @@ impl Tiled for Q4_1 {
         let mut t = TileQ4_1::zeroed();
         for (r, x) in rows.iter().enumerate() {
             (t.d[r], t.m[r]) = (x.d, x.m);
-            for i in 0..32 {
-                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
-            }
+            interleave_nibbles(&legacy_values(&x.qs, None), r, &mut t.qs);
         }
         t
     }
@@ -207,10 +200,9 @@ impl Tiled for Q5_0 {
         let mut t = TileQ5_0::zeroed();
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
-            for i in 0..32 {
-                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
-                set_fifth(&mut t.qh, r, i, legacy_fifth(&x.qh, i));
-            }
+            let v = legacy_values(&x.qs, Some(&x.qh));
+            interleave_nibbles(&v, r, &mut t.qs);
+            interleave_fifths(&v, r, &mut t.qh);
         }
         t
     }
@@ -233,10 +225,9 @@ impl Tiled for Q5_1 {
         let mut t = TileQ5_1::zeroed();
         for (r, x) in rows.iter().enumerate() {
             (t.d[r], t.m[r]) = (x.d, x.m);
-            for i in 0..32 {
-                set_nibble(&mut t.qs, r, i, legacy_nibble(&x.qs, i));
-                set_fifth(&mut t.qh, r, i, legacy_fifth(&x.qh, i));
-            }
+            let v = legacy_values(&x.qs, Some(&x.qh));
+            interleave_nibbles(&v, r, &mut t.qs);
+            interleave_fifths(&v, r, &mut t.qh);
         }
         t
     }
@@ -298,12 +289,6 @@ fn interleave_fifths(v: &[u8], r: usize, qh: &mut [u8; 4 * TR]) {
     for j in 0..4 {
         qh[4 * r + j] = (0..8).fold(0u8, |b, k| b | (((v[4 * k + j] >> 4) & 1) << k));
     }
-}
-
-fn set_nibble<const G: usize>(qs: &mut [[u8; 4 * TR]; G], r: usize, e: usize, v: u8) {
-    let (g, j) = (e / 8, e % 8);
-    let b = &mut qs[g][4 * r + j % 4];
-    *b |= if j < 4 { v & 0x0F } else { (v & 0x0F) << 4 };
 }
 
 /// A Q4_K/Q5_K super-block's 256 quants in value order (with Q5_K's fifth bits at bit 4).
@@ -789,7 +774,7 @@ impl<F: Tiled> Clone for TiledMatrix<F> {
 impl<F: Tiled> TiledMatrix<F> {
     /// The blocks of a `[rows, cols]` matrix (rows a multiple of 16), interleaved into tiles.
     pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Self {
-        debug_assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
+        assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
         let kb = cols / F::N;
         let groups = rows / TR;
         let mut tiles = vec![F::Tile::zeroed(); groups * kb];
@@ -865,6 +850,11 @@ impl<F: vnni::TileKernel> TiledMatrix<F> {
     /// `level()` is `Vnni` (tiles are made only then).
     pub(super) fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
         use super::Act;
+        // The tile kernels' SAFETY condition, checked once per matmul.
+        assert!(
+            super::level() == super::Level::Vnni,
+            "tiles need AVX-512 VNNI"
+        );
         let (n, k, kb) = (self.rows, self.cols, self.kb());
         let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
         for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
@@ -879,7 +869,7 @@ impl<F: vnni::TileKernel> TiledMatrix<F> {
         let ysum = |t: usize| &ysums[t * kb..(t + 1) * kb];
         let dst = super::DisjointOut::new(out);
         let groups = n / TR;
-        const TOKENS: usize = 16;
+        use super::TOKENS;
         let tiles = m.div_ceil(TOKENS);
         let pool = candle_core::utils::barrier_pool();
         pool.execute_chunked(groups * tiles, |range| {
@@ -895,7 +885,7 @@ impl<F: vnni::TileKernel> TiledMatrix<F> {
                 };
                 let mut t = t0;
                 while t + 4 <= t1 {
-                    // SAFETY: VNNI present (tiles exist only at `Level::Vnni`).
+                    // SAFETY: VNNI present (asserted above).
                     let v = unsafe {
                         vnni::dot16::<F, 4>(
                             w,
