@@ -34,6 +34,20 @@ fn random_blocks<F: Format>(n: usize, halves: &[usize]) -> Vec<F::Block> {
     blocks
 }
 
+/// Activations at the extremes: every value ±1, so every quant is ±127 (the largest products
+/// the integer paths must hold without saturating, against weights of random bytes).
+fn extreme_activations<F: Format>(rows: usize, k: usize) -> Vec<F::Act> {
+    let mut r = rng();
+    let x: Vec<f32> = (0..rows * k)
+        .map(|_| if r.random() { 1.0 } else { -1.0 })
+        .collect();
+    let mut q = vec![F::Act::zeroed(); rows * k / F::N];
+    for (x, q) in x.chunks_exact(k).zip(q.chunks_exact_mut(k / F::N)) {
+        F::Act::quantize(x, q);
+    }
+    q
+}
+
 fn activations<F: Format>(rows: usize, k: usize) -> Vec<F::Act> {
     let mut r = rng();
     let x: Vec<f32> = (0..rows * k).map(|_| r.random_range(-3f32..3.0)).collect();
@@ -67,7 +81,15 @@ fn simd_equals_scalar<F: Avx2>(halves: &[usize]) {
 fn simd_level_equals_scalar<F: Avx2>(level: Level, halves: &[usize]) {
     let kb = 8;
     let w = random_blocks::<F>(3 * kb, halves);
-    let y = activations::<F>(4, kb * F::N);
+    for y in [
+        activations::<F>(4, kb * F::N),
+        extreme_activations::<F>(4, kb * F::N),
+    ] {
+        simd_level_equals_scalar_on::<F>(level, &w, &y, kb);
+    }
+}
+
+fn simd_level_equals_scalar_on<F: Avx2>(level: Level, w: &[F::Block], y: &[F::Act], kb: usize) {
     let act = |t: usize| &y[t * kb..(t + 1) * kb];
     for r in 0..3 {
         let row = &w[r * kb..(r + 1) * kb];
@@ -430,7 +452,16 @@ fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
     let xs: Vec<f32> = {
         let mut r = rng();
         (0..5 * kb * F::N)
-            .map(|_| r.random_range(-3f32..3.0))
+            .map(|i| {
+                // Tokens 0, 2, 4 spread; 1 and 3 at the extremes (every quant ±127).
+                if (i / (kb * F::N)) % 2 == 0 {
+                    r.random_range(-3f32..3.0)
+                } else if r.random() {
+                    1.0
+                } else {
+                    -1.0
+                }
+            })
             .collect()
     };
     let mut out = vec![0f32; 5 * rows];
