@@ -1156,3 +1156,12 @@ fn control_token_text_in_a_conversation_stays_text_on_every_turn() {
     // system, user, assistant, user, assistant: five from the template, none from the text.
     assert_eq!(count(&ids), 5);
 }
+
+#[test]
+fn an_unknown_kernels_value_is_a_one_line_error_naming_the_flag() {
+    let out = common::kvchat(&["run", "--kernels", "fastest", "-n", "1", "hi"], "");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--kernels") && err.contains("fastest"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
