@@ -1162,6 +1162,9 @@ fn an_unknown_kernels_value_is_a_one_line_error_naming_the_flag() {
     let out = common::kvchat(&["run", "--kernels", "fastest", "-n", "1", "hi"], "");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--kernels") && err.contains("fastest"), "{err}");
+    assert!(
+        err.contains("--kernels") && err.contains("fastest"),
+        "{err}"
+    );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
