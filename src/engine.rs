@@ -34,6 +34,9 @@ pub struct Engine {
     pub sampling_notes: Vec<String>,
     /// Number of weights (every tensor's elements).
     pub params: u64,
+    /// What else decides the computed values bit for bit: device, SIMD level, quantized kernels
+    /// (part of the prefix store's model identity).
+    pub numerics: String,
     /// The tensors' storage types and how many of each, most common first ("q4_1 ×182, f32 ×61").
     pub tensor_types: String,
 }
@@ -325,6 +328,7 @@ impl Engine {
             digest,
             &weights,
         )?;
+        e.numerics += &format!(", kernels {:?}", args.kernels);
         if !file_sampling.is_empty() {
             e.sampling
                 .push(("GGUF general.sampling".into(), file_sampling));
@@ -414,6 +418,11 @@ impl Engine {
                 }
             }
         }
+        let numerics = format!(
+            "device {:?}, simd {:?}",
+            device.location(),
+            crate::model::kernels::quant::level()
+        );
         Ok(Self {
             digest,
             path,
@@ -428,6 +437,7 @@ impl Engine {
             sampling_notes: Vec::new(),
             params: 0,
             tensor_types: String::new(),
+            numerics,
         })
     }
 
@@ -449,6 +459,25 @@ impl Engine {
     /// those characters, not a new system turn.
     pub fn chat_prompt(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
         self.encode_conversation(template, messages, true)
+    }
+
+    /// The positions of `ids` (`messages` rendered for an answer) where each leading run of
+    /// messages ends, where the template renders that run as a prefix of `ids`: where prompts
+    /// that share those messages part (the prefix store ends a block there).
+    pub fn message_boundaries(
+        &self,
+        template: &ChatTemplate,
+        messages: &[Message],
+        ids: &[u32],
+    ) -> Vec<usize> {
+        (1..messages.len())
+            .filter_map(|k| {
+                self.encode_conversation(template, &messages[..k], false)
+                    .ok()
+            })
+            .filter(|head| !head.is_empty() && ids.starts_with(head))
+            .map(|head| head.len())
+            .collect()
     }
 
     /// Token ids of `messages` rendered by `template` (ending where the assistant speaks when

@@ -92,3 +92,40 @@ pub fn read_stream_bounded(r: &mut dyn Read, limit: u64, what: &str) -> Result<S
     }
     String::from_utf8(buf).map_err(|e| anyhow::anyhow!("{what} is not UTF-8 text ({e})"))
 }
+
+/// Opens `path` for reading if it is a regular file, without following a link and without blocking
+/// on a pipe; the error keeps the OS's kind (`NotFound` when there is nothing).
+pub fn open_regular_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let not_regular = |m: &std::fs::Metadata| {
+        std::io::Error::other(format!(
+            "{} is {}, not a regular file",
+            path.display(),
+            kind(m)
+        ))
+    };
+    let meta = std::fs::symlink_metadata(path)?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(open_flags::O_NOFOLLOW | open_flags::O_NONBLOCK)
+        .open(path)?;
+    // Re-check what was opened: the path may have been swapped since it was measured.
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    Ok(f)
+}
+
+/// Open flags from <fcntl.h> (Linux values; the same on every architecture Rust targets there
+/// except O_NOFOLLOW on a few, which std does not expose).
+mod open_flags {
+    #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
+    pub const O_NOFOLLOW: i32 = 0o100000;
+    #[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
+    pub const O_NOFOLLOW: i32 = 0o400000;
+    pub const O_NONBLOCK: i32 = 0o4000;
+}

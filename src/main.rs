@@ -17,6 +17,7 @@ fn main() {
         Command::KvSize(args) => commands::kv_size::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Models(args) => commands::models::run(args),
+        Command::Cache(args) => commands::cache::run(args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "kvchat", &mut std::io::stdout());
             Ok(())

@@ -8,7 +8,7 @@ pub mod report;
 pub mod style;
 pub mod subcommands;
 
-pub use options::{CacheArgs, ModelArgs, SamplingArgs};
+pub use options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
 pub use subcommands::*;
 
 use clap::{Parser, Subcommand};
@@ -44,6 +44,8 @@ pub enum Command {
     Tokenize(TokenizeArgs),
     /// The model registry (models.toml): list entries and what is on disk, pull a model.
     Models(ModelsArgs),
+    /// The prefix store on disk (KV blocks of earlier prompts, reused by run and chat): stats, ls, clear.
+    Cache(CacheCmdArgs),
     /// Print a completion script for a shell (e.g. `kvchat completions bash > ~/.local/share/bash-completion/completions/kvchat`).
     Completions {
         /// bash, zsh, fish, elvish or powershell

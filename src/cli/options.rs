@@ -220,3 +220,84 @@ impl SamplingArgs {
         Ok(p)
     }
 }
+
+/// The prefix store (`kv::prefix`): reuse of earlier prompts' KV blocks across processes.
+#[derive(Args, Debug, Clone)]
+pub struct StoreArgs {
+    /// Neither reuse nor store prompt prefixes in the prefix store ($KVCHAT_HOME/kv-store)
+    #[arg(long)]
+    pub no_kv_store: bool,
+    /// Bytes the prefix store may hold on disk, e.g. 2GiB, 500MiB, 1G (least recently used blocks
+    /// go first; 0 turns the store off)
+    #[arg(long, value_name = "SIZE", default_value = "2GiB")]
+    pub kv_store_budget: String,
+    /// Where the prefix store keeps its blocks [default: $KVCHAT_HOME/kv-store]
+    #[arg(long, value_name = "DIR", env = "KVCHAT_KV_STORE")]
+    pub kv_store_dir: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    /// The store's budget in bytes, or None when the store is off.
+    pub fn budget(&self) -> Result<Option<u64>> {
+        let b = parse_size(&self.kv_store_budget).context("--kv-store-budget")?;
+        Ok((!self.no_kv_store && b > 0).then_some(b))
+    }
+
+    /// The store's directory.
+    pub fn root(&self) -> PathBuf {
+        self.kv_store_dir
+            .clone()
+            .unwrap_or_else(crate::kv::prefix::default_root)
+    }
+}
+
+/// A byte size: a number with an optional unit (B; K, M, G, T and KiB… binary; KB, MB, GB, TB
+/// decimal), e.g. `2GiB`, `500MB`, `1048576`.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let bad = || anyhow::anyhow!("'{s}' is not a size (e.g. 2GiB, 500MB, 1048576)");
+    let n: f64 = num.parse().map_err(|_| bad())?;
+    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad()),
+    };
+    let bytes = n * mult;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_binary_and_decimal_units() {
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("500MB").unwrap(), 500_000_000);
+        assert_eq!(parse_size("1.5 MiB").unwrap(), 1_572_864);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("0").unwrap(), 0);
+    }
+
+    #[test]
+    fn a_size_with_an_unknown_unit_is_refused() {
+        for s in ["2XB", "", "GiB", "-1G", "1e999G"] {
+            assert!(parse_size(s).is_err(), "{s}");
+        }
+    }
+}

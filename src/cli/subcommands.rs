@@ -1,7 +1,7 @@
 //! Each subcommand's flags. The shared groups (model, cache, sampling) are in `options.rs`, with
 //! their conversion into library options.
 
-use super::options::{CacheArgs, ModelArgs, SamplingArgs};
+use super::options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 
@@ -15,6 +15,8 @@ pub struct RunArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Complete the text as-is, without the chat template; special-token text in it (<|im_start|>)
     /// is parsed as control tokens, whereas a chat message's text never is
     #[arg(long)]
@@ -48,6 +50,8 @@ pub struct ChatArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// System message
     #[arg(long)]
     pub system: Option<String>,
@@ -209,6 +213,29 @@ pub enum ModelsAction {
     /// Download a model (a registry name or hf:owner/repo[@rev][:file]) and print where it is.
     Pull {
         /// Registry name or hf:owner/repo[@rev][:file] [default: the registry's default]
+        model: Option<String>,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct CacheCmdArgs {
+    #[command(subcommand)]
+    pub action: CacheAction,
+    /// The prefix store's directory [default: $KVCHAT_HOME/kv-store]
+    #[arg(long, global = true, value_name = "DIR", env = "KVCHAT_KV_STORE")]
+    pub kv_store_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CacheAction {
+    /// Cumulative figures: lookups, prompt tokens reused (hit rate), bytes read and written,
+    /// evictions; and what the store holds now.
+    Stats,
+    /// The stored prefixes: model, tokens, size, last use (most recent first).
+    Ls,
+    /// Remove stored blocks: all, or those of the models whose file path contains MODEL.
+    Clear {
+        #[arg(long, value_name = "MODEL")]
         model: Option<String>,
     },
 }

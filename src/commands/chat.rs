@@ -10,10 +10,12 @@
 use crate::cli::report::describe;
 use crate::cli::style;
 use crate::cli::ChatArgs;
+use crate::commands::run::report_store_problems;
 use crate::engine::Engine;
 use crate::kv::persist;
 use crate::model::sampling::SamplingPrefs;
 use crate::session::conversation::{Conversation, TurnStats};
+use crate::session::prefix::StoreUse;
 use crate::session::{Resolved, Sampler, StopReason};
 use crate::source::{human_bytes, kvchat_home};
 use anyhow::{bail, Context, Result};
@@ -83,6 +85,15 @@ impl Chat<'_> {
             t.reason
         );
         eprintln!("{}", style::paint(self.colour, style::DIM, &line));
+        let store = match (&t.store, &c.store.off) {
+            (Some(l), _) => Some(l.describe()),
+            (None, Some(why)) if t.number == 1 => Some(format!("not used: {why}")),
+            _ => None,
+        };
+        if let Some(store) = store {
+            let line = format!("[stats] prefix store: {store}");
+            eprintln!("{}", style::paint(self.colour, style::DIM, &line));
+        }
     }
 
     fn stats_text(&self) -> String {
@@ -201,7 +212,12 @@ fn command(
             }
         }
         "/stats" => writeln!(out, "{}", chat.stats_text())?,
-        "/cache" => writeln!(out, "{}", c.session.cache().spec().describe())?,
+        "/cache" => writeln!(
+            out,
+            "{}\nprefix store: {}",
+            c.session.cache().spec().describe(),
+            c.store.describe()
+        )?,
         "/show" => writeln!(out, "{}", chat.show_text())?,
         "/set" if arg.is_empty() => writeln!(
             out,
@@ -438,6 +454,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     }
     // Every flag is checked before anything is fetched or loaded.
     let flags = args.sampling.prefs()?;
+    let store_budget = args.store.budget()?;
     let mut load = args.model.options()?;
     let mode = args.cache.mode_for(args.model.ctx)?;
     load.kv_precisions = vec![mode.precision];
@@ -471,6 +488,12 @@ pub fn run(args: ChatArgs) -> Result<()> {
         colour: style::stderr(),
         stats: args.stats,
     };
+    chat.conv.store = match store_budget {
+        _ if args.prompt_cache.is_some() => StoreUse::off("--prompt-cache names the state to use"),
+        None => StoreUse::off("--no-kv-store"),
+        Some(budget) => StoreUse::open(&engine, &chat.conv.session, &args.store.root(), budget),
+    };
+    report_store_problems(&mut chat.conv.store);
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");
     }
@@ -577,6 +600,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         drop(quiet);
         interrupt.generating.store(false, Ordering::SeqCst);
         writeln!(stdout)?;
+        report_store_problems(&mut chat.conv.store);
         match result {
             Ok(t) => {
                 match t.reason {
@@ -608,6 +632,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
+    chat.conv.store.finish();
+    report_store_problems(&mut chat.conv.store);
     if !tty && errors > 0 {
         bail!("{errors} of the chat's turns or commands failed (see above)");
     }

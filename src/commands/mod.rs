@@ -1,6 +1,7 @@
 //! One file per subcommand.
 
 pub mod bench;
+pub mod cache;
 pub mod chat;
 pub mod kv_size;
 pub mod models;

@@ -4,6 +4,7 @@ use crate::cli::report::describe;
 use crate::cli::RunArgs;
 use crate::engine::Engine;
 use crate::kv::{persist, KvCache};
+use crate::session::prefix::StoreUse;
 use crate::session::{GenStats, Sampler, StopReason};
 use crate::source::human_bytes;
 use crate::template::Message;
@@ -21,6 +22,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     // Every flag is checked before the prompt is read or anything is fetched or loaded.
     let sampling = args.sampling.prefs()?;
+    let store_budget = args.store.budget()?;
     let mut load = args.model.options()?;
     let mode = args.cache.mode_for(args.model.ctx)?;
     load.kv_precisions = vec![mode.precision];
@@ -70,6 +72,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             engine.ctx
         );
     }
+    // Where the system message ends: the prefix store may end a block there.
+    let mut boundaries = Vec::new();
     let ids = if args.raw {
         engine.raw_prompt(&prompt)?
     } else {
@@ -79,7 +83,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", &prompt));
-        engine.chat_prompt(&template, &messages)?
+        let ids = engine.chat_prompt(&template, &messages)?;
+        boundaries = engine.message_boundaries(&template, &messages, &ids);
+        ids
     };
     let spec = args.cache.spec(engine.ctx)?;
     if ids.len() >= engine.ctx && spec.bounded_by_context() {
@@ -97,6 +103,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut sampler = Sampler::new(sampling.params.clone());
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
+    let mut store = match store_budget {
+        _ if args.prompt_cache.is_some() => StoreUse::off("--prompt-cache names the state to use"),
+        None => StoreUse::off("--no-kv-store"),
+        Some(budget) => StoreUse::open(&engine, &session, &args.store.root(), budget),
+    };
     let t0 = Instant::now();
     let reused = match &args.prompt_cache {
         Some(p) if p.exists() => match session.reuse_saved_prefix(p, &engine.digest, &ids) {
@@ -106,10 +117,14 @@ pub fn run(args: RunArgs) -> Result<()> {
                 0
             }
         },
-        _ => 0,
+        Some(_) => 0,
+        None => store.restore(&mut session, &ids, &boundaries)?,
     };
     let logits = session.feed(&ids[reused..])?;
     let prefill = t0.elapsed();
+    // The new blocks are written while the answer is generated.
+    store.store(&session, true, &boundaries);
+    report_store_problems(&mut store);
     if let Some(p) = &args.prompt_cache {
         if let Err(e) = session.save_state(p, &engine.digest, serde_json::json!({})) {
             eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
@@ -154,6 +169,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    store.finish();
+    report_store_problems(&mut store);
     stats.prompt_tokens = ids.len() - reused;
     stats.prefill = prefill;
     if let Some(text) = stream.finish(&engine.tokenizer)? {
@@ -176,9 +193,22 @@ pub fn run(args: RunArgs) -> Result<()> {
             );
         }
         print_stats(&engine, &stats, session.cache(), reason);
+        eprintln!(
+            "[stats] prefix store: {}; time to first token {:.1} ms",
+            store.describe(),
+            first_token.unwrap_or(prefill).as_secs_f64() * 1e3
+        );
         eprintln!("[stats] sampling: {}", sampling.describe());
     }
     Ok(())
+}
+
+/// Prints what went wrong with the prefix store since the last call, one line each (the run goes on
+/// without what failed).
+pub fn report_store_problems(store: &mut StoreUse) {
+    for p in store.take_problems() {
+        eprintln!("kvchat: prefix store: {p}");
+    }
 }
 
 /// The bar of a long generation: tokens out of `max`, speed and ETA.

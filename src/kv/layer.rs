@@ -440,6 +440,22 @@ impl Layer {
         })
     }
 
+    /// The stored bytes of positions `a..b` of a cache that keeps every position (the prefix
+    /// store's blocks), `[nkv, b − a, row bytes]` each; the residual's f16 copies are not part of
+    /// them.
+    pub fn raw_range(&self, a: usize, b: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        if self.retention != Retention::All || self.pending.is_some() {
+            bail!("only a cache that keeps every position gives rows by position");
+        }
+        if a > b || b > self.seen {
+            bail!(
+                "positions {a}..{b} are not held (the cache has seen {})",
+                self.seen
+            );
+        }
+        self.store.raw(a, b - a)
+    }
+
     /// Puts back a state of `seen` positions from [`Layer::raw_state`] of a layer with these axes.
     pub fn restore_raw(&mut self, seen: usize, st: &RawState) -> Result<()> {
         self.reset();
@@ -478,11 +494,23 @@ impl Layer {
             0,
         )?;
         let nkv = self.nkv;
-        let per_head = |bytes: &[u8], i: usize, per: usize| -> Vec<u8> {
-            (0..nkv)
-                .flat_map(|h| bytes[h * held * row + i..][..per].to_vec())
-                .collect()
-        };
+        // Rows i.. of each head, `per` bytes each: the saved bytes themselves when they are all.
+        fn per_head(
+            bytes: &[u8],
+            (nkv, held, row): (usize, usize, usize),
+            i: usize,
+            per: usize,
+        ) -> std::borrow::Cow<'_, [u8]> {
+            if i == 0 && per == held * row {
+                return std::borrow::Cow::Borrowed(&bytes[..nkv * per]);
+            }
+            let mut out = Vec::with_capacity(nkv * per);
+            for h in 0..nkv {
+                out.extend_from_slice(&bytes[h * held * row + i..][..per]);
+            }
+            std::borrow::Cow::Owned(out)
+        }
+        let dims = (nkv, held, row);
         let mut i = 0;
         for range in [sinks, window] {
             let mut p = range.start;
@@ -491,8 +519,8 @@ impl Layer {
                 let len = room.min(range.end - p);
                 // Rows i..i + len of each head.
                 let (k, v) = (
-                    per_head(&st.k, i * row, len * row),
-                    per_head(&st.v, i * row, len * row),
+                    per_head(&st.k, dims, i * row, len * row),
+                    per_head(&st.v, dims, i * row, len * row),
                 );
                 if let Err(e) = self.store.write_raw(slot, len, &k, &v) {
                     self.reset();
@@ -502,7 +530,18 @@ impl Layer {
                 p += len;
             }
         }
-        self.check_finite(0, seen)?;
+        // Float rows are checked on their bytes (decoding them all would cost more than the
+        // restore); quantized ones decoded.
+        let finite = raw_finite(self.precision, &st.k);
+        let finite = finite.map(|k| k.and(raw_finite(self.precision, &st.v).unwrap_or(Ok(()))));
+        match finite {
+            Some(Ok(())) => {}
+            Some(Err(what)) => {
+                self.reset();
+                bail!("the saved keys or values hold {what}");
+            }
+            None => self.check_finite(0, seen)?,
+        }
         if let Some(res) = self.residual.as_mut() {
             let from = st.residual_from;
             let count = seen.saturating_sub(from);
@@ -569,6 +608,29 @@ impl Layer {
             (r.lo, r.hi) = (0, 0);
         }
     }
+}
+
+/// Whether stored float rows are all finite, read from their bytes: `None` for a quantized
+/// precision (whose rows must be decoded to tell).
+fn raw_finite(p: Precision, bytes: &[u8]) -> Option<std::result::Result<(), &'static str>> {
+    // The exponent bits of each format: all set means infinity or NaN.
+    let bad = match p {
+        Precision::F32 => bytes
+            .chunks_exact(4)
+            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
+        Precision::F16 => bytes
+            .chunks_exact(2)
+            .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        Precision::Bf16 => bytes
+            .chunks_exact(2)
+            .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        Precision::Int8 | Precision::Int4 => return None,
+    };
+    Some(if bad {
+        Err("NaN or infinite values")
+    } else {
+        Ok(())
+    })
 }
 
 /// Rows from several runs, each `[nkv, len_i, row]`, joined into `[nkv, Σ len_i, row]`.

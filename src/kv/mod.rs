@@ -9,6 +9,7 @@
 
 pub mod layer;
 pub mod persist;
+pub mod prefix;
 pub mod size;
 pub mod store;
 

@@ -90,39 +90,17 @@ fn read_header_metadata(f: &mut std::fs::File, path: &Path) -> Result<HashMap<St
     Ok(meta)
 }
 
-/// Opens `path` for reading if it is a regular file, without following a link and without
-/// blocking on a pipe.
+/// Opens `path` for reading if it is a regular file (never a link, pipe or device).
 fn open_regular(path: &Path) -> Result<std::fs::File> {
-    let meta = std::fs::symlink_metadata(path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    if !meta.is_file() {
-        bail!(
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.is_file() => bail!(
             "{} is {}, not a kvchat KV file",
             path.display(),
             crate::fsx::kind(&meta)
-        );
+        ),
+        _ => crate::fsx::open_regular_nofollow(path)
+            .with_context(|| format!("cannot open {}", path.display())),
     }
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc_flags::O_NOFOLLOW | libc_flags::O_NONBLOCK)
-        .open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    // Re-check what was opened: the path may have been swapped since it was measured.
-    if !f.metadata()?.is_file() {
-        bail!("{} is not a regular file", path.display());
-    }
-    Ok(f)
-}
-
-/// Open flags from <fcntl.h> (Linux values; the same on every architecture Rust targets there
-/// except O_NOFOLLOW on a few, which std does not expose).
-mod libc_flags {
-    #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
-    pub const O_NOFOLLOW: i32 = 0o100000;
-    #[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
-    pub const O_NOFOLLOW: i32 = 0o400000;
-    pub const O_NONBLOCK: i32 = 0o4000;
 }
 
 /// What is at `path` now: `Ok(false)` nothing, `Ok(true)` a kvchat KV file that may be replaced,

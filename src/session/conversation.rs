@@ -3,6 +3,7 @@
 //! conversation never pays twice for the same tokens, and if a template re-renders earlier turns
 //! differently, the cache goes back to the common prefix instead of attending over stale tokens.
 
+use super::prefix::StoreUse;
 use super::{GenStats, Sampler, Session, StopReason};
 use crate::engine::Engine;
 use crate::kv::CacheSpec;
@@ -45,6 +46,8 @@ pub struct TurnStats {
     pub shifted: usize,
     pub gen: GenStats,
     pub reason: StopReason,
+    /// The prefix store's lookup, when this turn made one.
+    pub store: Option<super::prefix::Lookup>,
 }
 
 pub struct Conversation<'e> {
@@ -58,6 +61,9 @@ pub struct Conversation<'e> {
     pub last: Option<TurnStats>,
     /// Turns shifted out by [`OnFull::Shift`] so far (turn numbers keep counting them).
     pub shifted_out: usize,
+    /// The prefix store: looked up when the session holds nothing of the conversation (its
+    /// first turn, after /reset), and given the new blocks after each prefill.
+    pub store: StoreUse,
 }
 
 impl<'e> Conversation<'e> {
@@ -77,6 +83,7 @@ impl<'e> Conversation<'e> {
             on_full,
             last: None,
             shifted_out: 0,
+            store: StoreUse::off("not opened"),
         }
     }
 
@@ -147,15 +154,34 @@ impl<'e> Conversation<'e> {
                 }
             }
         }
-        let reused = self.session.keep_prefix_of(&ids)?;
+        let mut reused = self.session.keep_prefix_of(&ids)?;
+        // Nothing of the conversation in the cache: the store may hold its start, and what is
+        // prefilled now is one prefill (see session::prefix).
+        let fresh = reused == 0;
+        let messages = self.messages(Some(question));
+        // Where the first message ends (the system prompt): the store may end a block there.
+        let boundaries = self.engine.message_boundaries(
+            &self.template,
+            &messages[..messages.len().min(2)],
+            &ids,
+        );
+        let mut lookup = None;
+        if fresh && self.store.is_on() {
+            reused = self.store.restore(&mut self.session, &ids, &boundaries)?;
+            lookup = self.store.last;
+        }
         let new = ids[reused..].to_vec();
         let engine = self.engine;
         let mut stream = TextStream::new();
         interrupt.store(false, Ordering::SeqCst);
         // The answer may take what is left of the context, if that is less than max_tokens.
         let room = limit.saturating_sub(ids.len());
-        let (out, mut reason, gen) = self.session.generate(
-            &new,
+        let t0 = std::time::Instant::now();
+        let logits = self.session.feed(&new)?;
+        let prefill = t0.elapsed();
+        self.store.store(&self.session, fresh, &boundaries);
+        let (out, mut reason, mut gen) = self.session.decode(
+            logits,
             sampler,
             max_tokens.min(room).max(1),
             &engine.stop_ids,
@@ -167,6 +193,8 @@ impl<'e> Conversation<'e> {
                 Ok(!interrupt.load(Ordering::SeqCst))
             },
         )?;
+        gen.prompt_tokens = new.len();
+        gen.prefill = prefill;
         if let Some(t) = stream.finish(&engine.tokenizer)? {
             on_text(&t)?;
         }
@@ -182,6 +210,7 @@ impl<'e> Conversation<'e> {
             shifted,
             gen,
             reason,
+            store: lookup,
         };
         self.last = Some(stats.clone());
         Ok(stats)

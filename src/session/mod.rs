@@ -4,6 +4,7 @@
 
 pub mod conversation;
 pub mod persist;
+pub mod prefix;
 pub mod sampler;
 
 pub use sampler::{argmax, Resolved, Sampler, SamplingParams};

@@ -1,0 +1,853 @@
+//! The prefix store: the KV state of every full block of [`BLOCK`] prompt tokens, kept on disk under
+//! the cache directory, so that any later run or chat whose prompt starts with the same tokens
+//! restores those blocks instead of prefilling them (vLLM's automatic prefix caching, across
+//! processes and on disk).
+//!
+//! **Keys** are chained, so a block names everything before it:
+//! `key(0) = sha256(FORMAT, model identity, cache axes, B, tokens 0..B)`,
+//! `key(i) = sha256(key(i − 1), tokens iB..(i+1)B)`. A prompt reuses the longest run of stored blocks
+//! from its start.
+//!
+//! **Layout**: `<root>/<model id>/<key>.kvb`, one directory per model identity (its GGUF digest, a
+//! sample of its weight bytes, and the numerics that produced the rows), with a `model.json` naming
+//! the file; `<root>/stats.json` holds the cumulative figures and `<root>/lock` serializes their
+//! update and eviction between processes.
+//!
+//! **A block file**: `"KVCHATB1"`, a u32 (LE) header length, the JSON header (key, parent key,
+//! model, axes, block size, index, shape), the block's B token ids (u32 LE), each layer's key rows
+//! then value rows (`[n_kv_heads, B, row bytes]`, in the cache's precision, as `Layer::raw_range`
+//! gives them), and a sha256 of everything before it. A block is written to a temporary file and
+//! renamed into place, so a reader sees a whole block or none; one that fails any check (size,
+//! checksum, header, tokens) is removed, reported once, and never used.
+
+use super::layer::RawState;
+use crate::interrupt::TempFile;
+use anyhow::{anyhow, bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Tokens per block. 64 rather than 256: a prompt reuses only whole blocks, so a shared document
+/// followed by different questions loses on average half a block; at 64 that is ~32 tokens, and
+/// reading 64-token blocks costs no more per token than 256-token ones (measured in issue 15's
+/// note).
+pub const BLOCK: usize = 64;
+/// The default byte budget of the whole store (`--kv-store-budget`).
+pub const DEFAULT_BUDGET: u64 = 2 << 30;
+const MAGIC: &[u8; 8] = b"KVCHATB1";
+const FORMAT: &str = "kvchat-kv-block/1";
+/// The longest header a block may have.
+const MAX_HEADER: usize = 64 << 10;
+/// A temporary file older than this was left by a process that died: removed on eviction.
+const STALE_TEMP: Duration = Duration::from_secs(3600);
+
+/// What the rows of a block depend on besides its tokens.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// The model's digest, a sample of its weights and the numerics (kernels, SIMD level, device).
+    pub model: String,
+    /// The model file, for `kvchat cache ls` and `clear --model`.
+    pub file: String,
+    /// The cache's axes (`KvCache::persist_key`).
+    pub axes: String,
+}
+
+impl Identity {
+    /// The model's directory name: 16 hex digits of its identity.
+    fn dir_name(&self) -> String {
+        hex(&Sha256::digest(self.model.as_bytes()))[..16].to_string()
+    }
+}
+
+/// The shape of one block's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub layers: usize,
+    pub n_kv_heads: usize,
+    /// Bytes of one stored row (one position of one head).
+    pub row_bytes: usize,
+}
+
+impl Shape {
+    /// Bytes of one layer's keys (or values) for `len` positions: `[n_kv_heads, len, row]`.
+    fn part(&self, len: usize) -> usize {
+        self.n_kv_heads * len * self.row_bytes
+    }
+    /// Bytes of a block file of `len` positions with a header of `header` bytes.
+    fn file_bytes(&self, header: usize, len: usize) -> usize {
+        MAGIC.len() + 4 + header + 4 * len + 2 * self.layers * self.part(len) + 32
+    }
+}
+
+/// The positions a stored block holds: a full block (`start` a multiple of [`BLOCK`], `len` =
+/// BLOCK), or a *tail*: the positions from the last full block to a boundary where prompts tend to
+/// part (the end of the system message), shorter than a block. Full blocks chain; a tail ends its
+/// chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Piece {
+    pub fn end(&self) -> usize {
+        self.start + self.len
+    }
+    fn is_tail(&self) -> bool {
+        self.len != BLOCK
+    }
+}
+
+/// A block file read and checked: its bytes, and where its rows start (each layer's keys then
+/// values, `[n_kv_heads, len, row]` each).
+struct Rows {
+    bytes: Vec<u8>,
+    at: usize,
+}
+
+impl Rows {
+    /// Positions it holds.
+    fn len(&self, shape: &Shape) -> usize {
+        (self.bytes.len() - self.at - 32) / (2 * shape.layers * shape.part(1))
+    }
+}
+
+/// One block's rows, per layer `(keys, values)`, each `[n_kv_heads, len, row]`.
+pub type BlockRows = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// What a lookup found.
+#[derive(Default)]
+pub struct Found {
+    /// Positions restored (a multiple of [`BLOCK`]).
+    pub tokens: usize,
+    /// Per layer, the stored rows of positions `0..tokens`, ready for `Layer::restore_raw`.
+    pub layers: Vec<RawState>,
+    pub bytes_read: u64,
+    pub elapsed: Duration,
+    /// Blocks found damaged or foreign (each removed), one line each.
+    pub problems: Vec<String>,
+}
+
+/// What a write did.
+#[derive(Default, Debug)]
+pub struct Written {
+    pub blocks: usize,
+    pub bytes: u64,
+    pub evicted: usize,
+    pub problems: Vec<String>,
+}
+
+/// The cumulative figures of a store (`stats.json`).
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Totals {
+    /// Prompts looked up.
+    pub lookups: u64,
+    /// Prompt tokens looked up.
+    pub prompt_tokens: u64,
+    /// Of those, restored from the store.
+    pub reused_tokens: u64,
+    pub bytes_read: u64,
+    pub blocks_written: u64,
+    pub bytes_written: u64,
+    pub evictions: u64,
+    /// Blocks removed because they were damaged or foreign.
+    pub removed_damaged: u64,
+}
+
+impl Totals {
+    /// Reused prompt tokens out of those looked up, in percent.
+    pub fn hit_rate(&self) -> f64 {
+        100.0 * self.reused_tokens as f64 / (self.prompt_tokens.max(1)) as f64
+    }
+}
+
+/// The store of one model identity and cache configuration.
+#[derive(Debug, Clone)]
+pub struct PrefixStore {
+    root: PathBuf,
+    dir: PathBuf,
+    ident: Identity,
+    shape: Shape,
+    budget: u64,
+}
+
+/// `$KVCHAT_HOME/kv-store`.
+pub fn default_root() -> PathBuf {
+    crate::source::paths::kvchat_home().join("kv-store")
+}
+
+impl PrefixStore {
+    /// Opens (creating) the store under `root` for this model and cache. An error says, in one
+    /// line, why the store cannot be used (the caller goes on without it).
+    pub fn open(root: &Path, ident: Identity, shape: Shape, budget: u64) -> Result<Self> {
+        check_dir(root)?;
+        let dir = root.join(ident.dir_name());
+        check_dir(&dir)?;
+        let store = Self {
+            root: root.to_path_buf(),
+            dir,
+            ident,
+            shape,
+            budget,
+        };
+        let meta = store.dir.join("model.json");
+        if !meta.exists() {
+            let json = serde_json::json!({ "file": store.ident.file, "model": store.ident.model });
+            // Best effort: without it `cache ls` shows the id instead of the file.
+            let _ = write_atomically(&meta, json.to_string().as_bytes());
+        }
+        Ok(store)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The chained key of each full block of `tokens`.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<[u8; 32]> {
+        let mut out: Vec<[u8; 32]> = Vec::with_capacity(tokens.len() / BLOCK);
+        for block in tokens.chunks_exact(BLOCK) {
+            let key = self.key(out.last(), false, block);
+            out.push(key);
+        }
+        out
+    }
+
+    /// The key of a block of `tokens` after the block keyed `parent` (None: the first).
+    fn key(&self, parent: Option<&[u8; 32]>, tail: bool, tokens: &[u32]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        match parent {
+            None => {
+                for part in [FORMAT, &self.ident.model, &self.ident.axes] {
+                    h.update((part.len() as u64).to_le_bytes());
+                    h.update(part.as_bytes());
+                }
+                h.update((BLOCK as u64).to_le_bytes());
+            }
+            Some(p) => h.update(p),
+        }
+        if tail {
+            h.update(b"tail");
+            h.update((tokens.len() as u64).to_le_bytes());
+        }
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        h.finalize().into()
+    }
+
+    /// The key and parent of `piece` of `tokens`, given the keys of the full blocks before it.
+    fn key_of(
+        &self,
+        tokens: &[u32],
+        piece: Piece,
+        full: &[[u8; 32]],
+    ) -> ([u8; 32], Option<[u8; 32]>) {
+        let i = piece.start / BLOCK;
+        let parent = (i > 0).then(|| full[i - 1]);
+        let key = if piece.is_tail() {
+            self.key(parent.as_ref(), true, &tokens[piece.start..piece.end()])
+        } else {
+            full[i]
+        };
+        (key, parent)
+    }
+
+    fn path_of(&self, key: &[u8; 32]) -> PathBuf {
+        self.dir.join(format!("{}.kvb", hex(key)))
+    }
+
+    /// The pieces of `tokens[..upto]` a store may hold: its full blocks, and for each of
+    /// `boundaries` that is not a block's end, the tail from the block it falls in to it.
+    pub fn pieces(&self, upto: usize, boundaries: &[usize]) -> Vec<Piece> {
+        let mut out: Vec<Piece> = (0..upto / BLOCK)
+            .map(|i| Piece {
+                start: i * BLOCK,
+                len: BLOCK,
+            })
+            .collect();
+        for &b in boundaries {
+            let tail = Piece {
+                start: b / BLOCK * BLOCK,
+                len: b % BLOCK,
+            };
+            if b <= upto && tail.len > 0 && !out.contains(&tail) {
+                out.push(tail);
+            }
+        }
+        out
+    }
+
+    /// Restores the longest run of stored full blocks that `tokens[..limit]` starts with, then
+    /// the longest stored tail after them (ending at one of `boundaries`). Blocks found damaged or
+    /// foreign are removed and named in `problems`; the run stops there.
+    pub fn lookup(&self, tokens: &[u32], limit: usize, boundaries: &[usize]) -> Found {
+        let t0 = Instant::now();
+        let mut found = Found::default();
+        let limit = limit.min(tokens.len());
+        let full = self.keys(&tokens[..limit]);
+        let mut rows: Vec<Rows> = Vec::new();
+        let mut at = 0;
+        let mut damaged = false;
+        let try_piece = |piece: Piece, rows: &mut Vec<Rows>, found: &mut Found| {
+            let (key, parent) = self.key_of(tokens, piece, &full);
+            let path = self.path_of(&key);
+            let range = &tokens[piece.start..piece.end()];
+            match self.read_block(&path, &key, parent.as_ref(), piece, range) {
+                Ok(Some((r, bytes))) => {
+                    rows.push(r);
+                    found.bytes_read += bytes;
+                    // Its last use, for the LRU eviction.
+                    if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+                        let _ = f.set_modified(SystemTime::now());
+                    }
+                    Some(true)
+                }
+                Ok(None) => Some(false),
+                Err(e) => {
+                    let _ = std::fs::remove_file(&path);
+                    found
+                        .problems
+                        .push(format!("removed {}: {e}", path.display()));
+                    None
+                }
+            }
+        };
+        for i in 0..full.len() {
+            let piece = Piece {
+                start: i * BLOCK,
+                len: BLOCK,
+            };
+            match try_piece(piece, &mut rows, &mut found) {
+                Some(true) => at = piece.end(),
+                Some(false) => break,
+                None => {
+                    damaged = true;
+                    break;
+                }
+            }
+        }
+        if !damaged {
+            let mut tails: Vec<usize> = boundaries
+                .iter()
+                .copied()
+                .filter(|&b| b > at && b < at + BLOCK && b <= limit)
+                .collect();
+            tails.sort_unstable_by_key(|&b| std::cmp::Reverse(b));
+            for b in tails {
+                let piece = Piece {
+                    start: at,
+                    len: b - at,
+                };
+                match try_piece(piece, &mut rows, &mut found) {
+                    Some(true) => {
+                        at = b;
+                        break;
+                    }
+                    Some(false) => {}
+                    None => break,
+                }
+            }
+        }
+        found.tokens = at;
+        // Each layer's keys and values, `[nkv, tokens, row]`, straight from the files' bytes.
+        let nkv = self.shape.n_kv_heads;
+        let per_pos = self.shape.row_bytes;
+        found.layers = (0..self.shape.layers)
+            .map(|l| {
+                let join = |which: usize| {
+                    let mut out = Vec::with_capacity(nkv * found.tokens * per_pos);
+                    for h in 0..nkv {
+                        for r in &rows {
+                            let len = r.len(&self.shape);
+                            let part = self.shape.part(len);
+                            let start = r.at + (2 * l + which) * part + h * len * per_pos;
+                            out.extend_from_slice(&r.bytes[start..start + len * per_pos]);
+                        }
+                    }
+                    out
+                };
+                RawState {
+                    k: join(0),
+                    v: join(1),
+                    residual_k: Vec::new(),
+                    residual_v: Vec::new(),
+                    residual_from: found.tokens,
+                }
+            })
+            .collect();
+        found.elapsed = t0.elapsed();
+        found
+    }
+
+    /// Reads and checks one block: `Ok(None)` when there is none.
+    fn read_block(
+        &self,
+        path: &Path,
+        key: &[u8; 32],
+        parent: Option<&[u8; 32]>,
+        piece: Piece,
+        tokens: &[u32],
+    ) -> Result<Option<(Rows, u64)>> {
+        let mut f = match crate::fsx::open_regular_nofollow(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => bail!("{e}"),
+        };
+        let size = f.metadata()?.len() as usize;
+        let most = self.shape.file_bytes(MAX_HEADER, piece.len);
+        if size > most {
+            bail!("{size} bytes, more than a block of this cache can be ({most})");
+        }
+        let mut bytes = Vec::with_capacity(size);
+        f.read_to_end(&mut bytes)?;
+        if bytes.len() < MAGIC.len() + 4 + 32 || &bytes[..8] != MAGIC {
+            bail!("not a kvchat KV block (truncated or another format)");
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 32);
+        if Sha256::digest(body).as_slice() != sum {
+            bail!("checksum mismatch (damaged)");
+        }
+        let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
+        if hlen > MAX_HEADER || self.shape.file_bytes(hlen, piece.len) != bytes.len() {
+            bail!("{} bytes, not a block of this cache's shape", bytes.len());
+        }
+        let header: serde_json::Value = serde_json::from_slice(&body[12..12 + hlen])
+            .map_err(|_| anyhow!("unreadable header"))?;
+        if header != self.header(key, parent, piece) {
+            bail!("made for another model, cache or position (foreign block)");
+        }
+        let mut at = 12 + hlen;
+        let stored: Vec<u32> = body[at..at + 4 * piece.len]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        if stored != tokens {
+            bail!("holds other tokens than its key says");
+        }
+        at += 4 * piece.len;
+        let n = bytes.len() as u64;
+        Ok(Some((Rows { bytes, at }, n)))
+    }
+
+    fn header(&self, key: &[u8; 32], parent: Option<&[u8; 32]>, piece: Piece) -> serde_json::Value {
+        serde_json::json!({
+            "format": FORMAT,
+            "key": hex(key),
+            "parent": parent.map(|p| hex(p)).unwrap_or_default(),
+            "start": piece.start,
+            "len": piece.len,
+            "block": BLOCK,
+            "model": self.ident.model,
+            "axes": self.ident.axes,
+            "layers": self.shape.layers,
+            "n_kv_heads": self.shape.n_kv_heads,
+            "row_bytes": self.shape.row_bytes,
+        })
+    }
+
+    /// The pieces of `tokens[..upto]` (see [`PrefixStore::pieces`]) not stored yet.
+    pub fn missing(&self, tokens: &[u32], upto: usize, boundaries: &[usize]) -> Vec<Piece> {
+        let upto = upto.min(tokens.len());
+        let full = self.keys(&tokens[..upto]);
+        self.pieces(upto, boundaries)
+            .into_iter()
+            .filter(|&p| !self.path_of(&self.key_of(tokens, p, &full).0).exists())
+            .collect()
+    }
+
+    /// Bytes the file of a block of `len` positions takes.
+    fn block_bytes(&self, len: usize) -> u64 {
+        let piece = Piece { start: 0, len };
+        let h = serde_json::to_vec(&self.header(&[0; 32], Some(&[0; 32]), piece))
+            .map_or(0, |h| h.len());
+        // (The header's numbers may be a few digits longer.)
+        self.shape.file_bytes(h + 16, len) as u64
+    }
+
+    /// Writes `pieces` of `tokens` (`rows[j]` holding `pieces[j]`), after making room for them
+    /// within the budget (least recently used blocks first, of any model).
+    pub fn write(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<BlockRows>) -> Written {
+        let mut out = Written::default();
+        if pieces.is_empty() {
+            return out;
+        }
+        let need: u64 = pieces.iter().map(|p| self.block_bytes(p.len)).sum();
+        if need > self.budget {
+            out.problems.push(format!(
+                "{} of blocks do not fit the budget of {} (--kv-store-budget); nothing stored",
+                human(need),
+                human(self.budget)
+            ));
+            return out;
+        }
+        match self.locked(|| evict(&self.root, self.budget - need)) {
+            Ok(n) => out.evicted = n,
+            Err(e) => {
+                out.problems.push(format!("cannot make room: {e}"));
+                return out;
+            }
+        }
+        let upto = pieces.iter().map(|p| p.end()).max().unwrap_or(0);
+        let full = self.keys(&tokens[..upto]);
+        for (&piece, block) in pieces.iter().zip(rows) {
+            let (key, parent) = self.key_of(tokens, piece, &full);
+            let header = serde_json::to_vec(&self.header(&key, parent.as_ref(), piece))
+                .expect("a JSON value serializes");
+            let mut body = Vec::with_capacity(self.shape.file_bytes(header.len(), piece.len));
+            body.extend_from_slice(MAGIC);
+            body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+            body.extend_from_slice(&header);
+            for t in &tokens[piece.start..piece.end()] {
+                body.extend_from_slice(&t.to_le_bytes());
+            }
+            for (k, v) in &block {
+                body.extend_from_slice(k);
+                body.extend_from_slice(v);
+            }
+            let sum = Sha256::digest(&body);
+            body.extend_from_slice(&sum);
+            if let Err(e) = write_atomically(&self.path_of(&key), &body) {
+                out.problems.push(format!(
+                    "cannot write blocks in {}: {}; this prompt's prefix is not stored",
+                    self.dir.display(),
+                    crate::first_line(e)
+                ));
+                break;
+            }
+            out.blocks += 1;
+            out.bytes += body.len() as u64;
+        }
+        out
+    }
+
+    /// Adds a run's figures to the store's totals.
+    pub fn record(&self, add: &Totals) -> Result<()> {
+        self.locked(|| {
+            let path = self.root.join("stats.json");
+            let mut t = read_totals(&self.root);
+            t.lookups += add.lookups;
+            t.prompt_tokens += add.prompt_tokens;
+            t.reused_tokens += add.reused_tokens;
+            t.bytes_read += add.bytes_read;
+            t.blocks_written += add.blocks_written;
+            t.bytes_written += add.bytes_written;
+            t.evictions += add.evictions;
+            t.removed_damaged += add.removed_damaged;
+            write_atomically(&path, serde_json::to_string_pretty(&t)?.as_bytes())
+        })
+    }
+
+    /// Runs `f` holding the store's lock (shared with every process using this root).
+    fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        with_lock(&self.root, f)
+    }
+}
+
+/// Runs `f` holding `<root>/lock` exclusively.
+fn with_lock<T>(root: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let path = root.join("lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    lock.lock()
+        .with_context(|| format!("cannot lock {}", path.display()))?;
+    let r = f();
+    let _ = lock.unlock();
+    r
+}
+
+/// `dir` exists as a directory (created if absent); anything else is an error naming it.
+fn check_dir(dir: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => bail!(
+            "{} is {}, not a directory",
+            dir.display(),
+            crate::fsx::kind(&m)
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))
+        }
+        Err(e) => bail!("cannot read {}: {e}", dir.display()),
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, renamed into place.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("block"),
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let (tmp, mut f) = TempFile::create(tmp).context("cannot create a temporary file")?;
+    f.write_all(bytes)?;
+    drop(f);
+    tmp.keep(path)
+}
+
+/// Every block file of the store: (path, bytes, last use).
+fn blocks(root: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
+    let mut out = Vec::new();
+    for dir in model_dirs(root) {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "kvb") {
+                if let Ok(m) = e.metadata() {
+                    if m.is_file() {
+                        let when = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                        out.push((p, m.len(), when));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn model_dirs(root: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = rd
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// Removes least recently used blocks until the store holds at most `budget` bytes (and temporary
+/// files left by processes that died); returns how many blocks went. Call under the lock.
+fn evict(root: &Path, budget: u64) -> Result<usize> {
+    for dir in model_dirs(root) {
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            for e in rd.flatten() {
+                let name = e.file_name();
+                let stale = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_TEMP);
+                if name.to_string_lossy().contains(".tmp-") && stale {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+    let mut all = blocks(root);
+    let mut total: u64 = all.iter().map(|b| b.1).sum();
+    if total <= budget {
+        return Ok(0);
+    }
+    all.sort_by_key(|b| b.2);
+    let mut n = 0;
+    for (path, bytes, _) in all {
+        if total <= budget {
+            break;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => n += 1,
+            // Another process removed it first.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => bail!("cannot remove {}: {e}", path.display()),
+        }
+        total -= bytes;
+    }
+    add_evictions(root, n as u64)?;
+    Ok(n)
+}
+
+fn add_evictions(root: &Path, n: u64) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let mut t = read_totals(root);
+    t.evictions += n;
+    write_atomically(
+        &root.join("stats.json"),
+        serde_json::to_string_pretty(&t)?.as_bytes(),
+    )
+}
+
+fn read_totals(root: &Path) -> Totals {
+    crate::fsx::read_bounded(&root.join("stats.json"), 1 << 20, "the store's totals")
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// The store's cumulative figures and what it holds now: (totals, blocks, bytes).
+pub fn stats(root: &Path) -> (Totals, usize, u64) {
+    let b = blocks(root);
+    (read_totals(root), b.len(), b.iter().map(|x| x.1).sum())
+}
+
+/// A stored prefix: a chain of blocks that no other stored block extends.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub model: String,
+    /// The cache's axes ("all, f16").
+    pub axes: String,
+    pub tokens: usize,
+    /// Bytes of its blocks (blocks shared with other entries are counted in each).
+    pub bytes: u64,
+    pub last_use: SystemTime,
+}
+
+/// The stored prefixes, most recently used first.
+pub fn list(root: &Path) -> Vec<Entry> {
+    let mut out = Vec::new();
+    for dir in model_dirs(root) {
+        let model = model_file(&dir);
+        // key → (parent, index, bytes, last use)
+        let mut nodes = std::collections::HashMap::new();
+        for (path, bytes, when) in blocks(root)
+            .into_iter()
+            .filter(|b| b.0.parent() == Some(&dir))
+        {
+            if let Some((key, parent, end, axes)) = block_links(&path) {
+                nodes.insert(key, (parent, end, bytes, when, axes));
+            }
+        }
+        let parents: std::collections::HashSet<&String> = nodes.values().map(|n| &n.0).collect();
+        for (key, (_, end, _, _, axes)) in &nodes {
+            if parents.contains(key) {
+                continue;
+            }
+            let (mut bytes, mut last, mut at) = (0, SystemTime::UNIX_EPOCH, Some(key));
+            while let Some((p, _, b, w, _)) = at.and_then(|k| nodes.get(k)) {
+                bytes += b;
+                last = last.max(*w);
+                at = Some(p);
+            }
+            out.push(Entry {
+                model: model.clone(),
+                axes: axes.clone(),
+                tokens: *end,
+                bytes,
+                last_use: last,
+            });
+        }
+    }
+    out.sort_by_key(|e| std::cmp::Reverse(e.last_use));
+    out
+}
+
+/// A block's (key, parent, end position, axes), from its header alone.
+fn block_links(path: &Path) -> Option<(String, String, usize, String)> {
+    let mut f = crate::fsx::open_regular_nofollow(path).ok()?;
+    let mut head = [0u8; 12];
+    f.read_exact(&mut head).ok()?;
+    let n = u32::from_le_bytes(head[8..12].try_into().ok()?) as usize;
+    if &head[..8] != MAGIC || n > MAX_HEADER {
+        return None;
+    }
+    let mut h = vec![0u8; n];
+    f.read_exact(&mut h).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&h).ok()?;
+    Some((
+        v["key"].as_str()?.to_string(),
+        v["parent"].as_str()?.to_string(),
+        (v["start"].as_u64()? + v["len"].as_u64()?) as usize,
+        v["axes"].as_str()?.to_string(),
+    ))
+}
+
+/// The model file a model directory's blocks were made with (its id when unknown).
+fn model_file(dir: &Path) -> String {
+    crate::fsx::read_bounded(&dir.join("model.json"), 1 << 20, "the store's model.json")
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["file"].as_str().map(str::to_string))
+        .unwrap_or_else(|| {
+            dir.file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        })
+}
+
+/// Removes the stored blocks (of the models whose file name or path contains `model`, when
+/// given); returns (blocks, bytes) removed.
+pub fn clear(root: &Path, model: Option<&str>) -> Result<(usize, u64)> {
+    if !root.exists() {
+        return Ok((0, 0));
+    }
+    check_dir(root)?;
+    with_lock(root, || {
+        let mut n = (0, 0);
+        for dir in model_dirs(root) {
+            if let Some(m) = model {
+                let file = model_file(&dir);
+                let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+                if !file.contains(m) && name.as_deref() != Some(m) {
+                    continue;
+                }
+            }
+            for (path, bytes, _) in blocks(root)
+                .into_iter()
+                .filter(|b| b.0.parent() == Some(&dir))
+            {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+                n.0 += 1;
+                n.1 += bytes;
+            }
+        }
+        Ok(n)
+    })
+}
+
+/// A sample of a model's weight bytes for its identity: its size and 16 slices of 4 KiB spread
+/// over the file (every `.safetensors` file of a directory), so that two files with the same
+/// layout but other weights (random-weight test models) never share blocks. Reads 64 KiB.
+pub fn weights_sample(path: &Path) -> String {
+    use std::io::{Seek, SeekFrom};
+    let mut files = vec![path.to_path_buf()];
+    if path.is_dir() {
+        files = std::fs::read_dir(path)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+    }
+    let mut h = Sha256::new();
+    for p in files {
+        let Ok(mut f) = std::fs::File::open(&p) else {
+            continue;
+        };
+        let len = f.metadata().map_or(0, |m| m.len());
+        h.update(len.to_le_bytes());
+        let mut buf = vec![0u8; 4096];
+        for i in 0..16u64 {
+            if f.seek(SeekFrom::Start(len / 16 * i)).is_ok() {
+                let n = f.read(&mut buf).unwrap_or(0);
+                h.update(&buf[..n]);
+            }
+        }
+    }
+    hex(&h.finalize())[..16].to_string()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn human(n: u64) -> String {
+    crate::source::human_bytes(n)
+}

@@ -1,0 +1,317 @@
+//! The prefix store (`kv::prefix`) seen from a session: which caches can use it, restoring the
+//! stored prefix of a prompt, and the rows of the blocks to store after a prefill.
+//!
+//! Exactness: a restored prefix followed by a prefill of the rest must give the state that one
+//! prefill of the whole prompt gives, bit for bit, so that the answer is the one a run without the
+//! store gives. Float caches are that by construction (each row is stored and read back in one
+//! format whatever the steps). A quantized cache reads a step's last `residual` positions from their
+//! f16 copies and earlier ones quantized, so which copy a position is read from depends on where the
+//! prompt ends: its blocks are stored and restored only where they end at least `residual` positions
+//! before the prompt's end (every read of them was, and will be, quantized), and only from a state
+//! that one prefill made.
+
+use super::Session;
+use crate::kv::persist::Snapshot;
+use crate::kv::prefix::{BlockRows, Found, Piece, PrefixStore, Shape};
+use crate::kv::Retention;
+use anyhow::Result;
+
+impl Session<'_> {
+    /// Why this session's cache cannot use the prefix store, if it cannot.
+    pub fn store_refusal(&self) -> Option<&'static str> {
+        match self.cache.spec().retention() {
+            Retention::None => Some("--no-cache keeps no KV state to store"),
+            Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
+            Retention::All if self.model.cfg.window_layers().is_some() => {
+                Some("this model's sliding-window layers keep only their window")
+            }
+            Retention::All => None,
+        }
+    }
+
+    /// The shape of one block of this session's cache.
+    pub fn store_shape(&self) -> Shape {
+        let cfg = &self.model.cfg;
+        Shape {
+            layers: self.cache.layers().len(),
+            n_kv_heads: cfg.n_kv_head,
+            row_bytes: self.cache.spec().precision().row_bytes(cfg.head_dim),
+        }
+    }
+
+    /// The recent positions a quantized cache reads from f16 copies (0 for a float cache).
+    fn residual(&self) -> usize {
+        let spec = self.cache.spec();
+        if spec.precision().quantized() {
+            spec.mode.residual.min(spec.max_positions)
+        } else {
+            0
+        }
+    }
+
+    /// Restores the longest stored prefix of `ids` into this (empty) session, leaving at least
+    /// one position of `ids` to prefill (and a quantized cache's residual); `found.tokens` is what
+    /// it holds now. A stored prefix that cannot be restored is a problem in `found`, and the
+    /// session stays empty.
+    /// `boundaries`: positions where prompts tend to part (the end of the system message), where
+    /// a block may end early.
+    pub fn restore_from_store(
+        &mut self,
+        store: &PrefixStore,
+        ids: &[u32],
+        boundaries: &[usize],
+    ) -> Result<Found> {
+        if !self.tokens.is_empty() {
+            self.reset()?;
+        }
+        let limit = ids.len().saturating_sub(self.residual().max(1));
+        let mut found = store.lookup(ids, limit, boundaries);
+        if found.tokens > 0 {
+            let snap = Snapshot {
+                tokens: ids[..found.tokens].to_vec(),
+                layers: std::mem::take(&mut found.layers),
+                extra: serde_json::Value::Null,
+            };
+            if let Err(e) = self.restore(&snap) {
+                self.reset()?;
+                found
+                    .problems
+                    .push(format!("the stored prefix could not be restored: {e}"));
+                found.tokens = 0;
+            }
+        }
+        Ok(found)
+    }
+
+    /// After a prefill: the blocks of the session's sequence not stored yet, and their rows.
+    /// `one_prefill` says whether the state was made by one prefill (after at most a restore from
+    /// the store); a quantized cache stores nothing otherwise.
+    pub fn rows_for_store(
+        &self,
+        store: &PrefixStore,
+        one_prefill: bool,
+        boundaries: &[usize],
+    ) -> Result<(Vec<Piece>, Vec<BlockRows>)> {
+        let quantized = self.cache.spec().precision().quantized();
+        if self.store_refusal().is_some() || (quantized && !one_prefill) {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let upto = self.tokens.len().saturating_sub(self.residual());
+        let which = store.missing(&self.tokens, upto, boundaries);
+        let mut rows = Vec::with_capacity(which.len());
+        for p in &which {
+            let block: Result<BlockRows> = self
+                .cache
+                .layers()
+                .iter()
+                .map(|l| l.raw_range(p.start, p.end()))
+                .collect();
+            rows.push(block?);
+        }
+        Ok((which, rows))
+    }
+}
+
+/// One lookup's figures.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Lookup {
+    pub reused: usize,
+    pub prompt: usize,
+    pub bytes: u64,
+    pub elapsed: std::time::Duration,
+}
+
+impl Lookup {
+    /// "N of M prompt tokens reused (P %), X MiB read in T ms".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} of {} prompt tokens reused ({:.1} %), {:.1} MiB read in {:.1} ms",
+            self.reused,
+            self.prompt,
+            100.0 * self.reused as f64 / self.prompt.max(1) as f64,
+            self.bytes as f64 / (1 << 20) as f64,
+            self.elapsed.as_secs_f64() * 1e3
+        )
+    }
+}
+
+/// A run's or a chat's use of the prefix store: the store (or why there is none), the last lookup,
+/// the thread writing new blocks while the answer is generated, and this process's figures, added
+/// to the store's totals by [`StoreUse::finish`].
+pub struct StoreUse {
+    store: Option<PrefixStore>,
+    /// Why the store is not used, when it is not.
+    pub off: Option<String>,
+    pub last: Option<Lookup>,
+    writer: Option<std::thread::JoinHandle<crate::kv::prefix::Written>>,
+    run: crate::kv::prefix::Totals,
+    problems: Vec<String>,
+}
+
+impl StoreUse {
+    /// No store, for `reason`.
+    pub fn off(reason: impl Into<String>) -> Self {
+        Self {
+            store: None,
+            off: Some(reason.into()),
+            last: None,
+            writer: None,
+            run: Default::default(),
+            problems: Vec::new(),
+        }
+    }
+
+    /// The store under `root` for this engine and session's cache, with a byte budget. Where it
+    /// cannot be used, a problem (reported once) or the reason (said in --stats).
+    pub fn open(
+        engine: &crate::engine::Engine,
+        session: &Session<'_>,
+        root: &std::path::Path,
+        budget: u64,
+    ) -> Self {
+        if let Some(why) = session.store_refusal() {
+            return Self::off(why);
+        }
+        let ident = crate::kv::prefix::Identity {
+            model: format!(
+                "{} weights {} {}",
+                engine.digest,
+                crate::kv::prefix::weights_sample(&engine.path),
+                engine.numerics
+            ),
+            file: engine.path.display().to_string(),
+            axes: match session.cache().persist_key() {
+                Ok(k) => k,
+                Err(e) => return Self::off(crate::first_line(e)),
+            },
+        };
+        match PrefixStore::open(root, ident, session.store_shape(), budget) {
+            Ok(store) => Self {
+                store: Some(store),
+                ..Self::off("")
+            }
+            .on(),
+            Err(e) => {
+                let mut s = Self::off(format!("unusable ({})", crate::first_line(&e)));
+                s.problems
+                    .push(format!("{}; going on without it", crate::first_line(e)));
+                s
+            }
+        }
+    }
+
+    fn on(mut self) -> Self {
+        self.off = None;
+        self
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.store.is_some()
+    }
+
+    /// Restores the stored prefix of `ids` into the (empty) session; returns the positions it
+    /// holds now.
+    pub fn restore(
+        &mut self,
+        session: &mut Session<'_>,
+        ids: &[u32],
+        boundaries: &[usize],
+    ) -> Result<usize> {
+        self.join_writer();
+        let Some(store) = &self.store else {
+            return Ok(0);
+        };
+        let found = session.restore_from_store(store, ids, boundaries)?;
+        self.run.lookups += 1;
+        self.run.prompt_tokens += ids.len() as u64;
+        self.run.reused_tokens += found.tokens as u64;
+        self.run.bytes_read += found.bytes_read;
+        self.run.removed_damaged += found.problems.len() as u64;
+        self.problems.extend(found.problems);
+        self.last = Some(Lookup {
+            reused: found.tokens,
+            prompt: ids.len(),
+            bytes: found.bytes_read,
+            elapsed: found.elapsed,
+        });
+        Ok(found.tokens)
+    }
+
+    /// After a prefill: copies the rows of the blocks not stored yet and writes them on a thread
+    /// of their own (joined by the next call or [`StoreUse::finish`]).
+    pub fn store(&mut self, session: &Session<'_>, one_prefill: bool, boundaries: &[usize]) {
+        self.join_writer();
+        let Some(store) = &self.store else {
+            return;
+        };
+        match session.rows_for_store(store, one_prefill, boundaries) {
+            Ok((which, rows)) if !which.is_empty() => {
+                let (store, tokens) = (store.clone(), session.tokens().to_vec());
+                self.writer = Some(std::thread::spawn(move || {
+                    store.write(&tokens, &which, rows)
+                }));
+            }
+            Ok(_) => {}
+            Err(e) => self.problems.push(format!(
+                "cannot copy the blocks to store: {}",
+                crate::first_line(e)
+            )),
+        }
+    }
+
+    fn join_writer(&mut self) {
+        if let Some(w) = self.writer.take() {
+            match w.join() {
+                Ok(done) => {
+                    self.run.blocks_written += done.blocks as u64;
+                    self.run.bytes_written += done.bytes;
+                    self.run.evictions += done.evicted as u64;
+                    if !done.problems.is_empty() {
+                        // A store that cannot be written is not tried again by this process.
+                        self.off = Some("not writable".into());
+                    }
+                    self.problems.extend(done.problems);
+                }
+                Err(_) => self.problems.push("the block writer failed".into()),
+            }
+            if self.off.is_some() {
+                self.store = None;
+            }
+        }
+    }
+
+    /// Waits for the writer and adds this process's figures to the store's totals.
+    pub fn finish(&mut self) {
+        let store = self.store.clone();
+        self.join_writer();
+        if let Some(store) = store {
+            // Evictions were counted in the totals as they happened.
+            let add = crate::kv::prefix::Totals {
+                evictions: 0,
+                ..std::mem::take(&mut self.run)
+            };
+            if let Err(e) = store.record(&add) {
+                self.problems.push(format!(
+                    "cannot update the totals: {}",
+                    crate::first_line(e)
+                ));
+            }
+        }
+    }
+
+    /// Problems met since the last call, one line each.
+    pub fn take_problems(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.problems)
+    }
+
+    /// The line for --stats and /cache.
+    pub fn describe(&self) -> String {
+        match (&self.off, &self.last) {
+            (Some(why), _) if self.store.is_none() && self.last.is_none() => {
+                format!("not used: {why}")
+            }
+            (_, Some(l)) => l.describe(),
+            (_, None) => "nothing looked up yet".into(),
+        }
+    }
+}
