@@ -91,13 +91,14 @@ impl Session<'_> {
         store: &PrefixStore,
         one_prefill: bool,
         boundaries: &[usize],
+        rewrite_from: usize,
     ) -> Result<(Vec<Piece>, Vec<BlockRows>)> {
         let quantized = self.cache.spec().precision().quantized();
         if self.store_refusal().is_some() || (quantized && !one_prefill) {
             return Ok((Vec::new(), Vec::new()));
         }
         let upto = self.tokens.len().saturating_sub(self.residual());
-        let which = store.missing(&self.tokens, upto, boundaries);
+        let which = store.missing(&self.tokens, upto, boundaries, rewrite_from);
         let mut rows = Vec::with_capacity(which.len());
         for p in &which {
             let block: Result<BlockRows> = self
@@ -146,6 +147,8 @@ pub struct StoreUse {
     writer: Option<std::thread::JoinHandle<crate::kv::prefix::Written>>,
     run: crate::kv::prefix::Totals,
     problems: Vec<String>,
+    /// Where the last lookup found a damaged block: the blocks from there on are rewritten.
+    rewrite_from: usize,
 }
 
 impl StoreUse {
@@ -158,6 +161,7 @@ impl StoreUse {
             writer: None,
             run: Default::default(),
             problems: Vec::new(),
+            rewrite_from: usize::MAX,
         }
     }
 
@@ -228,6 +232,7 @@ impl StoreUse {
         self.run.bytes_read += found.bytes_read;
         self.run.removed_damaged += found.problems.len() as u64;
         self.problems.extend(found.problems);
+        self.rewrite_from = found.damaged_at.unwrap_or(usize::MAX);
         self.last = Some(Lookup {
             reused: found.tokens,
             prompt: ids.len(),
@@ -244,7 +249,8 @@ impl StoreUse {
         let Some(store) = &self.store else {
             return;
         };
-        match session.rows_for_store(store, one_prefill, boundaries) {
+        let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
+        match session.rows_for_store(store, one_prefill, boundaries, rewrite_from) {
             Ok((which, rows)) if !which.is_empty() => {
                 let (store, tokens) = (store.clone(), session.tokens().to_vec());
                 self.writer = Some(std::thread::spawn(move || {
@@ -282,9 +288,8 @@ impl StoreUse {
 
     /// Waits for the writer and adds this process's figures to the store's totals.
     pub fn finish(&mut self) {
-        let store = self.store.clone();
         self.join_writer();
-        if let Some(store) = store {
+        if let Some(store) = &self.store {
             // Evictions were counted in the totals as they happened.
             let add = crate::kv::prefix::Totals {
                 evictions: 0,

@@ -81,11 +81,24 @@ pub fn greedy_with(e: &Engine, spec: &CacheSpec, prompt: &[u32], n: usize) -> (V
     (out, logits.to_vec1().unwrap())
 }
 
+/// The prefix store the tests' runs share (under the target directory, not the user's cache).
+pub fn test_store() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kv-store")
+}
+
 /// Runs the kvchat binary on the test model with `stdin` as its input.
 pub fn kvchat(args: &[&str], stdin: &str) -> Output {
+    kvchat_env(args, stdin, &[])
+}
+
+/// As [`kvchat`], with more environment variables (`KVCHAT_KV_STORE` among them overrides the
+/// tests' store).
+pub fn kvchat_env(args: &[&str], stdin: &str, env: &[(&str, &std::ffi::OsStr)]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
         .args(args)
         .env("KVCHAT_MODEL", model_path())
+        .env("KVCHAT_KV_STORE", test_store())
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
