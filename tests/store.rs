@@ -281,7 +281,7 @@ fn cache_stats_ls_and_clear_show_and_remove_what_runs_stored() {
         .success());
     let env = [("KVCHAT_KV_STORE", store.as_os_str())];
     let stats = text(&kvchat_env(&["cache", "stats"], "", &env).stdout);
-    assert!(stats.contains("lookups 2:"), "{stats}");
+    assert!(stats.contains("lookups 2, hits 1:"), "{stats}");
     assert!(stats.contains("hit rate"), "{stats}");
     let ls = text(&kvchat_env(&["cache", "ls"], "", &env).stdout);
     assert!(ls.contains("SmolLM2") && ls.contains("all, f16"), "{ls}");

@@ -26,8 +26,9 @@ pub fn run(args: CacheCmdArgs) -> Result<()> {
                 human_bytes(bytes)
             );
             println!(
-                "lookups {}: {} of {} prompt tokens reused (hit rate {:.1} %), {} read",
+                "lookups {}, hits {}: {} of {} prompt tokens reused (hit rate {:.1} %), {} read",
                 t.lookups,
+                t.hits,
                 t.reused_tokens,
                 t.prompt_tokens,
                 t.hit_rate(),

@@ -142,9 +142,12 @@ pub struct Written {
 
 /// The cumulative figures of a store (`stats.json`).
 #[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Totals {
     /// Prompts looked up.
     pub lookups: u64,
+    /// Of those, the ones that reused at least one block.
+    pub hits: u64,
     /// Prompt tokens looked up.
     pub prompt_tokens: u64,
     /// Of those, restored from the store.
@@ -550,6 +553,7 @@ impl PrefixStore {
             let path = self.root.join("stats.json");
             let mut t = read_totals(&self.root);
             t.lookups += add.lookups;
+            t.hits += add.hits;
             t.prompt_tokens += add.prompt_tokens;
             t.reused_tokens += add.reused_tokens;
             t.bytes_read += add.bytes_read;

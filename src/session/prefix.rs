@@ -227,6 +227,7 @@ impl StoreUse {
         };
         let found = session.restore_from_store(store, ids, boundaries)?;
         self.run.lookups += 1;
+        self.run.hits += u64::from(found.tokens > 0);
         self.run.prompt_tokens += ids.len() as u64;
         self.run.reused_tokens += found.tokens as u64;
         self.run.bytes_read += found.bytes_read;

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The prefix store's targets (issue 15), measured on the default model, each in a fresh store under
+# target/prefix-store-bench/ (the user's store is never touched):
+#   1. a 2,000-token system prompt asked two different questions: time to first token of the second
+#      run against the first (cold), ROUNDS alternated pairs, and the second answer against a run
+#      without the store (greedy, identical);
+#   2. one ~2,000-token document with 5 different questions in 5 processes: the share of each
+#      prompt reused from the store;
+#   3. a cold run's wall time with the store against --no-kv-store, alternated ROUNDS times;
+#   4. 50 distinct ~600-token prompts under a 64 MiB budget: bytes on disk after each run.
+#   scripts/prefix-store-bench.sh [ROUNDS=3] [THREADS=2]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+rounds="${1:-3}"
+threads="${2:-2}"
+out="$root/target/prefix-store-bench"
+rm -rf "$out"
+mkdir -p "$out"
+"$root/scripts/fetch-models.sh" >&2
+cargo build --release --quiet --manifest-path "$root/Cargo.toml"
+python3 - "$root/target/release/kvchat" "$out" "$rounds" "$threads" <<'PY'
+import os, random, re, statistics, subprocess, sys, time
+kv, out, rounds, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+words = ("the keeper wrote the weather every morning and the ships that passed the harbour "
+         "in winter storms came from the north while the lamp burned through long nights and "
+         "the sea turned grey green or silver under a low sky with gulls over the rocks").split()
+
+def text(seed, n):
+    r = random.Random(seed)
+    sent = []
+    for i in range(n):
+        sent.append(r.choice(words))
+        if i % 12 == 11:
+            sent[-1] += "."
+    return " ".join(sent)
+
+def run(store, args, stdin=None):
+    env = dict(os.environ, KVCHAT_KV_STORE=store)
+    t0 = time.perf_counter()
+    p = subprocess.run([kv, "run", "--threads", threads, "--temperature", "0", "-n", "16",
+                        "--stats", *args], env=env, capture_output=True, text=True, input=stdin)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.exit(f"kvchat failed: {p.stderr}")
+    m = re.search(r"prefix store: (?:(\d+) of (\d+) prompt tokens reused.*?)?.*time to first token ([\d.]+) ms", p.stderr)
+    ttft = float(m.group(3))
+    reused = (int(m.group(1)), int(m.group(2))) if m.group(1) else None
+    problems = [l for l in p.stderr.splitlines() if l.startswith("kvchat: prefix store:")]
+    return dict(out=p.stdout, ttft=ttft, reused=reused, wall=wall, problems=problems, err=p.stderr)
+
+fresh = iter(range(10**6))
+def new_store():
+    return f"{out}/store-{next(fresh)}"
+
+# 1. Time to first token, cold and warm, on a ~2,000-token system prompt.
+system = "You answer questions about this logbook. " + text(1, 1650)
+cold, warm, same = [], [], True
+for r in range(rounds):
+    s = new_store()
+    a = run(s, ["--system", system, f"What came from the north? ({r})"])
+    b = run(s, ["--system", system, f"What did the keeper write? ({r})"])
+    ref = run(s, ["--no-kv-store", "--system", system, f"What did the keeper write? ({r})"])
+    same &= b["out"] == ref["out"]
+    cold.append(a["ttft"]); warm.append(b["ttft"])
+    print(f"round {r + 1}: prompt {a['reused'][1]} tokens; cold TTFT {a['ttft']:.0f} ms, "
+          f"warm {b['ttft']:.0f} ms ({a['ttft'] / b['ttft']:.1f}x), warm reused "
+          f"{b['reused'][0]} of {b['reused'][1]}; warm answer == no-store answer: "
+          f"{b['out'] == ref['out']}")
+print(f"1. time to first token, median of {rounds}: cold {statistics.median(cold):.0f} ms, "
+      f"warm {statistics.median(warm):.0f} ms: {statistics.median(cold) / statistics.median(warm):.1f}x "
+      f"shorter (target >= 20x); answers identical: {same}")
+
+# 2. Hit rate: one document, five questions, five processes.
+s = new_store()
+doc = text(2, 1650)
+rates = []
+for i, q in enumerate(["Which birds are named?", "What colour is the sea?", "When do storms come?",
+                       "What burns at night?", "Who wrote every morning?"]):
+    o = run(s, [f"Read this document.\n\n{doc}\n\nQuestion: {q}"])
+    n, m = o["reused"]
+    rates.append(100 * n / m)
+    print(f"   process {i + 1}: {n} of {m} prompt tokens reused ({100 * n / m:.1f} %)")
+print(f"2. hit rate from the second process on: min {min(rates[1:]):.1f} % (target >= 90 %)")
+
+# 3. The store's cost on a cold run: wall time with a fresh store against --no-kv-store.
+on, off = [], []
+for r in range(rounds):
+    prompt = ["--system", "You answer questions about this logbook. " + text(100 + r, 1650), "What is it?"]
+    off.append(run(new_store(), ["--no-kv-store", *prompt])["wall"])
+    on.append(run(new_store(), prompt)["wall"])
+    print(f"   round {r + 1}: cold run {off[-1]:.2f} s without the store, {on[-1]:.2f} s with it "
+          f"({100 * (on[-1] / off[-1] - 1):+.1f} %)")
+print(f"3. cold-run overhead, median: {100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} % "
+      f"(target <= 5 %)")
+
+# 4. Budget: 50 distinct prompts under 64 MiB.
+s = new_store()
+budget = 64 << 20
+most = 0
+for i in range(50):
+    subprocess.run([kv, "run", "--threads", threads, "-n", "1", "--kv-store-budget", "64MiB",
+                    "--raw", text(1000 + i, 500)], env=dict(os.environ, KVCHAT_KV_STORE=s),
+                   capture_output=True, check=True)
+    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(s) for f in fs
+               if f.endswith(".kvb"))
+    most = max(most, disk)
+st = subprocess.run([kv, "cache", "stats"], env=dict(os.environ, KVCHAT_KV_STORE=s),
+                    capture_output=True, text=True).stdout
+print(f"4. after 50 distinct prompts: most block bytes on disk after any run {most / 2**20:.1f} MiB, "
+      f"budget {budget / 2**20:.0f} MiB: {'within' if most <= budget else 'OVER'}")
+print("   " + st.strip().replace("\n", "\n   "))
+PY
