@@ -138,6 +138,8 @@ pub struct Written {
     pub bytes: u64,
     pub evicted: usize,
     pub problems: Vec<String>,
+    /// How long making room and writing took.
+    pub elapsed: Duration,
 }
 
 /// The cumulative figures of a store (`stats.json`).
@@ -494,6 +496,13 @@ impl PrefixStore {
     /// Writes `pieces` of `tokens` (`rows[j]` holding `pieces[j]`), after making room for them
     /// within the budget (least recently used blocks first, of any model).
     pub fn write(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<BlockRows>) -> Written {
+        let t0 = Instant::now();
+        let mut out = self.write_timed(tokens, pieces, rows);
+        out.elapsed = t0.elapsed();
+        out
+    }
+
+    fn write_timed(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<BlockRows>) -> Written {
         let mut out = Written::default();
         if pieces.is_empty() {
             return out;

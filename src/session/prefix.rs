@@ -149,6 +149,9 @@ pub struct StoreUse {
     problems: Vec<String>,
     /// Where the last lookup found a damaged block: the blocks from there on are rewritten.
     rewrite_from: usize,
+    /// This process's writes: blocks, bytes, time copying the rows (on the answer's path) and
+    /// time writing them (on the writer's thread).
+    pub wrote: (usize, u64, std::time::Duration, std::time::Duration),
 }
 
 impl StoreUse {
@@ -162,6 +165,7 @@ impl StoreUse {
             run: Default::default(),
             problems: Vec::new(),
             rewrite_from: usize::MAX,
+            wrote: Default::default(),
         }
     }
 
@@ -251,7 +255,10 @@ impl StoreUse {
             return;
         };
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
-        match session.rows_for_store(store, one_prefill, boundaries, rewrite_from) {
+        let t0 = std::time::Instant::now();
+        let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from);
+        self.wrote.2 += t0.elapsed();
+        match rows {
             Ok((which, rows)) if !which.is_empty() => {
                 let (store, tokens) = (store.clone(), session.tokens().to_vec());
                 self.writer = Some(std::thread::spawn(move || {
@@ -270,6 +277,9 @@ impl StoreUse {
         if let Some(w) = self.writer.take() {
             match w.join() {
                 Ok(done) => {
+                    self.wrote.0 += done.blocks;
+                    self.wrote.1 += done.bytes;
+                    self.wrote.3 += done.elapsed;
                     self.run.blocks_written += done.blocks as u64;
                     self.run.bytes_written += done.bytes;
                     self.run.evictions += done.evicted as u64;
@@ -316,8 +326,22 @@ impl StoreUse {
             (Some(why), _) if self.store.is_none() && self.last.is_none() => {
                 format!("not used: {why}")
             }
-            (_, Some(l)) => l.describe(),
-            (_, None) => "nothing looked up yet".into(),
+            (_, Some(l)) => l.describe() + &self.describe_writes(),
+            (_, None) => "nothing looked up yet".to_string() + &self.describe_writes(),
         }
+    }
+
+    /// "; stored N blocks (X MiB) in T ms, C ms copying", when it stored any.
+    fn describe_writes(&self) -> String {
+        let (n, bytes, copy, write) = self.wrote;
+        if n == 0 {
+            return String::new();
+        }
+        format!(
+            "; stored {n} blocks ({:.1} MiB) in {:.1} ms on its own thread, after {:.1} ms copying",
+            bytes as f64 / (1 << 20) as f64,
+            write.as_secs_f64() * 1e3,
+            copy.as_secs_f64() * 1e3
+        )
     }
 }
