@@ -110,7 +110,7 @@ pub fn open_regular_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
     }
     let f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(open_flags::O_NOFOLLOW | open_flags::O_NONBLOCK)
+        .custom_flags(O_NOFOLLOW | open_flags::O_NONBLOCK)
         .open(path)?;
     // Re-check what was opened: the path may have been swapped since it was measured.
     let meta = f.metadata()?;
@@ -120,12 +120,13 @@ pub fn open_regular_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
     Ok(f)
 }
 
-/// Open flags from <fcntl.h> (Linux values; the same on every architecture Rust targets there
-/// except O_NOFOLLOW on a few, which std does not expose).
+/// Open flag from <fcntl.h>: do not follow a link at the last component (Linux values; the same
+/// on every architecture Rust targets there except a few, which std does not expose).
+#[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
+pub const O_NOFOLLOW: i32 = 0o100000;
+#[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
+pub const O_NOFOLLOW: i32 = 0o400000;
+
 mod open_flags {
-    #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
-    pub const O_NOFOLLOW: i32 = 0o100000;
-    #[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
-    pub const O_NOFOLLOW: i32 = 0o400000;
     pub const O_NONBLOCK: i32 = 0o4000;
 }

@@ -6,6 +6,9 @@
 mod common;
 
 use common::kvchat_env;
+use kvchat::kv::{CacheSpec, Precision};
+use kvchat::session::prefix::StoreUse;
+use kvchat::template::Message;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -128,6 +131,33 @@ fn a_quantized_cache_reuses_blocks_and_answers_as_without_the_store() {
     assert_eq!(
         text(&second.stdout),
         reference("When did the storms come?", &flags)
+    );
+}
+
+#[test]
+fn a_quantized_cache_resumed_past_a_prefill_chunk_answers_as_without_the_store() {
+    // ~1,000 tokens: the prompt spans two 512-position prefill steps, and the stored prefix ends
+    // inside the second (where a resumed prefill must step as a whole one does).
+    let store = fresh_store("int8-long");
+    let long = format!("{0} {0} {0}", system_prompt());
+    let flags = ["--kv-type", "int8", "--kv-residual", "48"];
+    let run = |q: &str, extra: &[&str]| {
+        let mut args = vec!["run", "--temperature", "0", "-n", "12", "--stats"];
+        args.extend_from_slice(&["--system", &long]);
+        args.extend_from_slice(&flags);
+        args.extend_from_slice(extra);
+        args.push(q);
+        kvchat_env(&args, "", &[("KVCHAT_KV_STORE", store.as_os_str())])
+    };
+    assert!(run("Where is the lighthouse?", &[]).status.success());
+    let q = "What did the keeper write down?";
+    let second = run(q, &[]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let n = reused(&second);
+    assert!(n > 512 && n % 512 != 0, "reused {n}");
+    assert_eq!(
+        text(&second.stdout),
+        text(&run(q, &["--no-kv-store"]).stdout)
     );
 }
 
@@ -324,4 +354,80 @@ fn a_chat_reuses_the_stored_system_prompt_on_its_first_turn() {
         .unwrap();
     assert!(n > 5 * 64, "{line}");
     assert!(text(&o.stdout).contains("prefix store:"));
+}
+
+/// Logits after a whole prompt prefilled at once, and after the same prompt resumed from the
+/// blocks an earlier, 480-token prompt stored (so the resumed prefill crosses a 512-position
+/// prefill step), with `spec`; returns both and the positions restored.
+fn whole_and_resumed(spec: &CacheSpec, name: &str, ids: &[u32]) -> (Vec<f32>, Vec<f32>, usize) {
+    resumed_after(spec, name, ids, 480)
+}
+
+/// As `whole_and_resumed`, the earlier prompt being `ids[..earlier]`.
+fn resumed_after(
+    spec: &CacheSpec,
+    name: &str,
+    ids: &[u32],
+    earlier: usize,
+) -> (Vec<f32>, Vec<f32>, usize) {
+    let e = common::engine();
+    let root = fresh_store(name);
+    let ids_earlier = &ids[..earlier];
+    let mut earlier = e.session(spec);
+    earlier.feed(ids_earlier).unwrap();
+    let mut store = StoreUse::open(e, &earlier, &root, 1 << 30);
+    store.store(&earlier, true, &[]);
+    store.finish();
+    assert!(store.take_problems().is_empty());
+    let mut whole = e.session(spec);
+    let a: Vec<f32> = whole.feed(ids).unwrap().to_vec1().unwrap();
+    let mut resumed = e.session(spec);
+    let mut store = StoreUse::open(e, &resumed, &root, 1 << 30);
+    let n = store.restore(&mut resumed, ids, &[]).unwrap();
+    let b: Vec<f32> = resumed.feed(&ids[n..]).unwrap().to_vec1().unwrap();
+    (a, b, n)
+}
+
+fn long_prompt() -> Vec<u32> {
+    let e = common::engine();
+    let t = e.chat_template(None).unwrap();
+    let sys = format!("{0} {0} {0}", system_prompt());
+    let messages = [
+        Message::new("system", &sys),
+        Message::new("user", "Who kept the log?"),
+    ];
+    e.chat_prompt(&t, &messages).unwrap()
+}
+
+#[test]
+fn a_resumed_f16_prompt_has_the_logits_of_a_whole_one_bit_for_bit() {
+    let ids = long_prompt();
+    let (a, b, n) = whole_and_resumed(&CacheSpec::full(Precision::F16, 4096), "logits-f16", &ids);
+    assert_eq!(n, 448, "restored {n} of {}", ids.len());
+    assert!(ids.len() > 600);
+    assert!(a == b, "the logits differ");
+}
+
+#[test]
+fn a_resumed_int8_prompt_has_the_logits_of_a_whole_one_bit_for_bit() {
+    // Past a 512-position prefill step: the resumed prefill must step as the whole one does.
+    let ids = long_prompt();
+    let spec = CacheSpec::full(Precision::Int8, 4096);
+    let (a, b, n) = whole_and_resumed(&spec, "logits-int8", &ids);
+    // (448 = the last block end at least 32 residual positions before the earlier prompt's end.)
+    assert_eq!(n, 448, "restored {n} of {}", ids.len());
+    assert!(ids.len() > 600);
+    assert!(a == b, "the logits differ");
+}
+
+#[test]
+fn a_quantized_cache_never_resumes_among_the_positions_a_step_reads_in_f16() {
+    // With 100 residual positions, one prefill reads positions 412..512 of its first step from
+    // their f16 copies: a resume at 448 (a stored block's end) would read 412..448 quantized, so
+    // the store resumes at 384.
+    let ids = long_prompt();
+    let spec = CacheSpec::full(Precision::Int8, 4096).with(|m| m.residual = 100);
+    let (a, b, n) = resumed_after(&spec, "logits-int8-r100", &ids, 600);
+    assert_eq!(n, 384, "restored {n} of {}", ids.len());
+    assert!(a == b, "the logits differ");
 }

@@ -10,12 +10,11 @@
 use crate::cli::report::describe;
 use crate::cli::style;
 use crate::cli::ChatArgs;
-use crate::commands::run::report_store_problems;
+use crate::commands::run::{open_store, report_store_problems};
 use crate::engine::Engine;
 use crate::kv::persist;
 use crate::model::sampling::SamplingPrefs;
 use crate::session::conversation::{Conversation, TurnStats};
-use crate::session::prefix::StoreUse;
 use crate::session::{Resolved, Sampler, StopReason};
 use crate::source::{human_bytes, kvchat_home};
 use anyhow::{bail, Context, Result};
@@ -488,11 +487,9 @@ pub fn run(args: ChatArgs) -> Result<()> {
         colour: style::stderr(),
         stats: args.stats,
     };
-    chat.conv.store = match store_budget {
-        _ if args.prompt_cache.is_some() => StoreUse::off("--prompt-cache names the state to use"),
-        None => StoreUse::off("--no-kv-store"),
-        Some(budget) => StoreUse::open(&engine, &chat.conv.session, &args.store.root(), budget),
-    };
+    let prompt_cache = args.prompt_cache.is_some();
+    let session = &chat.conv.session;
+    chat.conv.store = open_store(&args.store, store_budget, prompt_cache, &engine, session);
     report_store_problems(&mut chat.conv.store);
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");

@@ -1,7 +1,7 @@
 //! `kvchat run`: one prompt in (argument or stdin), one streamed answer out.
 
 use crate::cli::report::describe;
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, StoreArgs};
 use crate::engine::Engine;
 use crate::kv::{persist, KvCache};
 use crate::session::prefix::StoreUse;
@@ -103,11 +103,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut sampler = Sampler::new(sampling.params.clone());
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
-    let mut store = match store_budget {
-        _ if args.prompt_cache.is_some() => StoreUse::off("--prompt-cache names the state to use"),
-        None => StoreUse::off("--no-kv-store"),
-        Some(budget) => StoreUse::open(&engine, &session, &args.store.root(), budget),
-    };
+    let prompt_cache = args.prompt_cache.is_some();
+    let mut store = open_store(&args.store, store_budget, prompt_cache, &engine, &session);
     let t0 = Instant::now();
     let reused = match &args.prompt_cache {
         Some(p) if p.exists() => match session.reuse_saved_prefix(p, &engine.digest, &ids) {
@@ -201,6 +198,22 @@ pub fn run(args: RunArgs) -> Result<()> {
         eprintln!("[stats] sampling: {}", sampling.describe());
     }
     Ok(())
+}
+
+/// The prefix store of a run or chat as its flags say: off with --no-kv-store (a budget of None)
+/// or with --prompt-cache (which names the state to use).
+pub fn open_store(
+    flags: &StoreArgs,
+    budget: Option<u64>,
+    prompt_cache: bool,
+    engine: &Engine,
+    session: &crate::session::Session<'_>,
+) -> StoreUse {
+    match budget {
+        _ if prompt_cache => StoreUse::off("--prompt-cache names the state to use"),
+        None => StoreUse::off("--no-kv-store"),
+        Some(budget) => StoreUse::open(engine, session, &flags.root(), budget),
+    }
 }
 
 /// Prints what went wrong with the prefix store since the last call, one line each (the run goes on

@@ -5,8 +5,16 @@
 //!
 //! **Keys** are chained, so a block names everything before it:
 //! `key(0) = sha256(FORMAT, model identity, cache axes, B, tokens 0..B)`,
-//! `key(i) = sha256(key(i − 1), tokens iB..(i+1)B)`. A prompt reuses the longest run of stored blocks
-//! from its start.
+//! `key(i) = sha256(key(i − 1), tokens iB..(i+1)B)`. A *tail* — the positions from a block's start
+//! to a boundary inside it where prompts tend to part (the end of the system message) — is keyed
+//! `sha256(key(i − 1), "tail", length, its tokens)` and ends its chain. A prompt reuses the longest
+//! run of stored blocks from its start, then the longest stored tail after them.
+//!
+//! **Last use** is a block's mtime; a chain's deeper blocks are given slightly older times than
+//! its first ones, so the least-recently-used eviction takes a chain from its end and never strands
+//! blocks behind a missing one. Concurrent writers may overshoot the budget by what they write at
+//! once (each makes room under the lock, then writes without it); the next run's eviction takes it
+//! back.
 //!
 //! **Layout**: `<root>/<model id>/<key>.kvb`, one directory per model identity (its GGUF digest, a
 //! sample of its weight bytes, and the numerics that produced the rows), with a `model.json` naming
@@ -18,11 +26,12 @@
 //! then value rows (`[n_kv_heads, B, row bytes]`, in the cache's precision, as `Layer::raw_range`
 //! gives them), and a sha256 of everything before it. A block is written to a temporary file and
 //! renamed into place, so a reader sees a whole block or none; one that fails any check (size,
-//! checksum, header, tokens) is removed, reported once, and never used.
+//! checksum, header, tokens) is removed, reported once, and never used. A block that cannot be read
+//! (permissions, I/O) is reported and left alone.
 
 use super::layer::RawState;
 use crate::interrupt::TempFile;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -106,11 +115,19 @@ struct Rows {
     at: usize,
 }
 
-impl Rows {
-    /// Positions it holds.
-    fn len(&self, shape: &Shape) -> usize {
-        (self.bytes.len() - self.at - 32) / (2 * shape.layers * shape.part(1))
-    }
+/// Why a block could not be used.
+enum BlockError {
+    /// It cannot be read (permissions, I/O): reported, left alone.
+    Unreadable(String),
+    /// It is not what its name says (damaged, truncated, foreign): reported and removed.
+    Damaged(String),
+}
+
+/// The last-use time given to `piece` at `now`: a microsecond older per position into the prompt,
+/// so that eviction takes a chain from its end.
+fn last_use(now: SystemTime, piece: Piece) -> SystemTime {
+    now.checked_sub(Duration::from_micros(piece.start as u64 + 1))
+        .unwrap_or(now)
 }
 
 /// One block's rows, per layer `(keys, values)`, each `[n_kv_heads, len, row]`.
@@ -119,7 +136,7 @@ pub type BlockRows = Vec<(Vec<u8>, Vec<u8>)>;
 /// What a lookup found.
 #[derive(Default)]
 pub struct Found {
-    /// Positions restored (a multiple of [`BLOCK`]).
+    /// Positions restored (the end of a full block or of a tail).
     pub tokens: usize,
     /// Per layer, the stored rows of positions `0..tokens`, ready for `Layer::restore_raw`.
     pub layers: Vec<RawState>,
@@ -129,6 +146,8 @@ pub struct Found {
     pub problems: Vec<String>,
     /// Where the first damaged block started (the blocks after it are suspect too).
     pub damaged_at: Option<usize>,
+    /// The files restored, in order (removed if their rows are refused: [`PrefixStore::discard`]).
+    pub paths: Vec<PathBuf>,
 }
 
 /// What a write did.
@@ -202,7 +221,7 @@ impl PrefixStore {
         if !meta.exists() {
             let json = serde_json::json!({ "file": store.ident.file, "model": store.ident.model });
             // Best effort: without it `cache ls` shows the id instead of the file.
-            let _ = write_atomically(&meta, json.to_string().as_bytes());
+            let _ = write_atomically(&meta, json.to_string().as_bytes(), None);
         }
         Ok(store)
     }
@@ -287,60 +306,72 @@ impl PrefixStore {
     }
 
     /// Restores the longest run of stored full blocks that `tokens[..limit]` starts with, then
-    /// the longest stored tail after them (ending at one of `boundaries`). Blocks found damaged or
-    /// foreign are removed and named in `problems`; the run stops there.
-    pub fn lookup(&self, tokens: &[u32], limit: usize, boundaries: &[usize]) -> Found {
+    /// the longest stored tail after them (ending at one of `boundaries`), ending where `ok` allows
+    /// (a quantized cache may not resume everywhere). Blocks found damaged or foreign are removed
+    /// and named in `problems`; the run stops there.
+    pub fn lookup(
+        &self,
+        tokens: &[u32],
+        limit: usize,
+        boundaries: &[usize],
+        ok: &dyn Fn(usize) -> bool,
+    ) -> Found {
         let t0 = Instant::now();
         let mut found = Found::default();
         let limit = limit.min(tokens.len());
         let full = self.keys(&tokens[..limit]);
-        let mut rows: Vec<Rows> = Vec::new();
-        let mut at = 0;
-        let mut damaged = false;
-        let try_piece = |piece: Piece, rows: &mut Vec<Rows>, found: &mut Found| {
-            let (key, parent) = self.key_of(tokens, piece, &full);
-            let path = self.path_of(&key);
-            let range = &tokens[piece.start..piece.end()];
-            match self.read_block(&path, &key, parent.as_ref(), piece, range) {
-                Ok(Some((r, bytes))) => {
-                    rows.push(r);
-                    found.bytes_read += bytes;
-                    // Its last use, for the LRU eviction.
-                    if let Ok(f) = std::fs::File::options().write(true).open(&path) {
-                        let _ = f.set_modified(SystemTime::now());
+        // (piece, path, rows) of each block read, in order.
+        let mut read: Vec<(Piece, PathBuf, Rows)> = Vec::new();
+        let now = SystemTime::now();
+        let try_piece =
+            |piece: Piece, read: &mut Vec<(Piece, PathBuf, Rows)>, found: &mut Found| {
+                let (key, parent) = self.key_of(tokens, piece, &full);
+                let path = self.path_of(&key);
+                let range = &tokens[piece.start..piece.end()];
+                match self.read_block(&path, &key, parent.as_ref(), piece, range) {
+                    Ok(Some((r, f))) => {
+                        found.bytes_read += r.bytes.len() as u64;
+                        // Its last use, for the LRU eviction (deeper blocks a little older).
+                        let _ = f.set_modified(last_use(now, piece));
+                        read.push((piece, path, r));
+                        true
                     }
-                    Some(true)
+                    Ok(None) => false,
+                    Err(BlockError::Unreadable(e)) => {
+                        found
+                            .problems
+                            .push(format!("cannot read {}: {e}", path.display()));
+                        false
+                    }
+                    Err(BlockError::Damaged(e)) => {
+                        found.problems.push(match std::fs::remove_file(&path) {
+                            Ok(()) => format!("removed {}: {e}", path.display()),
+                            Err(r) => format!(
+                                "{} is damaged ({e}) and cannot be removed: {r}",
+                                path.display()
+                            ),
+                        });
+                        found.damaged_at = Some(piece.start);
+                        false
+                    }
                 }
-                Ok(None) => Some(false),
-                Err(e) => {
-                    let _ = std::fs::remove_file(&path);
-                    found
-                        .problems
-                        .push(format!("removed {}: {e}", path.display()));
-                    found.damaged_at = Some(piece.start);
-                    None
-                }
-            }
-        };
+            };
+        let mut at = 0;
         for i in 0..full.len() {
             let piece = Piece {
                 start: i * BLOCK,
                 len: BLOCK,
             };
-            match try_piece(piece, &mut rows, &mut found) {
-                Some(true) => at = piece.end(),
-                Some(false) => break,
-                None => {
-                    damaged = true;
-                    break;
-                }
+            if !try_piece(piece, &mut read, &mut found) {
+                break;
             }
+            at = piece.end();
         }
-        if !damaged {
+        if found.problems.is_empty() {
             let mut tails: Vec<usize> = boundaries
                 .iter()
                 .copied()
-                .filter(|&b| b > at && b < at + BLOCK && b <= limit)
+                .filter(|&b| b > at && b < at + BLOCK && b <= limit && ok(b))
                 .collect();
             tails.sort_unstable_by_key(|&b| std::cmp::Reverse(b));
             for b in tails {
@@ -348,30 +379,31 @@ impl PrefixStore {
                     start: at,
                     len: b - at,
                 };
-                match try_piece(piece, &mut rows, &mut found) {
-                    Some(true) => {
-                        at = b;
-                        break;
-                    }
-                    Some(false) => {}
-                    None => break,
+                if try_piece(piece, &mut read, &mut found) {
+                    break;
+                }
+                if !found.problems.is_empty() {
+                    break;
                 }
             }
         }
-        found.tokens = at;
+        // Back to the last end a resume may start from.
+        while read.last().is_some_and(|(p, _, _)| !ok(p.end())) {
+            read.pop();
+        }
+        found.tokens = read.last().map_or(0, |(p, _, _)| p.end());
         // Each layer's keys and values, `[nkv, tokens, row]`, straight from the files' bytes.
         let nkv = self.shape.n_kv_heads;
-        let per_pos = self.shape.row_bytes;
+        let row = self.shape.row_bytes;
         found.layers = (0..self.shape.layers)
             .map(|l| {
                 let join = |which: usize| {
-                    let mut out = Vec::with_capacity(nkv * found.tokens * per_pos);
+                    let mut out = Vec::with_capacity(nkv * found.tokens * row);
                     for h in 0..nkv {
-                        for r in &rows {
-                            let len = r.len(&self.shape);
-                            let part = self.shape.part(len);
-                            let start = r.at + (2 * l + which) * part + h * len * per_pos;
-                            out.extend_from_slice(&r.bytes[start..start + len * per_pos]);
+                        for (p, _, r) in &read {
+                            let part = self.shape.part(p.len);
+                            let start = r.at + (2 * l + which) * part + h * p.len * row;
+                            out.extend_from_slice(&r.bytes[start..start + p.len * row]);
                         }
                     }
                     out
@@ -385,11 +417,24 @@ impl PrefixStore {
                 }
             })
             .collect();
+        found.paths = read.into_iter().map(|(_, p, _)| p).collect();
         found.elapsed = t0.elapsed();
         found
     }
 
-    /// Reads and checks one block: `Ok(None)` when there is none.
+    /// Removes blocks whose rows were refused although their checks passed; returns one line.
+    pub fn discard(&self, paths: &[PathBuf], why: &str) -> String {
+        let removed = paths
+            .iter()
+            .filter(|p| std::fs::remove_file(p).is_ok())
+            .count();
+        format!(
+            "the stored prefix could not be restored ({why}); removed its {removed} of {} blocks",
+            paths.len()
+        )
+    }
+
+    /// Reads and checks one block: `Ok(None)` when there is none; with it the open file.
     fn read_block(
         &self,
         path: &Path,
@@ -397,46 +442,57 @@ impl PrefixStore {
         parent: Option<&[u8; 32]>,
         piece: Piece,
         tokens: &[u32],
-    ) -> Result<Option<(Rows, u64)>> {
-        let mut f = match crate::fsx::open_regular_nofollow(path) {
+    ) -> std::result::Result<Option<(Rows, std::fs::File)>, BlockError> {
+        use BlockError::{Damaged, Unreadable};
+        let f = match crate::fsx::open_regular_nofollow(path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => bail!("{e}"),
+            // A link, pipe or directory where a block belongs was not written by kvchat.
+            Err(e) if e.kind() == std::io::ErrorKind::Other => return Err(Damaged(e.to_string())),
+            Err(e) => return Err(Unreadable(e.to_string())),
         };
-        let size = f.metadata()?.len() as usize;
+        let size = f.metadata().map_err(|e| Unreadable(e.to_string()))?.len() as usize;
         let most = self.shape.file_bytes(MAX_HEADER, piece.len);
         if size > most {
-            bail!("{size} bytes, more than a block of this cache can be ({most})");
+            return Err(Damaged(format!(
+                "{size} bytes, more than a block of this cache can be ({most})"
+            )));
         }
         let mut bytes = Vec::with_capacity(size);
-        f.read_to_end(&mut bytes)?;
+        (&f).take(most as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Unreadable(e.to_string()))?;
+        let bad = |why: String| Err(Damaged(why));
         if bytes.len() < MAGIC.len() + 4 + 32 || &bytes[..8] != MAGIC {
-            bail!("not a kvchat KV block (truncated or another format)");
+            return bad("not a kvchat KV block (truncated or another format)".into());
         }
         let (body, sum) = bytes.split_at(bytes.len() - 32);
         if Sha256::digest(body).as_slice() != sum {
-            bail!("checksum mismatch (damaged)");
+            return bad("checksum mismatch (damaged)".into());
         }
         let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
         if hlen > MAX_HEADER || self.shape.file_bytes(hlen, piece.len) != bytes.len() {
-            bail!("{} bytes, not a block of this cache's shape", bytes.len());
+            return bad(format!(
+                "{} bytes, not a block of this cache's shape",
+                bytes.len()
+            ));
         }
-        let header: serde_json::Value = serde_json::from_slice(&body[12..12 + hlen])
-            .map_err(|_| anyhow!("unreadable header"))?;
+        let header: serde_json::Value = match serde_json::from_slice(&body[12..12 + hlen]) {
+            Ok(h) => h,
+            Err(_) => return bad("unreadable header".into()),
+        };
         if header != self.header(key, parent, piece) {
-            bail!("made for another model, cache or position (foreign block)");
+            return bad("made for another model, cache or position (foreign block)".into());
         }
-        let mut at = 12 + hlen;
-        let stored: Vec<u32> = body[at..at + 4 * piece.len]
+        let at = 12 + hlen;
+        let stored = body[at..at + 4 * piece.len]
             .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect();
-        if stored != tokens {
-            bail!("holds other tokens than its key says");
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")));
+        if !stored.eq(tokens.iter().copied()) {
+            return bad("holds other tokens than its key says".into());
         }
-        at += 4 * piece.len;
-        let n = bytes.len() as u64;
-        Ok(Some((Rows { bytes, at }, n)))
+        let at = at + 4 * piece.len;
+        Ok(Some((Rows { bytes, at }, f)))
     }
 
     fn header(&self, key: &[u8; 32], parent: Option<&[u8; 32]>, piece: Piece) -> serde_json::Value {
@@ -484,13 +540,10 @@ impl PrefixStore {
         self.shape.file_bytes(h, piece.len) as u64
     }
 
-    /// Bytes the file of a block of `len` positions takes.
+    /// Bytes the file of a block of `len` positions takes (at most: the header's numbers may be
+    /// a few digits longer than these).
     fn block_bytes(&self, len: usize) -> u64 {
-        let piece = Piece { start: 0, len };
-        let h = serde_json::to_vec(&self.header(&[0; 32], Some(&[0; 32]), piece))
-            .map_or(0, |h| h.len());
-        // (The header's numbers may be a few digits longer.)
-        self.shape.file_bytes(h + 16, len) as u64
+        self.file_size(&[0; 32], Some([0; 32]), Piece { start: 0, len }) + 16
     }
 
     /// Writes `pieces` of `tokens` (`rows[j]` holding `pieces[j]`), after making room for them
@@ -524,7 +577,19 @@ impl PrefixStore {
             }
         }
         let upto = pieces.iter().map(|p| p.end()).max().unwrap_or(0);
+        let fits = |p: &Piece, b: &BlockRows| {
+            b.len() == self.shape.layers
+                && b.iter()
+                    .all(|(k, v)| k.len() == self.shape.part(p.len) && v.len() == k.len())
+        };
+        let all_fit = pieces.iter().zip(&rows).all(|(p, b)| fits(p, b));
+        if rows.len() != pieces.len() || upto > tokens.len() || !all_fit {
+            out.problems
+                .push("the rows to store do not match their blocks; nothing stored".into());
+            return out;
+        }
         let full = self.keys(&tokens[..upto]);
+        let now = SystemTime::now();
         for (&piece, block) in pieces.iter().zip(rows) {
             let (key, parent) = self.key_of(tokens, piece, &full);
             let header = serde_json::to_vec(&self.header(&key, parent.as_ref(), piece))
@@ -542,7 +607,8 @@ impl PrefixStore {
             }
             let sum = Sha256::digest(&body);
             body.extend_from_slice(&sum);
-            if let Err(e) = write_atomically(&self.path_of(&key), &body) {
+            let mtime = Some(last_use(now, piece));
+            if let Err(e) = write_atomically(&self.path_of(&key), &body, mtime) {
                 out.problems.push(format!(
                     "cannot write blocks in {}: {}; this prompt's prefix is not stored",
                     self.dir.display(),
@@ -558,20 +624,7 @@ impl PrefixStore {
 
     /// Adds a run's figures to the store's totals.
     pub fn record(&self, add: &Totals) -> Result<()> {
-        self.locked(|| {
-            let path = self.root.join("stats.json");
-            let mut t = read_totals(&self.root);
-            t.lookups += add.lookups;
-            t.hits += add.hits;
-            t.prompt_tokens += add.prompt_tokens;
-            t.reused_tokens += add.reused_tokens;
-            t.bytes_read += add.bytes_read;
-            t.blocks_written += add.blocks_written;
-            t.bytes_written += add.bytes_written;
-            t.evictions += add.evictions;
-            t.removed_damaged += add.removed_damaged;
-            write_atomically(&path, serde_json::to_string_pretty(&t)?.as_bytes())
-        })
+        self.locked(|| add_totals(&self.root, add))
     }
 
     /// Runs `f` holding the store's lock (shared with every process using this root).
@@ -583,10 +636,12 @@ impl PrefixStore {
 /// Runs `f` holding `<root>/lock` exclusively.
 fn with_lock<T>(root: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let path = root.join("lock");
+    use std::os::unix::fs::OpenOptionsExt;
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .custom_flags(crate::fsx::O_NOFOLLOW)
         .open(&path)
         .with_context(|| format!("cannot open {}", path.display()))?;
     lock.lock()
@@ -612,8 +667,9 @@ fn check_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory, renamed into place.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `bytes` to `path` through a temporary file in the same directory, renamed into place,
+/// with the modification time `mtime` when given.
+fn write_atomically(path: &Path, bytes: &[u8], mtime: Option<SystemTime>) -> Result<()> {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(
@@ -624,30 +680,32 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     ));
     let (tmp, mut f) = TempFile::create(tmp).context("cannot create a temporary file")?;
     f.write_all(bytes)?;
+    if let Some(t) = mtime {
+        f.set_modified(t)?;
+    }
     drop(f);
     tmp.keep(path)
 }
 
 /// Every block file of the store: (path, bytes, last use).
 fn blocks(root: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
-    let mut out = Vec::new();
-    for dir in model_dirs(root) {
-        let Ok(rd) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "kvb") {
-                if let Ok(m) = e.metadata() {
-                    if m.is_file() {
-                        let when = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-                        out.push((p, m.len(), when));
-                    }
-                }
-            }
-        }
-    }
-    out
+    model_dirs(root).iter().flat_map(|d| blocks_in(d)).collect()
+}
+
+/// The block files of one model directory: (path, bytes, last use).
+fn blocks_in(dir: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "kvb"))
+        .filter_map(|e| {
+            // (DirEntry metadata does not follow links.)
+            let m = e.metadata().ok().filter(|m| m.is_file())?;
+            let when = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+            Some((e.path(), m.len(), when))
+        })
+        .collect()
 }
 
 fn model_dirs(root: &Path) -> Vec<PathBuf> {
@@ -666,7 +724,7 @@ fn model_dirs(root: &Path) -> Vec<PathBuf> {
 /// Removes least recently used blocks until the store holds at most `budget` bytes (and temporary
 /// files left by processes that died); returns how many blocks went. Call under the lock.
 fn evict(root: &Path, budget: u64) -> Result<usize> {
-    for dir in model_dirs(root) {
+    for dir in std::iter::once(root.to_path_buf()).chain(model_dirs(root)) {
         if let Ok(rd) = std::fs::read_dir(&dir) {
             for e in rd.flatten() {
                 let name = e.file_name();
@@ -701,20 +759,36 @@ fn evict(root: &Path, budget: u64) -> Result<usize> {
         }
         total -= bytes;
     }
-    add_evictions(root, n as u64)?;
+    if n > 0 {
+        let evicted = Totals {
+            evictions: n as u64,
+            ..Totals::default()
+        };
+        add_totals(root, &evicted)?;
+    }
     Ok(n)
 }
 
-fn add_evictions(root: &Path, n: u64) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
+/// Adds `add` to `<root>/stats.json` (under the lock).
+fn add_totals(root: &Path, add: &Totals) -> Result<()> {
     let mut t = read_totals(root);
-    t.evictions += n;
-    write_atomically(
-        &root.join("stats.json"),
-        serde_json::to_string_pretty(&t)?.as_bytes(),
-    )
+    t += add;
+    let json = serde_json::to_string_pretty(&t)?;
+    write_atomically(&root.join("stats.json"), json.as_bytes(), None)
+}
+
+impl std::ops::AddAssign<&Totals> for Totals {
+    fn add_assign(&mut self, a: &Totals) {
+        self.lookups += a.lookups;
+        self.hits += a.hits;
+        self.prompt_tokens += a.prompt_tokens;
+        self.reused_tokens += a.reused_tokens;
+        self.bytes_read += a.bytes_read;
+        self.blocks_written += a.blocks_written;
+        self.bytes_written += a.bytes_written;
+        self.evictions += a.evictions;
+        self.removed_damaged += a.removed_damaged;
+    }
 }
 
 fn read_totals(root: &Path) -> Totals {
@@ -749,12 +823,14 @@ pub fn list(root: &Path) -> Vec<Entry> {
         let model = model_file(&dir);
         // key → (parent, index, bytes, last use)
         let mut nodes = std::collections::HashMap::new();
-        for (path, bytes, when) in blocks(root)
-            .into_iter()
-            .filter(|b| b.0.parent() == Some(&dir))
-        {
-            if let Some((key, parent, end, axes)) = block_links(&path) {
-                nodes.insert(key, (parent, end, bytes, when, axes));
+        for (path, bytes, when) in blocks_in(&dir) {
+            let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+            match block_links(&path) {
+                // A header must name its own file (a forged one could make a cycle).
+                Some((key, parent, end, axes)) if Some(&key) == stem.as_ref() => {
+                    nodes.insert(key, (parent, end, bytes, when, axes));
+                }
+                _ => {}
             }
         }
         let parents: std::collections::HashSet<&String> = nodes.values().map(|n| &n.0).collect();
@@ -763,7 +839,11 @@ pub fn list(root: &Path) -> Vec<Entry> {
                 continue;
             }
             let (mut bytes, mut last, mut at) = (0, SystemTime::UNIX_EPOCH, Some(key));
-            while let Some((p, _, b, w, _)) = at.and_then(|k| nodes.get(k)) {
+            // At most one step per block: a forged cycle cannot hang the walk.
+            for _ in 0..nodes.len() {
+                let Some((p, _, b, w, _)) = at.and_then(|k| nodes.get(k)) else {
+                    break;
+                };
                 bytes += b;
                 last = last.max(*w);
                 at = Some(p);
@@ -796,7 +876,7 @@ fn block_links(path: &Path) -> Option<(String, String, usize, String)> {
     Some((
         v["key"].as_str()?.to_string(),
         v["parent"].as_str()?.to_string(),
-        (v["start"].as_u64()? + v["len"].as_u64()?) as usize,
+        usize::try_from(v["start"].as_u64()?.checked_add(v["len"].as_u64()?)?).ok()?,
         v["axes"].as_str()?.to_string(),
     ))
 }
@@ -830,10 +910,7 @@ pub fn clear(root: &Path, model: Option<&str>) -> Result<(usize, u64)> {
                     continue;
                 }
             }
-            for (path, bytes, _) in blocks(root)
-                .into_iter()
-                .filter(|b| b.0.parent() == Some(&dir))
-            {
+            for (path, bytes, _) in blocks_in(&dir) {
                 std::fs::remove_file(&path)
                     .with_context(|| format!("cannot remove {}", path.display()))?;
                 n.0 += 1;
@@ -958,9 +1035,9 @@ mod tests {
         let w = write_all(&s, &t, 200, &[150]);
         // Blocks 0..64, 64..128 and the tail 128..150 (the block 128..192 too).
         assert_eq!((w.blocks, w.problems.len()), (4, 0));
-        let f = s.lookup(&t, 199, &[150]);
+        let f = s.lookup(&t, 199, &[150], &|_| true);
         assert_eq!(f.tokens, 192);
-        let f = s.lookup(&t, 160, &[150]);
+        let f = s.lookup(&t, 160, &[150], &|_| true);
         assert_eq!(f.tokens, 150);
         let want = expected(150);
         for (l, st) in f.layers.iter().enumerate() {
@@ -978,9 +1055,9 @@ mod tests {
         write_all(&s, &t, 256, &[]);
         let mut other = t.clone();
         other[100] ^= 1; // differs in the second block
-        assert_eq!(s.lookup(&other, 255, &[]).tokens, 64);
+        assert_eq!(s.lookup(&other, 255, &[], &|_| true).tokens, 64);
         other[3] ^= 1; // and in the first
-        assert_eq!(s.lookup(&other, 255, &[]).tokens, 0);
+        assert_eq!(s.lookup(&other, 255, &[], &|_| true).tokens, 0);
     }
 
     #[test]
@@ -988,10 +1065,15 @@ mod tests {
         let root = tmp("identity");
         let t = prompt(128, 1);
         write_all(&store(&root, "a", 1 << 30), &t, 128, &[]);
-        assert_eq!(store(&root, "b", 1 << 30).lookup(&t, 127, &[]).tokens, 0);
+        assert_eq!(
+            store(&root, "b", 1 << 30)
+                .lookup(&t, 127, &[], &|_| true)
+                .tokens,
+            0
+        );
         let mut s = store(&root, "a", 1 << 30);
         s.ident.axes = "all, bf16".into();
-        assert_eq!(s.lookup(&t, 127, &[]).tokens, 0);
+        assert_eq!(s.lookup(&t, 127, &[], &|_| true).tokens, 0);
     }
 
     /// Damages the stored block of positions 0..64 with `f`, then looks the prompt up.
@@ -1002,7 +1084,7 @@ mod tests {
         write_all(&s, &t, 128, &[]);
         let first = s.path_of(&s.keys(&t)[0]);
         f(&first);
-        let found = s.lookup(&t, 127, &[]);
+        let found = s.lookup(&t, 127, &[], &|_| true);
         assert!(!first.exists(), "{name}: the damaged block is removed");
         found
     }
@@ -1053,7 +1135,7 @@ mod tests {
         let s = store(&root, "m", 1 << 30);
         let key = s.keys(&t)[0];
         std::fs::copy(other.path_of(&other.keys(&t)[0]), s.path_of(&key)).unwrap();
-        let f = s.lookup(&t, 127, &[]);
+        let f = s.lookup(&t, 127, &[], &|_| true);
         assert_eq!((f.tokens, f.problems.len()), (0, 1));
         assert!(f.problems[0].contains("foreign"), "{}", f.problems[0]);
         assert!(!s.path_of(&key).exists());
@@ -1072,16 +1154,21 @@ mod tests {
         write_all(&s, &b, 128, &[]);
         std::thread::sleep(Duration::from_millis(20));
         // `a` used again: now `b` is the least recently used.
-        assert_eq!(s.lookup(&a, 128, &[]).tokens, 128);
+        assert_eq!(s.lookup(&a, 128, &[], &|_| true).tokens, 128);
         std::thread::sleep(Duration::from_millis(20));
         let w = write_all(&s, &c, 128, &[]);
         assert_eq!(w.evicted, 1);
         let (_, n, bytes) = stats(&root);
         assert!(bytes <= 5 * one + one / 2, "{bytes} bytes on disk");
         assert_eq!(n, 5);
-        assert_eq!(s.lookup(&a, 128, &[]).tokens, 128);
-        assert_eq!(s.lookup(&b, 128, &[]).tokens, 0, "b's first block went");
-        assert_eq!(s.lookup(&c, 128, &[]).tokens, 128);
+        assert_eq!(s.lookup(&a, 128, &[], &|_| true).tokens, 128);
+        // A chain goes from its end: b keeps its first block.
+        assert_eq!(
+            s.lookup(&b, 128, &[], &|_| true).tokens,
+            64,
+            "b's last block went"
+        );
+        assert_eq!(s.lookup(&c, 128, &[], &|_| true).tokens, 128);
         assert_eq!(stats(&root).0.evictions, 1);
     }
 
@@ -1136,7 +1223,7 @@ mod tests {
                 sc.spawn(move || {
                     let s = store(&root, "m", 1 << 30);
                     for _ in 0..20 {
-                        let f = s.lookup(&t, t.len(), &[]);
+                        let f = s.lookup(&t, t.len(), &[], &|_| true);
                         assert!(f.problems.is_empty(), "{:?}", f.problems);
                         for (l, st) in f.layers.iter().enumerate() {
                             let n = f.tokens;
@@ -1153,7 +1240,7 @@ mod tests {
             }
         });
         let s = store(&root, "m", 1 << 30);
-        assert_eq!(s.lookup(&t, t.len(), &[]).tokens, 64 * 6);
+        assert_eq!(s.lookup(&t, t.len(), &[], &|_| true).tokens, 64 * 6);
     }
 
     #[test]
@@ -1182,11 +1269,15 @@ mod tests {
         let (n, _) = clear(&root, Some("alpha.gguf")).unwrap();
         assert_eq!(n, 2);
         assert_eq!(
-            store(&root, "alpha", 1 << 30).lookup(&t, 128, &[]).tokens,
+            store(&root, "alpha", 1 << 30)
+                .lookup(&t, 128, &[], &|_| true)
+                .tokens,
             0
         );
         assert_eq!(
-            store(&root, "beta", 1 << 30).lookup(&t, 128, &[]).tokens,
+            store(&root, "beta", 1 << 30)
+                .lookup(&t, 128, &[], &|_| true)
+                .tokens,
             128
         );
         let listed = list(&root);

@@ -160,12 +160,23 @@ impl Llama {
         let chunk = cache
             .max_step()
             .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk));
-        if cache.recomputes() || tokens.len() <= chunk {
+        // Steps end at multiples of `chunk` counted from position 0, wherever the sequence
+        // resumes: a quantized cache reads a step's last positions from their f16 copies, so
+        // where steps end decides the values, and a prompt resumed from a stored prefix must
+        // step as one prefill of the whole prompt does (session::prefix).
+        let seen = if cache.n_layers() > 0 {
+            cache.layer(0).seen()
+        } else {
+            0
+        };
+        let first = chunk - seen % chunk;
+        if cache.recomputes() || tokens.len() <= first {
             return self.forward_chunk(tokens, cache, which);
         }
         let mut all = Vec::new();
         let mut last = None;
-        for chunk in tokens.chunks(chunk) {
+        let (head, rest) = tokens.split_at(first);
+        for chunk in std::iter::once(head).chain(rest.chunks(chunk)) {
             let logits = self.forward_chunk(chunk, cache, which)?;
             match which {
                 Logits::All => all.push(logits),

@@ -3,12 +3,17 @@
 //!
 //! Exactness: a restored prefix followed by a prefill of the rest must give the state that one
 //! prefill of the whole prompt gives, bit for bit, so that the answer is the one a run without the
-//! store gives. Float caches are that by construction (each row is stored and read back in one
-//! format whatever the steps). A quantized cache reads a step's last `residual` positions from their
-//! f16 copies and earlier ones quantized, so which copy a position is read from depends on where the
-//! prompt ends: its blocks are stored and restored only where they end at least `residual` positions
-//! before the prompt's end (every read of them was, and will be, quantized), and only from a state
-//! that one prefill made.
+//! store gives. This rests on the CPU kernels computing each row in a fixed order whatever the
+//! step's length (DEVELOPERS.md, "Exactness"), so the store is used on the CPU only (no such promise
+//! is made for cuBLAS). Float caches are then exact: each row is stored and read back in one format
+//! whatever the steps. A quantized cache reads a step's last `residual` positions from their f16
+//! copies and earlier ones quantized, so its values depend on where steps end. Prefill steps end at
+//! multiples of the prefill chunk counted from position 0 (`Llama::forward`), so a resumed prompt
+//! steps as a whole one does; then what differs is where the prompt ends, and a quantized cache
+//! (1) stores only blocks ending `residual` positions before its prompt's end, (2) resumes at most
+//! `residual` before the reader's end and not inside the last `residual` positions of a chunk (there
+//! one prefill reads f16 copies a resumed one would not have), with an empty residual, and (3) stores
+//! only from a state that one prefill made.
 
 use super::Session;
 use crate::kv::persist::Snapshot;
@@ -64,8 +69,12 @@ impl Session<'_> {
         if !self.tokens.is_empty() {
             self.reset()?;
         }
-        let limit = ids.len().saturating_sub(self.residual().max(1));
-        let mut found = store.lookup(ids, limit, boundaries);
+        let r = self.residual();
+        let limit = ids.len().saturating_sub(r.max(1));
+        let chunk = self.model.prefill_chunk;
+        // Where a quantized cache may resume: not inside the last r positions of a chunk.
+        let ok = |t: usize| r == 0 || t.is_multiple_of(chunk) || t % chunk + r <= chunk;
+        let mut found = store.lookup(ids, limit, boundaries, &ok);
         if found.tokens > 0 {
             let snap = Snapshot {
                 tokens: ids[..found.tokens].to_vec(),
@@ -74,9 +83,9 @@ impl Session<'_> {
             };
             if let Err(e) = self.restore(&snap) {
                 self.reset()?;
-                found
-                    .problems
-                    .push(format!("the stored prefix could not be restored: {e}"));
+                let line = store.discard(&found.paths, &crate::first_line(e));
+                found.problems.push(line);
+                found.damaged_at = Some(0);
                 found.tokens = 0;
             }
         }
@@ -152,6 +161,8 @@ pub struct StoreUse {
     /// This process's writes: blocks, bytes, time copying the rows (on the answer's path) and
     /// time writing them (on the writer's thread).
     pub wrote: (usize, u64, std::time::Duration, std::time::Duration),
+    /// A write failed: this process writes no more (lookups go on).
+    write_failed: bool,
 }
 
 impl StoreUse {
@@ -166,6 +177,7 @@ impl StoreUse {
             problems: Vec::new(),
             rewrite_from: usize::MAX,
             wrote: Default::default(),
+            write_failed: false,
         }
     }
 
@@ -179,6 +191,11 @@ impl StoreUse {
     ) -> Self {
         if let Some(why) = session.store_refusal() {
             return Self::off(why);
+        }
+        if !engine.device.is_cpu() {
+            return Self::off(
+                "on a GPU a resumed prefill is not promised the bits of a whole one (CPU only)",
+            );
         }
         let ident = crate::kv::prefix::Identity {
             model: format!(
@@ -194,11 +211,12 @@ impl StoreUse {
             },
         };
         match PrefixStore::open(root, ident, session.store_shape(), budget) {
-            Ok(store) => Self {
-                store: Some(store),
-                ..Self::off("")
+            Ok(store) => {
+                let mut s = Self::off("");
+                s.store = Some(store);
+                s.off = None;
+                s
             }
-            .on(),
             Err(e) => {
                 let mut s = Self::off(format!("unusable ({})", crate::first_line(&e)));
                 s.problems
@@ -206,11 +224,6 @@ impl StoreUse {
                 s
             }
         }
-    }
-
-    fn on(mut self) -> Self {
-        self.off = None;
-        self
     }
 
     pub fn is_on(&self) -> bool {
@@ -251,7 +264,7 @@ impl StoreUse {
     /// of their own (joined by the next call or [`StoreUse::finish`]).
     pub fn store(&mut self, session: &Session<'_>, one_prefill: bool, boundaries: &[usize]) {
         self.join_writer();
-        let Some(store) = &self.store else {
+        let Some(store) = self.store.as_ref().filter(|_| !self.write_failed) else {
             return;
         };
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
@@ -283,16 +296,14 @@ impl StoreUse {
                     self.run.blocks_written += done.blocks as u64;
                     self.run.bytes_written += done.bytes;
                     self.run.evictions += done.evicted as u64;
-                    if !done.problems.is_empty() {
-                        // A store that cannot be written is not tried again by this process.
-                        self.off = Some("not writable".into());
-                    }
+                    // A store that cannot be written is not tried again by this process.
+                    self.write_failed |= !done.problems.is_empty();
                     self.problems.extend(done.problems);
                 }
-                Err(_) => self.problems.push("the block writer failed".into()),
-            }
-            if self.off.is_some() {
-                self.store = None;
+                Err(_) => {
+                    self.write_failed = true;
+                    self.problems.push("the block writer failed".into());
+                }
             }
         }
     }
@@ -306,11 +317,12 @@ impl StoreUse {
                 evictions: 0,
                 ..std::mem::take(&mut self.run)
             };
+            // (When blocks could not be written, the totals cannot either: said once.)
             if let Err(e) = store.record(&add) {
-                self.problems.push(format!(
-                    "cannot update the totals: {}",
-                    crate::first_line(e)
-                ));
+                if !self.write_failed {
+                    let line = format!("cannot update the totals: {}", crate::first_line(e));
+                    self.problems.push(line);
+                }
             }
         }
     }
@@ -343,5 +355,13 @@ impl StoreUse {
             write.as_secs_f64() * 1e3,
             copy.as_secs_f64() * 1e3
         )
+    }
+}
+
+impl Drop for StoreUse {
+    /// A run that ends early (an error while decoding) still lets its writer finish, so that no
+    /// temporary file is left behind.
+    fn drop(&mut self) {
+        self.join_writer();
     }
 }
