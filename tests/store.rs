@@ -154,7 +154,7 @@ fn a_quantized_cache_resumed_past_a_prefill_chunk_answers_as_without_the_store()
     let second = run(q, &[]);
     assert!(second.status.success(), "{}", text(&second.stderr));
     let n = reused(&second);
-    assert!(n > 512 && n % 512 != 0, "reused {n}");
+    assert!(n > 512 && !n.is_multiple_of(512), "reused {n}");
     assert_eq!(
         text(&second.stdout),
         text(&run(q, &["--no-kv-store"]).stdout)
