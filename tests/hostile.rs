@@ -1168,3 +1168,16 @@ fn an_unknown_kernels_value_is_a_one_line_error_naming_the_flag() {
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn an_unknown_kvchat_simd_value_is_a_one_line_error_naming_the_variable() {
+    let out = common::kvchat_env(
+        &["run", "-n", "1", "hi"],
+        "",
+        &[("KVCHAT_SIMD", std::ffi::OsStr::new("avx9"))],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("KVCHAT_SIMD") && err.contains("avx9"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

@@ -77,7 +77,10 @@ impl ModelArgs {
             threads,
             ctx: self.ctx,
             kv_precisions: Vec::new(),
-            kernels: self.kernels.parse().context("--kernels")?,
+            kernels: {
+                crate::model::kernels::quant::simd_cap()?;
+                self.kernels.parse().context("--kernels")?
+            },
         })
     }
 }

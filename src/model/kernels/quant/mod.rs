@@ -204,18 +204,27 @@ pub enum Level {
     Vnni,
 }
 
-/// The best level this CPU runs, capped by `KVCHAT_SIMD=scalar|avx2` (for side-by-side checks);
-/// decided once per process.
+/// The best level this CPU runs, capped by `KVCHAT_SIMD=scalar|avx2|vnni` (for side-by-side
+/// checks; the command line refuses other values, [`simd_cap`]); decided once per process.
 pub fn level() -> Level {
     static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let cap = match std::env::var("KVCHAT_SIMD").as_deref() {
-            Ok("scalar") => Level::Scalar,
-            Ok("avx2") => Level::Avx2,
-            _ => Level::Vnni,
-        };
+        let cap = simd_cap().ok().flatten().unwrap_or(Level::Vnni);
         cap.min(detected())
     })
+}
+
+/// The cap `KVCHAT_SIMD` sets, if any; an error names a value that is not a level.
+pub fn simd_cap() -> anyhow::Result<Option<Level>> {
+    match std::env::var("KVCHAT_SIMD") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.as_str() {
+            "scalar" => Ok(Some(Level::Scalar)),
+            "avx2" => Ok(Some(Level::Avx2)),
+            "vnni" => Ok(Some(Level::Vnni)),
+            other => anyhow::bail!("KVCHAT_SIMD='{other}' is not scalar, avx2 or vnni"),
+        },
+    }
 }
 
 /// The best level of this CPU.

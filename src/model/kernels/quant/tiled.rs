@@ -778,8 +778,9 @@ impl<F: Tiled> TiledMatrix<F> {
         let kb = cols / F::N;
         let groups = rows / TR;
         let mut tiles = vec![F::Tile::zeroed(); groups * kb];
-        // Row groups split over the cores (packing a 1B model's weights is seconds on one).
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Row groups split over the threads kvchat runs with (--threads; packing a 1B model's
+        // weights is seconds on one).
+        let threads = candle_core::utils::get_num_threads();
         let per = groups.div_ceil(threads.max(1)).max(1);
         std::thread::scope(|s| {
             for (c, chunk) in tiles.chunks_mut(per * kb).enumerate() {
