@@ -6,9 +6,10 @@
 #      without the store (greedy, identical);
 #   2. one ~2,000-token document with 5 different questions in 5 processes: the share of each
 #      prompt reused from the store;
-#   3. a cold run's wall time with the store against --no-kv-store, alternated ROUNDS times;
+#   3. a cold run with the store against --no-kv-store: the store's own time as a share of the run,
+#      and wall and CPU time, max(ROUNDS, 8) pairs, alternating which goes first;
 #   4. 50 distinct ~600-token prompts under a 64 MiB budget: bytes on disk after each run.
-#   scripts/prefix-store-bench.sh [ROUNDS=3] [THREADS=2]
+#   scripts/prefix-store-bench.sh [ROUNDS=3] [THREADS=2]      (PARTS=1,3 runs only those parts)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
@@ -19,7 +20,7 @@ mkdir -p "$out"
 "$root/scripts/fetch-models.sh" >&2
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 python3 - "$root/target/release/kvchat" "$out" "$rounds" "$threads" <<'PY'
-import os, random, re, statistics, subprocess, sys, time
+import os, random, re, resource, statistics, subprocess, sys, time
 kv, out, rounds, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 words = ("the keeper wrote the weather every morning and the ships that passed the harbour "
          "in winter storms came from the north while the lamp burned through long nights and "
@@ -58,10 +59,12 @@ fresh = iter(range(10**6))
 def new_store():
     return f"{out}/store-{next(fresh)}"
 
+parts = os.environ.get("PARTS", "1,2,3,4").split(",")
+
 # 1. Time to first token, cold and warm, on a ~2,000-token system prompt.
 system = "You answer questions about this logbook. " + text(1, 1650)
 cold, warm, same = [], [], True
-for r in range(rounds):
+for r in range(rounds if "1" in parts else 0):
     s = new_store()
     a = run(s, ["--system", system, f"What came from the north? ({r})"])
     b = run(s, ["--system", system, f"What did the keeper write? ({r})"])
@@ -72,7 +75,8 @@ for r in range(rounds):
           f"warm {b['ttft']:.0f} ms ({a['ttft'] / b['ttft']:.1f}x), warm reused "
           f"{b['reused'][0]} of {b['reused'][1]}; warm answer == no-store answer: "
           f"{b['out'] == ref['out']}")
-print(f"1. time to first token, median of {rounds}: cold {statistics.median(cold):.0f} ms, "
+if "1" in parts:
+  print(f"1. time to first token, median of {rounds}: cold {statistics.median(cold):.0f} ms, "
       f"warm {statistics.median(warm):.0f} ms: {statistics.median(cold) / statistics.median(warm):.1f}x "
       f"shorter (target >= 20x); answers identical: {same}")
 
@@ -80,34 +84,49 @@ print(f"1. time to first token, median of {rounds}: cold {statistics.median(cold
 s = new_store()
 doc = text(2, 1650)
 rates = []
-for i, q in enumerate(["Which birds are named?", "What colour is the sea?", "When do storms come?",
+for i, q in enumerate([] if "2" not in parts else ["Which birds are named?", "What colour is the sea?", "When do storms come?",
                        "What burns at night?", "Who wrote every morning?"]):
     o = run(s, [f"Read this document.\n\n{doc}\n\nQuestion: {q}"])
     n, m = o["reused"]
     rates.append(100 * n / m)
     print(f"   process {i + 1}: {n} of {m} prompt tokens reused ({100 * n / m:.1f} %)")
-print(f"2. hit rate from the second process on: min {min(rates[1:]):.1f} % (target >= 90 %)")
+if "2" in parts:
+  print(f"2. hit rate from the second process on: min {min(rates[1:]):.1f} % (target >= 90 %)")
 
 # 3. The store's cost on a cold run: wall time with a fresh store against --no-kv-store.
-on, off, own = [], [], []
-for r in range(rounds):
+on, off, own, cpu = [], [], [], []
+pairs = max(rounds, 8) if "3" in parts else 0
+for r in range(pairs):
     prompt = ["--system", "You answer questions about this logbook. " + text(100 + r, 1650), "What is it?"]
-    off.append(run(new_store(), ["--no-kv-store", *prompt])["wall"])
-    o = run(new_store(), prompt)
-    on.append(o["wall"])
-    own.append(o["own"] / o["wall"])
-    print(f"   round {r + 1}: cold run {off[-1]:.2f} s without the store, {on[-1]:.2f} s with it "
-          f"({100 * (on[-1] / off[-1] - 1):+.1f} %); the store's own work (lookup, copying, "
-          f"writing) {1e3 * o['own']:.0f} ms = {100 * own[-1]:.2f} % of the run")
-print(f"3. cold-run overhead: the store's own work is {100 * statistics.median(own):.2f} % of a cold "
-      f"run (median); wall time with/without, median of alternated runs: "
-      f"{100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} % (target <= 5 %)")
+    # Which goes first alternates, so that drift in the machine's speed hits both alike.
+    order = [False, True] if r % 2 == 0 else [True, False]
+    got = {}
+    for with_store in order:
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        o = run(new_store(), prompt if with_store else ["--no-kv-store", *prompt])
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        o["cpu"] = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+        got[with_store] = o
+    a, b = got[False], got[True]
+    off.append(a["wall"]); on.append(b["wall"])
+    own.append(b["own"] / b["wall"])
+    cpu.append(b["cpu"] / a["cpu"])
+    print(f"   pair {r + 1}: cold run {a['wall']:.2f} s without the store, {b['wall']:.2f} s with it "
+          f"({100 * (b['wall'] / a['wall'] - 1):+.1f} %), CPU time {100 * (cpu[-1] - 1):+.1f} %; "
+          f"the store's own work (lookup, copying, writing) {1e3 * b['own']:.0f} ms = "
+          f"{100 * own[-1]:.2f} % of the run")
+ratios = [b / a for a, b in zip(off, on)]
+if "3" in parts:
+  print(f"3. cold-run overhead: the store's own work is {100 * statistics.median(own):.2f} % of a cold "
+      f"run (median); median over {pairs} alternated pairs of the with/without ratio: wall time "
+      f"{100 * (statistics.median(ratios) - 1):+.1f} %, CPU time {100 * (statistics.median(cpu) - 1):+.1f} % "
+      f"(target <= 5 %)")
 
 # 4. Budget: 50 distinct prompts under 64 MiB.
 s = new_store()
 budget = 64 << 20
 most = 0
-for i in range(50):
+for i in range(50 if "4" in parts else 0):
     subprocess.run([kv, "run", "--threads", threads, "-n", "1", "--kv-store-budget", "64MiB",
                     "--raw", text(1000 + i, 500)], env=dict(os.environ, KVCHAT_KV_STORE=s),
                    capture_output=True, check=True)
@@ -116,7 +135,8 @@ for i in range(50):
     most = max(most, disk)
 st = subprocess.run([kv, "cache", "stats"], env=dict(os.environ, KVCHAT_KV_STORE=s),
                     capture_output=True, text=True).stdout
-print(f"4. after 50 distinct prompts: most block bytes on disk after any run {most / 2**20:.1f} MiB, "
+if "4" in parts:
+  print(f"4. after 50 distinct prompts: most block bytes on disk after any run {most / 2**20:.1f} MiB, "
       f"budget {budget / 2**20:.0f} MiB: {'within' if most <= budget else 'OVER'}")
-print("   " + st.strip().replace("\n", "\n   "))
+  print("   " + st.strip().replace("\n", "\n   "))
 PY

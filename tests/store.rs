@@ -376,7 +376,7 @@ fn resumed_after(
     let mut earlier = e.session(spec);
     earlier.feed(ids_earlier).unwrap();
     let mut store = StoreUse::open(e, &earlier, &root, 1 << 30);
-    store.store(&earlier, true, &[]);
+    store.store(&earlier, true, &[], ids_earlier.len());
     store.finish();
     assert!(store.take_problems().is_empty());
     let mut whole = e.session(spec);

@@ -119,8 +119,6 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let logits = session.feed(&ids[reused..])?;
     let prefill = t0.elapsed();
-    // The new blocks are written while the answer is generated.
-    store.store(&session, true, &boundaries);
     report_store_problems(&mut store);
     if let Some(p) = &args.prompt_cache {
         if let Err(e) = session.save_state(p, &engine.digest, serde_json::json!({})) {
@@ -166,6 +164,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // The prompt's new blocks are written once the answer is out: a writer beside the decode
+    // would take a core from its threads (measured: +5 % on a 2-core machine).
+    store.store(&session, true, &boundaries, ids.len());
     store.finish();
     report_store_problems(&mut store);
     stats.prompt_tokens = ids.len() - reused;

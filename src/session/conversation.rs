@@ -179,7 +179,6 @@ impl<'e> Conversation<'e> {
         let t0 = std::time::Instant::now();
         let logits = self.session.feed(&new)?;
         let prefill = t0.elapsed();
-        self.store.store(&self.session, fresh, &boundaries);
         let (out, mut reason, mut gen) = self.session.decode(
             logits,
             sampler,
@@ -195,6 +194,11 @@ impl<'e> Conversation<'e> {
         )?;
         gen.prompt_tokens = new.len();
         gen.prefill = prefill;
+        // The prompt's new blocks go to the store while the person reads the answer (not beside
+        // the decode, whose threads would lose a core to the writer). Positions the answer added
+        // are after the prompt's: the prompt's rows are as the prefill left them.
+        self.store
+            .store(&self.session, fresh, &boundaries, ids.len());
         if let Some(t) = stream.finish(&engine.tokenizer)? {
             on_text(&t)?;
         }

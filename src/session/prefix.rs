@@ -92,22 +92,25 @@ impl Session<'_> {
         Ok(found)
     }
 
-    /// After a prefill: the blocks of the session's sequence not stored yet, and their rows.
-    /// `one_prefill` says whether the state was made by one prefill (after at most a restore from
-    /// the store); a quantized cache stores nothing otherwise.
+    /// The blocks of the session's first `prompt` positions (a prompt it prefilled; what it
+    /// generated after may follow) not stored yet, and their rows. `one_prefill` says whether the
+    /// prompt's state was made by one prefill (after at most a restore from the store); a
+    /// quantized cache stores nothing otherwise.
     pub fn rows_for_store(
         &self,
         store: &PrefixStore,
         one_prefill: bool,
         boundaries: &[usize],
         rewrite_from: usize,
+        prompt: usize,
     ) -> Result<(Vec<Piece>, Vec<BlockRows>)> {
         let quantized = self.cache.spec().precision().quantized();
         if self.store_refusal().is_some() || (quantized && !one_prefill) {
             return Ok((Vec::new(), Vec::new()));
         }
-        let upto = self.tokens.len().saturating_sub(self.residual());
-        let which = store.missing(&self.tokens, upto, boundaries, rewrite_from);
+        let tokens = &self.tokens[..prompt.min(self.tokens.len())];
+        let upto = tokens.len().saturating_sub(self.residual());
+        let which = store.missing(tokens, upto, boundaries, rewrite_from);
         let mut rows = Vec::with_capacity(which.len());
         for p in &which {
             let block: Result<BlockRows> = self
@@ -146,7 +149,7 @@ impl Lookup {
 }
 
 /// A run's or a chat's use of the prefix store: the store (or why there is none), the last lookup,
-/// the thread writing new blocks while the answer is generated, and this process's figures, added
+/// the thread writing new blocks once an answer is out, and this process's figures, added
 /// to the store's totals by [`StoreUse::finish`].
 pub struct StoreUse {
     store: Option<PrefixStore>,
@@ -260,16 +263,23 @@ impl StoreUse {
         Ok(found.tokens)
     }
 
-    /// After a prefill: copies the rows of the blocks not stored yet and writes them on a thread
-    /// of their own (joined by the next call or [`StoreUse::finish`]).
-    pub fn store(&mut self, session: &Session<'_>, one_prefill: bool, boundaries: &[usize]) {
+    /// After a prompt of `prompt` positions was prefilled (and maybe answered): copies the rows of
+    /// its blocks not stored yet and writes them on a thread of their own (joined by the next call
+    /// or [`StoreUse::finish`]).
+    pub fn store(
+        &mut self,
+        session: &Session<'_>,
+        one_prefill: bool,
+        boundaries: &[usize],
+        prompt: usize,
+    ) {
         self.join_writer();
         let Some(store) = self.store.as_ref().filter(|_| !self.write_failed) else {
             return;
         };
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
         let t0 = std::time::Instant::now();
-        let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from);
+        let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from, prompt);
         self.wrote.2 += t0.elapsed();
         match rows {
             Ok((which, rows)) if !which.is_empty() => {
