@@ -77,6 +77,19 @@ fn store_problems(o: &Output) -> Vec<String> {
         .collect()
 }
 
+/// The block that holds positions 0..64 (its header says so).
+fn chain_start(dir: &Path) -> PathBuf {
+    blocks(dir)
+        .into_iter()
+        .find(|b| {
+            let bytes = std::fs::read(b).unwrap();
+            let n = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+            let h: serde_json::Value = serde_json::from_slice(&bytes[12..12 + n]).unwrap();
+            h["start"] == 0 && h["len"] == 64
+        })
+        .expect("a first block")
+}
+
 fn blocks(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for d in std::fs::read_dir(dir).unwrap().flatten() {
@@ -192,14 +205,22 @@ fn a_truncated_or_empty_block_is_reported_and_the_answer_is_unchanged() {
     assert!(ask(&store, "Where is the lighthouse?", &[])
         .status
         .success());
+    // The chain's first block emptied, every other one cut in half.
+    let first = chain_start(&store);
     for b in blocks(&store) {
         let bytes = std::fs::read(&b).unwrap();
-        std::fs::write(&b, &bytes[..bytes.len() / 2]).unwrap();
+        let keep = if b == first { 0 } else { bytes.len() / 2 };
+        std::fs::write(&b, &bytes[..keep]).unwrap();
     }
     let q = "What did the keeper write down?";
     let o = ask(&store, q, &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(store_problems(&o).len(), 1, "{:?}", store_problems(&o));
+    let problems = store_problems(&o);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("not a kvchat KV block"),
+        "{problems:?}"
+    );
     assert_eq!(text(&o.stdout), reference(q, &[]));
     // Every block was replaced by a sound one: the next run reuses the prompt again.
     assert!(reused(&ask(&store, q, &[])) > 5 * 64);
