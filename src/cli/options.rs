@@ -246,6 +246,15 @@ impl StoreArgs {
         Ok((!self.no_kv_store && b > 0).then_some(b))
     }
 
+    /// Why the store is off, when [`StoreArgs::budget`] is None.
+    pub fn off_reason(&self) -> &'static str {
+        if self.no_kv_store {
+            "--no-kv-store"
+        } else {
+            "--kv-store-budget 0"
+        }
+    }
+
     /// The store's directory.
     pub fn root(&self) -> PathBuf {
         self.kv_store_dir

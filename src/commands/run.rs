@@ -212,7 +212,7 @@ pub fn open_store(
 ) -> StoreUse {
     match budget {
         _ if prompt_cache => StoreUse::off("--prompt-cache names the state to use"),
-        None => StoreUse::off("--no-kv-store"),
+        None => StoreUse::off(flags.off_reason()),
         Some(budget) => StoreUse::open(engine, session, &flags.root(), budget),
     }
 }

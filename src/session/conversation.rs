@@ -62,7 +62,7 @@ pub struct Conversation<'e> {
     /// Turns shifted out by [`OnFull::Shift`] so far (turn numbers keep counting them).
     pub shifted_out: usize,
     /// The prefix store: looked up when the session holds nothing of the conversation (its
-    /// first turn, after /reset), and given the new blocks after each prefill.
+    /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
     pub store: StoreUse,
 }
 

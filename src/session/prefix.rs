@@ -251,7 +251,7 @@ impl StoreUse {
         self.run.prompt_tokens += ids.len() as u64;
         self.run.reused_tokens += found.tokens as u64;
         self.run.bytes_read += found.bytes_read;
-        self.run.removed_damaged += found.problems.len() as u64;
+        self.run.removed_damaged += found.removed as u64;
         self.problems.extend(found.problems);
         self.rewrite_from = found.damaged_at.unwrap_or(usize::MAX);
         self.last = Some(Lookup {
@@ -360,7 +360,8 @@ impl StoreUse {
             return String::new();
         }
         format!(
-            "; stored {n} blocks ({:.1} MiB) in {:.1} ms on its own thread, after {:.1} ms copying",
+            "; stored {n} block{} ({:.1} MiB) in {:.1} ms on its own thread, after {:.1} ms copying",
+            if n == 1 { "" } else { "s" },
             bytes as f64 / (1 << 20) as f64,
             write.as_secs_f64() * 1e3,
             copy.as_secs_f64() * 1e3
