@@ -21,7 +21,8 @@ pub struct Engine {
     /// The most positions a sequence may reach (`--ctx`).
     pub ctx: usize,
     pub device: Device,
-    /// Identifies the model for saved KV state: sha256 of its GGUF metadata and tensor layout.
+    /// Identifies the model for saved KV state: sha256 of its GGUF header (metadata and tensor
+    /// layout; `GgufFile::digest`).
     pub digest: String,
     /// How the weights are stored: "quantized" (GGUF) or the dense dtype (safetensors).
     pub weights: String,
@@ -39,25 +40,9 @@ pub struct Engine {
     pub numerics: String,
     /// The tensors' storage types and how many of each, most common first ("q4_1 ×182, f32 ×61").
     pub tensor_types: String,
-}
-
-/// sha256 over a GGUF's metadata and tensor layout (names, types, shapes, offsets): cheap, and two
-/// files with the same digest hold the same model in the same layout.
-pub fn gguf_digest(ct: &candle_core::quantized::gguf_file::Content) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    let mut keys: Vec<&String> = ct.metadata.keys().collect();
-    keys.sort();
-    for k in keys {
-        h.update(format!("{k}={:?};", ct.metadata[k]).as_bytes());
-    }
-    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
-    names.sort();
-    for n in names {
-        let t = &ct.tensor_infos[n];
-        h.update(format!("{n}:{:?}:{:?}:{};", t.ggml_dtype, t.shape.dims(), t.offset).as_bytes());
-    }
-    format!("{:x}", h.finalize())
+    /// How long opening the model took: reading its header and weights, building the tokenizer
+    /// (from an on-disk copy; a download is not counted).
+    pub load_time: std::time::Duration,
 }
 
 /// Where to run: what a front end asks for, before the device is opened.
@@ -224,10 +209,12 @@ impl Engine {
         let device = args.device.open()?;
         let (location, registry) =
             crate::source::resolve_model(args.model.as_deref(), args.models_file.as_deref())?;
+        let started = std::time::Instant::now();
         let mut engine = match location {
             Location::Gguf(path) => Self::load_gguf(path, args, device)?,
             Location::Safetensors(files) => Self::load_hf(files, args, device)?,
         };
+        engine.load_time = started.elapsed();
         if let Some(r) = registry.filter(|r| !r.is_empty()) {
             engine.sampling.insert(0, ("models.toml".into(), r));
         }
@@ -309,7 +296,7 @@ impl Engine {
         let params = infos.clone().map(|t| t.shape.elem_count() as u64).sum();
         let tensor_types =
             crate::tally(infos.map(|t| format!("{:?}", t.ggml_dtype).to_lowercase()));
-        let mut digest = gguf_digest(&gguf.content);
+        let mut digest = gguf.digest()?;
         let weights = match gguf.dense {
             Some(d) => {
                 // Other numerics, other KV state: a prompt cache of the quantized run does not apply.
@@ -438,6 +425,7 @@ impl Engine {
             params: 0,
             tensor_types: String::new(),
             numerics,
+            load_time: Default::default(),
         })
     }
 

@@ -183,7 +183,7 @@ fn sampling_with_a_seed_is_reproducible_and_differs_from_greedy_sometimes() {
 fn tokenizer_json_override_gives_the_same_ids_as_the_gguf_tokenizer() {
     let e = engine();
     let path = std::env::temp_dir().join(format!("kvchat-tokenizer-{}.json", std::process::id()));
-    e.tokenizer.inner.save(&path, false).unwrap();
+    e.tokenizer.to_hf().unwrap().save(&path, false).unwrap();
     let tk = kvchat::tokenizer::Tokenizer::from_file(&path, Some(&e.tokenizer)).unwrap();
     for text in [
         "Hello, world!",

@@ -87,6 +87,27 @@ fn gemma3_token_ids_equal_llama_tokenize_on_varied_text() {
         ),
         ("مرحبا بالعالم", &[236873, 150345, 107602, 17193]),
         ("a\\nb\\\\c", &[236746, 236785, 7814, 4084, 236755]),
+        // Runs of newlines and tabs are user-defined tokens, cut out before merging.
+        (
+            "line one\n\nline two\n\n\n\nend",
+            &[1257, 886, 108, 1257, 1156, 110, 643],
+        ),
+        (
+            "\t\tindented\n\t\t\tdeeper",
+            &[255969, 724, 16764, 107, 255970, 893, 13462],
+        ),
+        // A control token's text, and HTML tags (normal tokens here).
+        (
+            "text with <unused5> inside and <b>html</b>",
+            &[1005, 607, 236743, 11, 4888, 532, 236743, 200, 3185, 209],
+        ),
+        // A byte token's spelling typed as text is text.
+        (
+            "<0x0A> literal byte token",
+            &[
+                236820, 236771, 236781, 236771, 236776, 236813, 37087, 16812, 8369,
+            ],
+        ),
     ];
     let tk = &gemma().tokenizer;
     for (text, want) in cases {
@@ -96,6 +117,18 @@ fn gemma3_token_ids_equal_llama_tokenize_on_varied_text() {
         tk.add_bos && tk.bos_id == Some(2),
         "Gemma prompts start with <bos>"
     );
+}
+
+#[test]
+fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out() {
+    // "\n", "\n\n" and tab runs are user-defined tokens: text, not control tokens.
+    let tk = &gemma().tokenizer;
+    let text = "Steps:\n\n1. one\n\t2. two";
+    let ids = tk.encode(text).unwrap();
+    assert!(ids.contains(&108), "\\n\\n is one token: {ids:?}");
+    assert_eq!(tk.decode(&ids, true).unwrap(), text);
+    let with_turn = [&[105u32][..], &ids, &[106]].concat(); // <start_of_turn> … <end_of_turn>
+    assert_eq!(tk.decode(&with_turn, true).unwrap(), text);
 }
 
 /// kvchat's perplexity of the bundled bench text in chunks of `chunk`.

@@ -265,6 +265,12 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
     if let Some(line) = window_saving(engine, cache) {
         eprintln!("[stats] {line}");
     }
+    eprintln!(
+        "[stats] model loaded in {:.0} ms ({} parameters; {})",
+        engine.load_time.as_secs_f64() * 1e3,
+        engine.params,
+        engine.tensor_types
+    );
 }
 
 /// For a model whose layers declare sliding windows: what the cache holds against a uniform one.

@@ -124,7 +124,7 @@ pub fn gguf_to_hf(gguf_path: &Path, out_dir: &Path) -> Result<()> {
     )?;
 
     let tk = Tokenizer::from_gguf(&gguf.content)?;
-    tk.inner
+    tk.to_hf()?
         .save(out_dir.join("tokenizer.json"), false)
         .map_err(|e| anyhow::anyhow!("cannot write tokenizer.json: {e}"))?;
     let mut tk_config = serde_json::json!({

@@ -13,24 +13,46 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The matrix in our CPU kernels' block store, when the device is the CPU and `kernels` picks
-/// ours for its type.
-fn own_kernels(kernels: Kernels, device: &Device, w: &QTensor) -> Result<Option<QMatrix>> {
-    let (rows, cols) = match w.shape().dims() {
-        &[rows, cols] => (rows, cols),
-        _ => return Ok(None),
-    };
-    if !device.is_cpu() || !kernels.ours_for(w.dtype(), rows, cols) {
-        return Ok(None);
+/// A matrix as read from the file: in our kernels' store, or candle's tensor.
+enum Read {
+    Ours(QMatrix),
+    Candle(Arc<QTensor>),
+}
+
+/// A buffered file reader that keeps its own position: candle's GGUF reader asks for it around
+/// every string, and on a `BufReader<File>` that is a system call (for Gemma 3's 262k-token
+/// vocabulary, 70 ms of a 0.7 s load).
+struct Tracked {
+    inner: BufReader<File>,
+    pos: u64,
+}
+
+impl std::io::Read for Tracked {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.pos += n as u64;
+        Ok(n)
     }
-    QMatrix::from_qtensor(w)
+}
+
+impl std::io::Seek for Tracked {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        if to == std::io::SeekFrom::Current(0) {
+            return Ok(self.pos);
+        }
+        // Any other move goes to the file (our own reads move it underneath, then seek).
+        self.pos = self.inner.seek(to)?;
+        Ok(self.pos)
+    }
 }
 
 /// An opened GGUF file: its metadata is read, its tensors are read on demand.
 pub struct GgufFile {
     pub path: PathBuf,
     pub content: gguf_file::Content,
-    reader: BufReader<File>,
+    reader: Tracked,
+    /// The bytes of the last tensor read for our tiled kernels (reused: its pages are touched once).
+    scratch: Vec<u8>,
     /// Dequantize every matrix to this dtype at load (`--dtype`); None keeps them quantized.
     pub dense: Option<DType>,
     /// Our CPU kernels or candle's QMatMul, per type.
@@ -43,7 +65,10 @@ impl GgufFile {
         crate::fsx::check_regular(path, u64::MAX, "model file")?;
         let file = File::open(path)
             .with_context(|| format!("cannot open model file {}", path.display()))?;
-        let mut reader = BufReader::new(file);
+        let mut reader = Tracked {
+            inner: BufReader::new(file),
+            pos: 0,
+        };
         // candle's reader divides by `general.alignment` unchecked (0 panics): read the header
         // under a guard that turns such a panic into an error about the file.
         let content = crate::guard::no_panic(|| gguf_file::Content::read(&mut reader))
@@ -66,9 +91,27 @@ impl GgufFile {
             path: path.to_path_buf(),
             content,
             reader,
+            scratch: Vec::new(),
             dense: None,
             kernels: Kernels::default(),
         })
+    }
+
+    /// sha256 of the file's header: every byte before the tensor data (its metadata and tensor
+    /// layout: names, types, shapes, offsets). Cheap (Gemma 3's 6 MB header: milliseconds), and
+    /// two files with the same digest hold the same model in the same layout.
+    pub fn digest(&mut self) -> Result<String> {
+        use sha2::{Digest, Sha256};
+        use std::io::{Read, Seek, SeekFrom};
+        let cannot = |e: std::io::Error| {
+            anyhow::anyhow!("cannot read the header of {}: {e}", self.path.display())
+        };
+        let file = self.reader.inner.get_mut();
+        file.seek(SeekFrom::Start(0)).map_err(cannot)?;
+        let mut header = (&mut *file).take(self.content.tensor_data_offset);
+        let mut h = Sha256::new();
+        std::io::copy(&mut header, &mut h).map_err(cannot)?;
+        Ok(format!("{:x}", h.finalize()))
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
@@ -87,6 +130,80 @@ impl GgufFile {
             })
     }
 
+    /// `[rows, cols]` of a 2-D tensor (candle's order: rows first); an error naming the tensor when
+    /// the file has none of that name.
+    fn dims2(
+        &self,
+        name: &str,
+    ) -> Result<Option<(usize, usize, candle_core::quantized::GgmlDType)>> {
+        let info = self.content.tensor_infos.get(name).with_context(|| {
+            format!(
+                "cannot read tensor {name} from {} (the file has no such tensor); the file may be \
+                 truncated or corrupt",
+                self.path.display()
+            )
+        })?;
+        Ok(match info.shape.dims() {
+            &[rows, cols] => Some((rows, cols, info.ggml_dtype)),
+            _ => None,
+        })
+    }
+
+    /// A matrix our CPU kernels run, read from the file straight into their layout (one reused
+    /// buffer in between, no candle `QTensor`: loading Gemma 3's 178 MB embedding table this way
+    /// saves a copy and its page faults); None when candle or a dense copy runs it. `want` is
+    /// checked first.
+    fn own_matrix(
+        &mut self,
+        name: &str,
+        want: [usize; 2],
+        device: &Device,
+    ) -> Result<Option<QMatrix>> {
+        if self.dense.is_some() || !device.is_cpu() {
+            return Ok(None);
+        }
+        let Some((rows, cols, dtype)) = self.dims2(name)? else {
+            return Ok(None);
+        };
+        if !self.kernels.ours_for(dtype, rows, cols) {
+            return Ok(None);
+        }
+        expect_dims(name, &[rows, cols], &want)?;
+        let info = &self.content.tensor_infos[name];
+        let unreadable = |why: String| {
+            anyhow::anyhow!(
+                "cannot read tensor {name} from {} ({why}); the file may be truncated or corrupt",
+                self.path.display()
+            )
+        };
+        let elems = rows * cols;
+        if !elems.is_multiple_of(dtype.block_size()) {
+            return Err(unreadable(format!(
+                "{elems} elements are not whole blocks of {}",
+                dtype.block_size()
+            )));
+        }
+        let size = (elems / dtype.block_size() * dtype.type_size()) as u64;
+        let start = self.content.tensor_data_offset.saturating_add(info.offset);
+        let file = self.reader.inner.get_mut();
+        let len = file
+            .metadata()
+            .map_err(|e| unreadable(e.to_string()))?
+            .len();
+        if len.saturating_sub(start) < size {
+            return Err(unreadable(format!(
+                "it needs {size} bytes at offset {start}, the file has {len}"
+            )));
+        }
+        use std::io::{Read, Seek, SeekFrom};
+        file.seek(SeekFrom::Start(start))
+            .map_err(|e| unreadable(e.to_string()))?;
+        let mut src = (&mut *file).take(size);
+        // The BufReader's position is stale now; candle's reads seek first.
+        QMatrix::read(dtype, rows, cols, &mut src, &mut self.scratch)
+            .map_err(|e| unreadable(crate::first_line(e)))
+    }
+
     /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.
     fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         Ok(self.tensor(name, device)?.dequantize(device)?)
@@ -99,28 +216,36 @@ impl GgufFile {
         want: [usize; 2],
         device: &Device,
     ) -> Result<Linear> {
-        let w = self.tensor(&format!("{name}.weight"), device)?;
-        expect_dims(&format!("{name}.weight"), w.shape().dims(), &want)?;
+        let wname = format!("{name}.weight");
+        let w = match self.matrix(&wname, want, device)? {
+            Read::Ours(m) => Weight::Cpu(m),
+            Read::Candle(t) => self.weight(t, device)?,
+        };
         let b = if bias {
             Some(self.dense(&format!("{name}.bias"), device)?)
         } else {
             None
         };
-        Ok(Linear {
-            w: self.weight(Arc::new(w), device)?,
-            b,
-        })
+        Ok(Linear { w, b })
     }
 
-    /// A matrix as the decoder uses it: quantized, or dequantized to `self.dense`.
+    /// A matrix read by candle as the decoder uses it: candle's quantized matmul, or dequantized
+    /// to `self.dense`.
     fn weight(&self, w: Arc<QTensor>, device: &Device) -> Result<Weight> {
         Ok(match self.dense {
             Some(dtype) => Weight::Dense(w.dequantize(device)?.to_dtype(dtype)?),
-            None => match own_kernels(self.kernels, device, &w)? {
-                Some(m) => Weight::Cpu(m),
-                None => Weight::Quantized(QMatMul::from_arc(w)?),
-            },
+            None => Weight::Quantized(QMatMul::from_arc(w)?),
         })
+    }
+
+    /// A matrix `[rows, cols]` = `want`, read for our kernels where they run it, else by candle.
+    fn matrix(&mut self, name: &str, want: [usize; 2], device: &Device) -> Result<Read> {
+        if let Some(m) = self.own_matrix(name, want, device)? {
+            return Ok(Read::Ours(m));
+        }
+        let t = self.tensor(name, device)?;
+        expect_dims(name, t.shape().dims(), &want)?;
+        Ok(Read::Candle(Arc::new(t)))
     }
 
     /// The hyperparameters in this file's metadata.
@@ -143,8 +268,9 @@ impl GgufFile {
         max_positions: usize,
     ) -> Result<Llama> {
         let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
-        let embed = Arc::new(self.tensor("token_embd.weight", device)?);
-        expect_dims("token_embd.weight", embed.shape().dims(), &[cfg.vocab, h])?;
+        // The table in our kernels' store when they run its type (no dequantized copy; with tied
+        // embeddings, the output matrix is the same store); else candle's tensor.
+        let embed = self.matrix("token_embd.weight", [cfg.vocab, h], device)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         let block = cfg.block;
         for i in 0..cfg.n_layer {
@@ -186,20 +312,13 @@ impl GgufFile {
         }
         let norm = self.dense("output_norm.weight", device)?;
         // Tied embeddings: with no output.weight, the output projection is the embedding matrix.
-        // The table in our kernels' store when they run its type (no dequantized copy; with tied
-        // embeddings, the output matrix is the same store).
-        let embed_own = match self.dense {
-            None => own_kernels(self.kernels, device, &embed)?,
-            Some(_) => None,
-        };
-        // Tied embeddings: with no output.weight, the output projection is the embedding matrix.
         let output = if self.has_tensor("output.weight") {
             self.linear("output", false, [cfg.vocab, h], device)?
         } else {
             Linear {
-                w: match &embed_own {
-                    Some(m) => Weight::Cpu(m.clone()),
-                    None => self.weight(embed.clone(), device)?,
+                w: match &embed {
+                    Read::Ours(m) => Weight::Cpu(m.clone()),
+                    Read::Candle(t) => self.weight(t.clone(), device)?,
                 },
                 b: None,
             }
@@ -217,14 +336,17 @@ impl GgufFile {
             device,
         )?;
         let rope_local = Rope::local(&cfg, max_positions, DType::F32, device)?;
-        let embed = match (embed.dtype(), self.dense) {
-            (_, None) if embed_own.is_some() => Embedding::Cpu(embed_own.expect("checked")),
-            (_, Some(dtype)) => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
-            (candle_core::quantized::GgmlDType::F32, None) => {
-                Embedding::Dense(embed.dequantize(device)?)
-            }
-            _ => Embedding::Quantized(embed),
+        let embed = match embed {
+            Read::Ours(m) => Embedding::Cpu(m),
+            Read::Candle(t) => match (t.dtype(), self.dense) {
+                (_, Some(dtype)) => Embedding::Dense(t.dequantize(device)?.to_dtype(dtype)?),
+                (candle_core::quantized::GgmlDType::F32, None) => {
+                    Embedding::Dense(t.dequantize(device)?)
+                }
+                _ => Embedding::Quantized(t),
+            },
         };
+        self.scratch = Vec::new();
         Ok(Llama {
             cfg,
             embed,

@@ -534,10 +534,9 @@ impl<F: Format> Clone for Matrix<F> {
 }
 
 impl<F: Avx2> Matrix<F> {
-    /// The matrix of a `QTensor [rows, cols]` of this format (its blocks copied once; the caller
-    /// drops the tensor).
-    fn from_qtensor(t: &QTensor) -> Result<Self> {
-        with_blocks::<F, _>(t, |rows, cols, blocks| Self {
+    /// The matrix of GGUF bytes `[rows, cols]` of this format (its blocks copied once).
+    fn from_bytes(rows: usize, cols: usize, data: &[u8]) -> Result<Self> {
+        with_blocks::<F, _>(rows, cols, data, |rows, cols, blocks| Self {
             rows,
             cols,
             row0: 0,
@@ -545,24 +544,9 @@ impl<F: Avx2> Matrix<F> {
         })
     }
 
-    /// The matrix as row-interleaved tiles (rows a multiple of 16), made from the tensor's blocks
-    /// directly (no per-row copy in between).
-    fn tiled_from(t: &QTensor) -> Result<TiledMatrix<F>>
-    where
-        F: Tiled,
-    {
-        with_blocks::<F, _>(t, TiledMatrix::from_blocks)
-    }
-}
-
-/// Calls `f(rows, cols, blocks)` with the blocks of a `QTensor [rows, cols]` of format `F`,
-/// checked for shape and size (read in place when aligned, else copied once).
-fn with_blocks<F: Format, R>(
-    t: &QTensor,
-    f: impl FnOnce(usize, usize, &[F::Block]) -> R,
-) -> Result<R> {
-    {
-        let (rows, cols) = t.shape().dims2()?;
+    /// The matrix of `[rows, cols]` GGUF blocks of this format read from `src`, straight into
+    /// place (one copy; the pages are touched once).
+    fn read_rows(rows: usize, cols: usize, src: &mut dyn std::io::Read) -> Result<Self> {
         if !cols.is_multiple_of(F::N) {
             bail!(
                 "{:?} matrix with {cols} columns, not a multiple of {}",
@@ -570,7 +554,42 @@ fn with_blocks<F: Format, R>(
                 F::N
             );
         }
-        let data = t.data()?;
+        let mut blocks: Vec<F::Block> = bytemuck::zeroed_vec(rows * cols / F::N);
+        src.read_exact(bytemuck::cast_slice_mut(&mut blocks))?;
+        Ok(Self {
+            rows,
+            cols,
+            row0: 0,
+            blocks: Arc::new(blocks),
+        })
+    }
+
+    /// The matrix as row-interleaved tiles (rows a multiple of 16), made from the GGUF blocks
+    /// directly (no per-row copy in between).
+    fn tiled_from(rows: usize, cols: usize, data: &[u8]) -> Result<TiledMatrix<F>>
+    where
+        F: Tiled,
+    {
+        with_blocks::<F, _>(rows, cols, data, TiledMatrix::from_blocks)
+    }
+}
+
+/// Calls `f(rows, cols, blocks)` with the blocks in the GGUF bytes of a `[rows, cols]` matrix of
+/// format `F`, checked for shape and size (read in place when aligned, else copied once).
+fn with_blocks<F: Format, R>(
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    f: impl FnOnce(usize, usize, &[F::Block]) -> R,
+) -> Result<R> {
+    {
+        if !cols.is_multiple_of(F::N) {
+            bail!(
+                "{:?} matrix with {cols} columns, not a multiple of {}",
+                F::DTYPE,
+                F::N
+            );
+        }
         let n = rows * cols / F::N;
         if data.len() != n * std::mem::size_of::<F::Block>() {
             bail!(
@@ -579,11 +598,11 @@ fn with_blocks<F: Format, R>(
                 data.len()
             );
         }
-        Ok(match bytemuck::try_cast_slice::<u8, F::Block>(&data) {
+        Ok(match bytemuck::try_cast_slice::<u8, F::Block>(data) {
             Ok(blocks) => f(rows, cols, blocks),
             Err(_) => {
                 let mut blocks = vec![F::Block::zeroed(); n];
-                bytemuck::cast_slice_mut::<F::Block, u8>(&mut blocks).copy_from_slice(&data);
+                bytemuck::cast_slice_mut::<F::Block, u8>(&mut blocks).copy_from_slice(data);
                 f(rows, cols, &blocks)
             }
         })
@@ -692,11 +711,8 @@ impl<F: Avx2> Matrix<F> {
 
 /// Whether a matrix of a tiled type becomes tiles: AVX-512 VNNI runs here (`level()`), its rows
 /// come in 16s.
-fn tileable(t: &QTensor) -> bool {
-    level() == Level::Vnni
-        && t.shape()
-            .dims2()
-            .is_ok_and(|(rows, _)| rows.is_multiple_of(tiled::TR))
+fn tileable(rows: usize) -> bool {
+    level() == Level::Vnni && rows.is_multiple_of(tiled::TR)
 }
 
 /// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
@@ -817,23 +833,64 @@ pub fn preferred(dtype: GgmlDType, rows: usize, cols: usize) -> bool {
 impl QMatrix {
     /// The matrix of a `QTensor [rows, cols]`; None for a type this driver does not run.
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
-        Ok(Some(match t.dtype() {
-            GgmlDType::Q4_0 if tileable(t) => Self::Q4_0T(Matrix::tiled_from(t)?),
-            GgmlDType::Q4_1 if tileable(t) => Self::Q4_1T(Matrix::tiled_from(t)?),
-            GgmlDType::Q5_0 if tileable(t) => Self::Q5_0T(Matrix::tiled_from(t)?),
-            GgmlDType::Q5_1 if tileable(t) => Self::Q5_1T(Matrix::tiled_from(t)?),
-            GgmlDType::Q8_0 if tileable(t) => Self::Q8_0T(Matrix::tiled_from(t)?),
-            GgmlDType::Q4K if tileable(t) => Self::Q4KT(Matrix::tiled_from(t)?),
-            GgmlDType::Q5K if tileable(t) => Self::Q5KT(Matrix::tiled_from(t)?),
-            GgmlDType::Q6K if tileable(t) => Self::Q6KT(Matrix::tiled_from(t)?),
-            GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_qtensor(t)?),
-            GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_qtensor(t)?),
-            GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_qtensor(t)?),
-            GgmlDType::Q5_1 => Self::Q5_1(Matrix::from_qtensor(t)?),
-            GgmlDType::Q8_0 => Self::Q8_0(Matrix::from_qtensor(t)?),
-            GgmlDType::Q4K => Self::Q4K(Matrix::from_qtensor(t)?),
-            GgmlDType::Q5K => Self::Q5K(Matrix::from_qtensor(t)?),
-            GgmlDType::Q6K => Self::Q6K(Matrix::from_qtensor(t)?),
+        let (rows, cols) = t.shape().dims2()?;
+        Self::from_bytes(t.dtype(), rows, cols, &t.data()?)
+    }
+
+    /// The matrix of a GGUF tensor `[rows, cols]` of `dtype` whose bytes `src` gives: per row, read
+    /// straight into place; as tiles, through `scratch` (kept for the next matrix). None for a
+    /// type this driver does not run.
+    pub fn read(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        src: &mut dyn std::io::Read,
+        scratch: &mut Vec<u8>,
+    ) -> Result<Option<Self>> {
+        if tileable(rows) && FORMATS.contains(&dtype) {
+            scratch.clear();
+            src.read_to_end(scratch)?;
+            return Self::from_bytes(dtype, rows, cols, scratch);
+        }
+        Ok(Some(match dtype {
+            GgmlDType::Q4_0 => Self::Q4_0(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q4_1 => Self::Q4_1(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q5_0 => Self::Q5_0(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q5_1 => Self::Q5_1(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q8_0 => Self::Q8_0(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q4K => Self::Q4K(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q5K => Self::Q5K(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q6K => Self::Q6K(Matrix::read_rows(rows, cols, src)?),
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The matrix of a GGUF tensor's bytes, `[rows, cols]` of `dtype`; None for a type this
+    /// driver does not run.
+    pub fn from_bytes(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<Option<Self>> {
+        let tiles = tileable(rows);
+        Ok(Some(match dtype {
+            GgmlDType::Q4_0 if tiles => Self::Q4_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q4_1 if tiles => Self::Q4_1T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5_0 if tiles => Self::Q5_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5_1 if tiles => Self::Q5_1T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q8_0 if tiles => Self::Q8_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q4K if tiles => Self::Q4KT(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5K if tiles => Self::Q5KT(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q6K if tiles => Self::Q6KT(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q5_1 => Self::Q5_1(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q8_0 => Self::Q8_0(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q4K => Self::Q4K(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q5K => Self::Q5K(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q6K => Self::Q6K(Matrix::from_bytes(rows, cols, data)?),
             _ => return Ok(None),
         }))
     }
