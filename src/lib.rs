@@ -73,6 +73,11 @@ pub fn error_line(e: &anyhow::Error) -> String {
     e.chain().map(first_line).collect::<Vec<_>>().join(": ")
 }
 
+/// A byte count as people read it ("1.50 MiB").
+pub fn human_bytes(n: u64) -> String {
+    indicatif::BinaryBytes(n).to_string()
+}
+
 /// The first line of an error's text: candle appends a captured backtrace to its messages.
 pub fn first_line(e: impl std::fmt::Display) -> String {
     e.to_string()

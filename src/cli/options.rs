@@ -259,7 +259,7 @@ impl StoreArgs {
     pub fn root(&self) -> PathBuf {
         self.kv_store_dir
             .clone()
-            .unwrap_or_else(crate::kv::prefix::default_root)
+            .unwrap_or_else(crate::source::kv_store_root)
     }
 }
 

@@ -7,7 +7,9 @@ use anyhow::Result;
 use std::time::SystemTime;
 
 pub fn run(args: CacheCmdArgs) -> Result<()> {
-    let root = args.kv_store_dir.unwrap_or_else(prefix::default_root);
+    let root = args
+        .kv_store_dir
+        .unwrap_or_else(crate::source::kv_store_root);
     if let Ok(m) = std::fs::symlink_metadata(&root) {
         if !m.is_dir() {
             anyhow::bail!(

@@ -199,11 +199,6 @@ pub struct PrefixStore {
     budget: u64,
 }
 
-/// `$KVCHAT_HOME/kv-store`.
-pub fn default_root() -> PathBuf {
-    crate::source::paths::kvchat_home().join("kv-store")
-}
-
 impl PrefixStore {
     /// Opens (creating) the store under `root` for this model and cache. An error says, in one
     /// line, why the store cannot be used (the caller goes on without it).
@@ -964,7 +959,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn human(n: u64) -> String {
-    crate::source::human_bytes(n)
+    crate::human_bytes(n)
 }
 
 #[cfg(test)]

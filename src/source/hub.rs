@@ -15,7 +15,8 @@
 //! and only then is the blob moved into place and linked.
 
 use super::paths::{check_commit, check_etag, check_repo_file, check_repo_id, check_revision};
-use super::progress::{human_bytes, Bar};
+use super::progress::Bar;
+use crate::human_bytes;
 use anyhow::{bail, Context, Result};
 use hf_hub::{Cache, Repo, RepoType};
 use std::io::{Read, Write};

