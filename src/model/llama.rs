@@ -253,11 +253,12 @@ impl Llama {
                 }
                 None => (layer.w_gate.forward(&h)?, layer.w_up.forward(&h)?), // [1, t, ffn] each
             };
-            let gate = match self.cfg.block.act {
-                Activation::Silu => candle_nn::ops::silu(&gate)?,
-                Activation::GeluTanh => gate.gelu()?, // candle's gelu is the tanh approximation
+            let act = match self.cfg.block.act {
+                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
+                // GELU's tanh approximation, times up, in one pass.
+                Activation::GeluTanh => super::kernels::glu::gelu_tanh_mul(&gate, &up)?,
             };
-            layer.w_down.forward(&(gate * up)?)? // [1, t, hidden]
+            layer.w_down.forward(&act)? // [1, t, hidden]
         };
         if let Some(n) = &layer.post_ffn_norm {
             ffn = candle_nn::ops::rms_norm(&ffn, n, eps)?;

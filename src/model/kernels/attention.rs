@@ -120,7 +120,7 @@ const TILE: usize = 8;
 /// e^x for x ≤ 0, to ~2 ulp: Cephes' expf (range reduction by ln 2, degree-6 polynomial), written so
 /// the loop above vectorizes (libm's expf does not).
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

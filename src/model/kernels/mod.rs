@@ -8,4 +8,5 @@ pub mod attention;
 pub mod kvrows;
 
 pub mod disjoint;
+pub mod glu;
 pub mod quant;

@@ -484,7 +484,8 @@ fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
 }
 
 /// Not a test: `cargo test --release --lib quant::tests::speed -- --ignored --nocapture` prints
-/// our matmul's time against candle's QMatMul per format (decode and a 128-token prefill).
+/// our matmul's time against candle's QMatMul per format (decode and a 128-token prefill);
+/// KVCHAT_SPEED_ONLY=Q8_0 picks one format.
 #[test]
 #[ignore]
 fn speed() {
@@ -493,11 +494,19 @@ fn speed() {
         if only.as_ref().is_some_and(|o| *o != format!("{dtype:?}")) {
             continue;
         }
-        let qt = quantized(dtype, 2048, 2048);
+        // KVCHAT_SPEED_SHAPE=ROWSxCOLS (default 2048x2048; Gemma 3's output head: 262144x640).
+        let (rows, cols) = std::env::var("KVCHAT_SPEED_SHAPE")
+            .ok()
+            .and_then(|s| {
+                let (r, c) = s.split_once('x')?;
+                Some((r.parse().ok()?, c.parse().ok()?))
+            })
+            .unwrap_or((2048usize, 2048usize));
+        let qt = quantized(dtype, rows, cols);
         let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
         let candle = QMatMul::from_qtensor(qt).unwrap();
         for m in [1usize, 128] {
-            let x = Tensor::randn(0f32, 1.0, (1, m, 2048), &Device::Cpu).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (1, m, cols), &Device::Cpu).unwrap();
             let reps = if m == 1 { 200 } else { 4 };
             let time = |f: &dyn Fn()| {
                 f();
