@@ -8,6 +8,8 @@
 #                       Python package, then quantized to each TYPE, so K-quant kernels meet
 #                       256-multiple rows (SmolLM2's 576 makes llama.cpp fall back to Q5_0/Q8_0).
 #   scripts/make-test-models.sh [TYPES...]   (default: Q4_0 Q5_0 Q8_0 Q4_K_M Q5_K_M Q6_K)
+#   FAMILIES=smollm2 scripts/make-test-models.sh   only the SmolLM2 files (seconds; l1b takes minutes
+#                                                  and ~8 GB)
 # Prints the directory. Files already there are kept (delete one to remake it).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,8 +23,9 @@ smol="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 quantize="$("$root/scripts/llamacpp.sh" llama-quantize)/llama-quantize"
 python3 -c 'import gguf, numpy' 2>/dev/null || python3 -m pip install --quiet 'gguf>=0.10' numpy >&2
 
+families="${FAMILIES:-smollm2 l1b}"
 l1b_f16="$dir/l1b-F16.gguf"
-if [ ! -s "$l1b_f16" ]; then
+if [[ " $families " == *" l1b "* ]] && [ ! -s "$l1b_f16" ]; then
   echo "writing $l1b_f16 (random weights, Llama-3.2-1B dims)" >&2
   python3 - "$smol" "$l1b_f16.part" <<'PY'
 import sys
@@ -91,6 +94,7 @@ fi
 for t in "${types[@]}"; do
   for pair in "smollm2:$smol:--allow-requantize" "l1b:$l1b_f16:"; do
     IFS=: read -r name src flag <<<"$pair"
+    [[ " $families " == *" $name "* ]] || continue
     out="$dir/$name-$t.gguf"
     [ -s "$out" ] && continue
     echo "quantizing $out" >&2

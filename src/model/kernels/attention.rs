@@ -325,10 +325,30 @@ fn part_scores<E>(
     for j in lo..hi {
         let row = &x.k[base + (j - start) * x.row_len..][..x.row_len];
         let kj = dec(row, buf);
-        for (r, ((&from, &end), q)) in starts.iter().zip(ends).zip(q).enumerate() {
-            if from <= j && j < end {
-                scores[r * CHUNK + j - j0] = kvrows::dot(q, kj) * scale;
+        let sees = |r: usize| starts[r] <= j && j < ends[r];
+        if q.len() < 4 {
+            for (r, q) in q.iter().enumerate() {
+                if sees(r) {
+                    scores[r * CHUNK + j - j0] = kvrows::dot(q, kj) * scale;
+                }
             }
+            continue;
+        }
+        let mut r = 0;
+        while r < q.len() {
+            // Four rows that all see key j: one pass over it (same bits as four `dot`s).
+            if r + 4 <= q.len() && (r..r + 4).all(sees) {
+                let s = kvrows::dot4([q[r], q[r + 1], q[r + 2], q[r + 3]], kj);
+                for (i, s) in s.into_iter().enumerate() {
+                    scores[(r + i) * CHUNK + j - j0] = s * scale;
+                }
+                r += 4;
+                continue;
+            }
+            if sees(r) {
+                scores[r * CHUNK + j - j0] = kvrows::dot(q[r], kj) * scale;
+            }
+            r += 1;
         }
     }
 }
