@@ -1285,4 +1285,42 @@ mod tests {
             (128, "/models/beta.gguf")
         );
     }
+
+    #[test]
+    fn a_link_in_place_of_a_block_is_not_followed_and_its_target_is_untouched() {
+        let root = tmp("link");
+        let s = store(&root, "m", 1 << 30);
+        let t = prompt(128, 1);
+        write_all(&s, &t, 128, &[]);
+        let first = s.path_of(&s.keys(&t)[0]);
+        // The link points at a copy of the block itself: valid bytes, reached the wrong way.
+        let outside = root.join("outside.kvb");
+        std::fs::rename(&first, &outside).unwrap();
+        let before = std::fs::read(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, &first).unwrap();
+        let found = s.lookup(&t, 127, &[], &|_| true);
+        assert_eq!(found.tokens, 0, "nothing is restored through a link");
+        assert_eq!(found.problems.len(), 1, "{:?}", found.problems);
+        assert_eq!(
+            std::fs::read(&outside).unwrap(),
+            before,
+            "the target is untouched"
+        );
+        assert!(
+            std::fs::symlink_metadata(&first).is_err(),
+            "the link itself is removed, as a damaged block is"
+        );
+    }
+
+    #[test]
+    fn a_garbage_totals_file_reads_as_zero_totals() {
+        let root = tmp("garbage-totals");
+        let s = store(&root, "m", 1 << 30);
+        write_all(&s, &prompt(64, 1), 64, &[]);
+        std::fs::write(root.join("stats.json"), b"\x00not json{").unwrap();
+        let (totals, blocks, bytes) = stats(&root);
+        assert_eq!(totals, Totals::default());
+        assert_eq!(blocks, 1, "what is on disk is still counted");
+        assert!(bytes > 0);
+    }
 }
