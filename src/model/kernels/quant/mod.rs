@@ -849,6 +849,8 @@ impl QMatrix {
     ) -> Result<Option<Self>> {
         if tileable(rows) && FORMATS.contains(&dtype) {
             scratch.clear();
+            // One allocation at the matrix's size (read_to_end alone would grow it by doubling).
+            scratch.reserve_exact(rows * cols / dtype.block_size() * dtype.type_size());
             src.read_to_end(scratch)?;
             return Self::from_bytes(dtype, rows, cols, scratch);
         }
