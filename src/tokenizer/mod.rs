@@ -443,7 +443,11 @@ fn add_special_tokens(
     for (t, ty) in tokens.iter().zip(types) {
         match ty {
             TOKEN_TYPE_CONTROL => control.push(AddedToken::from(t.to_string(), true)),
-            TOKEN_TYPE_USER_DEFINED => user.push(AddedToken::from(t.to_string(), false)),
+            // Matched on the raw text: a normalizer (SentencePiece's "▁" prefix) must not
+            // change what "\n" matches.
+            TOKEN_TYPE_USER_DEFINED => {
+                user.push(AddedToken::from(t.to_string(), false).normalized(false))
+            }
             _ => {}
         }
     }

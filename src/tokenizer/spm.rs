@@ -130,11 +130,13 @@ impl Spm {
         ((id as usize) < self.len()).then(|| self.vocab.text(id))
     }
 
+    /// Control and unknown tokens: their text becomes them only when special text is parsed
+    /// (llama.cpp's partition skips both otherwise).
     pub fn is_control(&self, id: u32) -> bool {
-        self.types.get(id as usize) == Some(&CONTROL)
+        matches!(self.types.get(id as usize), Some(&CONTROL) | Some(&UNKNOWN))
     }
 
-    /// Whether `text` holds the text of a control token.
+    /// Whether `text` holds the text of a control (or the unknown) token.
     pub fn has_control_text(&self, text: &str) -> bool {
         let Some(m) = &self.matcher else { return false };
         m.find_overlapping_iter(text)
@@ -143,6 +145,9 @@ impl Spm {
 
     /// Text to ids (no BOS). `parse_control`: control-token text becomes that token.
     pub fn encode(&self, text: &str, parse_control: bool) -> Vec<u32> {
+        if text.is_empty() {
+            return Vec::new(); // no fragment, so no space prefix either (llama.cpp)
+        }
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut after_special = true;
         for fragment in self.partition(text, parse_control) {
@@ -317,7 +322,7 @@ struct Vocab {
     text: String,
     /// End of token i's text in `text` (it starts where token i - 1's ends).
     ends: Vec<usize>,
-    /// Ids, found by their text's hash (the first id, when a text repeats).
+    /// Ids, found by their text's hash (the last id, when a text repeats, as llama.cpp's map).
     index: hashbrown::HashTable<u32>,
     hasher: RandomState,
 }
@@ -335,8 +340,11 @@ impl Vocab {
         for id in 0..tokens.len() as u32 {
             let t = piece(&text, &ends, id);
             let hash = hasher.hash_one(t);
-            if index.find(hash, |&i| piece(&text, &ends, i) == t).is_none() {
-                index.insert_unique(hash, id, |&i| hasher.hash_one(piece(&text, &ends, i)));
+            match index.find_mut(hash, |&i| piece(&text, &ends, i) == t) {
+                Some(slot) => *slot = id,
+                None => {
+                    index.insert_unique(hash, id, |&i| hasher.hash_one(piece(&text, &ends, i)));
+                }
             }
         }
         Self {
@@ -508,6 +516,39 @@ mod tests {
             !s.has_control_text("x\n"),
             "user-defined tokens are not control text"
         );
+    }
+
+    #[test]
+    fn unknown_token_text_is_plain_text_unless_special_text_is_parsed() {
+        let s = letters(&[("<", -1.0, NORMAL), (">", -1.0, NORMAL)]);
+        let t = spm(
+            &[
+                ("<unk>", 0.0, UNKNOWN),
+                ("<", -1.0, NORMAL),
+                ("u", -1.0, NORMAL),
+                ("n", -1.0, NORMAL),
+                ("k", -1.0, NORMAL),
+                (">", -1.0, NORMAL),
+            ],
+            false,
+        );
+        assert_eq!(t.encode("<unk>", true), vec![0]);
+        assert_eq!(t.encode("<unk>", false), vec![1, 2, 3, 4, 5]);
+        assert!(t.has_control_text("a <unk>"));
+        assert!(!s.has_control_text("a <b>"));
+    }
+
+    #[test]
+    fn empty_text_is_no_tokens_even_with_a_space_prefix() {
+        let s = spm(&[("<unk>", 0.0, UNKNOWN), ("▁", -1.0, NORMAL)], true);
+        assert_eq!(s.encode("", true), Vec::<u32>::new());
+        assert_eq!(s.encode(" ", true), vec![1, 1]);
+    }
+
+    #[test]
+    fn a_repeated_token_text_maps_to_its_last_id() {
+        let s = letters(&[("a", -5.0, NORMAL)]); // "a" is id 1 and id 4
+        assert_eq!(s.token_id("a"), Some(4));
     }
 
     #[test]
