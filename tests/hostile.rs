@@ -877,6 +877,27 @@ fn gguf_metadata_beyond_any_real_model_is_refused_naming_the_key() {
 }
 
 #[test]
+fn a_quantized_model_cut_short_names_the_tensor_it_cannot_read() {
+    // Read straight into our kernels' blocks (QMatrix::read), not through candle's reader.
+    let home = temp("gguf-cut");
+    let bytes = std::fs::read(common::model_path()).unwrap();
+    let p = home.join("cut.gguf");
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &["run", "-m", p.to_str().unwrap(), "--raw", "hi"],
+        b"",
+    );
+    assert_refused(&o, "cannot read tensor");
+    assert!(
+        stderr(&o).contains("truncated or corrupt"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn hand_written_gguf_files_with_impossible_tensors_are_refused() {
     let home = temp("gguf-raw");
     let f32_type = 0u32;

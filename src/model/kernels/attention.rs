@@ -326,14 +326,6 @@ fn part_scores<E>(
         let row = &x.k[base + (j - start) * x.row_len..][..x.row_len];
         let kj = dec(row, buf);
         let sees = |r: usize| starts[r] <= j && j < ends[r];
-        if q.len() < 4 {
-            for (r, q) in q.iter().enumerate() {
-                if sees(r) {
-                    scores[r * CHUNK + j - j0] = kvrows::dot(q, kj) * scale;
-                }
-            }
-            continue;
-        }
         let mut r = 0;
         while r < q.len() {
             // Four rows that all see key j: one pass over it (same bits as four `dot`s).

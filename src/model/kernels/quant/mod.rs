@@ -534,16 +534,6 @@ impl<F: Format> Clone for Matrix<F> {
 }
 
 impl<F: Avx2> Matrix<F> {
-    /// The matrix of GGUF bytes `[rows, cols]` of this format (its blocks copied once).
-    fn from_bytes(rows: usize, cols: usize, data: &[u8]) -> Result<Self> {
-        with_blocks::<F, _>(rows, cols, data, |rows, cols, blocks| Self {
-            rows,
-            cols,
-            row0: 0,
-            blocks: Arc::new(blocks.to_vec()),
-        })
-    }
-
     /// The matrix of `[rows, cols]` GGUF blocks of this format read from `src`, straight into
     /// place (one copy; the pages are touched once).
     fn read_rows(rows: usize, cols: usize, src: &mut dyn std::io::Read) -> Result<Self> {
@@ -854,6 +844,16 @@ impl QMatrix {
             src.read_to_end(scratch)?;
             return Self::from_bytes(dtype, rows, cols, scratch);
         }
+        Self::read_rows(dtype, rows, cols, src)
+    }
+
+    /// The per-row matrix of `[rows, cols]` GGUF blocks of `dtype` that `src` gives.
+    fn read_rows(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        src: &mut dyn std::io::Read,
+    ) -> Result<Option<Self>> {
         Ok(Some(match dtype {
             GgmlDType::Q4_0 => Self::Q4_0(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q4_1 => Self::Q4_1(Matrix::read_rows(rows, cols, src)?),
@@ -875,24 +875,25 @@ impl QMatrix {
         cols: usize,
         data: &[u8],
     ) -> Result<Option<Self>> {
-        let tiles = tileable(rows);
+        if !tileable(rows) {
+            let want = rows * cols / dtype.block_size() * dtype.type_size();
+            if data.len() != want {
+                bail!(
+                    "{dtype:?} matrix data of {} bytes for [{rows}, {cols}]",
+                    data.len()
+                );
+            }
+            return Self::read_rows(dtype, rows, cols, &mut &data[..]);
+        }
         Ok(Some(match dtype {
-            GgmlDType::Q4_0 if tiles => Self::Q4_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q4_1 if tiles => Self::Q4_1T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5_0 if tiles => Self::Q5_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5_1 if tiles => Self::Q5_1T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q8_0 if tiles => Self::Q8_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q4K if tiles => Self::Q4KT(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5K if tiles => Self::Q5KT(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q6K if tiles => Self::Q6KT(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q4_0 => Self::Q4_0(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q4_1 => Self::Q4_1(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q5_0 => Self::Q5_0(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q5_1 => Self::Q5_1(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q8_0 => Self::Q8_0(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q4K => Self::Q4K(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q5K => Self::Q5K(Matrix::from_bytes(rows, cols, data)?),
-            GgmlDType::Q6K => Self::Q6K(Matrix::from_bytes(rows, cols, data)?),
+            GgmlDType::Q4_0 => Self::Q4_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q4_1 => Self::Q4_1T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5_0 => Self::Q5_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5_1 => Self::Q5_1T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q8_0 => Self::Q8_0T(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q4K => Self::Q4KT(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q5K => Self::Q5KT(Matrix::tiled_from(rows, cols, data)?),
+            GgmlDType::Q6K => Self::Q6KT(Matrix::tiled_from(rows, cols, data)?),
             _ => return Ok(None),
         }))
     }
