@@ -165,7 +165,7 @@ impl GgufFile {
         let Some((rows, cols, dtype)) = self.dims2(name)? else {
             return Ok(None);
         };
-        if !self.kernels.ours_for(dtype, rows, cols) {
+        if !self.kernels.ours_for(dtype) {
             return Ok(None);
         }
         expect_dims(name, &[rows, cols], &want)?;

@@ -17,10 +17,11 @@
 //! sum. Decode (one token) and prefill (four tokens per unpacked block) sum identically, so a
 //! prefill, a decode and a `--no-cache` recompute agree to the bit.
 //!
-//! Where AVX-512 VNNI runs and a matrix's rows come in 16s (every real model's), its blocks are
-//! interleaved at load into 16-row tiles ([`tiled`]: one `dpbusd` serves 16 rows, one FMA a block
-//! of 16 rows) with their own, simpler summation order (one accumulator per row; the reference is
-//! [`dot_rows_scalar`]); elsewhere the per-row layout and the 8-lane order above run.
+//! Where AVX2 runs and a matrix's rows come in 16s (every real model's), its blocks are
+//! interleaved at load into 16-row tiles ([`tiled`]: one VNNI `dpbusd`, or AVX2's
+//! `maddubs`+`madd`, serves 8 or 16 rows; one FMA a block of 8 or 16 rows) with their own, simpler
+//! summation order (one accumulator per row; the reference is [`dot_rows_scalar`]); elsewhere
+//! (rows not in 16s) the per-row layout and the 8-lane order above run.
 //!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
 //! pool competing with its spinning workers; packing tiles at load uses scoped threads). Weights
@@ -198,7 +199,7 @@ impl Act for BlockQ8K {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
     Scalar,
-    /// AVX2 + FMA.
+    /// AVX2 + FMA + F16C.
     Avx2,
     /// AVX-512 (F, BW, VL) with VNNI, on top of AVX2.
     Vnni,
@@ -232,7 +233,7 @@ fn detected() -> Level {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        if !(has!("avx2") && has!("fma")) {
+        if !(has!("avx2") && has!("fma") && has!("f16c")) {
             return Level::Scalar;
         }
         if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
@@ -699,10 +700,10 @@ impl<F: Avx2> Matrix<F> {
     }
 }
 
-/// Whether a matrix of a tiled type becomes tiles: AVX-512 VNNI runs here (`level()`), its rows
+/// Whether a matrix of a tiled type becomes tiles: AVX2 runs here (`level()`), its rows
 /// come in 16s.
 fn tileable(rows: usize) -> bool {
-    level() == Level::Vnni && rows.is_multiple_of(tiled::TR)
+    level() >= Level::Avx2 && rows.is_multiple_of(tiled::TR)
 }
 
 /// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
@@ -740,7 +741,7 @@ pub enum QMatrix {
     Q4K(Matrix<Q4K>),
     Q5K(Matrix<Q5K>),
     Q6K(Matrix<Q6K>),
-    /// Row-interleaved tiles (`tiled`), made where AVX-512 VNNI runs and rows come in 16s.
+    /// Row-interleaved tiles (`tiled`), made where AVX2 runs and rows come in 16s.
     Q4_0T(TiledMatrix<Q4_0>),
     Q4_1T(TiledMatrix<Q4_1>),
     Q5_0T(TiledMatrix<Q5_0>),
@@ -776,10 +777,10 @@ pub enum Kernels {
 }
 
 impl Kernels {
-    /// Whether our kernels take a `[rows, cols]` matrix of `dtype`.
-    pub fn ours_for(self, dtype: GgmlDType, rows: usize, cols: usize) -> bool {
+    /// Whether our kernels take a matrix of `dtype`.
+    pub fn ours_for(self, dtype: GgmlDType) -> bool {
         match self {
-            Kernels::Preferred => preferred(dtype, rows, cols),
+            Kernels::Preferred => preferred(dtype),
             Kernels::Ours => FORMATS.contains(&dtype),
             Kernels::Candle => false,
         }
@@ -799,25 +800,16 @@ impl std::str::FromStr for Kernels {
 }
 
 /// Whether our kernels are the faster choice on the CPU for a `[rows, cols]` matrix of `dtype`
-/// (where not, candle's QMatMul runs it). Where AVX-512 VNNI runs and rows come in 16s, ours run
-/// as row-interleaved tiles (`tiled`), faster than candle's for every type (see `tests::speed`
-/// and the closing figures of issue 16). Without VNNI ours keep the per-row layout, and candle
-/// 0.11's own 16-row tiles for Q4_K, Q6_K and Q8_0 (rows in 16s, columns in 256s; AVX2 or
-/// AVX-512; candle tiles Q8_0 only with AVX-512 and Q6_K only for prefill) prefill 2-4× faster
-/// than that, so those stay with candle.
+/// (where not, candle's QMatMul runs it). Where AVX2 runs and rows come in 16s, ours run as
+/// row-interleaved tiles (`tiled`), as fast as candle's or faster for every type (see
+/// `tests::speed` and the closing figures of issue 16). Matrices whose rows do not come in 16s
+/// keep our per-row layout; for Q4_K, Q6_K and Q8_0 candle's own 16-row tiles would need rows in
+/// 16s too, so the per-row kernels run those as well.
 ///
 /// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
 /// everything (it has NEON kernels; ours would run their scalar reference).
-pub fn preferred(dtype: GgmlDType, rows: usize, cols: usize) -> bool {
-    if !FORMATS.contains(&dtype) || level() == Level::Scalar {
-        return false;
-    }
-    let ours_tiled = level() == Level::Vnni && rows.is_multiple_of(tiled::TR);
-    let candle_tiled = rows.is_multiple_of(16) && cols.is_multiple_of(256);
-    match dtype {
-        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K => ours_tiled || !candle_tiled,
-        _ => true,
-    }
+pub fn preferred(dtype: GgmlDType) -> bool {
+    FORMATS.contains(&dtype) && level() >= Level::Avx2
 }
 
 impl QMatrix {

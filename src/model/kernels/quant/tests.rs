@@ -352,7 +352,7 @@ mod tiles {
 
     #[test]
     fn a_stacked_tiled_matrix_computes_each_part_exactly() {
-        if level() < Level::Vnni {
+        if level() < Level::Avx2 {
             return;
         }
         let q = |n| {
@@ -444,10 +444,16 @@ fn q8_k_activations_map_the_largest_magnitude_to_minus_127_and_keep_block_sums()
 /// The tile kernel (1 and 4 tokens) against the per-row reference of the tiled order, bit for
 /// bit, on blocks of random bytes; each tile row dequantizes to its block's values.
 #[cfg(target_arch = "x86_64")]
-fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
-    if super::level() < Level::Vnni {
-        return;
+fn tiles_equal_the_row_reference<F: tiled::TileKernels>(halves: &[usize]) {
+    for level in [Level::Avx2, Level::Vnni] {
+        if level <= super::level() {
+            tiles_at_level_equal_the_row_reference::<F>(level, halves);
+        }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tiles_at_level_equal_the_row_reference<F: tiled::TileKernels>(level: Level, halves: &[usize]) {
     let (rows, kb) = (32, 4);
     let w = random_blocks::<F>(rows * kb, halves);
     let m = TiledMatrix::<F>::from_blocks(rows, kb * F::N, &w);
@@ -476,7 +482,7 @@ fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
             .collect()
     };
     let mut out = vec![0f32; 5 * rows];
-    m.matmul(&xs, 5, &mut out);
+    m.matmul_at(level, &xs, 5, &mut out);
     let mut q = vec![F::Act::zeroed(); 5 * kb];
     for (x, q) in xs.chunks_exact(kb * F::N).zip(q.chunks_exact_mut(kb)) {
         F::Act::quantize(x, q);
@@ -488,7 +494,7 @@ fn tiles_equal_the_row_reference<F: tiled::vnni::TileKernel>(halves: &[usize]) {
             assert_eq!(
                 out[t * rows + r].to_bits(),
                 reference.to_bits(),
-                "token {t} row {r}"
+                "{level:?} token {t} row {r}"
             );
         }
     }
