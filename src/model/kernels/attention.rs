@@ -114,7 +114,10 @@ pub fn causal_mask(
     Ok(Tensor::from_vec(mask, (t, kv_len), device)?)
 }
 
-/// Query rows per work item of the attention kernels.
+/// Query rows per work item of the attention kernels, side by side in the lanes of one 8-float
+/// register: a key is widened once and scored against all of them, a value added into all of
+/// their accumulators. Each row's arithmetic is its own (lanes never mix), so a row gives the
+/// same bits whichever rows share its tile: a prefill, a decode and a recompute agree.
 const TILE: usize = 8;
 
 /// e^x for x ≤ 0, to ~2 ulp: Cephes' expf (range reduction by ln 2, degree-6 polynomial), written so
@@ -142,34 +145,6 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
 /// a decode can spread one row's chunks over threads.
 const CHUNK: usize = 256;
 
-/// Per row of a chunk: scores of keys `starts[r]..ends[r]` → exp(score − m) in place, and `parts`
-/// row r starts [m, Σ, 0…] (m = −∞, Σ = 0 for a row with no key in the chunk).
-#[inline(always)]
-fn chunk_softmax(
-    scores: &mut [f32],
-    j0: usize,
-    (starts, ends): (&[usize], &[usize]),
-    parts: &mut [f32],
-    w: usize,
-) {
-    for (r, (&start, &end)) in starts.iter().zip(ends).enumerate() {
-        let p = &mut parts[r * w..(r + 1) * w];
-        p[0] = f32::NEG_INFINITY;
-        p[1] = 0.0;
-        p[2..].fill(0.0);
-        let start = start.max(j0);
-        if end > start {
-            let row = &mut scores[r * CHUNK + start - j0..r * CHUNK + end - j0];
-            let m = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for x in row.iter_mut() {
-                *x = exp_nonpositive(*x - m);
-            }
-            p[0] = m;
-            p[1] = row.iter().sum();
-        }
-    }
-}
-
 /// One row's output from its chunk partials `[m, s, acc(hd)]` (each `w` = hd + 2 long), in order.
 fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
     let chunks = partials.chunks_exact(w).filter(|p| p[1] > 0.0);
@@ -190,7 +165,7 @@ fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
 }
 
 /// One (KV head, tile of rows, key chunk) partial: `(h, r0, rows, c, scratch, parts)` writes row r's
-/// `[m, s, acc(hd)]` at `parts[r·(hd+2)..]`; `scratch` holds TILE·(CHUNK + hd) floats.
+/// `[m, s, acc(hd)]` at `parts[r·(hd+2)..]`; `scratch` holds [`scratch_len`] floats.
 type ChunkFn<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32], &mut [f32]) + Sync + 'a;
 
 /// Runs `chunk` over every (tile, key chunk) of `[nkv, gt]` query rows and `kv_len` keys on candle's
@@ -218,7 +193,7 @@ fn chunked_attention(
     if n_tiles >= 4 * threads || n_chunks == 1 {
         let dst = DisjointOut::new(&mut out);
         pool.execute_chunked(n_tiles, |range| {
-            let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
+            let mut scratch = vec![0f32; scratch_len(hd)];
             let mut tmp = vec![0f32; TILE * w];
             let mut partials = vec![0f32; TILE * n_chunks * w];
             for item in range {
@@ -241,7 +216,7 @@ fn chunked_attention(
         let mut partials = vec![0f32; nkv * gt * n_chunks * w];
         let dst = DisjointOut::new(&mut partials);
         pool.execute_chunked(n_tiles * n_chunks, |range| {
-            let mut scratch = vec![0f32; TILE * (CHUNK + hd)];
+            let mut scratch = vec![0f32; scratch_len(hd)];
             let mut tmp = vec![0f32; TILE * w];
             for item in range {
                 let c = item % n_chunks;
@@ -306,76 +281,296 @@ struct Seg<'a, 'b> {
     query: usize,
 }
 
-/// One tile's scores against keys `lo..hi` of a part (positions from `start`), in place in
-/// `scores`: row r (query `q[r]`) scores key j when `starts[r] <= j < ends[r]`.
+/// Keys decoded and scored together (the score loop's independent accumulators).
+const KB: usize = 8;
+
+/// Floats of scratch one work item needs: the tile's scores `[CHUNK][TILE]`, its queries and its
+/// value accumulators `[hd][TILE]` each, and `KB` widened K/V rows.
+fn scratch_len(hd: usize) -> usize {
+    TILE * CHUNK + 2 * hd * TILE + KB * hd
+}
+
+/// What every (tile, chunk) of one attention call shares.
+struct Ctx<'a, 'b> {
+    segs: &'b [Seg<'a, 'b>],
+    /// Each query rotation `[nkv, gt, hd]`, flat.
+    q: &'b [Vec<f32>],
+    gt: usize,
+    hd: usize,
+    t: usize,
+    /// Position of the step's first query in the view.
+    offset: usize,
+    window: Option<usize>,
+    scale: f32,
+}
+
+/// `KB` keys' rows decoded (`n` of them; the rest repeat the first, so the loops run whole).
+#[inline(always)]
+fn decode_rows<'k, E>(
+    rows: &'k [E],
+    row_len: usize,
+    first: usize,
+    n: usize,
+    dec: Decoder<E>,
+    buf: &'k mut [f32],
+) -> [&'k [f32]; KB] {
+    let hd = buf.len() / KB;
+    let mut bufs = buf.chunks_exact_mut(hd);
+    let mut got: [&[f32]; KB] = [&[]; KB];
+    for (i, g) in got.iter_mut().enumerate().take(n) {
+        let row = &rows[(first + i) * row_len..][..row_len];
+        *g = dec(row, bufs.next().expect("KB rows"));
+    }
+    std::array::from_fn(|i| if i < n { &got[i][..hd] } else { &got[0][..hd] })
+}
+
+/// Scores of the tile's rows against keys `lo..hi` of a part (positions from `start`) into
+/// `scores[(j − j0)·TILE + r]`, rows side by side: every score is `scale · Σ_e q_e·k_e`, fused
+/// multiply-adds over e = 0, 1, … in order, whichever rows share the tile (masking is the
+/// softmax's). `qt` is the tile's queries transposed, `[hd][TILE]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn part_scores<E>(
+fn tile_scores<E>(
     x: &HostRows<'_, E>,
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    (starts, ends): (&[usize], &[usize]),
-    q: &[&[f32]],
+    qt: &[f32],
     scale: f32,
     scores: &mut [f32],
     buf: &mut [f32],
 ) {
-    let base = h * x.head_stride;
-    for j in lo..hi {
-        let row = &x.k[base + (j - start) * x.row_len..][..x.row_len];
-        let kj = dec(row, buf);
-        let sees = |r: usize| starts[r] <= j && j < ends[r];
-        let mut r = 0;
-        while r < q.len() {
-            // Four rows that all see key j: one pass over it (same bits as four `dot`s).
-            if r + 4 <= q.len() && (r..r + 4).all(sees) {
-                let s = kvrows::dot4([q[r], q[r + 1], q[r + 2], q[r + 3]], kj);
-                for (i, s) in s.into_iter().enumerate() {
-                    scores[(r + i) * CHUNK + j - j0] = s * scale;
+    let hd = qt.len() / TILE;
+    let rows = &x.k[h * x.head_stride..];
+    let mut j = lo;
+    while j < hi {
+        let n = (hi - j).min(KB);
+        let k = decode_rows(rows, x.row_len, j - start, n, dec, buf);
+        let mut acc = [[0f32; TILE]; KB];
+        for (e, q) in qt.chunks_exact(TILE).enumerate().take(hd) {
+            for (a, k) in acc.iter_mut().zip(&k) {
+                let ke = k[e];
+                for (a, q) in a.iter_mut().zip(q) {
+                    *a = q.mul_add(ke, *a);
                 }
-                r += 4;
-                continue;
             }
-            if sees(r) {
-                scores[r * CHUNK + j - j0] = kvrows::dot(q[r], kj) * scale;
-            }
-            r += 1;
         }
+        for (i, a) in acc.iter().enumerate().take(n) {
+            let out = &mut scores[(j + i - j0) * TILE..][..TILE];
+            for (o, a) in out.iter_mut().zip(a) {
+                *o = a * scale;
+            }
+        }
+        j += n;
     }
 }
 
-/// Adds each tile row's weights × values `lo..hi` of a part into its partial's accumulator.
+/// Per tile row, its chunk's softmax numerators in place over `lo..hi` (exp(score − m), 0 where
+/// the row does not see the key) and its `[m, Σ]` (m = −∞, Σ = 0 where it sees none): the max,
+/// then the exponentials summed in key order.
+#[inline(always)]
+fn tile_softmax(
+    scores: &mut [f32],
+    (lo, hi, j0): (usize, usize, usize),
+    (starts, ends): (&[u32; TILE], &[u32; TILE]),
+) -> ([f32; TILE], [f32; TILE]) {
+    let mut m = [f32::NEG_INFINITY; TILE];
+    for j in lo..hi {
+        let s = &scores[(j - j0) * TILE..][..TILE];
+        for r in 0..TILE {
+            let sees = starts[r] <= j as u32 && (j as u32) < ends[r];
+            m[r] = if sees { m[r].max(s[r]) } else { m[r] };
+        }
+    }
+    let mut sum = [0f32; TILE];
+    for j in lo..hi {
+        let s = &mut scores[(j - j0) * TILE..][..TILE];
+        for r in 0..TILE {
+            let sees = starts[r] <= j as u32 && (j as u32) < ends[r];
+            let p = exp_nonpositive(s[r] - m[r]);
+            s[r] = if sees { p } else { 0.0 };
+            sum[r] += s[r];
+        }
+    }
+    (m, sum)
+}
+
+/// Adds weights × values `lo..hi` of a part into the tile's accumulators `acc [hd][TILE]`: per
+/// row and value element, fused multiply-adds over the keys in order (a key the row does not
+/// see has weight 0 and adds +0 to a sum that is never −0: no bit changes).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn part_values<E>(
+fn tile_values<E>(
     x: &HostRows<'_, E>,
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
-    (starts, ends): (&[usize], &[usize]),
     scores: &[f32],
-    parts: &mut [f32],
-    w: usize,
+    acc: &mut [f32],
     buf: &mut [f32],
 ) {
-    let base = h * x.head_stride;
-    for j in lo..hi {
-        let row = &x.v[base + (j - start) * x.row_len..][..x.row_len];
-        let vj = dec(row, buf);
-        for (r, (&from, &end)) in starts.iter().zip(ends).enumerate() {
-            if from <= j && j < end {
-                let pj = scores[r * CHUNK + j - j0];
-                for (oe, ve) in parts[r * w + 2..(r + 1) * w].iter_mut().zip(vj) {
-                    *oe += pj * ve;
+    let hd = acc.len() / TILE;
+    let rows = &x.v[h * x.head_stride..];
+    let mut j = lo;
+    while j < hi {
+        let n = (hi - j).min(KB);
+        let v = decode_rows(rows, x.row_len, j - start, n, dec, buf);
+        let p: [&[f32; TILE]; KB] = std::array::from_fn(|i| {
+            let at = (j + i.min(n - 1) - j0) * TILE;
+            scores[at..at + TILE].try_into().expect("TILE")
+        });
+        // Eight value elements of the eight rows stay in registers over the n keys.
+        let mut slices = acc.chunks_exact_mut(8 * TILE);
+        for (c, a) in slices.by_ref().enumerate() {
+            let a: &mut [f32; 8 * TILE] = a.try_into().expect("8 · TILE");
+            let mut reg: [[f32; TILE]; 8] = bytemuck::cast(*a);
+            for i in 0..n {
+                let v: &[f32; 8] = v[i][8 * c..8 * c + 8].try_into().expect("8");
+                for (rg, &ve) in reg.iter_mut().zip(v) {
+                    for (r, p) in rg.iter_mut().zip(p[i]) {
+                        *r = p.mul_add(ve, *r);
+                    }
                 }
             }
+            *a = bytemuck::cast(reg);
+        }
+        // A head_dim that is not a multiple of 8: the last elements one at a time.
+        let tail = slices.into_remainder();
+        let e0 = hd - tail.len() / TILE;
+        for (ee, a) in tail.chunks_exact_mut(TILE).enumerate() {
+            for i in 0..n {
+                let ve = v[i][e0 + ee];
+                for (r, p) in a.iter_mut().zip(p[i]) {
+                    *r = p.mul_add(ve, *r);
+                }
+            }
+        }
+        j += n;
+    }
+}
+
+/// One (KV head `h`, tile of `rows` query rows from `r0`, key chunk `c`) partial: row r's
+/// `[m, s, acc(hd)]` at `parts[r·(hd+2)..]`.
+#[inline(always)]
+fn tile_chunk(
+    cx: &Ctx<'_, '_>,
+    (h, r0, rows, c): (usize, usize, usize, usize),
+    scratch: &mut [f32],
+    parts: &mut [f32],
+) {
+    let (hd, w) = (cx.hd, cx.hd + 2);
+    let j0 = c * CHUNK;
+    // Row r of the tile sees the keys from starts[r] (a declared window's lower bound) below
+    // ends[r] (within this chunk); rows past `rows` see none.
+    let mut starts = [u32::MAX; TILE];
+    let mut ends = [0u32; TILE];
+    for r in 0..rows {
+        let own = cx.offset + (r0 + r) % cx.t; // the row's own position in the view
+        ends[r] = (own + 1).min(j0 + CHUNK) as u32;
+        starts[r] = cx.window.map_or(0, |w| (own + 1).saturating_sub(w)) as u32;
+    }
+    let most = (0..rows).map(|r| ends[r] as usize).max().unwrap_or(0);
+    let least = (0..rows)
+        .map(|r| (starts[r] as usize).max(j0))
+        .min()
+        .unwrap_or(most)
+        .min(most);
+    let (scores, rest) = scratch.split_at_mut(TILE * CHUNK);
+    let (qt, rest) = rest.split_at_mut(hd * TILE);
+    let (acc, buf) = rest.split_at_mut(hd * TILE);
+    let buf = &mut buf[..KB * hd];
+    let overlapping = || {
+        cx.segs
+            .iter()
+            .filter(move |s| s.start < most && s.end > least)
+    };
+    for s in overlapping() {
+        let span = (s.start, s.start.max(least), s.end.min(most), j0);
+        qt.fill(0.0);
+        for r in 0..rows {
+            let q = &cx.q[s.query][(h * cx.gt + r0 + r) * hd..][..hd];
+            for (e, &v) in q.iter().enumerate() {
+                qt[e * TILE + r] = v;
+            }
+        }
+        with_rows!(s.rows, |x, dec| tile_scores(
+            x, dec, h, span, qt, cx.scale, scores, buf
+        ));
+    }
+    let (m, sum) = tile_softmax(scores, (least, most, j0), (&starts, &ends));
+    acc.fill(0.0);
+    for s in overlapping() {
+        let span = (s.start, s.start.max(least), s.end.min(most), j0);
+        with_rows!(s.rows, |x, dec| tile_values(
+            x, dec, h, span, scores, acc, buf
+        ));
+    }
+    for r in 0..rows {
+        let p = &mut parts[r * w..(r + 1) * w];
+        p[0] = m[r];
+        p[1] = sum[r];
+        for (e, o) in p[2..].iter_mut().enumerate() {
+            *o = acc[e * TILE + r];
         }
     }
 }
 
+/// [`tile_chunk`] compiled for AVX2 and FMA: the same operations, so the same bits, as the
+/// portable build (`mul_add` is one rounding either way).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_chunk_fma(
+    cx: &Ctx<'_, '_>,
+    item: (usize, usize, usize, usize),
+    scratch: &mut [f32],
+    parts: &mut [f32],
+) {
+    tile_chunk(cx, item, scratch, parts)
+}
+
+/// [`tile_chunk`] as this CPU runs it best, or portably (`portable`).
+fn run_tile_chunk(
+    cx: &Ctx<'_, '_>,
+    item: (usize, usize, usize, usize),
+    scratch: &mut [f32],
+    parts: &mut [f32],
+    portable: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if !portable && fma_here() {
+        // SAFETY: AVX2 and FMA checked at run time (`fma_here`).
+        return unsafe { tile_chunk_fma(cx, item, scratch, parts) };
+    }
+    let _ = portable;
+    tile_chunk(cx, item, scratch, parts)
+}
+
+/// Whether this CPU has AVX2 and FMA (checked once).
+#[cfg(target_arch = "x86_64")]
+fn fma_here() -> bool {
+    static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FMA.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    })
+}
+
 /// The fused CPU kernel over host rows.
 fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    attend_host_at(qs, view, t, scale, false)
+}
+
+/// [`attend_host`], its tile loops built portably where `portable` (the reference the SIMD build
+/// is tested against) or as this CPU runs them best.
+fn attend_host_at(
+    qs: &[&Tensor],
+    view: &KvView<'_>,
+    t: usize,
+    scale: f32,
+    portable: bool,
+) -> Result<Tensor> {
     let (nkv, gt, hd) = qs[0].dims3()?;
     let mut q: Vec<Vec<f32>> = Vec::with_capacity(qs.len());
     for x in qs {
@@ -428,65 +623,22 @@ fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Resul
         bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
     }
     let offset = kv_len - t;
-    let w = hd + 2;
-    let window = view.window;
+    let cx = Ctx {
+        segs: &segs,
+        q: &q,
+        gt,
+        hd,
+        t,
+        offset,
+        window: view.window,
+        scale,
+    };
     // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
     // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits,
     // nor does the split of the positions into parts.
     let chunk =
         |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
-            let j0 = c * CHUNK;
-            // Row r of the tile sees the keys from starts[r] (a declared window's lower bound)
-            // below ends[r] (within this chunk).
-            let mut ends_buf = [0usize; TILE];
-            let mut starts_buf = [0usize; TILE];
-            for r in 0..rows {
-                let own = offset + (r0 + r) % t; // the row's own position in the view
-                ends_buf[r] = (own + 1).min(j0 + CHUNK);
-                starts_buf[r] = window.map_or(0, |w| (own + 1).saturating_sub(w));
-            }
-            let ends = &ends_buf[..rows];
-            let starts = &starts_buf[..rows];
-            let most = ends.iter().copied().max().unwrap_or(0);
-            // The scratch holds TILE × (CHUNK + hd): scores first, then one widened K/V row.
-            let (scores, buf) = scratch.split_at_mut(TILE * CHUNK);
-            let buf = &mut buf[..hd];
-            let overlapping = || segs.iter().filter(|s| s.start < most && s.end > j0);
-            for s in overlapping() {
-                let span = (s.start, s.start.max(j0), s.end.min(most), j0);
-                let qv = &q[s.query];
-                let mut q_buf: [&[f32]; TILE] = [&[]; TILE];
-                for (r, qr) in q_buf.iter_mut().enumerate().take(rows) {
-                    *qr = &qv[(h * gt + r0 + r) * hd..][..hd];
-                }
-                let q_rows = &q_buf[..rows];
-                with_rows!(s.rows, |x, dec| part_scores(
-                    x,
-                    dec,
-                    h,
-                    span,
-                    (starts, ends),
-                    q_rows,
-                    scale,
-                    scores,
-                    buf
-                ));
-            }
-            chunk_softmax(scores, j0, (starts, ends), parts, w);
-            for s in overlapping() {
-                let span = (s.start, s.start.max(j0), s.end.min(most), j0);
-                with_rows!(s.rows, |x, dec| part_values(
-                    x,
-                    dec,
-                    h,
-                    span,
-                    (starts, ends),
-                    scores,
-                    parts,
-                    w,
-                    buf
-                ));
-            }
+            run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
         };
     let mut out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
     if let Some(b) = view.hadamard {
@@ -669,6 +821,35 @@ mod tests {
                 max_diff(&masked.unwrap(), &fused) < 1e-5,
                 "device path t={t}"
             );
+        }
+    }
+
+    #[test]
+    fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
+        // Prefill and decode shapes, a view cut in parts, a window, head dims 64 and 256 (rows
+        // of the tile from two heads when t is not a multiple of 8), f16 and int8 rows.
+        for (nkv, g, hd, t, l, w) in [
+            (2, 3, 64, 13, 300, None),
+            (1, 4, 256, 1, 700, None),
+            (1, 4, 256, 9, 40, Some(7)),
+            (3, 1, 64, 1, 1, None),
+        ] {
+            let (k, v, q) = (
+                rand((nkv, l, hd)),
+                rand((nkv, l, hd)),
+                rand((nkv, g * t, hd)),
+            );
+            let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
+            let mut view = view_of(&kr, &vr, l, hd, &[l / 3], Rows::F16);
+            view.window = w;
+            let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
+            let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
+            assert_eq!(max_diff(&simd, &portable), 0.0, "f16 t={t} L={l} hd={hd}");
+            let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
+            let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Q8);
+            let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
+            let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
+            assert_eq!(max_diff(&simd, &portable), 0.0, "int8 t={t} L={l} hd={hd}");
         }
     }
 

@@ -290,61 +290,6 @@ mod simd {
     }
 }
 
-/// Σ a[i]·b[i] in a fixed order whatever the caller (two 8-lane accumulators, then a fixed tree),
-/// so that every path through attention gives the same bits; vectorizes.
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut s0 = [0f32; 8];
-    let mut s1 = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            s0[l] += x[l] * y[l];
-            s1[l] += x[8 + l] * y[8 + l];
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    let s: [f32; 8] = std::array::from_fn(|l| s0[l] + s1[l]);
-    (((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))) + tail
-}
-
-/// [`dot`] of four rows against one `b`, each row summed exactly as `dot` sums it (a row's score
-/// never depends on which rows share its tile), `b` read once for the four: eight independent
-/// sums instead of two, where one row at a time waits on its additions' latency.
-pub fn dot4(a: [&[f32]; 4], b: &[f32]) -> [f32; 4] {
-    let n = a.iter().fold(b.len(), |n, r| n.min(r.len()));
-    if a.iter().any(|r| r.len() != n) || b.len() != n {
-        return a.map(|r| dot(r, b)); // rows of other lengths: dot's own truncation, row by row
-    }
-    let mut s0 = [[0f32; 8]; 4];
-    let mut s1 = [[0f32; 8]; 4];
-    let whole = n / 16 * 16;
-    for c in (0..whole).step_by(16) {
-        let y = &b[c..c + 16];
-        for r in 0..4 {
-            let x = &a[r][c..c + 16];
-            for l in 0..8 {
-                s0[r][l] += x[l] * y[l];
-                s1[r][l] += x[8 + l] * y[8 + l];
-            }
-        }
-    }
-    std::array::from_fn(|r| {
-        let mut tail = 0f32;
-        for (x, y) in a[r][whole..].iter().zip(&b[whole..]) {
-            tail += x * y;
-        }
-        let s: [f32; 8] = std::array::from_fn(|l| s0[r][l] + s1[r][l]);
-        (((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))) + tail
-    })
-}
-
 /// The Hadamard rotation that quantized rows are stored in. Keys have a few outlier channels that
 /// would set every group's scale; multiplying each row by an orthonormal Hadamard matrix `H` (block
 /// size [`hadamard_block`]) spreads them over the row first. Attention needs no inverse for keys, as
@@ -379,21 +324,8 @@ pub fn hadamard(x: &mut [f32], b: usize) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn four_row_dot_gives_each_row_the_bits_of_the_one_row_dot() {
-        let mut seed = 7u32;
-        let mut next = move || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-        };
-        for n in [64, 80, 256, 7] {
-            let rows: Vec<Vec<f32>> = (0..4).map(|_| (0..n).map(|_| next()).collect()).collect();
-            let b: Vec<f32> = (0..n).map(|_| next()).collect();
-            let four = dot4([&rows[0], &rows[1], &rows[2], &rows[3]], &b);
-            for (r, row) in rows.iter().enumerate() {
-                assert_eq!(four[r].to_bits(), dot(row, &b).to_bits(), "n {n} row {r}");
-            }
-        }
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
 
     /// Rows with outliers, zeros, negatives and tiny values.
