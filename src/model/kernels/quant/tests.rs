@@ -502,7 +502,7 @@ fn tiles_at_level_equal_the_row_reference<F: tiled::TileKernels>(level: Level, h
 
 /// Not a test: `cargo test --release --lib quant::tests::speed -- --ignored --nocapture` prints
 /// our matmul's time against candle's QMatMul per format (decode and a 128-token prefill);
-/// KVCHAT_SPEED_ONLY=Q8_0 picks one format.
+/// KVCHAT_SPEED_ONLY=Q8_0 picks one format, KVCHAT_SPEED_M one token count.
 #[test]
 #[ignore]
 fn speed() {
@@ -522,7 +522,15 @@ fn speed() {
         let qt = quantized(dtype, rows, cols);
         let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
         let candle = QMatMul::from_qtensor(qt).unwrap();
-        for m in [1usize, 128] {
+        // KVCHAT_SPEED_M=1 (or 128): that token count only.
+        let ms: Vec<usize> = match std::env::var("KVCHAT_SPEED_M")
+            .ok()
+            .and_then(|m| m.parse().ok())
+        {
+            Some(m) => vec![m],
+            None => vec![1, 128],
+        };
+        for m in ms {
             let x = seeded(106, (1, m, cols));
             let reps = if m == 1 { 200 } else { 4 };
             let time = |f: &dyn Fn()| {

@@ -48,80 +48,110 @@ unsafe fn scales16(s: &[u8; TR], h: usize, signed: bool) -> __m256i {
 }
 
 /// A format's AVX2 tile kernel (the module's SAFETY contract in `quant`: AVX2, FMA and F16C
-/// present).
+/// present). `H` halves from `h0` are done together, each weight vector's two halves side by
+/// side, so a decode (one token, both halves) consumes each cache line of a tile in one go.
 pub trait TileKernel: Tiled {
-    /// Half `h`'s 8 rows' integer sums of block `t` with `ys` (and `ysum` of each where `YSUM`).
-    unsafe fn isum<const T: usize>(
+    /// Halves `h0..h0 + H`: their 8 rows' integer sums of block `t` with `ys` (and `ysum` of
+    /// each where `YSUM`), `[half][token]`.
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &Self::Tile,
-        h: usize,
+        h0: usize,
         ys: [&Self::Act; T],
         ysums: [i32; T],
-    ) -> [__m256i; T];
-    /// The 8 rows' float scales with `y` (the same operations as `Format::scale`).
+    ) -> [[__m256i; T]; H];
+    /// Half `h`'s 8 rows' float scales with `y` (the same operations as `Format::scale`).
     unsafe fn scale(t: &Self::Tile, h: usize, y: &Self::Act) -> __m256;
-    /// The 8 rows' min terms (the same operations as `Format::min_term`).
+    /// Half `h`'s 8 rows' min terms (the same operations as `Format::min_term`).
     unsafe fn min(_t: &Self::Tile, _h: usize, _y: &Self::Act) -> __m256 {
         _mm256_setzero_ps()
     }
 }
 
-/// Half `h`'s Σ q·y over a 32-value block of nibbles (plus fifth bits from `qh`). Bounds: a
-/// nibble pair sum is ≤ 2·15·127, eight of them (the whole block) ≤ 30 480; with fifth bits
-/// (q ≤ 31) a pair is ≤ 7 874, so they are widened every two groups (≤ 31 496).
+/// Bit `b` of each byte of `v` moved to bit 4 (with other bits: masked off by the caller).
 #[inline(always)]
-unsafe fn isum_nibbles<const T: usize>(
+unsafe fn bit_to_4(v: __m256i, b: usize) -> __m256i {
+    // 16-bit shifts: what crosses into a neighbouring byte is masked off afterwards.
+    match b {
+        0 => _mm256_slli_epi16::<4>(v),
+        1 => _mm256_slli_epi16::<3>(v),
+        2 => _mm256_slli_epi16::<2>(v),
+        3 => _mm256_slli_epi16::<1>(v),
+        4 => v,
+        5 => _mm256_srli_epi16::<1>(v),
+        6 => _mm256_srli_epi16::<2>(v),
+        _ => _mm256_srli_epi16::<3>(v),
+    }
+}
+
+/// A nibble group's low and high values (plus fifth bits `2g`, `2g + 1` of `bits`) as u8.
+#[inline(always)]
+unsafe fn unpack_group(w: __m256i, bits: Option<__m256i>, g: usize) -> [__m256i; 2] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m10 = _mm256_set1_epi8(0x10);
+    let mut lo = _mm256_and_si256(w, m4);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), m4);
+    if let Some(b) = bits {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(b, 2 * g), m10));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(b, 2 * g + 1), m10));
+    }
+    [lo, hi]
+}
+
+/// Halves `h0..h0+H`: Σ q·y over a 32-value block of nibbles (plus fifth bits from `qh`).
+/// Bounds: a nibble pair sum is ≤ 2·15·127, eight of them (the whole block) ≤ 30 480; with
+/// fifth bits (q ≤ 31) a pair is ≤ 7 874, so they are widened every two groups (≤ 31 496).
+#[inline(always)]
+unsafe fn isum_nibbles<const H: usize, const T: usize>(
     qs: &[[u8; 4 * TR]; 4],
     qh: Option<&[u8; 4 * TR]>,
-    h: usize,
+    h0: usize,
     ys: [&[i8; 32]; T],
-) -> [__m256i; T] {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let one8 = _mm256_set1_epi8(1);
+) -> [[__m256i; T]; H] {
     let one16 = _mm256_set1_epi16(1);
-    let bits = qh.map(|b| half(b, h));
-    let mut acc = [_mm256_setzero_si256(); T];
-    let mut p16 = [_mm256_setzero_si256(); T];
+    let bits: [Option<__m256i>; H] = std::array::from_fn(|k| qh.map(|b| half(b, h0 + k)));
+    let mut acc = [[_mm256_setzero_si256(); T]; H];
+    let mut p16 = [[_mm256_setzero_si256(); T]; H];
     for g in 0..4 {
-        let w = half(&qs[g], h);
-        let mut lo = _mm256_and_si256(w, m4);
-        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), m4);
-        if let Some(b) = bits {
-            // Bits 2g and 2g+1 of each byte, moved to bit 4.
-            let (b0, b1) = match g {
-                0 => (b, _mm256_srli_epi16::<1>(b)),
-                1 => (_mm256_srli_epi16::<2>(b), _mm256_srli_epi16::<3>(b)),
-                2 => (_mm256_srli_epi16::<4>(b), _mm256_srli_epi16::<5>(b)),
-                _ => (_mm256_srli_epi16::<6>(b), _mm256_srli_epi16::<7>(b)),
-            };
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(b0, one8)));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(_mm256_and_si256(b1, one8)));
-        }
-        for i in 0..T {
-            let y = &ys[i][8 * g..];
-            p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(lo, bcast4(y)));
-            p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, bcast4(&y[4..])));
+        for k in 0..H {
+            let [lo, hi] = unpack_group(half(&qs[g], h0 + k), bits[k], g);
+            for i in 0..T {
+                let y = &ys[i][8 * g..];
+                p16[k][i] = _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(lo, bcast4(y)));
+                p16[k][i] = _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(hi, bcast4(&y[4..])));
+            }
         }
         let widen = if qh.is_some() { g % 2 == 1 } else { g == 3 };
         if widen {
-            for i in 0..T {
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p16[i], one16));
-                p16[i] = _mm256_setzero_si256();
+            for k in 0..H {
+                for i in 0..T {
+                    acc[k][i] = _mm256_add_epi32(acc[k][i], _mm256_madd_epi16(p16[k][i], one16));
+                    p16[k][i] = _mm256_setzero_si256();
+                }
             }
         }
     }
     acc
 }
 
+/// `acc[half][token] − c · ysums[token]` (the offset of Q4_0's and Q5_0's unsigned quants).
+#[inline(always)]
+unsafe fn minus_ysums<const H: usize, const T: usize>(
+    acc: [[__m256i; T]; H],
+    c: i32,
+    ysums: [i32; T],
+) -> [[__m256i; T]; H] {
+    acc.map(|a| std::array::from_fn(|i| _mm256_sub_epi32(a[i], _mm256_set1_epi32(c * ysums[i]))))
+}
+
 impl TileKernel for Q4_0 {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ4_0,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8_0; T],
         ysums: [i32; T],
-    ) -> [__m256i; T] {
-        let acc = isum_nibbles(&t.qs, None, h, ys.map(|y| &y.qs));
-        std::array::from_fn(|i| _mm256_sub_epi32(acc[i], _mm256_set1_epi32(8 * ysums[i])))
+    ) -> [[__m256i; T]; H] {
+        minus_ysums(isum_nibbles(&t.qs, None, h0, ys.map(|y| &y.qs)), 8, ysums)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_0, h: usize, y: &BlockQ8_0) -> __m256 {
@@ -131,13 +161,13 @@ impl TileKernel for Q4_0 {
 
 impl TileKernel for Q4_1 {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ4_1,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8_1; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
-        isum_nibbles(&t.qs, None, h, ys.map(|y| &y.qs))
+    ) -> [[__m256i; T]; H] {
+        isum_nibbles(&t.qs, None, h0, ys.map(|y| &y.qs))
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_1, h: usize, y: &BlockQ8_1) -> __m256 {
@@ -151,14 +181,17 @@ impl TileKernel for Q4_1 {
 
 impl TileKernel for Q5_0 {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ5_0,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8_0; T],
         ysums: [i32; T],
-    ) -> [__m256i; T] {
-        let acc = isum_nibbles(&t.qs, Some(&t.qh), h, ys.map(|y| &y.qs));
-        std::array::from_fn(|i| _mm256_sub_epi32(acc[i], _mm256_set1_epi32(16 * ysums[i])))
+    ) -> [[__m256i; T]; H] {
+        minus_ysums(
+            isum_nibbles(&t.qs, Some(&t.qh), h0, ys.map(|y| &y.qs)),
+            16,
+            ysums,
+        )
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_0, h: usize, y: &BlockQ8_0) -> __m256 {
@@ -168,13 +201,13 @@ impl TileKernel for Q5_0 {
 
 impl TileKernel for Q5_1 {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ5_1,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8_1; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
-        isum_nibbles(&t.qs, Some(&t.qh), h, ys.map(|y| &y.qs))
+    ) -> [[__m256i; T]; H] {
+        isum_nibbles(&t.qs, Some(&t.qh), h0, ys.map(|y| &y.qs))
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_1, h: usize, y: &BlockQ8_1) -> __m256 {
@@ -191,22 +224,24 @@ impl TileKernel for Q8_0 {
     /// (|q| times y with q's sign) makes it maddubs's unsigned operand: a pair is
     /// ≤ 2·128·127 = 32 512, widened at once.
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ8_0,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8_0; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
+    ) -> [[__m256i; T]; H] {
         let flip = _mm256_set1_epi8(0x80u8 as i8);
         let one16 = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_si256(); T];
+        let mut acc = [[_mm256_setzero_si256(); T]; H];
         for g in 0..8 {
-            let w = _mm256_xor_si256(half(&t.qs[g], h), flip);
-            let aw = _mm256_sign_epi8(w, w);
-            for i in 0..T {
-                let sy = _mm256_sign_epi8(bcast4(&ys[i].qs[4 * g..]), w);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), one16);
-                acc[i] = _mm256_add_epi32(acc[i], p);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let w = _mm256_xor_si256(half(&t.qs[g], h0 + k), flip);
+                let aw = _mm256_sign_epi8(w, w);
+                for i in 0..T {
+                    let sy = _mm256_sign_epi8(bcast4(&ys[i].qs[4 * g..]), w);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), one16);
+                    acc[i] = _mm256_add_epi32(acc[i], p);
+                }
             }
         }
         acc
@@ -217,49 +252,42 @@ impl TileKernel for Q8_0 {
     }
 }
 
-/// Half `h`'s Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits); `madd`
-/// with the scales repeated per i16 both widens and scales. Bounds as [`isum_nibbles`]: a
-/// sub-block's 16 nibble products per i16 ≤ 30 480; with fifth bits widened every two groups.
+/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits);
+/// `madd` with the scales repeated per i16 both widens and scales. Bounds as
+/// [`isum_nibbles`]: a sub-block's 16 nibble products per i16 ≤ 30 480; with fifth bits
+/// widened every two groups.
 #[inline(always)]
-unsafe fn isum_k<const T: usize>(
+unsafe fn isum_k<const H: usize, const T: usize>(
     qs: &[[u8; 4 * TR]; 32],
     qh: Option<&[[u8; 4 * TR]; 8]>,
     scales: &[[u8; TR]; 8],
-    h: usize,
+    h0: usize,
     ys: [&BlockQ8K; T],
-) -> [__m256i; T] {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let one8 = _mm256_set1_epi8(1);
-    let mut total = [_mm256_setzero_si256(); T];
+) -> [[__m256i; T]; H] {
+    let mut total = [[_mm256_setzero_si256(); T]; H];
     for j in 0..8 {
-        let bits = qh.map(|b| half(&b[j], h));
-        let sc = scales16(&scales[j], h, false);
-        let mut p16 = [_mm256_setzero_si256(); T];
+        let bits: [Option<__m256i>; H] = std::array::from_fn(|k| qh.map(|b| half(&b[j], h0 + k)));
+        let sc: [__m256i; H] = std::array::from_fn(|k| scales16(&scales[j], h0 + k, false));
+        let mut p16 = [[_mm256_setzero_si256(); T]; H];
         for gl in 0..4 {
             let g = 4 * j + gl;
-            let w = half(&qs[g], h);
-            let mut lo = _mm256_and_si256(w, m4);
-            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), m4);
-            if let Some(b) = bits {
-                let (b0, b1) = match gl {
-                    0 => (b, _mm256_srli_epi16::<1>(b)),
-                    1 => (_mm256_srli_epi16::<2>(b), _mm256_srli_epi16::<3>(b)),
-                    2 => (_mm256_srli_epi16::<4>(b), _mm256_srli_epi16::<5>(b)),
-                    _ => (_mm256_srli_epi16::<6>(b), _mm256_srli_epi16::<7>(b)),
-                };
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(b0, one8)));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(_mm256_and_si256(b1, one8)));
-            }
-            for i in 0..T {
-                let y = &ys[i].qs[8 * g..];
-                p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(lo, bcast4(y)));
-                p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, bcast4(&y[4..])));
+            for k in 0..H {
+                let [lo, hi] = unpack_group(half(&qs[g], h0 + k), bits[k], gl);
+                for i in 0..T {
+                    let y = &ys[i].qs[8 * g..];
+                    p16[k][i] = _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(lo, bcast4(y)));
+                    p16[k][i] =
+                        _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(hi, bcast4(&y[4..])));
+                }
             }
             let widen = if qh.is_some() { gl % 2 == 1 } else { gl == 3 };
             if widen {
-                for i in 0..T {
-                    total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p16[i], sc));
-                    p16[i] = _mm256_setzero_si256();
+                for k in 0..H {
+                    for i in 0..T {
+                        let p = _mm256_madd_epi16(p16[k][i], sc[k]);
+                        total[k][i] = _mm256_add_epi32(total[k][i], p);
+                        p16[k][i] = _mm256_setzero_si256();
+                    }
                 }
             }
         }
@@ -285,13 +313,13 @@ unsafe fn min_k(mins: &[[u8; TR]; 8], dmin: &[f16; TR], h: usize, y: &BlockQ8K) 
 
 impl TileKernel for Q4K {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ4K,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8K; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
-        isum_k(&t.qs, None, &t.sc, h, ys)
+    ) -> [[__m256i; T]; H] {
+        isum_k(&t.qs, None, &t.sc, h0, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -305,13 +333,13 @@ impl TileKernel for Q4K {
 
 impl TileKernel for Q5K {
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ5K,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8K; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
-        isum_k(&t.qs, Some(&t.qh), &t.sc, h, ys)
+    ) -> [[__m256i; T]; H] {
+        isum_k(&t.qs, Some(&t.qh), &t.sc, h0, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -324,52 +352,63 @@ impl TileKernel for Q5K {
 }
 
 impl TileKernel for Q6K {
-    /// Per 16-value sub-block: q − 32 (in −32..=31) by the sign trick, so each of the 4 pair
-    /// sums is ≤ 2·32·127 and their i16 sum ≤ 32 512; `madd` with the signed scales widens.
+    /// Per 16-value sub-block j: the unsigned 6-bit q (0..=63) by maddubs, two pair sums added
+    /// in i16 (≤ 2·2·63·127 = 32 004) and widened by `madd` with the signed scale; the offset
+    /// by the block sums once per sub-block: Σ_j sc_j·Σ(q − 32)·y = Σ_j sc_j·Σ q·y − 32·Σ_j
+    /// sc_j·bsum_j, the latter by `madd` of the scale with bsum_j (≤ 16·127 in i16).
     #[inline(always)]
-    unsafe fn isum<const T: usize>(
+    unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ6K,
-        h: usize,
+        h0: usize,
         ys: [&BlockQ8K; T],
         _: [i32; T],
-    ) -> [__m256i; T] {
+    ) -> [[__m256i; T]; H] {
         let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(3);
-        let m32 = _mm256_set1_epi8(32);
-        let mut total = [_mm256_setzero_si256(); T];
+        let m30 = _mm256_set1_epi8(0x30);
+        let mut total = [[_mm256_setzero_si256(); T]; H];
+        let mut offset = [[_mm256_setzero_si256(); T]; H];
         for j in 0..16 {
-            let (l0, l1, hb) = (
-                half(&t.ql[2 * j], h),
-                half(&t.ql[2 * j + 1], h),
-                half(&t.qh[j], h),
-            );
-            let hi = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m2));
-            let v = [
-                _mm256_or_si256(_mm256_and_si256(l0, m4), hi(hb)),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
-                    hi(_mm256_srli_epi16::<2>(hb)),
-                ),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16::<4>(hb))),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
-                    hi(_mm256_srli_epi16::<6>(hb)),
-                ),
-            ]
-            .map(|v| _mm256_sub_epi8(v, m32));
-            let av = v.map(|v| _mm256_sign_epi8(v, v));
-            let sc = scales16(bytemuck::cast_ref(&t.sc[j]), h, true);
-            for i in 0..T {
-                let y = &ys[i].qs[16 * j..];
-                let mut p16 = _mm256_setzero_si256();
-                for k in 0..4 {
-                    let sy = _mm256_sign_epi8(bcast4(&y[4 * k..]), v[k]);
-                    p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(av[k], sy));
+            for k in 0..H {
+                let h = h0 + k;
+                let (l0, l1, hb) = (
+                    half(&t.ql[2 * j], h),
+                    half(&t.ql[2 * j + 1], h),
+                    half(&t.qh[j], h),
+                );
+                // Value k's high 2 bits are bits 2k..2k+2 of hb's byte, moved to bits 4-5
+                // (16-bit shifts: what crosses a byte boundary is masked off).
+                let v = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(l0, m4),
+                        _mm256_and_si256(_mm256_slli_epi16::<4>(hb), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
+                        _mm256_and_si256(_mm256_slli_epi16::<2>(hb), m30),
+                    ),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30)),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
+                        _mm256_and_si256(_mm256_srli_epi16::<2>(hb), m30),
+                    ),
+                ];
+                let sc = scales16(bytemuck::cast_ref(&t.sc[j]), h, true);
+                for i in 0..T {
+                    let y = &ys[i].qs[16 * j..];
+                    let p = |n: usize| _mm256_maddubs_epi16(v[n], bcast4(&y[4 * n..]));
+                    let a = _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), sc);
+                    let b = _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), sc);
+                    total[k][i] = _mm256_add_epi32(total[k][i], _mm256_add_epi32(a, b));
+                    let bsum = _mm256_set1_epi32(ys[i].bsums[j] as u16 as i32);
+                    offset[k][i] = _mm256_add_epi32(offset[k][i], _mm256_madd_epi16(sc, bsum));
                 }
-                total[i] = _mm256_add_epi32(total[i], _mm256_madd_epi16(p16, sc));
             }
         }
-        total
+        std::array::from_fn(|k| {
+            std::array::from_fn(|i| {
+                _mm256_sub_epi32(total[k][i], _mm256_slli_epi32::<5>(offset[k][i]))
+            })
+        })
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ6K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -377,35 +416,78 @@ impl TileKernel for Q6K {
     }
 }
 
+/// Asks for tile `b`'s cache lines ahead of their use (a decode reads each weight once, from
+/// memory; the hardware prefetcher alone leaves the loads waiting).
+#[inline(always)]
+unsafe fn prefetch<Tile>(tiles: &[Tile], b: usize) {
+    if let Some(t) = tiles.get(b) {
+        let p = t as *const Tile as *const i8;
+        for off in (0..std::mem::size_of::<Tile>()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+        }
+    }
+}
+
+/// Tiles ahead that [`prefetch`] asks for.
+const AHEAD: usize = 2;
+
 /// The 16 rows' dot products over all blocks with T activation rows (`ys[i]`, `ysums[i]` per
-/// block), in [`dot_rows_scalar`]'s order; rows 0-7 first, then 8-15.
+/// block), in [`dot_rows_scalar`]'s order. One token (decode) takes both halves of each weight
+/// vector at once, so each tile is read once, in order; more tokens run the halves one after
+/// the other (their accumulators for 4 tokens fill AVX2's registers).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot16<F: TileKernel, const T: usize>(
     tiles: &[F::Tile],
     ys: [&[F::Act]; T],
     ysums: [&[i32]; T],
 ) -> [[f32; TR]; T] {
-    let mut out = [[0f32; TR]; T];
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut summ = [_mm256_setzero_ps(); T];
-        for (b, tile) in tiles.iter().enumerate() {
-            let y: [&F::Act; T] = std::array::from_fn(|i| &ys[i][b]);
-            let s: [i32; T] = std::array::from_fn(|i| if F::YSUM { ysums[i][b] } else { 0 });
-            let isum = F::isum::<T>(tile, h, y, s);
+    if T == 1 {
+        dot_halves::<F, 2, T>(tiles, 0, ys, ysums)
+    } else {
+        let (a, b) = (
+            dot_halves::<F, 1, T>(tiles, 0, ys, ysums),
+            dot_halves::<F, 1, T>(tiles, 1, ys, ysums),
+        );
+        std::array::from_fn(|i| std::array::from_fn(|r| if r < 8 { a[i][r] } else { b[i][r] }))
+    }
+}
+
+/// Rows of halves `h0..h0+H` (the rest of each output row left 0).
+#[inline(always)]
+unsafe fn dot_halves<F: TileKernel, const H: usize, const T: usize>(
+    tiles: &[F::Tile],
+    h0: usize,
+    ys: [&[F::Act]; T],
+    ysums: [&[i32]; T],
+) -> [[f32; TR]; T] {
+    let mut acc = [[_mm256_setzero_ps(); T]; H];
+    let mut summ = [[_mm256_setzero_ps(); T]; H];
+    for (b, tile) in tiles.iter().enumerate() {
+        if h0 == 0 {
+            prefetch(tiles, b + AHEAD);
+        }
+        let y: [&F::Act; T] = std::array::from_fn(|i| &ys[i][b]);
+        let s: [i32; T] = std::array::from_fn(|i| if F::YSUM { ysums[i][b] } else { 0 });
+        let isum = F::isum::<H, T>(tile, h0, y, s);
+        for k in 0..H {
             for i in 0..T {
-                acc[i] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(isum[i]),
-                    <F as TileKernel>::scale(tile, h, y[i]),
-                    acc[i],
+                acc[k][i] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(isum[k][i]),
+                    <F as TileKernel>::scale(tile, h0 + k, y[i]),
+                    acc[k][i],
                 );
                 if F::HAS_MIN {
-                    summ[i] = _mm256_add_ps(summ[i], <F as TileKernel>::min(tile, h, y[i]));
+                    summ[k][i] =
+                        _mm256_add_ps(summ[k][i], <F as TileKernel>::min(tile, h0 + k, y[i]));
                 }
             }
         }
+    }
+    let mut out = [[0f32; TR]; T];
+    for k in 0..H {
         for i in 0..T {
-            _mm256_storeu_ps(out[i][8 * h..].as_mut_ptr(), _mm256_add_ps(acc[i], summ[i]));
+            let at = out[i][8 * (h0 + k)..].as_mut_ptr();
+            _mm256_storeu_ps(at, _mm256_add_ps(acc[k][i], summ[k][i]));
         }
     }
     out
