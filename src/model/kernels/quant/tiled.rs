@@ -72,8 +72,10 @@ pub struct TileQ4K {
     pub qs: [[u8; 4 * TR]; 32],
 }
 
-/// Q5_K tile: Q4_K's, plus the fifth bits of each sub-block j of 32 values in `qh[j]`, laid out
-/// as a Q5_0 tile's `qh`.
+/// Q5_K tile: Q4_K's scales and mins; then per sub-block j of 32 values `q[j] = [qs(4j),
+/// .., qs(4j + 3), qh(j)]`: `qs(g)` as Q4_K's `qs[g]`, `qh(j)` the fifth bits of the sub-block,
+/// laid out as a Q5_0 tile's `qh`. A sub-block's bytes lie together, so a tile is read as one
+/// stream.
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct TileQ5K {
@@ -81,20 +83,20 @@ pub struct TileQ5K {
     pub dmin: [f16; TR],
     pub sc: [[u8; TR]; 8],
     pub m: [[u8; TR]; 8],
-    pub qs: [[u8; 4 * TR]; 32],
-    pub qh: [[u8; 4 * TR]; 8],
+    pub q: [[[u8; 4 * TR]; 5]; 8],
 }
 
-/// Q6_K tile: d and the 16 sub-block scales of each row; `ql[g]` the low 4 bits of values
-/// 8g..8g+8 (as Q4_K's `qs`), `qh[h]` the high 2 bits of values 16h..16h+16: row r's byte 4r+j
-/// holds values 16h+j, +4, +8, +12 in bits 0-1, 2-3, 4-5, 6-7.
+/// Q6_K tile: d and the 16 sub-block scales of each row; then per sub-block h of 16 values,
+/// `q[h] = [ql(2h), ql(2h + 1), qh(h)]`, where `ql(g)` holds the low 4 bits of values 8g..8g+8
+/// (as Q4_K's `qs[g]`) and `qh(h)` the high 2 bits of values 16h..16h+16: row r's byte 4r+j
+/// holds values 16h+j, +4, +8, +12 in bits 0-1, 2-3, 4-5, 6-7. A sub-block's bytes lie
+/// together, so a tile is read as one stream.
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct TileQ6K {
     pub d: [f16; TR],
     pub sc: [[i8; TR]; 16],
-    pub ql: [[u8; 4 * TR]; 32],
-    pub qh: [[u8; 4 * TR]; 16],
+    pub q: [[[u8; 4 * TR]; 3]; 16],
 }
 
 /// Q4_0 tile: `d` of each row; `qs[g]` holds values 8g..8g+8 of the 16 rows as Q4_K's tile does
@@ -350,9 +352,12 @@ impl Tiled for Q5K {
                 t.m[j][r] = m[j];
             }
             let v = k_values(&x.qs, Some(&x.qh));
-            interleave_nibbles(&v, r, &mut t.qs);
-            for (j, qh) in t.qh.iter_mut().enumerate() {
-                interleave_fifths(&v[32 * j..32 * j + 32], r, qh);
+            for (j, q) in t.q.iter_mut().enumerate() {
+                let sub = &v[32 * j..32 * j + 32];
+                let mut qs = [q[0], q[1], q[2], q[3]];
+                interleave_nibbles(sub, r, &mut qs);
+                [q[0], q[1], q[2], q[3]] = qs;
+                interleave_fifths(sub, r, &mut q[4]);
             }
         }
         t
@@ -360,8 +365,9 @@ impl Tiled for Q5K {
     fn dequantize_row(t: &TileQ5K, r: usize, out: &mut [f32]) {
         let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
         for (e, o) in out.iter_mut().enumerate() {
-            let j = e / 32;
-            let q = nibble_at(&t.qs, r, e) | (fifth_at(&t.qh[j], r, e % 32) << 4);
+            let (j, k) = (e / 32, e % 32);
+            let q = &t.q[j];
+            let q = nibble_at(&[q[0], q[1], q[2], q[3]], r, k) | (fifth_at(&q[4], r, k) << 4);
             *o = d * t.sc[j][r] as f32 * q as f32 - dmin * t.m[j][r] as f32;
         }
     }
@@ -389,10 +395,12 @@ impl Tiled for Q6K {
                     v[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
                 }
             }
-            interleave_nibbles(&v, r, &mut t.ql);
-            for (h, qh) in t.qh.iter_mut().enumerate() {
+            for (h, q) in t.q.iter_mut().enumerate() {
+                let mut ql = [q[0], q[1]];
+                interleave_nibbles(&v[16 * h..16 * h + 16], r, &mut ql);
+                [q[0], q[1]] = ql;
                 for j in 0..4 {
-                    qh[4 * r + j] =
+                    q[2][4 * r + j] =
                         (0..4).fold(0u8, |b, k| b | ((v[16 * h + 4 * k + j] >> 4) << (2 * k)));
                 }
             }
@@ -403,9 +411,10 @@ impl Tiled for Q6K {
         let d = t.d[r].to_f32();
         for (e, o) in out.iter_mut().enumerate() {
             let (h, k) = (e / 16, e % 16);
-            let hi = (t.qh[h][4 * r + k % 4] >> (2 * (k / 4))) & 3;
-            let q = (nibble_at(&t.ql, r, e) | (hi << 4)) as i32 - 32;
-            *o = d * t.sc[e / 16][r] as f32 * q as f32;
+            let q = &t.q[h];
+            let hi = (q[2][4 * r + k % 4] >> (2 * (k / 4))) & 3;
+            let q = (nibble_at(&[q[0], q[1]], r, k) | (hi << 4)) as i32 - 32;
+            *o = d * t.sc[h][r] as f32 * q as f32;
         }
     }
 }

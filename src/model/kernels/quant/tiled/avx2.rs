@@ -257,22 +257,23 @@ impl TileKernel for Q8_0 {
 /// [`isum_nibbles`]: a sub-block's 16 nibble products per i16 ≤ 30 480; with fifth bits
 /// widened every two groups.
 #[inline(always)]
-unsafe fn isum_k<const H: usize, const T: usize>(
-    qs: &[[u8; 4 * TR]; 32],
-    qh: Option<&[[u8; 4 * TR]; 8]>,
+unsafe fn isum_k<const N: usize, const H: usize, const T: usize>(
+    q: &[[[u8; 4 * TR]; N]; 8],
     scales: &[[u8; TR]; 8],
     h0: usize,
     ys: [&BlockQ8K; T],
 ) -> [[__m256i; T]; H] {
+    let fifths = N == 5;
     let mut total = [[_mm256_setzero_si256(); T]; H];
     for j in 0..8 {
-        let bits: [Option<__m256i>; H] = std::array::from_fn(|k| qh.map(|b| half(&b[j], h0 + k)));
+        let bits: [Option<__m256i>; H] =
+            std::array::from_fn(|k| fifths.then(|| half(&q[j][4], h0 + k)));
         let sc: [__m256i; H] = std::array::from_fn(|k| scales16(&scales[j], h0 + k, false));
         let mut p16 = [[_mm256_setzero_si256(); T]; H];
         for gl in 0..4 {
             let g = 4 * j + gl;
             for k in 0..H {
-                let [lo, hi] = unpack_group(half(&qs[g], h0 + k), bits[k], gl);
+                let [lo, hi] = unpack_group(half(&q[j][gl], h0 + k), bits[k], gl);
                 for i in 0..T {
                     let y = &ys[i].qs[8 * g..];
                     p16[k][i] = _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(lo, bcast4(y)));
@@ -280,7 +281,7 @@ unsafe fn isum_k<const H: usize, const T: usize>(
                         _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(hi, bcast4(&y[4..])));
                 }
             }
-            let widen = if qh.is_some() { gl % 2 == 1 } else { gl == 3 };
+            let widen = if fifths { gl % 2 == 1 } else { gl == 3 };
             if widen {
                 for k in 0..H {
                     for i in 0..T {
@@ -319,7 +320,7 @@ impl TileKernel for Q4K {
         ys: [&BlockQ8K; T],
         _: [i32; T],
     ) -> [[__m256i; T]; H] {
-        isum_k(&t.qs, None, &t.sc, h0, ys)
+        isum_k::<4, H, T>(bytemuck::cast_ref(&t.qs), &t.sc, h0, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -339,7 +340,7 @@ impl TileKernel for Q5K {
         ys: [&BlockQ8K; T],
         _: [i32; T],
     ) -> [[__m256i; T]; H] {
-        isum_k(&t.qs, Some(&t.qh), &t.sc, h0, ys)
+        isum_k::<5, H, T>(&t.q, &t.sc, h0, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -371,9 +372,9 @@ impl TileKernel for Q6K {
             for k in 0..H {
                 let h = h0 + k;
                 let (l0, l1, hb) = (
-                    half(&t.ql[2 * j], h),
-                    half(&t.ql[2 * j + 1], h),
-                    half(&t.qh[j], h),
+                    half(&t.q[j][0], h),
+                    half(&t.q[j][1], h),
+                    half(&t.q[j][2], h),
                 );
                 // Value k's high 2 bits are bits 2k..2k+2 of hb's byte, moved to bits 4-5
                 // (16-bit shifts: what crosses a byte boundary is masked off).

@@ -154,11 +154,11 @@ impl TileKernel for Q8_0 {
     }
 }
 
-/// The 16 rows' Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits).
+/// The 16 rows' Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block: per sub-block j, its 4 nibble
+/// groups `q[j][..4]` and, where N is 5 (Q5_K), its fifth bits `q[j][4]`.
 #[inline(always)]
-unsafe fn isum_k<const T: usize>(
-    qs: &[[u8; 4 * TR]; 32],
-    qh: Option<&[[u8; 4 * TR]; 8]>,
+unsafe fn isum_k<const N: usize, const T: usize>(
+    q: &[[[u8; 4 * TR]; N]; 8],
     scales: &[[u8; TR]; 8],
     ys: [&BlockQ8K; T],
 ) -> [__m512i; T] {
@@ -166,11 +166,11 @@ unsafe fn isum_k<const T: usize>(
     let one = _mm512_set1_epi8(1);
     let mut total = [_mm512_setzero_si512(); T];
     for j in 0..8 {
-        let h = qh.map(|h| load64(&h[j]));
+        let h = (N == 5).then(|| load64(&q[j][4]));
         let mut part = [_mm512_setzero_si512(); T];
         for gl in 0..4 {
             let g = 4 * j + gl;
-            let w = load64(&qs[g]);
+            let w = load64(&q[j][gl]);
             let mut lo = _mm512_and_si512(w, m4);
             let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
             if let Some(h) = h {
@@ -216,7 +216,7 @@ unsafe fn min_k(mins: &[[u8; TR]; 8], dmin: &[f16; TR], y: &BlockQ8K) -> __m512 
 impl TileKernel for Q4K {
     #[inline(always)]
     unsafe fn isum<const T: usize>(t: &TileQ4K, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
-        isum_k(&t.qs, None, &t.sc, ys)
+        isum_k::<4, T>(bytemuck::cast_ref(&t.qs), &t.sc, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4K, y: &BlockQ8K) -> __m512 {
@@ -231,7 +231,7 @@ impl TileKernel for Q4K {
 impl TileKernel for Q5K {
     #[inline(always)]
     unsafe fn isum<const T: usize>(t: &TileQ5K, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
-        isum_k(&t.qs, Some(&t.qh), &t.sc, ys)
+        isum_k::<5, T>(&t.q, &t.sc, ys)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5K, y: &BlockQ8K) -> __m512 {
@@ -250,11 +250,7 @@ impl TileKernel for Q6K {
         let m2 = _mm512_set1_epi8(3);
         let mut total = [_mm512_setzero_si512(); T];
         for j in 0..16 {
-            let (l0, l1, h) = (
-                load64(&t.ql[2 * j]),
-                load64(&t.ql[2 * j + 1]),
-                load64(&t.qh[j]),
-            );
+            let (l0, l1, h) = (load64(&t.q[j][0]), load64(&t.q[j][1]), load64(&t.q[j][2]));
             let hi = |v: __m512i| _mm512_slli_epi16::<4>(_mm512_and_si512(v, m2));
             let v = [
                 _mm512_or_si512(_mm512_and_si512(l0, m4), hi(h)),
