@@ -252,10 +252,10 @@ impl TileKernel for Q8_0 {
     }
 }
 
-/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits);
-/// `madd` with the scales repeated per i16 both widens and scales. Bounds as
-/// [`isum_nibbles`]: a sub-block's 16 nibble products per i16 ≤ 30 480; with fifth bits
-/// widened every two groups.
+/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a Q4_K/Q5_K super-block (sub-block j: its 4
+/// nibble groups `q[j][..4]` and, for Q5_K (N = 5), its fifth bits `q[j][4]`); `madd` with
+/// the scales repeated per i16 both widens and scales. Bounds as [`isum_nibbles`]: a
+/// sub-block's 16 nibble products per i16 ≤ 30 480; with fifth bits widened every two groups.
 #[inline(always)]
 unsafe fn isum_k<const N: usize, const H: usize, const T: usize>(
     q: &[[[u8; 4 * TR]; N]; 8],
@@ -270,10 +270,10 @@ unsafe fn isum_k<const N: usize, const H: usize, const T: usize>(
             std::array::from_fn(|k| fifths.then(|| half(&q[j][4], h0 + k)));
         let sc: [__m256i; H] = std::array::from_fn(|k| scales16(&scales[j], h0 + k, false));
         let mut p16 = [[_mm256_setzero_si256(); T]; H];
-        for gl in 0..4 {
+        for (gl, group) in q[j].iter().take(4).enumerate() {
             let g = 4 * j + gl;
             for k in 0..H {
-                let [lo, hi] = unpack_group(half(&q[j][gl], h0 + k), bits[k], gl);
+                let [lo, hi] = unpack_group(half(group, h0 + k), bits[k], gl);
                 for i in 0..T {
                     let y = &ys[i].qs[8 * g..];
                     p16[k][i] = _mm256_add_epi16(p16[k][i], _mm256_maddubs_epi16(lo, bcast4(y)));

@@ -168,9 +168,9 @@ unsafe fn isum_k<const N: usize, const T: usize>(
     for j in 0..8 {
         let h = (N == 5).then(|| load64(&q[j][4]));
         let mut part = [_mm512_setzero_si512(); T];
-        for gl in 0..4 {
+        for (gl, group) in q[j].iter().take(4).enumerate() {
             let g = 4 * j + gl;
-            let w = load64(&q[j][gl]);
+            let w = load64(group);
             let mut lo = _mm512_and_si512(w, m4);
             let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
             if let Some(h) = h {
