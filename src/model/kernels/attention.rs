@@ -127,7 +127,10 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = x.max(-87.0); // e^-87 is below f32's normal range: the weight is 0 to f32 precision
+    // e^-87 is below f32's normal range: the weight is 0 to f32 precision. Clamped to 0 above
+    // (and a NaN to −87), so that the exponent bits below are always in range.
+    #[allow(clippy::manual_clamp)] // clamp would keep a NaN
+    let x = x.max(-87.0).min(0.0);
     let n = (x * LOG2E + 0.5).floor();
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
@@ -135,7 +138,7 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
         * r
         + 0.5;
     let p = p * r * r + r + 1.0;
-    // 2^n by building the exponent bits; n ≥ -126 here.
+    // 2^n by building the exponent bits; −126 ≤ n ≤ 0 here.
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
@@ -366,7 +369,7 @@ fn tile_scores<E>(
 }
 
 /// Per tile row, its chunk's softmax numerators in place over `lo..hi` (exp(score − m), 0 where
-/// the row does not see the key) and its `[m, Σ]` (m = −∞, Σ = 0 where it sees none): the max,
+/// the row does not see the key, whose score may be anything: it is never used) and its `[m, Σ]` (m = −∞, Σ = 0 where it sees none): the max,
 /// then the exponentials summed in key order.
 #[inline(always)]
 fn tile_softmax(
@@ -387,17 +390,20 @@ fn tile_softmax(
         let s = &mut scores[(j - j0) * TILE..][..TILE];
         for r in 0..TILE {
             let sees = starts[r] <= j as u32 && (j as u32) < ends[r];
-            let p = exp_nonpositive(s[r] - m[r]);
+            // The exponential's argument is chosen first: for a row that sees no key m is −∞.
+            let p = exp_nonpositive(if sees { s[r] - m[r] } else { f32::NEG_INFINITY });
             s[r] = if sees { p } else { 0.0 };
-            sum[r] += s[r];
+            sum[r] = if sees { sum[r] + p } else { sum[r] };
         }
     }
     (m, sum)
 }
 
 /// Adds weights × values `lo..hi` of a part into the tile's accumulators `acc [hd][TILE]`: per
-/// row and value element, fused multiply-adds over the keys in order (a key the row does not
-/// see has weight 0 and adds +0 to a sum that is never −0: no bit changes).
+/// row and value element, fused multiply-adds over the keys it sees, in order. A key some row of
+/// the tile does not see (the causal diagonal, a window's edge, padding rows) leaves that row's
+/// accumulators untouched, lane by lane, so no bit of a row depends on its neighbours (not even
+/// through a weight-0 product with an infinite value).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_values<E>(
@@ -405,11 +411,11 @@ fn tile_values<E>(
     dec: Decoder<E>,
     h: usize,
     (start, lo, hi, j0): (usize, usize, usize, usize),
+    (starts, ends): (&[u32; TILE], &[u32; TILE]),
     scores: &[f32],
     acc: &mut [f32],
     buf: &mut [f32],
 ) {
-    let hd = acc.len() / TILE;
     let rows = &x.v[h * x.head_stride..];
     let mut j = lo;
     while j < hi {
@@ -419,33 +425,60 @@ fn tile_values<E>(
             let at = (j + i.min(n - 1) - j0) * TILE;
             scores[at..at + TILE].try_into().expect("TILE")
         });
-        // Eight value elements of the eight rows stay in registers over the n keys.
-        let mut slices = acc.chunks_exact_mut(8 * TILE);
-        for (c, a) in slices.by_ref().enumerate() {
-            let a: &mut [f32; 8 * TILE] = a.try_into().expect("8 · TILE");
-            let mut reg: [[f32; TILE]; 8] = bytemuck::cast(*a);
-            for i in 0..n {
-                let v: &[f32; 8] = v[i][8 * c..8 * c + 8].try_into().expect("8");
-                for (rg, &ve) in reg.iter_mut().zip(v) {
-                    for (r, p) in rg.iter_mut().zip(p[i]) {
-                        *r = p.mul_add(ve, *r);
-                    }
-                }
-            }
-            *a = bytemuck::cast(reg);
-        }
-        // A head_dim that is not a multiple of 8: the last elements one at a time.
-        let tail = slices.into_remainder();
-        let e0 = hd - tail.len() / TILE;
-        for (ee, a) in tail.chunks_exact_mut(TILE).enumerate() {
-            for i in 0..n {
-                let ve = v[i][e0 + ee];
-                for (r, p) in a.iter_mut().zip(p[i]) {
-                    *r = p.mul_add(ve, *r);
-                }
-            }
+        // Lanes past the tile's rows (ends 0) are never read: they need no mask.
+        let sees: [[bool; TILE]; KB] = std::array::from_fn(|i| {
+            let k = (j + i) as u32;
+            std::array::from_fn(|r| ends[r] == 0 || (starts[r] <= k && k < ends[r]))
+        });
+        if sees.iter().take(n).all(|s| s.iter().all(|&s| s)) {
+            add_values::<false>(acc, &v, &p, &sees, n);
+        } else {
+            add_values::<true>(acc, &v, &p, &sees, n);
         }
         j += n;
+    }
+}
+
+/// `acc [hd][TILE] += p[i] · v[i]` over keys i < n, per lane; where `MASKED`, only in the lanes
+/// that see key i.
+#[inline(always)]
+fn add_values<const MASKED: bool>(
+    acc: &mut [f32],
+    v: &[&[f32]; KB],
+    p: &[&[f32; TILE]; KB],
+    sees: &[[bool; TILE]; KB],
+    n: usize,
+) {
+    let hd = acc.len() / TILE;
+    let fma = |r: &mut f32, p: f32, ve: f32, sees: bool| {
+        let sum = p.mul_add(ve, *r);
+        *r = if !MASKED || sees { sum } else { *r };
+    };
+    // Eight value elements of the eight rows stay in registers over the n keys.
+    let mut slices = acc.chunks_exact_mut(8 * TILE);
+    for (c, a) in slices.by_ref().enumerate() {
+        let a: &mut [f32; 8 * TILE] = a.try_into().expect("8 · TILE");
+        let mut reg: [[f32; TILE]; 8] = bytemuck::cast(*a);
+        for i in 0..n {
+            let v: &[f32; 8] = v[i][8 * c..8 * c + 8].try_into().expect("8");
+            for (rg, &ve) in reg.iter_mut().zip(v) {
+                for ((r, &p), &s) in rg.iter_mut().zip(p[i]).zip(&sees[i]) {
+                    fma(r, p, ve, s);
+                }
+            }
+        }
+        *a = bytemuck::cast(reg);
+    }
+    // A head_dim that is not a multiple of 8: the last elements one at a time.
+    let tail = slices.into_remainder();
+    let e0 = hd - tail.len() / TILE;
+    for (ee, a) in tail.chunks_exact_mut(TILE).enumerate() {
+        for i in 0..n {
+            let ve = v[i][e0 + ee];
+            for ((r, &p), &s) in a.iter_mut().zip(p[i]).zip(&sees[i]) {
+                fma(r, p, ve, s);
+            }
+        }
     }
 }
 
@@ -502,7 +535,14 @@ fn tile_chunk(
     for s in overlapping() {
         let span = (s.start, s.start.max(least), s.end.min(most), j0);
         with_rows!(s.rows, |x, dec| tile_values(
-            x, dec, h, span, scores, acc, buf
+            x,
+            dec,
+            h,
+            span,
+            (&starts, &ends),
+            scores,
+            acc,
+            buf
         ));
     }
     for r in 0..rows {
@@ -824,15 +864,23 @@ mod tests {
         }
     }
 
+    /// A tensor's values as bits (so ±0 and NaN compare exactly).
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    }
+
     #[test]
     fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
-        // Prefill and decode shapes, a view cut in parts, a window, head dims 64 and 256 (rows
-        // of the tile from two heads when t is not a multiple of 8), f16 and int8 rows.
+        // Prefill and decode shapes, a view cut in parts, a window, head dims 64, 256 and 60 (not
+        // a multiple of 8), rows of the tile from two heads when t is not a multiple of 8, f16
+        // and int8 rows.
         for (nkv, g, hd, t, l, w) in [
             (2, 3, 64, 13, 300, None),
             (1, 4, 256, 1, 700, None),
             (1, 4, 256, 9, 40, Some(7)),
             (3, 1, 64, 1, 1, None),
+            (2, 3, 60, 11, 30, Some(9)),
         ] {
             let (k, v, q) = (
                 rand((nkv, l, hd)),
@@ -844,12 +892,39 @@ mod tests {
             view.window = w;
             let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
             let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
-            assert_eq!(max_diff(&simd, &portable), 0.0, "f16 t={t} L={l} hd={hd}");
+            assert_eq!(bits(&simd), bits(&portable), "f16 t={t} L={l} hd={hd}");
+            if hd % kvrows::QK != 0 {
+                continue;
+            }
             let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
             let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Q8);
             let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
             let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
-            assert_eq!(max_diff(&simd, &portable), 0.0, "int8 t={t} L={l} hd={hd}");
+            assert_eq!(bits(&simd), bits(&portable), "int8 t={t} L={l} hd={hd}");
+        }
+    }
+
+    #[test]
+    fn a_later_positions_infinite_value_never_reaches_an_earlier_row() {
+        // f16 rows store |v| > 65504 as ∞. Rows 0..8 of a prefill share a tile; key 5's value is
+        // ∞, which rows 0-4 must not see: each must equal itself computed alone (a decode).
+        let (nkv, g, hd, t) = (1, 1, 64, 8);
+        let (k, q) = (rand((nkv, t, hd)), rand((nkv, g * t, hd)));
+        let mut vs: Vec<f32> = rand((nkv, t, hd)).flatten_all().unwrap().to_vec1().unwrap();
+        vs[5 * hd + 3] = 1e6;
+        let v = Tensor::from_vec(vs, (nkv, t, hd), &Device::Cpu).unwrap();
+        let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
+        let all = attend_view(&[&q], &view_of(&kr, &vr, t, hd, &[], Rows::F16), t, 0.125).unwrap();
+        for r in 0..5 {
+            let n = (r + 1) * hd;
+            let alone = view_of(&kr[..n], &vr[..n], r + 1, hd, &[], Rows::F16);
+            let one = attend_view(&[&q.narrow(1, r, 1).unwrap()], &alone, 1, 0.125).unwrap();
+            let row = all.narrow(1, r, 1).unwrap();
+            assert!(
+                bits(&row).iter().all(|&b| f32::from_bits(b).is_finite()),
+                "row {r}"
+            );
+            assert_eq!(bits(&row), bits(&one), "row {r}");
         }
     }
 

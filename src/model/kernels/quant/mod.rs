@@ -140,8 +140,10 @@ impl Act for BlockQ8_0 {
             let (d, id) = q8_scale(x);
             y.d = f16::from_f32(d);
             // Ties to even, as llama.cpp's SIMD quantizers (`_mm256_round_ps`) round.
+            // Clamped to ±127 (a no-op but for blocks so tiny that 1/d is infinite): the SIMD
+            // kernels' sign trick holds for |y| ≤ 127.
             for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (v * id).round_ties_even() as i8;
+                *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
         }
     }
@@ -158,7 +160,7 @@ impl Act for BlockQ8_1 {
             y.d = f16::from_f32(d);
             let mut sum = 0i32;
             for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (v * id).round() as i8;
+                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
                 sum += *q as i32;
             }
             y.s = f16::from_f32(sum as f32) * y.d;
@@ -185,7 +187,7 @@ impl Act for BlockQ8K {
             let iscale = -127.0 / max;
             for (q, v) in y.qs.iter_mut().zip(x) {
                 // Ties to even, as llama.cpp's `nearest_int`.
-                *q = (iscale * v).round_ties_even().min(127.0) as i8;
+                *q = (iscale * v).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
             for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
                 *s = q.iter().map(|&v| v as i16).sum();
@@ -799,12 +801,12 @@ impl std::str::FromStr for Kernels {
     }
 }
 
-/// Whether our kernels are the faster choice on the CPU for a `[rows, cols]` matrix of `dtype`
-/// (where not, candle's QMatMul runs it). Where AVX2 runs and rows come in 16s, ours run as
-/// row-interleaved tiles (`tiled`), as fast as candle's or faster for every type (see
-/// `tests::speed` and the closing figures of issue 16). Matrices whose rows do not come in 16s
-/// keep our per-row layout; for Q4_K, Q6_K and Q8_0 candle's own 16-row tiles would need rows in
-/// 16s too, so the per-row kernels run those as well.
+/// Whether our kernels are the better choice on the CPU for a matrix of `dtype` (where not,
+/// candle's QMatMul runs it): wherever AVX2 runs. Rows in 16s run as row-interleaved tiles
+/// (`tiled`), others per row. Against candle's QMatMul (`tests::speed`, closing figures of
+/// issue 16) ours prefill faster for every type and decode faster for all but Q5_K and Q6_K
+/// streamed from memory (0.7-0.9× there); they are kept for those too, as candle's tiles sum
+/// decode and prefill differently (bit-identical prefill and decode is this project's rule).
 ///
 /// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
 /// everything (it has NEON kernels; ours would run their scalar reference).

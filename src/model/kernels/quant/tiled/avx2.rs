@@ -1,7 +1,7 @@
 //! The AVX2 tile kernels: the VNNI kernels' tiles and results, 8 rows per register. A tile's 16
 //! rows are taken as two halves (rows 0-7 are bytes 0..32 of each 64-byte group, rows 8-15 bytes
-//! 32..64), each run through all blocks on its own, so accumulators for 4 tokens fit AVX2's 16
-//! registers.
+//! 32..64): a prefill runs each half through all blocks on its own, so accumulators for 4 tokens
+//! fit AVX2's 16 registers; a decode (one token) takes both halves together.
 //!
 //! AVX2 has no `dpbusd`; `maddubs` (u8 × i8, adjacent pairs added into i16) and `madd` (i16 pairs
 //! into i32) take its place. The pair sums stay exact: an i16 holds at most
@@ -29,7 +29,7 @@ fn half(group: &[u8; 4 * TR], h: usize) -> __m256i {
 
 /// The 8 rows' f16 values of half `h` as f32.
 #[inline(always)]
-unsafe fn halves(d: &[f16; TR], h: usize) -> __m256 {
+unsafe fn half_f32(d: &[f16; TR], h: usize) -> __m256 {
     _mm256_cvtph_ps(load16(&d[8 * h..]))
 }
 
@@ -155,7 +155,7 @@ impl TileKernel for Q4_0 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(halves(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
     }
 }
 
@@ -171,11 +171,11 @@ impl TileKernel for Q4_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(halves(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ4_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(halves(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
+        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
     }
 }
 
@@ -195,7 +195,7 @@ impl TileKernel for Q5_0 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(halves(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
     }
 }
 
@@ -211,11 +211,11 @@ impl TileKernel for Q5_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(halves(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ5_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(halves(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
+        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
     }
 }
 
@@ -248,7 +248,7 @@ impl TileKernel for Q8_0 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ8_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(halves(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
     }
 }
 
@@ -306,7 +306,7 @@ unsafe fn min_k(mins: &[[u8; TR]; 8], dmin: &[f16; TR], h: usize, y: &BlockQ8K) 
         let m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(mins[8 * h..].as_ptr() as *const __m128i));
         msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, _mm256_set1_epi32(s & 0xFFFF)));
     }
-    let dd = _mm256_mul_ps(_mm256_set1_ps(y.d), halves(dmin, h));
+    let dd = _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(dmin, h));
     // Negation as a sign flip (exact, −0 included), as the scalar `-(..)`.
     let neg = _mm256_xor_ps(dd, _mm256_set1_ps(-0.0));
     _mm256_mul_ps(neg, _mm256_cvtepi32_ps(msum))
@@ -324,7 +324,7 @@ impl TileKernel for Q4K {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4K, h: usize, y: &BlockQ8K) -> __m256 {
-        _mm256_mul_ps(_mm256_set1_ps(y.d), halves(&t.d, h))
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ4K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -344,7 +344,7 @@ impl TileKernel for Q5K {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5K, h: usize, y: &BlockQ8K) -> __m256 {
-        _mm256_mul_ps(_mm256_set1_ps(y.d), halves(&t.d, h))
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ5K, h: usize, y: &BlockQ8K) -> __m256 {
@@ -413,7 +413,7 @@ impl TileKernel for Q6K {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ6K, h: usize, y: &BlockQ8K) -> __m256 {
-        _mm256_mul_ps(_mm256_set1_ps(y.d), halves(&t.d, h))
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
     }
 }
 
