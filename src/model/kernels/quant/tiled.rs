@@ -452,7 +452,8 @@ impl<F: Tiled> TiledMatrix<F> {
         assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
         let kb = cols / F::N;
         let groups = rows / TR;
-        let mut tiles = vec![F::Tile::zeroed(); groups * kb];
+        // Fresh zero pages from the allocator (no pass writing zeros before the tiles).
+        let mut tiles: Vec<F::Tile> = bytemuck::zeroed_vec(groups * kb);
         // Row groups split over the threads kvchat runs with (--threads; packing a 1B model's
         // weights is seconds on one).
         let threads = candle_core::utils::get_num_threads();
