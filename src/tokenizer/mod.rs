@@ -27,6 +27,7 @@ use tokenizers::{
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i32 = spm::CONTROL as i32;
+const TOKEN_TYPE_UNKNOWN: i32 = spm::UNKNOWN as i32;
 const TOKEN_TYPE_USER_DEFINED: i32 = spm::USER_DEFINED as i32;
 
 /// GPT-2's pre-tokenizer regex.
@@ -442,7 +443,11 @@ fn add_special_tokens(
     let (mut control, mut user) = (Vec::new(), Vec::new());
     for (t, ty) in tokens.iter().zip(types) {
         match ty {
-            TOKEN_TYPE_CONTROL => control.push(AddedToken::from(t.to_string(), true)),
+            // The unknown token as a control token: decoded only when specials are shown, as
+            // llama.cpp's token_to_piece and our SentencePiece decoder do.
+            TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN => {
+                control.push(AddedToken::from(t.to_string(), true))
+            }
             // Matched on the raw text: a normalizer (SentencePiece's "▁" prefix) must not
             // change what "\n" matches.
             TOKEN_TYPE_USER_DEFINED => {
