@@ -580,21 +580,13 @@ fn run_tile_chunk(
     portable: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if !portable && fma_here() {
-        // SAFETY: AVX2 and FMA checked at run time (`fma_here`).
+    if !portable && super::quant::level() >= super::quant::Level::Avx2 {
+        // SAFETY: `quant::level()` is at least Avx2 only where the CPU has AVX2 and FMA (checked
+        // at run time; KVCHAT_SIMD can only lower it).
         return unsafe { tile_chunk_fma(cx, item, scratch, parts) };
     }
     let _ = portable;
     tile_chunk(cx, item, scratch, parts)
-}
-
-/// Whether this CPU has AVX2 and FMA (checked once).
-#[cfg(target_arch = "x86_64")]
-fn fma_here() -> bool {
-    static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FMA.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    })
 }
 
 /// The fused CPU kernel over host rows.

@@ -36,6 +36,16 @@ pub trait Tiled: Format {
     }
 }
 
+/// Four activation values (i8) as one little-endian word: what the tile kernels broadcast to
+/// every 32-bit lane.
+#[inline(always)]
+fn four(q: &[i8]) -> i32 {
+    let b: [u8; 4] = bytemuck::cast_slice::<i8, u8>(&q[..4])
+        .try_into()
+        .expect("4");
+    i32::from_le_bytes(b)
+}
+
 /// The reference sum of one row (see the module's summation order).
 pub fn dot_rows_scalar<F: Format>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
     let mut acc = 0f32;

@@ -8,10 +8,7 @@ use std::arch::x86_64::*;
 /// Four activation values (i8) broadcast to every i32 lane.
 #[inline(always)]
 unsafe fn bcast4(q: &[i8]) -> __m512i {
-    let b: [u8; 4] = bytemuck::cast_slice::<i8, u8>(&q[..4])
-        .try_into()
-        .expect("4");
-    _mm512_set1_epi32(i32::from_le_bytes(b))
+    _mm512_set1_epi32(four(q))
 }
 
 /// A format's tile kernel (see the module's SAFETY contract in `quant`: VNNI present).
