@@ -878,7 +878,7 @@ fn gguf_metadata_beyond_any_real_model_is_refused_naming_the_key() {
 
 #[test]
 fn a_quantized_model_cut_short_names_the_tensor_it_cannot_read() {
-    // Read straight into our kernels' blocks (QMatrix::read), not through candle's reader.
+    // Read straight into our kernels' layout (GgufFile::pack_all), not through candle's reader.
     let home = temp("gguf-cut");
     let bytes = std::fs::read(common::model_path()).unwrap();
     let p = home.join("cut.gguf");

@@ -2,7 +2,7 @@
 //! in `kernels::quant`, or candle's QMatMul where those do not run or are slower).
 
 use super::config::Config;
-use super::kernels::quant::{Kernels, QMatrix};
+use super::kernels::quant::{Kernels, Packer, QMatrix};
 use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{Context, Result};
@@ -51,12 +51,38 @@ pub struct GgufFile {
     pub path: PathBuf,
     pub content: gguf_file::Content,
     reader: Tracked,
-    /// The bytes of the last tensor read for our tiled kernels (reused: its pages are touched once).
-    scratch: Vec<u8>,
     /// Dequantize every matrix to this dtype at load (`--dtype`); None keeps them quantized.
     pub dense: Option<DType>,
     /// Our CPU kernels or candle's QMatMul, per type.
     pub kernels: Kernels,
+    /// The matrices [`GgufFile::pack_all`] read for our kernels, until the decoder takes them.
+    packed: std::collections::HashMap<String, QMatrix>,
+}
+
+/// The projections of layer `i`, each its tensor name (less `.weight`) and `[rows, cols]`: q, k,
+/// v, output, gate, up, down (the order [`GgufFile::pack_all`] keeps, so that q, k, v and gate,
+/// up lie end to end).
+fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
+    let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
+    let p = format!("blk.{i}");
+    [
+        (format!("{p}.attn_q"), [nh * hd, h]),
+        (format!("{p}.attn_k"), [nkv * hd, h]),
+        (format!("{p}.attn_v"), [nkv * hd, h]),
+        (format!("{p}.attn_output"), [h, nh * hd]),
+        (format!("{p}.ffn_gate"), [ffn, h]),
+        (format!("{p}.ffn_up"), [ffn, h]),
+        (format!("{p}.ffn_down"), [h, ffn]),
+    ]
+}
+
+/// A matrix in the file: `[rows, cols]` of `dtype`, `size` bytes from byte `start`.
+struct Located {
+    dtype: candle_core::quantized::GgmlDType,
+    rows: usize,
+    cols: usize,
+    start: u64,
+    size: u64,
 }
 
 impl GgufFile {
@@ -91,9 +117,9 @@ impl GgufFile {
             path: path.to_path_buf(),
             content,
             reader,
-            scratch: Vec::new(),
             dense: None,
             kernels: Kernels::default(),
+            packed: Default::default(),
         })
     }
 
@@ -149,16 +175,10 @@ impl GgufFile {
         })
     }
 
-    /// A matrix our CPU kernels run, read from the file straight into their layout (one reused
-    /// buffer in between, no candle `QTensor`: loading Gemma 3's 178 MB embedding table this way
-    /// saves a copy and its page faults); None when candle or a dense copy runs it. `want` is
-    /// checked first.
-    fn own_matrix(
-        &mut self,
-        name: &str,
-        want: [usize; 2],
-        device: &Device,
-    ) -> Result<Option<QMatrix>> {
+    /// Where the file holds a matrix our CPU kernels run: its type, shape, first byte and size,
+    /// checked against `want` and against the file's length; None when candle or a dense copy runs
+    /// it.
+    fn locate(&mut self, name: &str, want: [usize; 2], device: &Device) -> Result<Option<Located>> {
         if self.dense.is_some() || !device.is_cpu() {
             return Ok(None);
         }
@@ -170,38 +190,92 @@ impl GgufFile {
         }
         expect_dims(name, &[rows, cols], &want)?;
         let info = &self.content.tensor_infos[name];
-        let unreadable = |why: String| {
-            anyhow::anyhow!(
-                "cannot read tensor {name} from {} ({why}); the file may be truncated or corrupt",
-                self.path.display()
-            )
-        };
         let elems = rows * cols;
         if !elems.is_multiple_of(dtype.block_size()) {
-            return Err(unreadable(format!(
-                "{elems} elements are not whole blocks of {}",
-                dtype.block_size()
-            )));
+            return Err(self.unreadable(
+                name,
+                format!(
+                    "{elems} elements are not whole blocks of {}",
+                    dtype.block_size()
+                ),
+            ));
         }
         let size = (elems / dtype.block_size() * dtype.type_size()) as u64;
         let start = self.content.tensor_data_offset.saturating_add(info.offset);
-        let file = self.reader.inner.get_mut();
-        let len = file
+        let len = self
+            .reader
+            .inner
+            .get_ref()
             .metadata()
-            .map_err(|e| unreadable(e.to_string()))?
+            .map_err(|e| self.unreadable(name, e.to_string()))?
             .len();
         if len.saturating_sub(start) < size {
-            return Err(unreadable(format!(
-                "it needs {size} bytes at offset {start}, the file has {len}"
-            )));
+            return Err(self.unreadable(
+                name,
+                format!("it needs {size} bytes at offset {start}, the file has {len}"),
+            ));
         }
-        use std::io::{Read, Seek, SeekFrom};
-        file.seek(SeekFrom::Start(start))
-            .map_err(|e| unreadable(e.to_string()))?;
-        let mut src = (&mut *file).take(size);
-        // The BufReader's position is stale now; candle's reads seek first.
-        QMatrix::read(dtype, rows, cols, &mut src, &mut self.scratch)
-            .map_err(|e| unreadable(crate::first_line(e)))
+        Ok(Some(Located {
+            dtype,
+            rows,
+            cols,
+            start,
+            size,
+        }))
+    }
+
+    fn unreadable(&self, name: &str, why: String) -> anyhow::Error {
+        anyhow::anyhow!(
+            "cannot read tensor {name} from {} ({why}); the file may be truncated or corrupt",
+            self.path.display()
+        )
+    }
+
+    /// Reads every matrix of `wanted` (name, expected `[rows, cols]`) that our CPU kernels run,
+    /// in this order, straight from the file into their layout: one tile store for all (see
+    /// [`Packer`]), no candle `QTensor`, no copy of a whole tensor (Gemma 3's embedding table is
+    /// 178 MB). [`GgufFile::matrix`] hands them out. Every shape and extent is checked before
+    /// anything is allocated; a matrix that fails a check is left for `matrix` to report when the
+    /// decoder asks for it, so errors come in load order.
+    fn pack_all(&mut self, wanted: &[(String, [usize; 2])], device: &Device) -> Result<()> {
+        let mut found = Vec::new();
+        for (name, want) in wanted {
+            if let Ok(Some(at)) = self.locate(name, *want, device) {
+                found.push((name.as_str(), at));
+            }
+        }
+        self.packed = self.read_located(&found)?;
+        Ok(())
+    }
+
+    /// The located matrices read into one store, by name.
+    fn read_located(
+        &mut self,
+        found: &[(&str, Located)],
+    ) -> Result<std::collections::HashMap<String, QMatrix>> {
+        let shapes: Vec<_> = found
+            .iter()
+            .map(|(_, m)| (m.dtype, m.rows, m.cols))
+            .collect();
+        let mut packer = Packer::new(&shapes)?;
+        let mut read = Vec::new();
+        for (name, m) in found {
+            use std::io::{Read, Seek, SeekFrom};
+            let file = self.reader.inner.get_mut();
+            // The BufReader's position is stale after this; candle's reads seek first.
+            let mut src = file
+                .seek(SeekFrom::Start(m.start))
+                .map(|_| (&mut *file).take(m.size));
+            let ours = match &mut src {
+                Ok(src) => packer.read(m.dtype, m.rows, m.cols, src),
+                Err(e) => Err(anyhow::anyhow!("{e}")),
+            }
+            .map_err(|e| self.unreadable(name, crate::first_line(e)))?;
+            if ours {
+                read.push(name.to_string());
+            }
+        }
+        Ok(read.into_iter().zip(packer.finish()).collect())
     }
 
     /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.
@@ -238,10 +312,17 @@ impl GgufFile {
         })
     }
 
-    /// A matrix `[rows, cols]` = `want`, read for our kernels where they run it, else by candle.
+    /// A matrix `[rows, cols]` = `want`: read for our kernels by [`GgufFile::pack_all`] where
+    /// they run it, else by candle.
     fn matrix(&mut self, name: &str, want: [usize; 2], device: &Device) -> Result<Read> {
-        if let Some(m) = self.own_matrix(name, want, device)? {
+        if let Some(m) = self.packed.remove(name) {
             return Ok(Read::Ours(m));
+        }
+        // Not packed: candle's, or one whose check failed (reported here, in load order).
+        if let Some(at) = self.locate(name, want, device)? {
+            if let Some(m) = self.read_located(&[(name, at)])?.remove(name) {
+                return Ok(Read::Ours(m));
+            }
         }
         let t = self.tensor(name, device)?;
         expect_dims(name, t.shape().dims(), &want)?;
@@ -267,7 +348,17 @@ impl GgufFile {
         device: &Device,
         max_positions: usize,
     ) -> Result<Llama> {
-        let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        // Every matrix our kernels run, read first into one store (q, k, v and gate, up end to
+        // end there, so stacking them below copies nothing).
+        let mut wanted = vec![("token_embd.weight".to_string(), [cfg.vocab, h])];
+        for i in 0..cfg.n_layer {
+            wanted.extend(layer_matrices(&cfg, i).map(|(p, want)| (format!("{p}.weight"), want)));
+        }
+        if self.has_tensor("output.weight") {
+            wanted.push(("output.weight".to_string(), [cfg.vocab, h]));
+        }
+        self.pack_all(&wanted, device)?;
         // The table in our kernels' store when they run its type (no dequantized copy; with tied
         // embeddings, the output matrix is the same store); else candle's tensor.
         let embed = self.matrix("token_embd.weight", [cfg.vocab, h], device)?;
@@ -290,18 +381,19 @@ impl GgufFile {
             let k_norm = norm(block.qk_norm, "attn_k_norm", hd)?;
             let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
             let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
+            let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
             let mut layer = Layer {
                 qkv: None,
                 gate_up: None,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
-                wq: self.linear(&format!("{p}.attn_q"), qkv_bias, [nh * hd, h], device)?,
-                wk: self.linear(&format!("{p}.attn_k"), qkv_bias, [nkv * hd, h], device)?,
-                wv: self.linear(&format!("{p}.attn_v"), qkv_bias, [nkv * hd, h], device)?,
-                wo: self.linear(&format!("{p}.attn_output"), false, [h, nh * hd], device)?,
+                wq: self.linear(&q.0, qkv_bias, q.1, device)?,
+                wk: self.linear(&k.0, qkv_bias, k.1, device)?,
+                wv: self.linear(&v.0, qkv_bias, v.1, device)?,
+                wo: self.linear(&o.0, false, o.1, device)?,
                 ffn_norm: self.dense(&format!("{p}.ffn_norm.weight"), device)?,
-                w_gate: self.linear(&format!("{p}.ffn_gate"), false, [ffn, h], device)?,
-                w_up: self.linear(&format!("{p}.ffn_up"), false, [ffn, h], device)?,
-                w_down: self.linear(&format!("{p}.ffn_down"), false, [h, ffn], device)?,
+                w_gate: self.linear(&gate.0, false, gate.1, device)?,
+                w_up: self.linear(&up.0, false, up.1, device)?,
+                w_down: self.linear(&down.0, false, down.1, device)?,
                 q_norm,
                 k_norm,
                 post_attn_norm,
@@ -346,7 +438,6 @@ impl GgufFile {
                 _ => Embedding::Quantized(t),
             },
         };
-        self.scratch = Vec::new();
         Ok(Llama {
             cfg,
             embed,

@@ -33,7 +33,7 @@ mod legacy;
 mod tiled;
 
 use super::disjoint::DisjointOut;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use bytemuck::{Pod, Zeroable};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -42,6 +42,7 @@ use std::sync::Arc;
 
 pub use kquants::{Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use tiled::TileStore;
 pub use tiled::{dot_rows_scalar, Tiled, TiledMatrix};
 
 /// An activation block format: how an f32 input row is quantized before the dot products.
@@ -563,7 +564,7 @@ impl<F: Avx2> Matrix<F> {
     where
         F: Tiled,
     {
-        with_blocks::<F, _>(rows, cols, data, TiledMatrix::from_blocks)
+        with_blocks::<F, _>(rows, cols, data, TiledMatrix::from_blocks)?
     }
 }
 
@@ -708,6 +709,127 @@ fn tileable(rows: usize) -> bool {
     level() >= Level::Avx2 && rows.is_multiple_of(tiled::TR)
 }
 
+/// Runs `$body` with `$F` the format of a tiled `$dtype` and `$wrap` its [`QMatrix`] variant;
+/// `$none` for other types.
+macro_rules! tiled_format {
+    ($dtype:expr, |$F:ident, $wrap:ident| $body:expr, else $none:expr) => {
+        match $dtype {
+            GgmlDType::Q4_0 => tiled_format!(@ Q4_0, Q4_0T, $F, $wrap, $body),
+            GgmlDType::Q4_1 => tiled_format!(@ Q4_1, Q4_1T, $F, $wrap, $body),
+            GgmlDType::Q5_0 => tiled_format!(@ Q5_0, Q5_0T, $F, $wrap, $body),
+            GgmlDType::Q5_1 => tiled_format!(@ Q5_1, Q5_1T, $F, $wrap, $body),
+            GgmlDType::Q8_0 => tiled_format!(@ Q8_0, Q8_0T, $F, $wrap, $body),
+            GgmlDType::Q4K => tiled_format!(@ Q4K, Q4KT, $F, $wrap, $body),
+            GgmlDType::Q5K => tiled_format!(@ Q5K, Q5KT, $F, $wrap, $body),
+            GgmlDType::Q6K => tiled_format!(@ Q6K, Q6KT, $F, $wrap, $body),
+            _ => $none,
+        }
+    };
+    (@ $ty:ident, $variant:ident, $F:ident, $wrap:ident, $body:expr) => {{
+        type $F = $ty;
+        let $wrap = QMatrix::$variant;
+        $body
+    }};
+}
+
+/// Reads a model's matrices for our kernels: those that become tiles into one [`TileStore`]
+/// (huge pages, faulted once; q, k, v and gate, up end to end, so stacking them copies nothing),
+/// the others per row. Each matrix is read straight into its layout, a few MiB at a time.
+pub struct Packer {
+    store: TileStore,
+    used: usize,
+    slots: Vec<Slot>,
+}
+
+enum Slot {
+    Ready(QMatrix),
+    Tiles {
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        at: usize,
+    },
+}
+
+impl Packer {
+    /// Room for the tiles of `mats` (`[dtype, rows, cols]` each, shapes already checked), read
+    /// afterwards in this order.
+    pub fn new(mats: &[(GgmlDType, usize, usize)]) -> Result<Self> {
+        let mut bytes = 0usize;
+        for &(dtype, rows, cols) in mats {
+            if tileable(rows) {
+                bytes = tiled_format!(dtype, |F, _wrap| {
+                    TiledMatrix::<F>::align(bytes) + TiledMatrix::<F>::bytes(rows, cols)
+                }, else bytes);
+            }
+        }
+        let store = TileStore::zeroed(bytes)
+            .with_context(|| format!("cannot allocate {bytes} bytes for the weights"))?;
+        Ok(Self {
+            store,
+            used: 0,
+            slots: Vec::new(),
+        })
+    }
+
+    /// Reads the next matrix, `[rows, cols]` GGUF blocks of `dtype` from `src`. False (and
+    /// nothing read) for a type this driver does not run.
+    pub fn read(
+        &mut self,
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        src: &mut dyn std::io::Read,
+    ) -> Result<bool> {
+        if !FORMATS.contains(&dtype) {
+            return Ok(false);
+        }
+        if !cols.is_multiple_of(dtype.block_size()) {
+            bail!(
+                "{dtype:?} matrix with {cols} columns, not a multiple of {}",
+                dtype.block_size()
+            );
+        }
+        let slot = if tileable(rows) {
+            tiled_format!(dtype, |F, _wrap| {
+                let at = TiledMatrix::<F>::align(self.used);
+                if at + TiledMatrix::<F>::bytes(rows, cols) > self.store.size() {
+                    bail!("{dtype:?} matrix [{rows}, {cols}] was not among those planned");
+                }
+                TiledMatrix::<F>::read_into(&mut self.store, at, rows, cols, src)?;
+                self.used = at + TiledMatrix::<F>::bytes(rows, cols);
+                Slot::Tiles { dtype, rows, cols, at }
+            }, else unreachable!("FORMATS are tiled"))
+        } else {
+            match QMatrix::read_rows(dtype, rows, cols, src)? {
+                Some(m) => Slot::Ready(m),
+                None => return Ok(false),
+            }
+        };
+        self.slots.push(slot);
+        Ok(true)
+    }
+
+    /// The matrices read, in order.
+    pub fn finish(self) -> Vec<QMatrix> {
+        let store = Arc::new(self.store);
+        self.slots
+            .into_iter()
+            .map(|slot| match slot {
+                Slot::Ready(m) => m,
+                Slot::Tiles {
+                    dtype,
+                    rows,
+                    cols,
+                    at,
+                } => tiled_format!(dtype, |F, wrap| {
+                    wrap(TiledMatrix::<F>::view(&store, at, rows, cols))
+                }, else unreachable!("only tiled types are placed")),
+            })
+            .collect()
+    }
+}
+
 /// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
 macro_rules! each_format {
     ($q:expr, $m:ident => $body:expr) => {
@@ -821,26 +943,6 @@ impl QMatrix {
         Self::from_bytes(t.dtype(), rows, cols, &t.data()?)
     }
 
-    /// The matrix of a GGUF tensor `[rows, cols]` of `dtype` whose bytes `src` gives: per row, read
-    /// straight into place; as tiles, through `scratch` (kept for the next matrix). None for a
-    /// type this driver does not run.
-    pub fn read(
-        dtype: GgmlDType,
-        rows: usize,
-        cols: usize,
-        src: &mut dyn std::io::Read,
-        scratch: &mut Vec<u8>,
-    ) -> Result<Option<Self>> {
-        if tileable(rows) && FORMATS.contains(&dtype) {
-            scratch.clear();
-            // One allocation at the matrix's size (read_to_end alone would grow it by doubling).
-            scratch.reserve_exact(rows * cols / dtype.block_size() * dtype.type_size());
-            src.read_to_end(scratch)?;
-            return Self::from_bytes(dtype, rows, cols, scratch);
-        }
-        Self::read_rows(dtype, rows, cols, src)
-    }
-
     /// The per-row matrix of `[rows, cols]` GGUF blocks of `dtype` that `src` gives.
     fn read_rows(
         dtype: GgmlDType,
@@ -944,14 +1046,16 @@ impl QMatrix {
                         _ => None,
                     })
                     .collect();
-                typed
-                    .and_then(|t| TiledMatrix::stack(&t))
-                    .map(|(all, views)| {
-                        (
-                            QMatrix::$v(all),
-                            views.into_iter().map(QMatrix::$v).collect(),
-                        )
-                    })
+                match typed {
+                    Some(t) => TiledMatrix::stack(&t)?,
+                    None => None,
+                }
+                .map(|(all, views)| {
+                    (
+                        QMatrix::$v(all),
+                        views.into_iter().map(QMatrix::$v).collect(),
+                    )
+                })
             }};
         }
         let Some(first) = parts.first() else {

@@ -382,6 +382,96 @@ mod tiles {
             flat(&b.rows(&[0, 31]).unwrap())
         );
     }
+
+    /// Matrices of several formats and shapes (one of rows not in 16s) read by one packer from
+    /// their GGUF bytes, and each matrix made on its own from the same bytes.
+    fn packed_and_alone(shapes: &[(GgmlDType, usize, usize)]) -> (Vec<QMatrix>, Vec<QMatrix>) {
+        let tensors: Vec<QTensor> = shapes
+            .iter()
+            .map(|&(dtype, n, k)| quantized(dtype, n, k))
+            .collect();
+        let mut packer = Packer::new(shapes).unwrap();
+        for (t, &(dtype, n, k)) in tensors.iter().zip(shapes) {
+            let bytes = t.data().unwrap();
+            assert!(packer.read(dtype, n, k, &mut &bytes[..]).unwrap());
+        }
+        let alone = tensors
+            .iter()
+            .map(|t| QMatrix::from_qtensor(t).unwrap().unwrap())
+            .collect();
+        (packer.finish(), alone)
+    }
+
+    #[test]
+    fn matrices_packed_into_one_store_compute_as_each_made_alone() {
+        if level() < Level::Avx2 {
+            return;
+        }
+        let shapes = [
+            (GgmlDType::Q8_0, 64, 256),
+            (GgmlDType::Q5_0, 48, 256),
+            (GgmlDType::Q4K, 32, 512),
+            (GgmlDType::Q6K, 16, 256),
+            (GgmlDType::Q4_0, 24, 256),
+            (GgmlDType::Q5K, 32, 256),
+        ];
+        let (packed, alone) = packed_and_alone(&shapes);
+        for ((p, a), (dtype, n, k)) in packed.iter().zip(&alone).zip(shapes) {
+            let x = seeded(107, (1, 3, k));
+            let what = format!("{dtype:?} [{n}, {k}]");
+            assert_eq!(p.dims(), (n, k), "{what}");
+            assert_eq!(
+                flat(&p.forward(&x).unwrap()),
+                flat(&a.forward(&x).unwrap()),
+                "{what}"
+            );
+            assert_eq!(
+                flat(&p.rows(&[0, n as u32 - 1]).unwrap()),
+                flat(&a.rows(&[0, n as u32 - 1]).unwrap()),
+                "{what} rows"
+            );
+        }
+    }
+
+    #[test]
+    fn neighbours_packed_end_to_end_stack_without_a_copy() {
+        if level() < Level::Avx2 {
+            return;
+        }
+        let shapes = [
+            (GgmlDType::Q6K, 64, 256),
+            (GgmlDType::Q6K, 16, 256),
+            (GgmlDType::Q6K, 16, 256),
+        ];
+        let (packed, alone) = packed_and_alone(&shapes);
+        let parts: Vec<&QMatrix> = packed.iter().collect();
+        let (all, views) = QMatrix::stack(&parts).unwrap().expect("one format");
+        let (QMatrix::Q6KT(all_t), QMatrix::Q6KT(first)) = (&all, &packed[0]) else {
+            panic!("rows in 16s make tiles");
+        };
+        assert!(all_t.shares_store(first), "stacked over the packed store");
+        let x = seeded(108, (1, 2, 256));
+        let y = all.forward(&x).unwrap();
+        let mut r0 = 0;
+        for ((v, a), (_, n, _)) in views.iter().zip(&alone).zip(shapes) {
+            let want = flat(&a.forward(&x).unwrap());
+            assert_eq!(flat(&y.narrow(2, r0, n).unwrap()), want);
+            assert_eq!(flat(&v.forward(&x).unwrap()), want);
+            r0 += n;
+        }
+    }
+
+    #[test]
+    fn a_matrix_the_packer_was_not_told_of_is_refused() {
+        let t = quantized(GgmlDType::Q8_0, 32, 256);
+        let mut packer = Packer::new(&[(GgmlDType::Q8_0, 16, 256)]).unwrap();
+        let bytes = t.data().unwrap();
+        let err = packer.read(GgmlDType::Q8_0, 32, 256, &mut &bytes[..]);
+        if level() >= Level::Avx2 {
+            let err = err.unwrap_err().to_string();
+            assert!(err.contains("not among those planned"), "{err}");
+        }
+    }
 }
 
 #[test]
@@ -456,7 +546,7 @@ fn tiles_equal_the_row_reference<F: tiled::TileKernels>(halves: &[usize]) {
 fn tiles_at_level_equal_the_row_reference<F: tiled::TileKernels>(level: Level, halves: &[usize]) {
     let (rows, kb) = (32, 4);
     let w = random_blocks::<F>(rows * kb, halves);
-    let m = TiledMatrix::<F>::from_blocks(rows, kb * F::N, &w);
+    let m = TiledMatrix::<F>::from_blocks(rows, kb * F::N, &w).unwrap();
     let mut a = vec![0f32; kb * F::N];
     let mut b = vec![0f32; F::N];
     for r in 0..rows {
@@ -520,6 +610,19 @@ fn speed() {
             })
             .unwrap_or((2048usize, 2048usize));
         let qt = quantized(dtype, rows, cols);
+        // Packing at load (best of 3; each into fresh pages, as a load does).
+        let pack_ms = (0..3)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                drop(QMatrix::from_qtensor(&qt).unwrap());
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min);
+        let bytes = qt.data().unwrap().len();
+        println!(
+            "{dtype:?} [{rows}, {cols}]: packed in {pack_ms:.1} ms ({:.2} GB/s)",
+            bytes as f64 / pack_ms / 1e6
+        );
         let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
         let candle = QMatMul::from_qtensor(qt).unwrap();
         // KVCHAT_SPEED_M=1 (or 128): that token count only.

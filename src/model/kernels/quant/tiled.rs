@@ -15,19 +15,24 @@
 
 use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
 use super::{BlockQ8K, BlockQ8_0, BlockQ8_1, Format, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use anyhow::Result;
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
 /// Rows per tile.
 pub const TR: usize = 16;
 
+/// Bytes of GGUF blocks read per step when packing a matrix from a file.
+const CHUNK_BYTES: usize = 4 << 20;
+
 /// A format whose blocks can be interleaved 16 rows to a tile.
 pub trait Tiled: Format {
     type Tile: Pod + Send + Sync;
     /// Whether the kernel needs each activation block's integer sum ([`Tiled::ysum`]).
     const YSUM: bool;
-    /// The blocks of 16 consecutive rows at one column position.
-    fn pack(rows: &[Self::Block; TR]) -> Self::Tile;
+    /// The blocks of 16 consecutive rows at one column position, written into `t` (zero on
+    /// entry).
+    fn pack(rows: [&Self::Block; TR], t: &mut Self::Tile);
     /// Row `r` of the tile dequantized (`N` values), as `Format::dequantize` gives it.
     fn dequantize_row(t: &Self::Tile, r: usize, out: &mut [f32]);
     /// The integer sum of an activation block's values (where `YSUM`).
@@ -150,15 +155,30 @@ pub struct TileQ5_1 {
 /// A 32-value block's quants in value order (low nibbles are values 0..16, high 16..32), with
 /// Q5's fifth bits (bit i of `qh`, little-endian) at bit 4.
 fn legacy_values(qs: &[u8; 16], qh: Option<&[u8; 4]>) -> [u8; 32] {
+    // Four values per word (packing is a load-time cost: Gemma 3 packs 246 MB).
     let h = qh.map_or(0, |h| u32::from_le_bytes(*h));
-    std::array::from_fn(|i| {
-        let n = if i < 16 {
-            qs[i] & 0x0F
-        } else {
-            qs[i - 16] >> 4
-        };
-        n | ((((h >> i) & 1) as u8) << 4)
-    })
+    let mut v = [0u8; 32];
+    for (i, out) in v.chunks_exact_mut(4).enumerate() {
+        let w = word(&qs[4 * (i % 4)..]);
+        let n = if i < 4 { w & LOW } else { (w >> 4) & LOW };
+        out.copy_from_slice(&(n | (spread4((h >> (4 * i)) & 0xF) << 4)).to_le_bytes());
+    }
+    v
+}
+
+/// Low nibbles of four bytes.
+const LOW: u32 = 0x0F0F_0F0F;
+
+/// The little-endian word of the first four bytes of `b`.
+#[inline(always)]
+fn word(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Bits 0-3 of `x` moved to bit 0 of bytes 0-3.
+#[inline(always)]
+fn spread4(x: u32) -> u32 {
+    (x * 0x0020_4081) & 0x0101_0101
 }
 
 /// The fifth bit of value `e` of row `r` in a Q5 tile's `qh`.
@@ -169,13 +189,11 @@ fn fifth_at(qh: &[u8; 4 * TR], r: usize, e: usize) -> u8 {
 impl Tiled for Q4_0 {
     type Tile = TileQ4_0;
     const YSUM: bool = true;
-    fn pack(rows: &[BlockQ4_0; TR]) -> TileQ4_0 {
-        let mut t = TileQ4_0::zeroed();
+    fn pack(rows: [&BlockQ4_0; TR], t: &mut TileQ4_0) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             interleave_nibbles(&legacy_values(&x.qs, None), r, &mut t.qs);
         }
-        t
     }
     fn dequantize_row(t: &TileQ4_0, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
@@ -191,13 +209,11 @@ impl Tiled for Q4_0 {
 impl Tiled for Q4_1 {
     type Tile = TileQ4_1;
     const YSUM: bool = false;
-    fn pack(rows: &[BlockQ4_1; TR]) -> TileQ4_1 {
-        let mut t = TileQ4_1::zeroed();
+    fn pack(rows: [&BlockQ4_1; TR], t: &mut TileQ4_1) {
         for (r, x) in rows.iter().enumerate() {
             (t.d[r], t.m[r]) = (x.d, x.m);
             interleave_nibbles(&legacy_values(&x.qs, None), r, &mut t.qs);
         }
-        t
     }
     fn dequantize_row(t: &TileQ4_1, r: usize, out: &mut [f32]) {
         let (d, m) = (t.d[r].to_f32(), t.m[r].to_f32());
@@ -210,15 +226,13 @@ impl Tiled for Q4_1 {
 impl Tiled for Q5_0 {
     type Tile = TileQ5_0;
     const YSUM: bool = true;
-    fn pack(rows: &[BlockQ5_0; TR]) -> TileQ5_0 {
-        let mut t = TileQ5_0::zeroed();
+    fn pack(rows: [&BlockQ5_0; TR], t: &mut TileQ5_0) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             let v = legacy_values(&x.qs, Some(&x.qh));
             interleave_nibbles(&v, r, &mut t.qs);
             interleave_fifths(&v, r, &mut t.qh);
         }
-        t
     }
     fn dequantize_row(t: &TileQ5_0, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
@@ -235,15 +249,13 @@ impl Tiled for Q5_0 {
 impl Tiled for Q5_1 {
     type Tile = TileQ5_1;
     const YSUM: bool = false;
-    fn pack(rows: &[BlockQ5_1; TR]) -> TileQ5_1 {
-        let mut t = TileQ5_1::zeroed();
+    fn pack(rows: [&BlockQ5_1; TR], t: &mut TileQ5_1) {
         for (r, x) in rows.iter().enumerate() {
             (t.d[r], t.m[r]) = (x.d, x.m);
             let v = legacy_values(&x.qs, Some(&x.qh));
             interleave_nibbles(&v, r, &mut t.qs);
             interleave_fifths(&v, r, &mut t.qh);
         }
-        t
     }
     fn dequantize_row(t: &TileQ5_1, r: usize, out: &mut [f32]) {
         let (d, m) = (t.d[r].to_f32(), t.m[r].to_f32());
@@ -257,15 +269,16 @@ impl Tiled for Q5_1 {
 impl Tiled for Q8_0 {
     type Tile = TileQ8_0;
     const YSUM: bool = true;
-    fn pack(rows: &[BlockQ8_0; TR]) -> TileQ8_0 {
-        let mut t = TileQ8_0::zeroed();
+    fn pack(rows: [&BlockQ8_0; TR], t: &mut TileQ8_0) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
-            for (i, &q) in x.qs.iter().enumerate() {
-                t.qs[i / 4][4 * r + i % 4] = (q as i32 + 128) as u8;
+            // Four values at a time, each + 128 (the sign bit flipped).
+            let q: &[u8] = bytemuck::cast_slice(&x.qs);
+            for (g, q) in q.chunks_exact(4).enumerate() {
+                let w = u32::from_le_bytes(q.try_into().expect("4")) ^ 0x8080_8080;
+                t.qs[g][4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
             }
         }
-        t
     }
     fn dequantize_row(t: &TileQ8_0, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
@@ -292,31 +305,36 @@ fn nibble_at<const G: usize>(qs: &[[u8; 4 * TR]; G], r: usize, e: usize) -> u8 {
 /// Row `r`'s values `v` (one per byte, low 4 bits used) written into a nibble-interleaved array.
 fn interleave_nibbles<const G: usize>(v: &[u8], r: usize, qs: &mut [[u8; 4 * TR]; G]) {
     for (g, group) in qs.iter_mut().enumerate() {
-        for j in 0..4 {
-            group[4 * r + j] = (v[8 * g + j] & 0x0F) | ((v[8 * g + j + 4] & 0x0F) << 4);
-        }
+        let (lo, hi) = (word(&v[8 * g..]), word(&v[8 * g + 4..]));
+        let w = (lo & LOW) | ((hi & LOW) << 4);
+        group[4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
     }
 }
 
 /// Bit 4 of each of row `r`'s 32 values `v` written into a Q5 tile's `qh` (see [`TileQ5_0`]).
 fn interleave_fifths(v: &[u8], r: usize, qh: &mut [u8; 4 * TR]) {
-    for j in 0..4 {
-        qh[4 * r + j] = (0..8).fold(0u8, |b, k| b | (((v[4 * k + j] >> 4) & 1) << k));
-    }
+    // Byte j of the word gathers, in bit k, bit 4 of value 4k + j.
+    let w = (0..8).fold(0u32, |w, k| {
+        w | (((word(&v[4 * k..]) >> 4) & 0x0101_0101) << k)
+    });
+    qh[4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
 }
 
 /// A Q4_K/Q5_K super-block's 256 quants in value order (with Q5_K's fifth bits at bit 4).
 fn k_values(qs: &[u8; 128], qh: Option<&[u8; 32]>) -> [u8; 256] {
+    // Four values per word, as `legacy_values`.
     let mut v = [0u8; 256];
     for j in 0..4 {
-        for l in 0..32 {
-            let b = qs[32 * j + l];
-            v[64 * j + l] = b & 0x0F;
-            v[64 * j + 32 + l] = b >> 4;
-            if let Some(qh) = qh {
-                v[64 * j + l] |= ((qh[l] >> (2 * j)) & 1) << 4;
-                v[64 * j + 32 + l] |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
-            }
+        for l in (0..32).step_by(4) {
+            let b = word(&qs[32 * j + l..]);
+            let h = qh.map_or(0, |qh| word(&qh[l..]));
+            let fifth = |bit: usize| ((h >> bit) & 0x0101_0101) << 4;
+            let (lo, hi) = (
+                (b & LOW) | fifth(2 * j),
+                ((b >> 4) & LOW) | fifth(2 * j + 1),
+            );
+            v[64 * j + l..][..4].copy_from_slice(&lo.to_le_bytes());
+            v[64 * j + 32 + l..][..4].copy_from_slice(&hi.to_le_bytes());
         }
     }
     v
@@ -325,8 +343,7 @@ fn k_values(qs: &[u8; 128], qh: Option<&[u8; 32]>) -> [u8; 256] {
 impl Tiled for Q4K {
     type Tile = TileQ4K;
     const YSUM: bool = false;
-    fn pack(rows: &[super::kquants::BlockQ4K; TR]) -> TileQ4K {
-        let mut t = TileQ4K::zeroed();
+    fn pack(rows: [&super::kquants::BlockQ4K; TR], t: &mut TileQ4K) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             t.dmin[r] = x.dmin;
@@ -337,7 +354,6 @@ impl Tiled for Q4K {
             }
             interleave_nibbles(&k_values(&x.qs, None), r, &mut t.qs);
         }
-        t
     }
     fn dequantize_row(t: &TileQ4K, r: usize, out: &mut [f32]) {
         let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
@@ -351,8 +367,7 @@ impl Tiled for Q4K {
 impl Tiled for Q5K {
     type Tile = TileQ5K;
     const YSUM: bool = false;
-    fn pack(rows: &[super::kquants::BlockQ5K; TR]) -> TileQ5K {
-        let mut t = TileQ5K::zeroed();
+    fn pack(rows: [&super::kquants::BlockQ5K; TR], t: &mut TileQ5K) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             t.dmin[r] = x.dmin;
@@ -370,7 +385,6 @@ impl Tiled for Q5K {
                 interleave_fifths(sub, r, &mut q[4]);
             }
         }
-        t
     }
     fn dequantize_row(t: &TileQ5K, r: usize, out: &mut [f32]) {
         let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
@@ -386,8 +400,7 @@ impl Tiled for Q5K {
 impl Tiled for Q6K {
     type Tile = TileQ6K;
     const YSUM: bool = false;
-    fn pack(rows: &[super::kquants::BlockQ6K; TR]) -> TileQ6K {
-        let mut t = TileQ6K::zeroed();
+    fn pack(rows: [&super::kquants::BlockQ6K; TR], t: &mut TileQ6K) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             for j in 0..16 {
@@ -415,7 +428,6 @@ impl Tiled for Q6K {
                 }
             }
         }
-        t
     }
     fn dequantize_row(t: &TileQ6K, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
@@ -436,92 +448,202 @@ pub(super) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 
-/// A matrix `[rows, cols]` of tiles, `[row group][block]`; rows in 16s. Rows `row0 .. row0 + rows`
-/// (`row0` a multiple of 16) of a tile store several matrices may share (stacking).
+/// The tiles of one or more matrices (a whole model's, as the loader packs them), in anonymous
+/// memory that the kernel is asked to back with 2 MiB pages (Linux's transparent huge pages in
+/// their default `madvise` mode): tiles are written once, at load, and faulting them in 4 KiB at
+/// a time was a third of Gemma 3's load time. Zero until written; read-only once shared.
+pub(super) struct TileStore {
+    map: memmap2::MmapMut,
+}
+
+impl TileStore {
+    /// `bytes` zero bytes.
+    pub(super) fn zeroed(bytes: usize) -> std::io::Result<Self> {
+        // A mapping cannot be empty; one byte stands in for none.
+        let map = memmap2::MmapOptions::new().len(bytes.max(1)).map_anon()?;
+        // Advice only: where the kernel has no huge pages to give, 4 KiB pages serve.
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Ok(Self { map })
+    }
+
+    /// Bytes it holds.
+    pub(super) fn size(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The `n` tiles at byte `at` (a multiple of the tile's alignment: the mapping itself is
+    /// page-aligned).
+    fn tiles<T: Pod>(&self, at: usize, n: usize) -> &[T] {
+        bytemuck::cast_slice(&self.map[at..at + n * std::mem::size_of::<T>()])
+    }
+
+    fn tiles_mut<T: Pod>(&mut self, at: usize, n: usize) -> &mut [T] {
+        bytemuck::cast_slice_mut(&mut self.map[at..at + n * std::mem::size_of::<T>()])
+    }
+}
+
+/// A matrix `[rows, cols]` of tiles, `[row group][block]` from byte `at` of a store that other
+/// matrices may share (a model's matrices, and stacked views of neighbours).
 pub struct TiledMatrix<F: Tiled> {
     pub(super) rows: usize,
     pub(super) cols: usize,
-    pub(super) row0: usize,
-    tiles: std::sync::Arc<Vec<F::Tile>>,
+    at: usize,
+    store: std::sync::Arc<TileStore>,
+    _format: std::marker::PhantomData<fn() -> F>,
 }
 
 impl<F: Tiled> Clone for TiledMatrix<F> {
     fn clone(&self) -> Self {
-        Self {
-            rows: self.rows,
-            cols: self.cols,
-            row0: self.row0,
-            tiles: self.tiles.clone(),
-        }
+        Self::view(&self.store, self.at, self.rows, self.cols)
     }
 }
 
+/// Packs row groups: `out` holds whole groups of `kb` tiles, `blocks` the same groups' 16 rows of
+/// `kb` blocks each (GGUF order). Split over the threads kvchat runs with (--threads).
+fn pack_groups<F: Tiled>(kb: usize, blocks: &[F::Block], out: &mut [F::Tile]) {
+    let groups = out.len() / kb;
+    debug_assert_eq!(blocks.len(), groups * TR * kb);
+    let threads = candle_core::utils::get_num_threads().max(1);
+    let per = groups.div_ceil(threads).max(1);
+    let pack = |g0: usize, chunk: &mut [F::Tile]| {
+        for (i, tile) in chunk.iter_mut().enumerate() {
+            let (g, b) = (g0 + i / kb, i % kb);
+            F::pack(
+                std::array::from_fn(|r| &blocks[(g * TR + r) * kb + b]),
+                tile,
+            );
+        }
+    };
+    if threads == 1 || groups < 2 {
+        return pack(0, out);
+    }
+    std::thread::scope(|s| {
+        for (c, chunk) in out.chunks_mut(per * kb).enumerate() {
+            s.spawn(move || pack(c * per, chunk));
+        }
+    });
+}
+
 impl<F: Tiled> TiledMatrix<F> {
-    /// The blocks of a `[rows, cols]` matrix (rows a multiple of 16), interleaved into tiles.
-    pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Self {
-        assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
-        let kb = cols / F::N;
-        let groups = rows / TR;
-        // Fresh zero pages from the allocator (no pass writing zeros before the tiles).
-        let mut tiles: Vec<F::Tile> = bytemuck::zeroed_vec(groups * kb);
-        // Row groups split over the threads kvchat runs with (--threads; packing a 1B model's
-        // weights is seconds on one).
-        let threads = candle_core::utils::get_num_threads();
-        let per = groups.div_ceil(threads.max(1)).max(1);
-        std::thread::scope(|s| {
-            for (c, chunk) in tiles.chunks_mut(per * kb).enumerate() {
-                s.spawn(move || {
-                    for (i, tile) in chunk.iter_mut().enumerate() {
-                        let (g, b) = (c * per + i / kb, i % kb);
-                        let group: [F::Block; TR] =
-                            std::array::from_fn(|r| blocks[(g * TR + r) * kb + b]);
-                        *tile = F::pack(&group);
-                    }
-                });
-            }
-        });
+    /// Bytes of the tiles of a `[rows, cols]` matrix (rows a multiple of 16).
+    pub(super) fn bytes(rows: usize, cols: usize) -> usize {
+        rows / TR * (cols / F::N) * std::mem::size_of::<F::Tile>()
+    }
+
+    /// Where the tiles may start in a store: the first multiple of their alignment from `at`.
+    pub(super) fn align(at: usize) -> usize {
+        at.next_multiple_of(std::mem::align_of::<F::Tile>())
+    }
+
+    /// The matrix whose tiles are at byte `at` of `store`.
+    pub(super) fn view(
+        store: &std::sync::Arc<TileStore>,
+        at: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Self {
         Self {
             rows,
             cols,
-            row0: 0,
-            tiles: std::sync::Arc::new(tiles),
+            at,
+            store: store.clone(),
+            _format: std::marker::PhantomData,
         }
+    }
+
+    /// The blocks of a `[rows, cols]` matrix (rows a multiple of 16), interleaved into tiles in a
+    /// store of their own.
+    pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Result<Self> {
+        assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
+        let kb = cols / F::N;
+        let mut store = TileStore::zeroed(Self::bytes(rows, cols))?;
+        pack_groups::<F>(kb, blocks, store.tiles_mut(0, rows / TR * kb));
+        Ok(Self::view(&std::sync::Arc::new(store), 0, rows, cols))
+    }
+
+    /// Packs the `[rows, cols]` matrix (rows a multiple of 16, cols of `F::N`) whose GGUF blocks
+    /// `src` gives into `store` at byte `at` (aligned by [`Self::align`]), as they are read: a
+    /// few MiB at a time through one buffer, never the whole matrix (Gemma 3's embedding table is
+    /// 178 MB).
+    pub(super) fn read_into(
+        store: &mut TileStore,
+        at: usize,
+        rows: usize,
+        cols: usize,
+        src: &mut dyn std::io::Read,
+    ) -> Result<()> {
+        assert!(rows.is_multiple_of(TR) && cols.is_multiple_of(F::N));
+        let kb = cols / F::N;
+        let tiles = store.tiles_mut::<F::Tile>(at, rows / TR * kb);
+        let group_bytes = TR * kb * std::mem::size_of::<F::Block>();
+        let per_read = (CHUNK_BYTES / group_bytes.max(1)).max(1);
+        let mut buf: Vec<F::Block> = bytemuck::zeroed_vec(per_read.min(rows / TR) * TR * kb);
+        for out in tiles.chunks_mut(per_read * kb) {
+            let blocks = &mut buf[..out.len() * TR];
+            src.read_exact(bytemuck::cast_slice_mut(blocks))?;
+            pack_groups::<F>(kb, blocks, out);
+        }
+        Ok(())
     }
 
     fn kb(&self) -> usize {
         self.cols / F::N
     }
 
-    /// The tiles of row group `g` (of this matrix).
-    fn group(&self, g: usize) -> &[F::Tile] {
-        let kb = self.kb();
-        let g = self.row0 / TR + g;
-        &self.tiles[g * kb..(g + 1) * kb]
+    /// Whether `other` lies in the same store.
+    #[cfg(test)]
+    pub(super) fn shares_store(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.store, &other.store)
     }
 
-    pub(super) fn stack(parts: &[&Self]) -> Option<(Self, Vec<Self>)> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
-            return None;
-        }
-        let kb = cols / F::N;
-        let mut tiles = Vec::new();
-        let mut views = Vec::new();
-        let mut row0 = 0;
-        for p in parts {
-            tiles.extend_from_slice(&p.tiles[p.row0 / TR * kb..(p.row0 + p.rows) / TR * kb]);
-            views.push((row0, p.rows));
-            row0 += p.rows;
-        }
-        let tiles = std::sync::Arc::new(tiles);
-        let view = |row0, rows| Self {
-            rows,
-            cols,
-            row0,
-            tiles: tiles.clone(),
+    /// The tiles of row group `g`.
+    fn group(&self, g: usize) -> &[F::Tile] {
+        let kb = self.kb();
+        let at = self.at + g * kb * std::mem::size_of::<F::Tile>();
+        self.store.tiles(at, kb)
+    }
+
+    /// `parts` stacked into one matrix (None when their widths differ), and a view of each: over
+    /// the same store where the parts lie end to end in it (as the loader places q, k, v and
+    /// gate, up), else copied into a new one.
+    pub(super) fn stack(parts: &[&Self]) -> Result<Option<(Self, Vec<Self>)>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
         };
-        let parts = views.into_iter().map(|(r0, n)| view(r0, n)).collect();
-        Some((view(0, row0), parts))
+        let cols = first.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return Ok(None);
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let end_to_end = parts.windows(2).all(|w| {
+            std::sync::Arc::ptr_eq(&w[0].store, &w[1].store)
+                && w[1].at == w[0].at + Self::bytes(w[0].rows, cols)
+        });
+        if end_to_end {
+            let views = parts.iter().map(|p| (*p).clone()).collect();
+            return Ok(Some((
+                Self::view(&first.store, first.at, rows, cols),
+                views,
+            )));
+        }
+        let mut store = TileStore::zeroed(Self::bytes(rows, cols))?;
+        let mut at = 0;
+        let mut views = Vec::new();
+        for p in parts {
+            let n = p.rows / TR * p.kb();
+            store
+                .tiles_mut::<F::Tile>(at, n)
+                .copy_from_slice(p.store.tiles::<F::Tile>(p.at, n));
+            views.push((at, p.rows));
+            at += Self::bytes(p.rows, cols);
+        }
+        let store = std::sync::Arc::new(store);
+        let views = views
+            .into_iter()
+            .map(|(at, n)| Self::view(&store, at, n, cols))
+            .collect();
+        Ok(Some((Self::view(&store, 0, rows, cols), views)))
     }
 
     pub(super) fn dequantize_row(&self, r: usize, out: &mut [f32]) {
