@@ -8,6 +8,8 @@
 #       and prefill of 512 tokens, kvchat (full cache) ÷ llama.cpp (f16 KV, flash attention),
 #       medians over ROUNDS; each round runs every file through both tools in turn.
 #       Files from scripts/make-test-models.sh suit it.
+# BUSY=N keeps N other processes spinning (`yes > /dev/null`) for the whole run: the "under load"
+# case (issue 16: one core of two kept busy, BUSY=1).
 # Builds llama.cpp's llama-bench once (scripts/llamacpp.sh: from the sources vendored in the PyPI sdist
 # of llama-cpp-python, CPU only, into ${KVCHAT_HOME:-~/.cache/kvchat}/llama.cpp, outside the
 # repository). Prints per-round figures, medians with min–max spread, and kvchat/llama.cpp ratios.
@@ -27,6 +29,16 @@ bench="$("$root/scripts/llamacpp.sh" llama-bench)/llama-bench"
 
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kvchat="$root/target/release/kvchat"
+
+busy_pids=()
+trap 'kill "${busy_pids[@]}" 2>/dev/null || true' EXIT
+for _ in $(seq 1 "${BUSY:-0}"); do
+  yes > /dev/null &
+  busy_pids+=($!)
+done
+if [ "${BUSY:-0}" -gt 0 ]; then
+  echo "under load: ${BUSY} busy process(es) for the whole run" >&2
+fi
 
 if [ $# -gt 0 ]; then
   contexts="${CONTEXTS:-128}"
