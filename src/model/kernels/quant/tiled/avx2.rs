@@ -415,19 +415,31 @@ impl TileKernel for Q6K {
 }
 
 /// Asks for tile `b`'s cache lines ahead of their use (a decode reads each weight once, from
-/// memory; the hardware prefetcher alone leaves the loads waiting).
+/// memory; the hardware prefetcher alone leaves the loads waiting). Large tiles (the K-quants',
+/// 2.3–3.4 KB) are asked for [`AHEAD_LARGE`] tiles ahead into L2, small ones (the legacy
+/// formats', 288–544 B) [`AHEAD_SMALL`] ahead into L1: measured on the 1B-shaped files, A/B
+/// alternating, T1 six ahead decoded Q5_K_M, Q6_K and Q4_K_M 7–22 % faster than T0 two ahead, and
+/// Q8_0 12 % slower.
 #[inline(always)]
 unsafe fn prefetch<Tile>(tiles: &[Tile], b: usize) {
+    let large = std::mem::size_of::<Tile>() >= 1024;
+    let b = b + if large { AHEAD_LARGE } else { AHEAD_SMALL };
     if let Some(t) = tiles.get(b) {
         let p = t as *const Tile as *const i8;
         for off in (0..std::mem::size_of::<Tile>()).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+            if large {
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off));
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+            }
         }
     }
 }
 
-/// Tiles ahead that [`prefetch`] asks for.
-const AHEAD: usize = 2;
+/// Tiles ahead that [`prefetch`] asks for, tiles of 1 KB or more.
+const AHEAD_LARGE: usize = 6;
+/// Tiles ahead that [`prefetch`] asks for, smaller tiles.
+const AHEAD_SMALL: usize = 2;
 
 /// The 16 rows' dot products over all blocks with T activation rows (`ys[i]`, `ysums[i]` per
 /// block), in [`dot_rows_scalar`]'s order. One token (decode) takes both halves of each weight
@@ -462,7 +474,7 @@ unsafe fn dot_halves<F: TileKernel, const H: usize, const T: usize>(
     let mut summ = [[_mm256_setzero_ps(); T]; H];
     for (b, tile) in tiles.iter().enumerate() {
         if h0 == 0 {
-            prefetch(tiles, b + AHEAD);
+            prefetch(tiles, b);
         }
         let y: [&F::Act; T] = std::array::from_fn(|i| &ys[i][b]);
         let s: [i32; T] = std::array::from_fn(|i| if F::YSUM { ysums[i][b] } else { 0 });
