@@ -43,16 +43,19 @@ pub struct Engine {
     /// How long opening the model took: reading its header and weights, building the tokenizer
     /// (from an on-disk copy; a download is not counted).
     pub load_time: std::time::Duration,
+    /// Steps run as on a GPU: KV rows as tensors, attention by candle ops (a CUDA/Metal device,
+    /// or `--kernels gpu` on the CPU).
+    pub gpu_path: bool,
 }
 
 /// Where to run: what a front end asks for, before the device is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceChoice {
-    #[default]
     Cpu,
     Cuda(usize),
     Metal(usize),
-    /// The best one built in: CUDA, then Metal, then the CPU.
+    /// The best one built in and present: CUDA, then Metal, then the CPU.
+    #[default]
     Auto,
 }
 
@@ -92,7 +95,7 @@ impl DeviceChoice {
                         "this kvchat was built without CUDA".into(),
                     ));
                 }
-                Device::new_cuda(n).with_context(|| format!("cannot open CUDA device {n}"))
+                open_cuda(n)
             }
             DeviceChoice::Metal(n) => {
                 if !cfg!(feature = "metal") {
@@ -105,7 +108,7 @@ impl DeviceChoice {
             }
             DeviceChoice::Auto => {
                 if cfg!(feature = "cuda") {
-                    if let Ok(d) = Device::new_cuda(0) {
+                    if let Ok(d) = open_cuda(0) {
                         return Ok(d);
                     }
                 }
@@ -117,6 +120,42 @@ impl DeviceChoice {
                 Ok(Device::Cpu)
             }
         }
+    }
+}
+
+/// Opens CUDA device `n`. A binary built by scripts/build-cuda.sh opens the CUDA libraries only
+/// here (cudarc's run-time loading), and cudarc panics when one is missing: that becomes an error
+/// naming the library, so `auto` can fall back to the CPU and `cuda` can say what to install.
+fn open_cuda(n: usize) -> Result<Device> {
+    match crate::guard::no_panic(|| Device::new_cuda(n)) {
+        Ok(opened) => opened.with_context(|| format!("cannot open CUDA device {n}")),
+        Err(panic) => {
+            let lib = panic
+                .split('"')
+                .nth(1)
+                .map_or_else(|| panic.clone(), |l| format!("lib{l}"));
+            Err(crate::fixable(
+                crate::Fix::CudaLibraries,
+                format!("cannot open CUDA device {n}: {lib} was not found"),
+            ))
+        }
+    }
+}
+
+impl Engine {
+    /// Where the KV cache keeps its rows as tensors: the device on the GPU's path, None for host
+    /// rows that the CPU's attention kernel reads in place.
+    pub fn kv_device(&self) -> Option<&Device> {
+        self.gpu_path.then_some(&self.device)
+    }
+}
+
+/// The device as `--device` names it: `cpu`, `cuda:N`, `metal:N`.
+pub fn device_name(d: &Device) -> String {
+    match d.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
     }
 }
 
@@ -193,7 +232,7 @@ impl Engine {
                 "context",
                 format!("{} tokens (trained: {})", self.ctx, c.ctx_train),
             ),
-            ("device", format!("{:?}", self.device.location())),
+            ("device", device_name(&self.device)),
         ]
     }
 
@@ -215,6 +254,8 @@ impl Engine {
             Location::Safetensors(files) => Self::load_hf(files, args, device)?,
         };
         engine.load_time = started.elapsed();
+        engine.gpu_path =
+            !engine.device.is_cpu() || args.kernels == crate::model::kernels::quant::Kernels::Gpu;
         if let Some(r) = registry.filter(|r| !r.is_empty()) {
             engine.sampling.insert(0, ("models.toml".into(), r));
         }
@@ -426,6 +467,7 @@ impl Engine {
             tensor_types: String::new(),
             numerics,
             load_time: Default::default(),
+            gpu_path: false,
         })
     }
 

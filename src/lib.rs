@@ -46,6 +46,8 @@ pub enum Fix {
     /// A build with the cuda / metal feature.
     BuildWithCuda,
     BuildWithMetal,
+    /// The NVIDIA driver and CUDA 13's cuBLAS/cuRAND libraries, where the loader finds them.
+    CudaLibraries,
 }
 
 /// An error that a [`Fix`] would avoid; its text names the values involved.

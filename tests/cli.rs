@@ -171,6 +171,20 @@ fn prompt_longer_than_ctx_is_an_error() {
 }
 
 #[test]
+fn the_default_device_is_auto_and_stats_name_the_one_used() {
+    let out = kvchat(&["run", "-n", "1", "--stats", "Hi"], "");
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // auto: a GPU when this build has one and it answers; else the CPU.
+    let want = if cfg!(any(feature = "cuda", feature = "metal")) {
+        "| device "
+    } else {
+        "| device cpu,"
+    };
+    assert!(err.contains(want), "{err}");
+}
+
+#[test]
 fn cuda_without_the_feature_is_an_error() {
     if cfg!(feature = "cuda") {
         return;

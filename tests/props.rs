@@ -170,7 +170,7 @@ fn layer_f32() -> kvchat::kv::Layer {
         },
         2,
         4,
-        &candle_core::Device::Cpu,
+        None,
     )
 }
 

@@ -20,7 +20,7 @@ fn load(name: &str) -> Llama {
 }
 
 fn session<'a>(m: &'a Llama, spec: &CacheSpec) -> Session<'a> {
-    Session::new(m, spec.build(&m.cfg, &Device::Cpu), 128)
+    Session::new(m, spec.build(&m.cfg, None), 128)
 }
 
 const FULL: CacheSpec = CacheSpec::full(kvchat::kv::Precision::F32, 128);
@@ -96,7 +96,7 @@ fn full_cache_grows_in_place_and_truncates() {
 #[test]
 fn sequence_past_max_positions_is_refused() {
     let m = load("full");
-    let mut s = Session::new(&m, FULL.build(&m.cfg, &Device::Cpu), 4);
+    let mut s = Session::new(&m, FULL.build(&m.cfg, None), 4);
     s.feed(&[1, 2, 3]).unwrap();
     let err = s.feed(&[4, 5]).unwrap_err().to_string();
     assert!(err.contains("more than the context of 4"), "{err}");

@@ -24,8 +24,9 @@ pub struct ModelArgs {
     /// tokenizer.json to use instead of the model's own tokenizer
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Device: cpu, cuda[:N], metal or auto (the best one built in)
-    #[arg(long, default_value = "cpu")]
+    /// Device: cpu, cuda[:N], metal or auto (a GPU when this build has CUDA or Metal and one is
+    /// present, else the CPU)
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// Weight storage: f32, f16 or bf16 for safetensors [default: f32]; for GGUF, dequantize every
     /// matrix to this dtype at load [default: keep them quantized]. Activations and KV stay f32.
@@ -38,7 +39,8 @@ pub struct ModelArgs {
     #[arg(long)]
     pub ctx: Option<usize>,
     /// CPU matmul for quantized GGUF matrices: preferred (the faster per type), ours or candle —
-    /// for side-by-side measurements
+    /// for side-by-side measurements; gpu: the GPU's whole path on the CPU (candle's matmuls, KV
+    /// rows as tensors, attention by candle ops), to check it where there is no GPU
     #[arg(long, hide = true, env = "KVCHAT_KERNELS", default_value = "preferred")]
     pub kernels: String,
 }

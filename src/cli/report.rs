@@ -17,6 +17,9 @@ pub fn advice(fix: Fix) -> &'static str {
         Fix::ChatFull => "/undo, /reset, or run with --on-full shift or a larger --ctx",
         Fix::BuildWithCuda => "rebuild with `cargo build --release --features cuda`",
         Fix::BuildWithMetal => "rebuild with `cargo build --release --features metal`",
+        Fix::CudaLibraries => {
+            "install the NVIDIA driver and CUDA 13's cuBLAS and cuRAND (pip install nvidia-cublas nvidia-curand) and put their lib folders on LD_LIBRARY_PATH, or use --device cpu"
+        }
     }
 }
 

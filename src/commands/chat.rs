@@ -110,7 +110,7 @@ impl Chat<'_> {
             cache.len(),
             cfg.head_dim,
             cache.spec().precision().name(),
-            c.engine.device.location(),
+            crate::engine::device_name(&c.engine.device),
             candle_core::utils::get_num_threads()
         );
         if let Some(t) = &c.last {

@@ -252,14 +252,14 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         reason
     );
     eprintln!(
-        "[stats] kv cache {} ({}): {} positions held of {} seen, {} used of {} allocated | device {:?}, weights {}, activations f32, {threads} threads",
+        "[stats] kv cache {} ({}): {} positions held of {} seen, {} used of {} allocated | device {}, weights {}, activations f32, {threads} threads",
         cache.spec().name(),
         cache.spec().describe(),
         cache.len(),
         cache.seen(),
         human_bytes(cache.bytes_used() as u64),
         human_bytes(cache.bytes() as u64),
-        engine.device.location(),
+        crate::engine::device_name(&engine.device),
         engine.weights,
     );
     if let Some(line) = window_saving(engine, cache) {

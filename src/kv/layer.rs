@@ -82,7 +82,7 @@ pub struct Layer {
     pending: Option<Pending>,
     /// Block size of the Hadamard rotation of quantized rows.
     hadamard: Option<usize>,
-    /// The compute device, when rows live in host memory and it is not the CPU (offload).
+    /// The compute device, when rows live in host memory and are staged to it (offload).
     offload_to: Option<Device>,
     /// Where the main store lives: a device, or None for host memory.
     store_on: Option<Device>,
@@ -105,14 +105,17 @@ pub struct LayerSpec {
 }
 
 impl Layer {
-    pub fn new(spec: &LayerSpec, nkv: usize, hd: usize, device: &Device) -> Self {
-        let host_only = spec.offload || spec.precision.quantized();
-        let store_on = (!host_only).then(|| device.clone());
+    /// A layer whose rows live in host memory, read in place by the CPU's attention kernel
+    /// (`tensors_on` None), or as tensors on a device, attended with candle ops (`Some`: a GPU, or
+    /// the CPU running the GPU's path); with `offload`, rows on a device live in host memory
+    /// instead and are staged to the device for each step.
+    pub fn new(spec: &LayerSpec, nkv: usize, hd: usize, tensors_on: Option<&Device>) -> Self {
+        let store_on = tensors_on.filter(|_| !spec.offload).cloned();
         let store = new_store(spec.precision, nkv, hd, store_on.as_ref());
         let residual =
             (spec.precision.quantized() && spec.residual > 0 && spec.retention != Retention::None)
                 .then(|| Residual {
-                    store: new_store(Precision::F16, nkv, hd, None),
+                    store: new_store(Precision::F16, nkv, hd, store_on.as_ref()),
                     // More recent positions than the context (or the window) holds could never
                     // be used.
                     r: spec
@@ -139,7 +142,7 @@ impl Layer {
                 .precision
                 .quantized()
                 .then(|| kvrows::hadamard_block(hd)),
-            offload_to: (host_only && !device.is_cpu()).then(|| device.clone()),
+            offload_to: tensors_on.filter(|_| spec.offload).cloned(),
             store_on,
             staged: None,
             seen: 0,
@@ -245,9 +248,38 @@ impl Layer {
         }
         let (k, v) = (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?);
         match self.hadamard {
-            Some(b) => Ok((rotate(&k, b)?, rotate(&v, b)?)),
+            Some(b) => Ok((self.rotate(&k, b)?, self.rotate(&v, b)?)),
             None => Ok((k, v)),
         }
+    }
+
+    /// Positions `a..c` as tensors on `dev`, as stored (quantized rows decoded there, still
+    /// rotated): what an offloaded layer's attention reads.
+    fn stage_range(&self, a: usize, c: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (src, slot, len) in self.runs(a, c) {
+            let (k, v) = self.source(src).stage(slot, len, dev)?;
+            ks.push(k);
+            vs.push(v);
+        }
+        // Quantized runs arrive as f32, the residual's as f16: joined as f32 (exact).
+        if ks.iter().any(|k| k.dtype() != ks[0].dtype()) {
+            let f32 = |xs: Vec<Tensor>| -> Result<Vec<Tensor>> {
+                Ok(xs
+                    .into_iter()
+                    .map(|x| x.to_dtype(candle_core::DType::F32))
+                    .collect::<candle_core::Result<_>>()?)
+            };
+            (ks, vs) = (f32(ks)?, f32(vs)?);
+        }
+        Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+    }
+
+    /// `x` `[1, nkv, t, hd]` with each row multiplied by the Hadamard matrix of block `b` (its
+    /// own inverse), where `x` is.
+    fn rotate(&self, x: &Tensor, b: usize) -> Result<Tensor> {
+        crate::model::kernels::attention::hadamard_rows(x, b)
     }
 
     /// Moves rows of a finished step from `pending` into the ring.
@@ -344,10 +376,7 @@ impl Layer {
                 // were started by `prefetch`).
                 let (k, v) = match &self.staged {
                     Some((r, k, v)) if *r == (range.start, range.end) => (k.clone(), v.clone()),
-                    _ => {
-                        let (k, v) = self.read_range(range.start, range.end)?;
-                        (k.to_device(dev)?, v.to_device(dev)?)
-                    }
+                    _ => self.stage_range(range.start, range.end, dev)?,
                 };
                 parts.push(Part {
                     rows: crate::model::cache::Rows::Dense { k, v },
@@ -361,8 +390,7 @@ impl Layer {
         }
         Ok(KvView {
             parts,
-            // Offloaded rows arrive decoded and rotated back.
-            hadamard: self.hadamard.filter(|_| self.offload_to.is_none()),
+            hadamard: self.hadamard,
             window: self.attend_window.filter(|_| sink_end == 0),
         })
     }
@@ -655,18 +683,6 @@ pub struct RawState {
     pub residual_from: usize,
 }
 
-/// `x` `[1, nkv, t, hd]` with each row multiplied by the Hadamard matrix of block `b` (its own
-/// inverse).
-fn rotate(x: &Tensor, b: usize) -> Result<Tensor> {
-    let mut xs: Vec<f32> = x
-        .to_device(&Device::Cpu)?
-        .to_dtype(candle_core::DType::F32)?
-        .flatten_all()?
-        .to_vec1()?;
-    kvrows::hadamard(&mut xs, b);
-    Ok(Tensor::from_vec(xs, x.dims(), &Device::Cpu)?)
-}
-
 impl LayerCache for Layer {
     fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>> {
         self.commit()?;
@@ -690,7 +706,7 @@ impl LayerCache for Layer {
         let (s, n) = self.shape();
         let k = rope.apply(k, b)?; // [1, nkv, t, hd], rotated at absolute positions
         let (k, v) = match self.hadamard {
-            Some(blk) => (rotate(&k, blk)?, rotate(v, blk)?),
+            Some(blk) => (self.rotate(&k, blk)?, self.rotate(v, blk)?),
             None => (k, v.clone()),
         };
         // What the step's queries see: the sinks, the window before the step, the step.
@@ -701,7 +717,7 @@ impl LayerCache for Layer {
         let dropped = sink_end > 0 && lo > sink_end;
         if e > s.saturating_add(n) {
             // Writing into the ring would overwrite positions lo..b that this step attends to.
-            let mut store = new_store(self.precision, self.nkv, self.hd, None);
+            let mut store = new_store(self.precision, self.nkv, self.hd, self.store_on.as_ref());
             store.grow(t, 0)?;
             store.write(0, &k, &v)?;
             self.pending = Some(Pending {
@@ -763,19 +779,16 @@ impl LayerCache for Layer {
     }
 
     fn prefetch(&mut self) -> Result<()> {
-        if self.offload_to.is_none() || self.staged.is_some() {
+        // (A recompute keeps nothing between steps: nothing to stage.)
+        if self.offload_to.is_none() || self.staged.is_some() || self.retention == Retention::None {
             return Ok(());
         }
         // What the next step's view reads from before its own positions: the window's rows.
         let (_, window) = self.held();
         if !window.is_empty() {
-            let (k, v) = self.read_range(window.start, window.end)?;
             let dev = self.offload_to.as_ref().expect("checked");
-            self.staged = Some((
-                (window.start, window.end),
-                k.to_device(dev)?,
-                v.to_device(dev)?,
-            ));
+            let (k, v) = self.stage_range(window.start, window.end, dev)?;
+            self.staged = Some(((window.start, window.end), k, v));
         }
         Ok(())
     }
@@ -814,7 +827,7 @@ mod tests {
     }
 
     fn layer(precision: Precision, retention: Retention) -> Layer {
-        Layer::new(&spec(precision, retention), NKV, HD, &Device::Cpu)
+        Layer::new(&spec(precision, retention), NKV, HD, None)
     }
 
     /// Keys and values for positions `from..from + t`, the same for a position whatever the step.
@@ -883,6 +896,60 @@ mod tests {
             );
             assert!(run(&mut full, &STEPS) == run(&mut win, &STEPS), "{p:?}");
             assert_eq!((win.len(), win.seen()), (65, 65));
+        }
+    }
+
+    /// The largest difference between two runs' outputs (bits as `step` gives them).
+    fn max_diff(a: &[Vec<u32>], b: &[Vec<u32>]) -> f32 {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .map(|(x, y)| (f32::from_bits(*x) - f32::from_bits(*y)).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn rows_kept_as_tensors_attend_as_the_cpu_kernel_reads_them_in_place() {
+        // The GPU's path (rows as tensors, quantized with candle ops, attention by candle ops,
+        // offloaded rows staged from host bytes) run on the CPU, against the CPU's path, for
+        // every precision, retention and placement. (On the CPU both rotate quantized rows by
+        // the fast transform; another device's matrix product is checked in `attention`.)
+        let window = Retention::Window {
+            window: 29,
+            sinks: 3,
+        };
+        for p in Precision::ALL {
+            for retention in [Retention::All, window, Retention::None] {
+                for offload in [false, true] {
+                    let s = LayerSpec {
+                        offload,
+                        ..spec(p, retention)
+                    };
+                    let mut host = Layer::new(&s, NKV, HD, None);
+                    let mut tensors = Layer::new(&s, NKV, HD, Some(&Device::Cpu));
+                    let (a, b) = (run(&mut host, &STEPS), run(&mut tensors, &STEPS));
+                    // candle's matmuls against the kernel's sums: rounding apart.
+                    let d = max_diff(&a, &b);
+                    assert!(d < 1e-5, "{p:?} {retention:?} offload {offload}: {d}");
+                    assert_eq!((host.len(), host.seen()), (tensors.len(), tensors.seen()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_rows_kept_as_tensors_save_the_host_stores_bytes() {
+        for p in [Precision::Int8, Precision::Int4] {
+            let mut host = layer(p, Retention::All);
+            let mut tensors = Layer::new(&spec(p, Retention::All), NKV, HD, Some(&Device::Cpu));
+            run(&mut host, &STEPS);
+            run(&mut tensors, &STEPS);
+            let (a, b) = (host.raw_state().unwrap(), tensors.raw_state().unwrap());
+            // The same rows encoded by the CPU codec and by candle ops: the same bytes, so a
+            // state saved on a GPU restores on the CPU and back.
+            assert!(a.k == b.k && a.v == b.v, "{p:?}: stored rows differ");
+            assert!(a.residual_k == b.residual_k && a.residual_v == b.residual_v);
+            assert_eq!(a.residual_from, b.residual_from);
         }
     }
 
@@ -1075,7 +1142,7 @@ mod tests {
     fn a_residual_larger_than_the_context_allocates_no_more_than_the_context() {
         let mut s = spec(Precision::Int8, Retention::All);
         (s.residual, s.max_positions) = (usize::MAX / 2, 64);
-        let mut c = Layer::new(&s, NKV, HD, &Device::Cpu);
+        let mut c = Layer::new(&s, NKV, HD, None);
         run(&mut c, &[10, 1]);
         // 256 main slots (the first allocation) and at most 64 f16 residual rows.
         assert!(

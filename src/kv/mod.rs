@@ -10,6 +10,7 @@
 pub mod layer;
 pub mod persist;
 pub mod prefix;
+pub mod qrows;
 pub mod size;
 pub mod store;
 
@@ -330,14 +331,17 @@ impl CacheSpec {
         }
     }
 
-    pub fn build(&self, cfg: &Config, device: &Device) -> KvCache {
+    /// The cache for a model of `cfg`: rows in host memory, read in place by the CPU's attention
+    /// kernel (`tensors_on` None), or as tensors on a device (a GPU, or the CPU running the GPU's
+    /// path: `Engine::kv_device`).
+    pub fn build(&self, cfg: &Config, tensors_on: Option<&Device>) -> KvCache {
         let layers = (0..cfg.n_layer)
             .map(|i| {
                 Layer::new(
                     &self.layer_spec(cfg, i),
                     cfg.n_kv_head,
                     cfg.head_dim,
-                    device,
+                    tensors_on,
                 )
             })
             .collect();

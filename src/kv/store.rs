@@ -4,9 +4,11 @@
 //!
 //! Layout, per store: keys and values each `[n_kv_heads, capacity, row]`, a row being `head_dim`
 //! values in the precision's format (`model::kernels::kvrows`). [`HostStore`] keeps them in host
-//! memory and hands attention borrowed rows; [`DeviceStore`] keeps float rows as tensors on a
-//! CUDA/Metal device.
+//! memory and hands attention borrowed rows; [`DeviceStore`] keeps float rows, and
+//! [`QDeviceStore`] INT8/INT4 rows (`qrows`), as tensors on a device (CUDA, Metal, or the CPU
+//! running the GPU's path).
 
+use super::qrows::{self, QRows};
 use crate::model::cache::{HostRows, Part, Precision, Rows};
 use crate::model::kernels::kvrows::{self, Codec};
 use anyhow::{bail, Result};
@@ -32,23 +34,64 @@ pub trait Store: Send {
     fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()>;
     /// Bytes allocated.
     fn bytes(&self) -> usize;
+    /// Slots `slot..slot + len` as `[1, n_kv_heads, len, head_dim]` tensors on `device`, for
+    /// offloaded rows: only the stored bytes cross (float rows keep their dtype; quantized rows
+    /// are decoded to f32 on `device`), and quantized rows stay Hadamard-rotated.
+    fn stage(&self, slot: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let (k, v) = self.raw(slot, len)?;
+        let p = self.precision();
+        let shape = (1, self.heads(), len, self.head_dim());
+        let put = |bytes: &[u8]| -> Result<Tensor> {
+            Ok(match p {
+                Precision::F32 => {
+                    let xs: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
+                    Tensor::from_vec(xs, shape, device)?
+                }
+                Precision::F16 => {
+                    let xs: Vec<half::f16> = bytemuck::pod_collect_to_vec(bytes);
+                    Tensor::from_vec(xs, shape, device)?
+                }
+                Precision::Bf16 => {
+                    let xs: Vec<half::bf16> = bytemuck::pod_collect_to_vec(bytes);
+                    Tensor::from_vec(xs, shape, device)?
+                }
+                Precision::Int8 | Precision::Int4 => {
+                    let r = qrows::from_host(bytes, p, (shape.1, len, shape.3), device)?;
+                    qrows::decode(&r, p)?
+                }
+            })
+        };
+        Ok((put(&k)?, put(&v)?))
+    }
+    /// KV heads of a slot.
+    fn heads(&self) -> usize;
+    /// Values of a row.
+    fn head_dim(&self) -> usize;
 }
 
-/// The store for `precision` on `device`: float rows on a CUDA/Metal device when asked to keep
-/// them there, everything else in host memory.
+/// The store for `precision`: in host memory (`on_device` None), or as tensors on a device.
 pub fn new_store(
     precision: Precision,
     n_kv_heads: usize,
     head_dim: usize,
     on_device: Option<&Device>,
 ) -> Box<dyn Store> {
-    if let Some(dev) = on_device.filter(|d| !d.is_cpu() && !precision.quantized()) {
-        return Box::new(DeviceStore::new(
-            precision,
-            n_kv_heads,
-            head_dim,
-            dev.clone(),
-        ));
+    if let Some(dev) = on_device {
+        return if precision.quantized() {
+            Box::new(QDeviceStore::new(
+                precision,
+                n_kv_heads,
+                head_dim,
+                dev.clone(),
+            ))
+        } else {
+            Box::new(DeviceStore::new(
+                precision,
+                n_kv_heads,
+                head_dim,
+                dev.clone(),
+            ))
+        };
     }
     match precision {
         Precision::F32 => Box::new(HostStore::<kvrows::F32>::new(n_kv_heads, head_dim)),
@@ -167,6 +210,13 @@ impl<C: Format> Store for HostStore<C> {
         if let Some(why) = C::PRECISION.unfit(self.hd) {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }
+        if C::PRECISION.quantized() && !k.device().is_cpu() {
+            // Offloaded rows from a GPU: quantized there, only their bytes come to host memory.
+            let p = C::PRECISION;
+            let kb = qrows::to_host(&qrows::encode(k, p)?, p)?;
+            let vb = qrows::to_host(&qrows::encode(v, p)?, p)?;
+            return self.write_raw(slot, t, &kb, &vb);
+        }
         for (src, dst) in [(k, 0), (v, 1)] {
             let xs: Vec<f32> = src
                 .to_device(&Device::Cpu)?
@@ -260,6 +310,14 @@ impl<C: Format> Store for HostStore<C> {
 
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.row * size_of::<C::E>()
+    }
+
+    fn heads(&self) -> usize {
+        self.nkv
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hd
     }
 }
 
@@ -381,5 +439,167 @@ impl Store for DeviceStore {
 
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.hd * self.dtype().size_in_bytes()
+    }
+
+    fn heads(&self) -> usize {
+        self.nkv
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hd
+    }
+}
+
+/// INT8/INT4 rows as tensors on a device (`qrows`), keys and values each: quants
+/// `[1, n_kv_heads, capacity, hd or hd / 2]` u8 and scales `[1, n_kv_heads, capacity, hd / QK]`
+/// f16. Written rows are quantized on the device; attention gets them decoded there.
+pub struct QDeviceStore {
+    precision: Precision,
+    nkv: usize,
+    hd: usize,
+    cap: usize,
+    device: Device,
+    rows: Option<(QRows, QRows)>,
+}
+
+impl QDeviceStore {
+    pub fn new(precision: Precision, nkv: usize, hd: usize, device: Device) -> Self {
+        Self {
+            precision,
+            nkv,
+            hd,
+            cap: 0,
+            device,
+            rows: None,
+        }
+    }
+
+    fn rows(&self, slot: usize, len: usize) -> Result<(&QRows, &QRows)> {
+        match &self.rows {
+            Some((k, v)) if slot.checked_add(len).is_some_and(|e| e <= self.cap) => Ok((k, v)),
+            _ => bail!(
+                "KV slots {slot}..{} are outside the {} allocated",
+                slot.saturating_add(len),
+                self.cap
+            ),
+        }
+    }
+
+    /// Slots `slot..slot + len` of `r`.
+    fn narrow(r: &QRows, slot: usize, len: usize) -> Result<QRows> {
+        Ok(QRows {
+            q: r.q.narrow(2, slot, len)?,
+            d: r.d.narrow(2, slot, len)?,
+        })
+    }
+
+    /// Puts `src` into `dst` at `slot`.
+    fn set(dst: &QRows, src: &QRows, slot: usize) -> Result<()> {
+        dst.q.slice_set(&src.q.contiguous()?, 2, slot)?;
+        dst.d.slice_set(&src.d.contiguous()?, 2, slot)?;
+        Ok(())
+    }
+
+    fn put(&mut self, slot: usize, k: &QRows, v: &QRows) -> Result<()> {
+        let (kb, vb) = self.rows(slot, k.q.dim(2)?)?;
+        Self::set(kb, k, slot)?;
+        Self::set(vb, v, slot)
+    }
+}
+
+impl Store for QDeviceStore {
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn grow(&mut self, cap: usize, keep: usize) -> Result<()> {
+        if cap <= self.cap {
+            return Ok(());
+        }
+        if let Some(why) = self.precision.unfit(self.hd) {
+            return Err(crate::fixable(crate::Fix::KvType, why));
+        }
+        let qb = if self.precision == Precision::Int4 {
+            self.hd / 2
+        } else {
+            self.hd
+        };
+        let g = self.hd / kvrows::QK;
+        let fresh = || -> Result<QRows> {
+            Ok(QRows {
+                q: Tensor::zeros((1, self.nkv, cap, qb), DType::U8, &self.device)?,
+                d: Tensor::zeros((1, self.nkv, cap, g), DType::F16, &self.device)?,
+            })
+        };
+        let (k, v) = (fresh()?, fresh()?);
+        let keep = keep.min(self.cap);
+        if let (Some((ok, ov)), true) = (&self.rows, keep > 0) {
+            Self::set(&k, &Self::narrow(ok, 0, keep)?, 0)?;
+            Self::set(&v, &Self::narrow(ov, 0, keep)?, 0)?;
+        }
+        (self.rows, self.cap) = (Some((k, v)), cap);
+        Ok(())
+    }
+
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.rows(slot, k.dim(2)?)?;
+        let p = self.precision;
+        let k = qrows::encode(&k.to_device(&self.device)?, p)?;
+        let v = qrows::encode(&v.to_device(&self.device)?, p)?;
+        self.put(slot, &k, &v)
+    }
+
+    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+        let (k, v) = self.rows(slot, len)?;
+        let p = self.precision;
+        Ok(Part {
+            rows: Rows::Dense {
+                k: qrows::decode(&Self::narrow(k, slot, len)?, p)?,
+                v: qrows::decode(&Self::narrow(v, slot, len)?, p)?,
+            },
+            query,
+        })
+    }
+
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        let (k, v) = self.rows(slot, len)?;
+        let p = self.precision;
+        let get = |r: &QRows| -> Result<Tensor> {
+            Ok(qrows::decode(&Self::narrow(r, slot, len)?, p)?.to_device(&Device::Cpu)?)
+        };
+        Ok((get(k)?, get(v)?))
+    }
+
+    fn raw(&self, slot: usize, len: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        let (k, v) = self.rows(slot, len)?;
+        let p = self.precision;
+        Ok((
+            qrows::to_host(&Self::narrow(k, slot, len)?, p)?,
+            qrows::to_host(&Self::narrow(v, slot, len)?, p)?,
+        ))
+    }
+
+    fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()> {
+        self.rows(slot, len)?;
+        let (p, shape) = (self.precision, (self.nkv, len, self.hd));
+        let k = qrows::from_host(k, p, shape, &self.device)?;
+        let v = qrows::from_host(v, p, shape, &self.device)?;
+        self.put(slot, &k, &v)
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.nkv * self.cap * self.precision.row_bytes(self.hd)
+    }
+
+    fn heads(&self) -> usize {
+        self.nkv
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hd
     }
 }

@@ -60,7 +60,7 @@ impl crate::engine::Engine {
     /// A fresh sequence over this model with a cache of the given strategy. (Defined here, not in
     /// engine.rs, so that the session depends on the engine and never the reverse.)
     pub fn session(&self, spec: &crate::kv::CacheSpec) -> Session<'_> {
-        let cache = spec.build(&self.model.cfg, &self.device);
+        let cache = spec.build(&self.model.cfg, self.kv_device());
         // A window holds a bounded number of positions whatever the length of the sequence.
         let max = if spec.bounded_by_context() {
             self.ctx

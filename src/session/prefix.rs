@@ -195,9 +195,9 @@ impl StoreUse {
         if let Some(why) = session.store_refusal() {
             return Self::off(why);
         }
-        if !engine.device.is_cpu() {
+        if engine.gpu_path {
             return Self::off(
-                "on a GPU a resumed prefill is not promised the bits of a whole one (CPU only)",
+                "on a GPU's path a resumed prefill is not promised the bits of a whole one (CPU only)",
             );
         }
         let ident = crate::kv::prefix::Identity {

@@ -33,25 +33,90 @@ pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> R
     if host && qs[0].device().is_cpu() {
         return attend_host(qs, view, t, scale);
     }
-    ensure!(
-        view.hadamard.is_none(),
-        "quantized KV rows are read on the CPU only"
-    );
-    // Device: scores per part with its queries, then one softmax over them all.
+    // Device: scores per part with its queries, then one softmax over them all. Rows stored
+    // Hadamard-rotated (quantized caches) meet rotated queries, and the output is rotated back:
+    // (Hq)·(Hk) = q·k, Σ p·(Hv) = H(Σ p·v).
+    let rotated: Vec<Tensor> = match view.hadamard {
+        Some(b) => qs
+            .iter()
+            .map(|q| hadamard_rows(q, b))
+            .collect::<Result<_>>()?,
+        None => qs.iter().map(|q| (*q).clone()).collect(),
+    };
     let mut scores = Vec::with_capacity(view.parts.len());
     let mut values = Vec::with_capacity(view.parts.len());
     for p in &view.parts {
         let Rows::Dense { k, v } = &p.rows else {
             bail!("a KV view mixes host and device rows");
         };
-        let q = qs[p.query];
+        let q = &rotated[p.query];
         let k = k.squeeze(0)?.to_dtype(q.dtype())?; // [nkv, len, hd]
         scores.push(q.matmul(&k.t()?)?); // [nkv, g*t, len]
         values.push(v.squeeze(0)?.to_dtype(q.dtype())?);
     }
     let scores = Tensor::cat(&scores, 2)?;
     let values = Tensor::cat(&values, 1)?.contiguous()?;
-    softmax_weighted(scores, &values, t, scale, view.window)
+    let out = softmax_weighted(scores, &values, t, scale, view.window)?; // [nkv, g*t, hd]
+    match view.hadamard {
+        Some(b) => hadamard_rows(&out, b),
+        None => Ok(out),
+    }
+}
+
+/// `x` `[..., hd]` with each block of `b` values multiplied by the orthonormal Hadamard matrix of
+/// size `b`: the rotation of quantized KV rows. On the CPU, the fast transform
+/// (`kvrows::hadamard`); on another device, a matrix product there ([`hadamard_product`]), equal
+/// to it to rounding.
+pub fn hadamard_rows(x: &Tensor, b: usize) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return hadamard_product(x, b);
+    }
+    ensure!(
+        x.dims().last().is_some_and(|hd| hd % b == 0),
+        "Hadamard block {b} does not divide the rows of {:?}",
+        x.dims()
+    );
+    let mut xs: Vec<f32> = x
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    kvrows::hadamard(&mut xs, b);
+    Ok(Tensor::from_vec(xs, x.dims(), x.device())?.to_dtype(x.dtype())?)
+}
+
+/// [`hadamard_rows`] as a matrix product on `x`'s device. The matrix is made once per thread,
+/// size and device.
+pub fn hadamard_product(x: &Tensor, b: usize) -> Result<Tensor> {
+    use candle_core::DeviceLocation;
+    use std::cell::RefCell;
+    thread_local! {
+        static MATRICES: RefCell<Vec<(usize, DeviceLocation, Tensor)>> = const { RefCell::new(Vec::new()) };
+    }
+    let dims = x.dims().to_vec();
+    ensure!(
+        dims.last().is_some_and(|hd| hd % b == 0),
+        "Hadamard block {b} does not divide the rows of {dims:?}"
+    );
+    let at = x.device().location();
+    let h = MATRICES.with(|m| -> Result<Tensor> {
+        let mut m = m.borrow_mut();
+        if let Some((_, _, h)) = m.iter().find(|(n, l, _)| *n == b && *l == at) {
+            return Ok(h.clone());
+        }
+        // Row i of H is H applied to the unit vector e_i (H is symmetric).
+        let mut xs = vec![0f32; b * b];
+        for (i, row) in xs.chunks_exact_mut(b).enumerate() {
+            row[i] = 1.0;
+            kvrows::hadamard(row, b);
+        }
+        let h = Tensor::from_vec(xs, (b, b), x.device())?;
+        m.push((b, at, h.clone()));
+        Ok(h)
+    })?;
+    let n = x.elem_count() / b;
+    let h = h.to_dtype(x.dtype())?;
+    let x = x.contiguous()?.reshape((n, b))?; // [rows · hd / b, b]
+    Ok(x.matmul(&h)?.reshape(dims)?)
 }
 
 /// `k`, `v`: `[nkv, L, hd]` tensors, attended with candle ops (the reference for the fused kernel).
@@ -978,6 +1043,19 @@ mod tests {
         stored_rows_read_in_place::<kvrows::Bf16>();
         stored_rows_read_in_place::<kvrows::Q8>();
         stored_rows_read_in_place::<kvrows::Q4>();
+    }
+
+    #[test]
+    fn the_hadamard_product_of_other_devices_equals_the_fast_transform_to_rounding() {
+        for (hd, b) in [(64, 64), (128, 128), (96, 32)] {
+            let x = Tensor::randn(0f32, 3.0, (2, 3, 5, hd), &Device::Cpu).unwrap();
+            let fast = hadamard_rows(&x, b).unwrap();
+            let product = hadamard_product(&x, b).unwrap();
+            assert!(max_diff(&fast, &product) < 1e-5, "hd {hd}, block {b}");
+            // The rotation is its own inverse.
+            let back = hadamard_product(&product, b).unwrap();
+            assert!(max_diff(&back, &x) < 1e-5, "hd {hd}, block {b}: H·H ≠ I");
+        }
     }
 
     #[test]

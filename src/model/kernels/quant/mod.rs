@@ -898,6 +898,9 @@ pub enum Kernels {
     Ours,
     /// candle's QMatMul for every type.
     Candle,
+    /// The GPU's path on the CPU: candle's QMatMul for every type, KV rows as tensors attended
+    /// with candle ops (`Engine::kv_device`); to check that path where there is no GPU.
+    Gpu,
 }
 
 impl Kernels {
@@ -906,7 +909,7 @@ impl Kernels {
         match self {
             Kernels::Preferred => preferred(dtype),
             Kernels::Ours => FORMATS.contains(&dtype),
-            Kernels::Candle => false,
+            Kernels::Candle | Kernels::Gpu => false,
         }
     }
 }
@@ -918,7 +921,8 @@ impl std::str::FromStr for Kernels {
             "preferred" => Kernels::Preferred,
             "ours" => Kernels::Ours,
             "candle" => Kernels::Candle,
-            other => bail!("unknown kernels {other:?}: preferred, ours or candle"),
+            "gpu" => Kernels::Gpu,
+            other => bail!("unknown kernels {other:?}: preferred, ours, candle or gpu"),
         })
     }
 }
