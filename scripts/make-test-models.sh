@@ -27,67 +27,7 @@ families="${FAMILIES:-smollm2 l1b}"
 l1b_f16="$dir/l1b-F16.gguf"
 if [[ " $families " == *" l1b "* ]] && [ ! -s "$l1b_f16" ]; then
   echo "writing $l1b_f16 (random weights, Llama-3.2-1B dims)" >&2
-  python3 - "$smol" "$l1b_f16.part" <<'PY'
-import sys
-import numpy as np
-import gguf
-
-src, dst = sys.argv[1], sys.argv[2]
-r = gguf.GGUFReader(src)
-hidden, layers, heads, kv_heads, ffn = 2048, 16, 32, 8, 8192
-w = gguf.GGUFWriter(dst, "llama")
-w.add_name("random llama-3.2-1b-shaped (kvchat test model)")
-w.add_context_length(8192)
-w.add_embedding_length(hidden)
-w.add_block_count(layers)
-w.add_feed_forward_length(ffn)
-w.add_head_count(heads)
-w.add_head_count_kv(kv_heads)
-w.add_rope_freq_base(500000.0)
-w.add_layer_norm_rms_eps(1e-5)
-w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-# The tokenizer, copied from SmolLM2's file.
-for name, field in r.fields.items():
-    if not name.startswith("tokenizer."):
-        continue
-    v = field.contents()
-    t = field.types[0]
-    if t == gguf.GGUFValueType.ARRAY:
-        w.add_array(name, v)
-    elif t == gguf.GGUFValueType.STRING:
-        w.add_string(name, v)
-    elif t == gguf.GGUFValueType.BOOL:
-        w.add_bool(name, v)
-    elif t == gguf.GGUFValueType.UINT32:
-        w.add_uint32(name, v)
-    elif t == gguf.GGUFValueType.INT32:
-        w.add_int32(name, v)
-    else:
-        raise SystemExit(f"unhandled tokenizer field {name} of type {t}")
-vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-rng = np.random.default_rng(1)
-def mat(rows, cols, std=0.02):
-    return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
-hd = hidden // heads
-w.add_tensor("token_embd.weight", mat(vocab, hidden))
-w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-w.add_tensor("output.weight", mat(vocab, hidden))
-for i in range(layers):
-    p = f"blk.{i}"
-    w.add_tensor(f"{p}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
-    w.add_tensor(f"{p}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-    w.add_tensor(f"{p}.attn_q.weight", mat(heads * hd, hidden))
-    w.add_tensor(f"{p}.attn_k.weight", mat(kv_heads * hd, hidden))
-    w.add_tensor(f"{p}.attn_v.weight", mat(kv_heads * hd, hidden))
-    w.add_tensor(f"{p}.attn_output.weight", mat(hidden, heads * hd))
-    w.add_tensor(f"{p}.ffn_gate.weight", mat(ffn, hidden))
-    w.add_tensor(f"{p}.ffn_up.weight", mat(ffn, hidden))
-    w.add_tensor(f"{p}.ffn_down.weight", mat(hidden, ffn))
-w.write_header_to_file()
-w.write_kv_data_to_file()
-w.write_tensors_to_file()
-w.close()
-PY
+  python3 "$root/scripts/write-random-llama.py" "$smol" "$l1b_f16.part"
   mv "$l1b_f16.part" "$l1b_f16"
 fi
 
