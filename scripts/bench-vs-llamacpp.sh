@@ -18,6 +18,12 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
 threads="${2:-2}"
 shift $(( $# < 2 ? $# : 2 ))
+# Numbers only: each goes into a command line (a bad one would fail late, after minutes of runs).
+for v in "rounds=$rounds" "threads=$threads" "BUSY=${BUSY:-0}" "LLAMA_REPS=${LLAMA_REPS:-3}"; do
+  [[ "${v#*=}" =~ ^[0-9]+$ ]] || { echo "bench-vs-llamacpp.sh: ${v%%=*} '${v#*=}' is not a whole number" >&2; exit 2; }
+done
+[[ "${CONTEXTS:-128}" =~ ^[0-9]+(,[0-9]+)*$ ]] \
+  || { echo "bench-vs-llamacpp.sh: CONTEXTS '${CONTEXTS}' is not a comma-separated list of numbers" >&2; exit 2; }
 reps="${LLAMA_REPS:-3}"   # llama-bench repetitions per test, per round
 home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
 model="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"

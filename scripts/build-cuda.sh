@@ -2,10 +2,10 @@
 # Builds the CUDA kvchat: one stripped binary that starts and runs on the CPU where no CUDA library
 # is installed, and runs on an NVIDIA GPU where the driver and CUDA 13's cuBLAS/cuRAND are.
 #   scripts/build-cuda.sh [COMPUTE_CAP]     (default 90: H100/H200; 80: A100; 89: L4/L40)
-# Prints the binary's path (target/cuda/kvchat-cuda). Not part of CI (too heavy); ~15 min on 2 cores
-# from clean, of which the CUDA kernels are most.
+# Prints the binary's path (target/cuda/kvchat-cuda). Not part of CI (too heavy); 22 min on 2 cores
+# from clean (ptxas on candle's quantized-matmul kernels is most of it), ~1.5 min after a change.
 #
-# How (the README's "CUDA" section says why):
+# How (the README's "GPU (CUDA)" section says why):
 # - The toolkit is CUDA 13.0 from NVIDIA's own PyPI wheels (nvcc, cicc, headers, the static
 #   runtime), pinned, unpacked once into ${KVCHAT_HOME:-~/.cache/kvchat}/cuda-13.0. 13 is the major
 #   the GPU machines here carry (driver 580, PyTorch cu130); Debian's 11.8 cannot target sm_90a.
@@ -13,7 +13,8 @@
 # - The CUDA libraries are opened at run time (cudarc's `dynamic-loading`), not linked: candle-core
 #   asks cudarc for `dynamic-linking`, so this script builds against a copy of candle-core 0.11.1
 #   (the registry's, unchanged but for that one feature name), given to cargo by `--config patch`;
-#   the tree's Cargo.toml and Cargo.lock are left as they were.
+#   the build runs on a copy of the tree (target/cuda/tree), so the tree's Cargo.lock is never
+#   rewritten, even for a moment.
 # - candle-kernels links `-lcudart`; a folder holding only libcudart_static.a under that name makes
 #   the linker take the static runtime, which itself opens libcuda only when a kernel is launched.
 # - `-C target-cpu=x86-64-v3` (AVX2, FMA) instead of the tree's `native`: the binary is carried to
@@ -27,6 +28,9 @@ case "$cap" in
 esac
 home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
 start=$(date +%s)
+for tool in cargo g++ python3 strip ldd git tar; do
+  command -v "$tool" >/dev/null || { echo "build-cuda.sh: '$tool' is needed and not installed" >&2; exit 1; }
+done
 
 # --- the toolkit -----------------------------------------------------------------------------
 if [ -n "${CUDA_HOME:-}" ]; then
@@ -36,7 +40,7 @@ else
   if [ ! -x "$tk/bin/nvcc" ]; then
     echo "installing CUDA 13.0 (nvcc, runtime, headers) from PyPI into $tk (once, ~120 MB)..." >&2
     rm -rf "$tk.tmp" && mkdir -p "$tk.tmp"
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps --only-binary=:all: \
       --target "$tk.tmp" \
       nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-nvvm==13.0.88 \
       nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 >&2
@@ -55,7 +59,7 @@ work="$PWD/target/cuda/build-support"
 mkdir -p "$work/link"
 cp "$static_rt" "$work/link/libcudart.a"
 cargo fetch --locked >/dev/null
-registry_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 | head -1)
+registry_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 2>/dev/null | head -1 || true)
 [ -d "$registry_src" ] || { echo "build-cuda.sh: candle-core 0.11.1 not in cargo's registry" >&2; exit 1; }
 patched="$work/candle-core-0.11.1"
 if [ ! -f "$patched/.kvchat-patched" ]; then
@@ -66,12 +70,13 @@ if [ ! -f "$patched/.kvchat-patched" ]; then
   touch "$patched/.kvchat-patched"
 fi
 
-# --- the build (Cargo.lock restored afterwards: the patch would rewrite it) ------------------
-cp Cargo.lock "$work/Cargo.lock.orig"
-trap 'cp "$work/Cargo.lock.orig" Cargo.lock' EXIT
+# --- the build, on a copy of the tree (the patch rewrites the copy's Cargo.lock) ---------------
+tree="$PWD/target/cuda/tree"
+rm -rf "$tree" && mkdir -p "$tree"
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$tree"
 RUSTFLAGS="-C target-cpu=x86-64-v3 -L native=$work/link" \
-  cargo build --release --features cuda --target-dir target/cuda \
-  --config "patch.crates-io.candle-core.path='$patched'" >&2
+  cargo build --release --features cuda --manifest-path "$tree/Cargo.toml" \
+  --target-dir "$PWD/target/cuda" --config "patch.crates-io.candle-core.path='$patched'" >&2
 out=target/cuda/kvchat-cuda
 strip -o "$out" target/cuda/release/kvchat
 if ldd "$out" | grep -Eq 'libcu|libnv'; then

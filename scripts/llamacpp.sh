@@ -5,12 +5,17 @@
 # (llama-perplexity, llama-tokenize) that scripts/bench-vs-llamacpp.sh and
 # scripts/check-vs-llamacpp.sh compare kvchat with; llama-quantize makes test files of other types.
 #   scripts/llamacpp.sh [TARGET...]   (default: llama-bench llama-perplexity llama-tokenize llama-quantize)
+#   PORTABLE=1 scripts/llamacpp.sh …  a build for any x86-64 CPU (GGML_NATIVE=OFF) in its own folder,
+#                                     to be carried to another machine (scripts/gpu-check.sh)
 set -euo pipefail
 ver=0.3.36
 sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 home="${KVCHAT_HOME:-$HOME/.cache/kvchat}"
 cache="$home/llama.cpp"
-bin="$cache/build-$ver/bin"
+build="$cache/build-$ver"
+native=ON
+if [ "${PORTABLE:-0}" = 1 ]; then build="$cache/build-$ver-portable"; native=OFF; fi
+bin="$build/bin"
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(llama-bench llama-perplexity llama-tokenize llama-quantize)
 mkdir -p "$cache"
@@ -35,14 +40,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   lsrc="$src/llama_cpp_python-$ver/vendor/llama.cpp"
   cmake_bin=$(command -v cmake || true)
   if [ -z "$cmake_bin" ]; then
-    python3 -m pip install --quiet --target "$cache/tools" cmake >&2
+    python3 -m pip install --quiet --no-cache-dir --target "$cache/tools" cmake >&2
     cmake_bin="$cache/tools/bin/cmake"
     export PYTHONPATH="$cache/tools${PYTHONPATH:+:$PYTHONPATH}"
   fi
   echo "building llama.cpp ${missing[*]} (once; several minutes on 2 cores)..." >&2
-  "$cmake_bin" -S "$lsrc" -B "$cache/build-$ver" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  "$cmake_bin" -S "$lsrc" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE="$native" \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON >&2
-  "$cmake_bin" --build "$cache/build-$ver" --target "${missing[@]}" -j "$(nproc)" >&2
+  "$cmake_bin" --build "$build" --target "${missing[@]}" -j "$(nproc)" >&2
 fi
 echo "$bin"

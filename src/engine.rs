@@ -49,13 +49,15 @@ pub struct Engine {
 }
 
 /// Where to run: what a front end asks for, before the device is opened.
+/// (The library's default is the CPU, so that a program or test gets the same bits on every
+/// build; the command line's is `auto`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceChoice {
+    #[default]
     Cpu,
     Cuda(usize),
     Metal(usize),
     /// The best one built in and present: CUDA, then Metal, then the CPU.
-    #[default]
     Auto,
 }
 
@@ -123,22 +125,24 @@ impl DeviceChoice {
     }
 }
 
-/// Opens CUDA device `n`. A binary built by scripts/build-cuda.sh opens the CUDA libraries only
-/// here (cudarc's run-time loading), and cudarc panics when one is missing: that becomes an error
-/// naming the library, so `auto` can fall back to the CPU and `cuda` can say what to install.
+/// Opens CUDA device `n`. A binary built by scripts/build-cuda.sh loads the CUDA libraries at
+/// run time (cudarc's `dynamic-loading`): the driver, cuBLAS and cuRAND here, when the device is
+/// opened, and cudarc panics where one is missing. That panic becomes an error naming the library,
+/// so that `auto` falls back to the CPU and `cuda` says what to install. (A function looked up
+/// later, when first called, that a library lacks would still panic: a library of another major
+/// version than the one built against.)
 fn open_cuda(n: usize) -> Result<Device> {
     match crate::guard::no_panic(|| Device::new_cuda(n)) {
         Ok(opened) => opened.with_context(|| format!("cannot open CUDA device {n}")),
-        Err(panic) => {
-            let lib = panic
-                .split('"')
-                .nth(1)
-                .map_or_else(|| panic.clone(), |l| format!("lib{l}"));
+        Err(panic) if panic.starts_with("Unable to dynamically load") => {
+            // `Unable to dynamically load the "cublas" shared library - searched for …`
+            let lib = panic.split('"').nth(1).unwrap_or("a CUDA");
             Err(crate::fixable(
                 crate::Fix::CudaLibraries,
-                format!("cannot open CUDA device {n}: {lib} was not found"),
+                format!("cannot open CUDA device {n}: lib{lib} was not found"),
             ))
         }
+        Err(panic) => bail!("cannot open CUDA device {n}: {}", crate::first_line(&panic)),
     }
 }
 

@@ -39,7 +39,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub ctx: Option<usize>,
     /// CPU matmul for quantized GGUF matrices: preferred (the faster per type), ours or candle —
-    /// for side-by-side measurements; gpu: the GPU's whole path on the CPU (candle's matmuls, KV
+    /// for side-by-side measurements; gpu: the GPU's path on the CPU (candle's matmuls, KV
     /// rows as tensors, attention by candle ops), to check it where there is no GPU
     #[arg(long, hide = true, env = "KVCHAT_KERNELS", default_value = "preferred")]
     pub kernels: String,

@@ -10,9 +10,7 @@
 //!   in its low nibble and `32j + i + 16` in its high one), each nibble `q + 8`;
 //! - scales `d`: `[1, nkv, n, g]` f16.
 //!
-//! Encoding gives the codec's bytes (tested against it), but for one case: an INT4 group whose
-//! largest and smallest values have exactly the same magnitude takes the positive one as its
-//! scale's sign, where the codec takes whichever comes first.
+//! Encoding gives the codec's bytes, ties and signed zeros included (tested against it).
 
 use crate::model::cache::Precision;
 use crate::model::kernels::kvrows::QK;
@@ -56,9 +54,17 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
             )
         }
         Precision::Int4 => {
-            // The value of largest magnitude, with its sign, maps to −8 exactly (ggml's q4_0).
-            let (mx, mn) = (x.max_keepdim(4)?, x.min_keepdim(4)?);
-            let m = mn.neg()?.gt(&mx)?.where_cond(&mn, &mx)?;
+            // The value of largest magnitude, with its sign, maps to −8 exactly (ggml's q4_0); of
+            // several, the first, as the codec's scan takes it: each one weighted by QK − j, the
+            // largest weight is the first.
+            let abs = x.abs()?;
+            let at_max = abs
+                .broadcast_eq(&abs.max_keepdim(4)?)?
+                .to_dtype(DType::F32)?;
+            let first_wins = Tensor::arange(0f32, QK as f32, dev)?.affine(-1.0, QK as f64)?;
+            let j = at_max.broadcast_mul(&first_wins)?.argmax_keepdim(4)?; // [1, nkv, n, g, 1]
+                                                                           // (+ 0 turns an all-zero group's −0 into the codec's +0.)
+            let m = (x.contiguous()?.gather(&j, 4)? + 0.0)?;
             // Divided, not multiplied (candle's affine adds +0.0, which turns −0 into +0).
             (m.broadcast_div(&Tensor::new(-8f32, dev)?)?, -8.0, 7.0)
         }
@@ -175,6 +181,11 @@ mod tests {
             .collect();
         xs[HD..2 * HD].fill(0.0);
         xs[2 * HD..3 * HD].iter_mut().for_each(|x| *x *= 1e-9);
+        // Groups whose largest magnitudes tie: −2 before +2, then +3 before −3; and −0.
+        xs[3 * HD..3 * HD + 32].fill(0.5);
+        (xs[3 * HD + 4], xs[3 * HD + 9]) = (-2.0, 2.0);
+        (xs[3 * HD + 32 + 1], xs[3 * HD + 32 + 30]) = (3.0, -3.0);
+        xs[4 * HD..4 * HD + 32].fill(-0.0);
         let t = Tensor::from_vec(xs.clone(), (1, NKV, N, HD), &Device::Cpu).unwrap();
         (t, xs)
     }

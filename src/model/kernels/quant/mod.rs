@@ -541,13 +541,7 @@ impl<F: Avx2> Matrix<F> {
     /// The matrix of `[rows, cols]` GGUF blocks of this format read from `src`, straight into
     /// place (one copy; the pages are touched once).
     fn read_rows(rows: usize, cols: usize, src: &mut dyn std::io::Read) -> Result<Self> {
-        if !cols.is_multiple_of(F::N) {
-            bail!(
-                "{:?} matrix with {cols} columns, not a multiple of {}",
-                F::DTYPE,
-                F::N
-            );
-        }
+        check_cols(F::DTYPE, cols)?;
         let mut blocks: Vec<F::Block> = bytemuck::zeroed_vec(rows * cols / F::N);
         src.read_exact(bytemuck::cast_slice_mut(&mut blocks))?;
         Ok(Self {
@@ -568,6 +562,15 @@ impl<F: Avx2> Matrix<F> {
     }
 }
 
+/// Refuses a matrix of `dtype` whose rows of `cols` values do not split into whole blocks.
+fn check_cols(dtype: GgmlDType, cols: usize) -> Result<()> {
+    let n = dtype.block_size();
+    if !cols.is_multiple_of(n) {
+        bail!("{dtype:?} matrix with {cols} columns, not a multiple of {n}");
+    }
+    Ok(())
+}
+
 /// Calls `f(rows, cols, blocks)` with the blocks in the GGUF bytes of a `[rows, cols]` matrix of
 /// format `F`, checked for shape and size (read in place when aligned, else copied once).
 fn with_blocks<F: Format, R>(
@@ -577,13 +580,7 @@ fn with_blocks<F: Format, R>(
     f: impl FnOnce(usize, usize, &[F::Block]) -> R,
 ) -> Result<R> {
     {
-        if !cols.is_multiple_of(F::N) {
-            bail!(
-                "{:?} matrix with {cols} columns, not a multiple of {}",
-                F::DTYPE,
-                F::N
-            );
-        }
+        check_cols(F::DTYPE, cols)?;
         let n = rows * cols / F::N;
         if data.len() != n * std::mem::size_of::<F::Block>() {
             bail!(
@@ -737,8 +734,20 @@ macro_rules! tiled_format {
 /// the others per row. Each matrix is read straight into its layout, a few MiB at a time.
 pub struct Packer {
     store: TileStore,
-    used: usize,
+    /// The matrices told of, in order, with where each one's tiles go.
+    plan: Vec<Planned>,
+    /// How many of them `read` has been given.
+    next: usize,
     slots: Vec<Slot>,
+}
+
+/// A matrix [`Packer::new`] was told of: its type and shape, and the first byte of its tiles in
+/// the store (None: rows not in 16s, read on their own).
+struct Planned {
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    at: Option<usize>,
 }
 
 enum Slot {
@@ -755,25 +764,40 @@ impl Packer {
     /// Room for the tiles of `mats` (`[dtype, rows, cols]` each, shapes already checked), read
     /// afterwards in this order.
     pub fn new(mats: &[(GgmlDType, usize, usize)]) -> Result<Self> {
-        let mut bytes = 0usize;
-        for &(dtype, rows, cols) in mats {
-            if tileable(rows) {
-                bytes = tiled_format!(dtype, |F, _wrap| {
-                    TiledMatrix::<F>::align(bytes) + TiledMatrix::<F>::bytes(rows, cols)
-                }, else bytes);
-            }
-        }
-        let store = TileStore::zeroed(bytes)
-            .with_context(|| format!("cannot allocate {bytes} bytes for the weights"))?;
+        let mut end = 0usize;
+        let plan: Vec<Planned> = mats
+            .iter()
+            .map(|&(dtype, rows, cols)| {
+                let at = tileable(rows)
+                    .then(|| {
+                        tiled_format!(dtype, |F, _wrap| {
+                            let at = TiledMatrix::<F>::align(end);
+                            end = at + TiledMatrix::<F>::bytes(rows, cols);
+                            Some(at)
+                        }, else None)
+                    })
+                    .flatten();
+                Planned {
+                    dtype,
+                    rows,
+                    cols,
+                    at,
+                }
+            })
+            .collect();
+        let store = TileStore::zeroed(end)
+            .with_context(|| format!("cannot allocate {end} bytes for the weights"))?;
         Ok(Self {
             store,
-            used: 0,
+            plan,
+            next: 0,
             slots: Vec::new(),
         })
     }
 
-    /// Reads the next matrix, `[rows, cols]` GGUF blocks of `dtype` from `src`. False (and
-    /// nothing read) for a type this driver does not run.
+    /// Reads the next matrix, `[rows, cols]` GGUF blocks of `dtype` from `src`; it must be the
+    /// next one [`Packer::new`] was told of. False (and nothing read) for a type this driver
+    /// does not run.
     pub fn read(
         &mut self,
         dtype: GgmlDType,
@@ -781,30 +805,26 @@ impl Packer {
         cols: usize,
         src: &mut dyn std::io::Read,
     ) -> Result<bool> {
+        let told = self.plan.get(self.next);
+        let Some(&Planned { at, .. }) =
+            told.filter(|p| (p.dtype, p.rows, p.cols) == (dtype, rows, cols))
+        else {
+            bail!("{dtype:?} matrix [{rows}, {cols}] was not among those planned");
+        };
+        self.next += 1;
         if !FORMATS.contains(&dtype) {
             return Ok(false);
         }
-        if !cols.is_multiple_of(dtype.block_size()) {
-            bail!(
-                "{dtype:?} matrix with {cols} columns, not a multiple of {}",
-                dtype.block_size()
-            );
-        }
-        let slot = if tileable(rows) {
-            tiled_format!(dtype, |F, _wrap| {
-                let at = TiledMatrix::<F>::align(self.used);
-                if at + TiledMatrix::<F>::bytes(rows, cols) > self.store.size() {
-                    bail!("{dtype:?} matrix [{rows}, {cols}] was not among those planned");
-                }
+        check_cols(dtype, cols)?;
+        let slot = match at {
+            Some(at) => tiled_format!(dtype, |F, _wrap| {
                 TiledMatrix::<F>::read_into(&mut self.store, at, rows, cols, src)?;
-                self.used = at + TiledMatrix::<F>::bytes(rows, cols);
                 Slot::Tiles { dtype, rows, cols, at }
-            }, else unreachable!("FORMATS are tiled"))
-        } else {
-            match QMatrix::read_rows(dtype, rows, cols, src)? {
+            }, else unreachable!("only tiled types are planned a place")),
+            None => match QMatrix::read_rows(dtype, rows, cols, src)? {
                 Some(m) => Slot::Ready(m),
                 None => return Ok(false),
-            }
+            },
         };
         self.slots.push(slot);
         Ok(true)

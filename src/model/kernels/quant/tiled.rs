@@ -467,11 +467,6 @@ impl TileStore {
         Ok(Self { map })
     }
 
-    /// Bytes it holds.
-    pub(super) fn size(&self) -> usize {
-        self.map.len()
-    }
-
     /// The `n` tiles at byte `at` (a multiple of the tile's alignment: the mapping itself is
     /// page-aligned).
     fn tiles<T: Pod>(&self, at: usize, n: usize) -> &[T] {
