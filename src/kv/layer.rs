@@ -21,7 +21,7 @@
 //! positions. When writing the step into the ring would overwrite positions its queries still need,
 //! its rows wait in a store of their own ([`Pending`]) and enter the ring at the next call.
 
-use super::store::{new_store, Store};
+use super::store::{new_store, stage, Store};
 use crate::model::cache::{Attend, KvView, LayerCache, Part, Precision};
 use crate::model::kernels::kvrows;
 use crate::model::rope::Rope;
@@ -263,7 +263,7 @@ impl Layer {
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         for (src, slot, len) in self.runs(a, c) {
-            let (k, v) = self.source(src).stage(slot, len, dev)?;
+            let (k, v) = stage(self.source(src), (self.nkv, self.hd), slot, len, dev)?;
             ks.push(k);
             vs.push(v);
         }

@@ -26,7 +26,7 @@ pub struct QRows {
 }
 
 /// Bytes of one row's quants.
-fn quant_bytes(p: Precision, hd: usize) -> usize {
+pub fn quant_bytes(p: Precision, hd: usize) -> usize {
     if p == Precision::Int4 {
         hd / 2
     } else {

@@ -34,39 +34,43 @@ pub trait Store: Send {
     fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()>;
     /// Bytes allocated.
     fn bytes(&self) -> usize;
-    /// Slots `slot..slot + len` as `[1, n_kv_heads, len, head_dim]` tensors on `device`, for
-    /// offloaded rows: only the stored bytes cross (float rows keep their dtype; quantized rows
-    /// are decoded to f32 on `device`), and quantized rows stay Hadamard-rotated.
-    fn stage(&self, slot: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        let (k, v) = self.raw(slot, len)?;
-        let p = self.precision();
-        let shape = (1, self.heads(), len, self.head_dim());
-        let put = |bytes: &[u8]| -> Result<Tensor> {
-            Ok(match p {
-                Precision::F32 => {
-                    let xs: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
-                    Tensor::from_vec(xs, shape, device)?
-                }
-                Precision::F16 => {
-                    let xs: Vec<half::f16> = bytemuck::pod_collect_to_vec(bytes);
-                    Tensor::from_vec(xs, shape, device)?
-                }
-                Precision::Bf16 => {
-                    let xs: Vec<half::bf16> = bytemuck::pod_collect_to_vec(bytes);
-                    Tensor::from_vec(xs, shape, device)?
-                }
-                Precision::Int8 | Precision::Int4 => {
-                    let r = qrows::from_host(bytes, p, (shape.1, len, shape.3), device)?;
-                    qrows::decode(&r, p)?
-                }
-            })
-        };
-        Ok((put(&k)?, put(&v)?))
-    }
-    /// KV heads of a slot.
-    fn heads(&self) -> usize;
-    /// Values of a row.
-    fn head_dim(&self) -> usize;
+}
+
+/// Slots `slot..slot + len` of `store` (rows of `nkv` heads × `hd`) as `[1, nkv, len, hd]`
+/// tensors on `device`, for offloaded rows: only the stored bytes cross (float rows keep their
+/// dtype; quantized rows are decoded to f32 on `device`), and quantized rows stay
+/// Hadamard-rotated.
+pub fn stage(
+    store: &dyn Store,
+    (nkv, hd): (usize, usize),
+    slot: usize,
+    len: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (k, v) = store.raw(slot, len)?;
+    let p = store.precision();
+    let shape = (1, nkv, len, hd);
+    let put = |bytes: &[u8]| -> Result<Tensor> {
+        Ok(match p {
+            Precision::F32 => {
+                let xs: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
+                Tensor::from_vec(xs, shape, device)?
+            }
+            Precision::F16 => {
+                let xs: Vec<half::f16> = bytemuck::pod_collect_to_vec(bytes);
+                Tensor::from_vec(xs, shape, device)?
+            }
+            Precision::Bf16 => {
+                let xs: Vec<half::bf16> = bytemuck::pod_collect_to_vec(bytes);
+                Tensor::from_vec(xs, shape, device)?
+            }
+            Precision::Int8 | Precision::Int4 => {
+                let r = qrows::from_host(bytes, p, (nkv, len, hd), device)?;
+                qrows::decode(&r, p)?
+            }
+        })
+    };
+    Ok((put(&k)?, put(&v)?))
 }
 
 /// The store for `precision`: in host memory (`on_device` None), or as tensors on a device.
@@ -311,14 +315,6 @@ impl<C: Format> Store for HostStore<C> {
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.row * size_of::<C::E>()
     }
-
-    fn heads(&self) -> usize {
-        self.nkv
-    }
-
-    fn head_dim(&self) -> usize {
-        self.hd
-    }
 }
 
 /// Float rows as tensors on a CUDA/Metal device, `[1, n_kv_heads, capacity, head_dim]` each.
@@ -440,14 +436,6 @@ impl Store for DeviceStore {
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.hd * self.dtype().size_in_bytes()
     }
-
-    fn heads(&self) -> usize {
-        self.nkv
-    }
-
-    fn head_dim(&self) -> usize {
-        self.hd
-    }
 }
 
 /// INT8/INT4 rows as tensors on a device (`qrows`), keys and values each: quants
@@ -523,11 +511,7 @@ impl Store for QDeviceStore {
         if let Some(why) = self.precision.unfit(self.hd) {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }
-        let qb = if self.precision == Precision::Int4 {
-            self.hd / 2
-        } else {
-            self.hd
-        };
+        let qb = qrows::quant_bytes(self.precision, self.hd);
         let g = self.hd / kvrows::QK;
         let fresh = || -> Result<QRows> {
             Ok(QRows {
@@ -593,13 +577,5 @@ impl Store for QDeviceStore {
 
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.precision.row_bytes(self.hd)
-    }
-
-    fn heads(&self) -> usize {
-        self.nkv
-    }
-
-    fn head_dim(&self) -> usize {
-        self.hd
     }
 }
