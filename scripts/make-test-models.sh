@@ -7,7 +7,8 @@
 #                       heads, 8 KV heads, ffn 8192; SmolLM2's tokenizer) written as F16 by the gguf
 #                       Python package, then quantized to each TYPE, so K-quant kernels meet
 #                       256-multiple rows (SmolLM2's 576 makes llama.cpp fall back to Q5_0/Q8_0).
-#   scripts/make-test-models.sh [TYPES...]   (default: Q4_0 Q5_0 Q8_0 Q4_K_M Q5_K_M Q6_K)
+#   scripts/make-test-models.sh [TYPES...]   (default: Q4_0 Q5_0 Q8_0 Q4_K_M Q5_K_M Q6_K; others
+#                                            llama-quantize makes: Q2_K Q3_K_M F16 BF16 …)
 #   FAMILIES=smollm2 scripts/make-test-models.sh   only the SmolLM2 files (seconds; l1b takes minutes
 #                                                  and ~8 GB)
 # Prints the directory. Files already there are kept (delete one to remake it).

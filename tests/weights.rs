@@ -122,6 +122,16 @@ fn q8_0_weights_run_as_the_dequantized_model_does() {
 }
 
 #[test]
+fn q2_k_weights_run_as_the_dequantized_model_does() {
+    check(GgmlDType::Q2K);
+}
+
+#[test]
+fn q3_k_weights_run_as_the_dequantized_model_does() {
+    check(GgmlDType::Q3K);
+}
+
+#[test]
 fn q4_k_weights_run_as_the_dequantized_model_does() {
     check(GgmlDType::Q4K);
 }

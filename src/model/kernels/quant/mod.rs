@@ -28,6 +28,7 @@
 //! this driver runs are kept once (the GGUF blocks, or the tiles that replace them); stacked
 //! matrices (q/k/v, gate/up) share one store.
 
+pub(crate) mod floats;
 mod kquants;
 mod legacy;
 mod tiled;
@@ -40,7 +41,8 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use std::sync::Arc;
 
-pub use kquants::{Q4K, Q5K, Q6K};
+pub use floats::{dot_ref, Floats};
+pub use kquants::{Q2K, Q3K, Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use tiled::TileStore;
 pub use tiled::{dot_rows_scalar, Tiled, TiledMatrix};
@@ -475,6 +477,47 @@ mod avx2 {
     }
 }
 
+/// A weight type as the per-row driver ([`Matrix`]) runs it: its blocks, the activation rows it
+/// pairs with, and one row's dot product with one or four of them. Every quantized [`Format`]
+/// is one (through [`dot`] and [`dot_x4`]); so are the float types ([`floats`]), whose
+/// "activations" are the f32 inputs themselves.
+pub trait RowFormat: Send + Sync + 'static {
+    type Block: Pod + Send + Sync;
+    type Act: Pod + Send + Sync;
+    /// Values per block (1 for the float types).
+    const N: usize;
+    const DTYPE: GgmlDType;
+    /// An f32 input row as activation blocks.
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]);
+    /// The block's `N` weights as f32.
+    fn dequantize(x: &Self::Block, out: &mut [f32]);
+    /// One row with one activation row, at `level` (at most [`level()`]).
+    fn dot(level: Level, xs: &[Self::Block], ys: &[Self::Act]) -> f32;
+    /// One row with four activation rows, each summed exactly as [`RowFormat::dot`] sums it.
+    fn dot_x4(level: Level, xs: &[Self::Block], ys: [&[Self::Act]; 4]) -> [f32; 4];
+}
+
+impl<F: Avx2> RowFormat for F {
+    type Block = F::Block;
+    type Act = F::Act;
+    const N: usize = <F as Format>::N;
+    const DTYPE: GgmlDType = <F as Format>::DTYPE;
+    fn quantize(xs: &[f32], ys: &mut [F::Act]) {
+        <F::Act as Act>::quantize(xs, ys)
+    }
+    fn dequantize(x: &F::Block, out: &mut [f32]) {
+        <F as Format>::dequantize(x, out)
+    }
+    #[inline(always)]
+    fn dot(level: Level, xs: &[F::Block], ys: &[F::Act]) -> f32 {
+        dot::<F>(level, xs, ys)
+    }
+    #[inline(always)]
+    fn dot_x4(level: Level, xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
+        dot_x4::<F>(level, xs, ys)
+    }
+}
+
 /// One row of `F` with one activation row, at `level` (at most [`level()`]).
 #[inline]
 fn dot<F: Avx2>(level: Level, xs: &[F::Block], ys: &[F::Act]) -> f32 {
@@ -519,14 +562,14 @@ pub(super) const TOKENS: usize = 16;
 
 /// A weight matrix `[rows, cols]` of format `F`: rows `row0 .. row0 + rows` of a block store that
 /// several matrices may share (see [`QMatrix::stack`]).
-pub struct Matrix<F: Format> {
+pub struct Matrix<F: RowFormat> {
     rows: usize,
     cols: usize,
     row0: usize,
     blocks: Arc<Vec<F::Block>>,
 }
 
-impl<F: Format> Clone for Matrix<F> {
+impl<F: RowFormat> Clone for Matrix<F> {
     fn clone(&self) -> Self {
         Self {
             rows: self.rows,
@@ -537,7 +580,7 @@ impl<F: Format> Clone for Matrix<F> {
     }
 }
 
-impl<F: Avx2> Matrix<F> {
+impl<F: RowFormat> Matrix<F> {
     /// The matrix of `[rows, cols]` GGUF blocks of this format read from `src`, straight into
     /// place (one copy; the pages are touched once).
     fn read_rows(rows: usize, cols: usize, src: &mut dyn std::io::Read) -> Result<Self> {
@@ -551,7 +594,9 @@ impl<F: Avx2> Matrix<F> {
             blocks: Arc::new(blocks),
         })
     }
+}
 
+impl<F: Avx2> Matrix<F> {
     /// The matrix as row-interleaved tiles (rows a multiple of 16), made from the GGUF blocks
     /// directly (no per-row copy in between).
     fn tiled_from(rows: usize, cols: usize, data: &[u8]) -> Result<TiledMatrix<F>>
@@ -600,7 +645,7 @@ fn with_blocks<F: Format, R>(
     }
 }
 
-impl<F: Avx2> Matrix<F> {
+impl<F: RowFormat> Matrix<F> {
     fn row(&self, r: usize) -> &[F::Block] {
         let kb = self.cols / F::N;
         &self.blocks[(self.row0 + r) * kb..(self.row0 + r + 1) * kb]
@@ -644,7 +689,7 @@ impl<F: Avx2> Matrix<F> {
         let kb = k / F::N;
         let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
         for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
-            F::Act::quantize(row, qrow);
+            F::quantize(row, qrow);
         }
         let level = level();
         let dst = DisjointOut::new(out);
@@ -659,7 +704,7 @@ impl<F: Avx2> Matrix<F> {
                     // SAFETY (DisjointOut's contract): rows r0..r1 belong to this item alone.
                     let o = unsafe { dst.slice(r0, r1 - r0) };
                     for (r, o) in (r0..r1).zip(o) {
-                        *o = dot::<F>(level, self.row(r), act(0));
+                        *o = F::dot(level, self.row(r), act(0));
                     }
                 }
             });
@@ -684,14 +729,14 @@ impl<F: Avx2> Matrix<F> {
                         let mut t = t0;
                         while t + 4 <= t1 {
                             let v =
-                                dot_x4::<F>(level, w, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
+                                F::dot_x4(level, w, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
                             for (i, v) in v.into_iter().enumerate() {
                                 o[t + i - t0][r - r0] = v;
                             }
                             t += 4;
                         }
                         for t in t..t1 {
-                            o[t - t0][r - r0] = dot::<F>(level, w, act(t));
+                            o[t - t0][r - r0] = F::dot(level, w, act(t));
                         }
                     }
                 }
@@ -854,11 +899,16 @@ impl Packer {
 macro_rules! each_format {
     ($q:expr, $m:ident => $body:expr) => {
         match $q {
+            QMatrix::F32($m) => $body,
+            QMatrix::F16($m) => $body,
+            QMatrix::BF16($m) => $body,
             QMatrix::Q4_0($m) => $body,
             QMatrix::Q4_1($m) => $body,
             QMatrix::Q5_0($m) => $body,
             QMatrix::Q5_1($m) => $body,
             QMatrix::Q8_0($m) => $body,
+            QMatrix::Q2K($m) => $body,
+            QMatrix::Q3K($m) => $body,
             QMatrix::Q4K($m) => $body,
             QMatrix::Q5K($m) => $body,
             QMatrix::Q6K($m) => $body,
@@ -877,11 +927,18 @@ macro_rules! each_format {
 /// A quantized weight matrix on the CPU, of any format this driver runs.
 #[derive(Clone)]
 pub enum QMatrix {
+    /// Float weights as the GGUF stores them (per row, `floats`).
+    F32(Matrix<Floats<f32>>),
+    F16(Matrix<Floats<f16>>),
+    BF16(Matrix<Floats<half::bf16>>),
     Q4_0(Matrix<Q4_0>),
     Q4_1(Matrix<Q4_1>),
     Q5_0(Matrix<Q5_0>),
     Q5_1(Matrix<Q5_1>),
     Q8_0(Matrix<Q8_0>),
+    /// Q2_K and Q3_K run per row only (no tiles).
+    Q2K(Matrix<Q2K>),
+    Q3K(Matrix<Q3K>),
     Q4K(Matrix<Q4K>),
     Q5K(Matrix<Q5K>),
     Q6K(Matrix<Q6K>),
@@ -897,12 +954,17 @@ pub enum QMatrix {
 }
 
 /// The GGUF types this driver runs.
-pub const FORMATS: [GgmlDType; 8] = [
+pub const FORMATS: [GgmlDType; 13] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
     GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
     GgmlDType::Q4K,
     GgmlDType::Q5K,
     GgmlDType::Q6K,
@@ -975,11 +1037,16 @@ impl QMatrix {
         src: &mut dyn std::io::Read,
     ) -> Result<Option<Self>> {
         Ok(Some(match dtype {
+            GgmlDType::F32 => Self::F32(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::F16 => Self::F16(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::BF16 => Self::BF16(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q4_0 => Self::Q4_0(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q4_1 => Self::Q4_1(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q5_0 => Self::Q5_0(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q5_1 => Self::Q5_1(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q8_0 => Self::Q8_0(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q2K => Self::Q2K(Matrix::read_rows(rows, cols, src)?),
+            GgmlDType::Q3K => Self::Q3K(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q4K => Self::Q4K(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q5K => Self::Q5K(Matrix::read_rows(rows, cols, src)?),
             GgmlDType::Q6K => Self::Q6K(Matrix::read_rows(rows, cols, src)?),
@@ -995,7 +1062,7 @@ impl QMatrix {
         cols: usize,
         data: &[u8],
     ) -> Result<Option<Self>> {
-        if !tileable(rows) {
+        if !tileable(rows) || !tiled_format!(dtype, |_F, _wrap| true, else false) {
             let want = rows * cols / dtype.block_size() * dtype.type_size();
             if data.len() != want {
                 bail!(
@@ -1020,11 +1087,16 @@ impl QMatrix {
 
     pub fn dtype(&self) -> GgmlDType {
         match self {
+            QMatrix::F32(_) => GgmlDType::F32,
+            QMatrix::F16(_) => GgmlDType::F16,
+            QMatrix::BF16(_) => GgmlDType::BF16,
             QMatrix::Q4_0(_) | QMatrix::Q4_0T(_) => GgmlDType::Q4_0,
             QMatrix::Q4_1(_) | QMatrix::Q4_1T(_) => GgmlDType::Q4_1,
             QMatrix::Q5_0(_) | QMatrix::Q5_0T(_) => GgmlDType::Q5_0,
             QMatrix::Q5_1(_) | QMatrix::Q5_1T(_) => GgmlDType::Q5_1,
             QMatrix::Q8_0(_) | QMatrix::Q8_0T(_) => GgmlDType::Q8_0,
+            QMatrix::Q2K(_) => GgmlDType::Q2K,
+            QMatrix::Q3K(_) => GgmlDType::Q3K,
             QMatrix::Q4K(_) | QMatrix::Q4KT(_) => GgmlDType::Q4K,
             QMatrix::Q5K(_) | QMatrix::Q5KT(_) => GgmlDType::Q5K,
             QMatrix::Q6K(_) | QMatrix::Q6KT(_) => GgmlDType::Q6K,
@@ -1086,11 +1158,16 @@ impl QMatrix {
             return Ok(None);
         };
         Ok(match first {
+            QMatrix::F32(_) => same!(F32),
+            QMatrix::F16(_) => same!(F16),
+            QMatrix::BF16(_) => same!(BF16),
             QMatrix::Q4_0(_) => same!(Q4_0),
             QMatrix::Q4_1(_) => same!(Q4_1),
             QMatrix::Q5_0(_) => same!(Q5_0),
             QMatrix::Q5_1(_) => same!(Q5_1),
             QMatrix::Q8_0(_) => same!(Q8_0),
+            QMatrix::Q2K(_) => same!(Q2K),
+            QMatrix::Q3K(_) => same!(Q3K),
             QMatrix::Q4K(_) => same!(Q4K),
             QMatrix::Q5K(_) => same!(Q5K),
             QMatrix::Q6K(_) => same!(Q6K),

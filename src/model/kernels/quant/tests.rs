@@ -151,7 +151,7 @@ fn scalar_dot_is_the_dequantized_dot<F: Avx2>(
 
 /// Our matmul against candle's QMatMul on the same quantized weights: same formats, other float
 /// summation order (and, for Q8_K, candle's own activation quantizer).
-fn matmul_matches_candle<F: Avx2>(m: usize, k: usize, n: usize, tolerance: f32) {
+fn matmul_matches_candle<F: RowFormat>(m: usize, k: usize, n: usize, tolerance: f32) {
     let qt = quantized(F::DTYPE, n, k);
     let x = seeded(102, (1, m, k));
     let ours = QMatrix::from_qtensor(&qt)
@@ -169,12 +169,21 @@ fn matmul_matches_candle<F: Avx2>(m: usize, k: usize, n: usize, tolerance: f32) 
 }
 
 /// Dequantized rows are candle's dequantization of the same rows, exactly.
-fn rows_are_candles_dequantization<F: Avx2>() {
-    let qt = quantized(F::DTYPE, 12, 2 * F::N);
+/// Two blocks' worth of columns (87 for the float types: a row that is no multiple of 16).
+fn two_blocks<F: RowFormat>() -> usize {
+    if F::N == 1 {
+        87
+    } else {
+        2 * F::N
+    }
+}
+
+fn rows_are_candles_dequantization<F: RowFormat>() {
+    let k = two_blocks::<F>();
+    let qt = quantized(F::DTYPE, 12, k);
     let all = flat(&qt.dequantize(&Device::Cpu).unwrap());
     let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
     let got = flat(&ours.rows(&[3, 0, 11, 3]).unwrap());
-    let k = 2 * F::N;
     for (i, r) in [3usize, 0, 11, 3].into_iter().enumerate() {
         assert_eq!(
             &got[i * k..(i + 1) * k],
@@ -184,11 +193,12 @@ fn rows_are_candles_dequantization<F: Avx2>() {
     }
 }
 
-fn prefill_rows_have_the_bits_of_decode<F: Avx2>(n: usize) {
-    let qt = quantized(F::DTYPE, n, 2 * F::N);
+fn prefill_rows_have_the_bits_of_decode<F: RowFormat>(n: usize) {
+    let k = two_blocks::<F>();
+    let qt = quantized(F::DTYPE, n, k);
     let mat = QMatrix::from_qtensor(&qt).unwrap().unwrap();
     // 21 tokens: more than one 16-token tile of the prefill split.
-    let x = seeded(103, (1, 21, 2 * F::N));
+    let x = seeded(103, (1, 21, k));
     let all = flat(&mat.forward(&x).unwrap());
     for t in 0..21 {
         let one = flat(&mat.forward(&x.narrow(1, t, 1).unwrap()).unwrap());
@@ -213,8 +223,8 @@ macro_rules! format_tests {
 
             #[test]
             fn matmul_matches_candles_qmatmul_to_rounding() {
-                matmul_matches_candle::<$f>(1, 2 * <$f>::N, 37, $tol);
-                matmul_matches_candle::<$f>(7, 3 * <$f>::N, 19, $tol);
+                matmul_matches_candle::<$f>(1, 2 * <$f as Format>::N, 37, $tol);
+                matmul_matches_candle::<$f>(7, 3 * <$f as Format>::N, 19, $tol);
             }
 
             #[test]
@@ -230,8 +240,8 @@ macro_rules! format_tests {
 
             #[test]
             fn matmul_in_rows_of_16_matches_candles_qmatmul_to_rounding() {
-                matmul_matches_candle::<$f>(1, 2 * <$f>::N, 48, $tol);
-                matmul_matches_candle::<$f>(9, 2 * <$f>::N, 32, $tol);
+                matmul_matches_candle::<$f>(1, 2 * <$f as Format>::N, 48, $tol);
+                matmul_matches_candle::<$f>(9, 2 * <$f as Format>::N, 32, $tol);
             }
         }
     };
@@ -285,6 +295,20 @@ format_tests!(
 // Q8_0/Q8_K: we round ties to even (llama.cpp), candle away from zero: rare ties and the
 // summation order differ.
 format_tests!(
+    q2_k,
+    Q2K,
+    halves = [80, 82],
+    act = q8_k,
+    candle_tolerance = 1e-5
+);
+format_tests!(
+    q3_k,
+    Q3K,
+    halves = [108],
+    act = q8_k,
+    candle_tolerance = 1e-5
+);
+format_tests!(
     q4_k,
     Q4K,
     halves = [0, 2],
@@ -305,6 +329,84 @@ format_tests!(
     act = q8_k,
     candle_tolerance = 1e-5
 );
+
+/// Float weights (`floats`): the AVX2 dot against [`dot_ref`], bit for bit, on rows whose length
+/// is not a multiple of 16, with every finite magnitude a weight can hold.
+fn float_simd_equals_reference<W: floats::Float + floats::Simd>() {
+    if super::level() < Level::Avx2 {
+        return;
+    }
+    let mut r = rng();
+    for n in [16, 87, 576] {
+        let w: Vec<W> = (0..n)
+            .map(|_| W::from_f32(r.random_range(-1.0f32..1.0) * 2f32.powi(r.random_range(-14..15))))
+            .collect();
+        let ys: Vec<Vec<f32>> = (0..4)
+            .map(|_| (0..n).map(|_| r.random_range(-3f32..3.0)).collect())
+            .collect();
+        let x4 = Floats::<W>::dot_x4(Level::Avx2, &w, [&ys[0], &ys[1], &ys[2], &ys[3]]);
+        for (t, y) in ys.iter().enumerate() {
+            let reference = dot_ref(&w, y);
+            let one = Floats::<W>::dot(Level::Avx2, &w, y);
+            assert_eq!(one.to_bits(), reference.to_bits(), "n={n} token {t}");
+            assert_eq!(x4[t].to_bits(), reference.to_bits(), "n={n} token {t} (x4)");
+            let exact: f64 = w
+                .iter()
+                .zip(y)
+                .map(|(a, b)| a.value() as f64 * *b as f64)
+                .sum();
+            let norm: f64 = w
+                .iter()
+                .zip(y)
+                .map(|(a, b)| (a.value() as f64 * *b as f64).abs())
+                .sum();
+            assert!(
+                (reference as f64 - exact).abs() <= 1e-5 * norm,
+                "n={n}: {reference} vs {exact}"
+            );
+        }
+    }
+}
+
+macro_rules! float_tests {
+    ($name:ident, $w:ty) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn avx2_dot_equals_the_scalar_reference_bit_for_bit() {
+                float_simd_equals_reference::<$w>();
+            }
+
+            #[test]
+            fn matmul_matches_candles_matmul_to_rounding() {
+                matmul_matches_candle::<Floats<$w>>(1, 576, 37, 1e-5);
+                matmul_matches_candle::<Floats<$w>>(7, 100, 48, 1e-5);
+            }
+
+            #[test]
+            fn embedding_rows_are_the_stored_values_exactly() {
+                rows_are_candles_dequantization::<Floats<$w>>();
+            }
+
+            #[test]
+            fn each_prefill_row_has_the_bits_of_that_token_decoded_alone() {
+                prefill_rows_have_the_bits_of_decode::<Floats<$w>>(40);
+            }
+
+            #[test]
+            fn the_driver_keeps_the_stored_type() {
+                let qt = quantized(<Floats<$w>>::DTYPE, 16, 64);
+                let m = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+                assert_eq!(m.dtype(), <Floats<$w>>::DTYPE);
+            }
+        }
+    };
+}
+
+float_tests!(f32w, f32);
+float_tests!(f16w, f16);
+float_tests!(bf16w, half::bf16);
 
 #[cfg(target_arch = "x86_64")]
 mod tiles {

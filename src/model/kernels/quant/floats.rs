@@ -1,0 +1,219 @@
+//! The float weight types, F32, F16 and BF16, through the same driver as the quantized ones
+//! ([`RowFormat`]): the weights stay as the GGUF stores them (an F16 matrix is not widened to a
+//! second, f32 copy, as candle's QMatMul widens it), and the activations are the f32 inputs
+//! themselves (no rounding of the input, where llama.cpp rounds it to the weight's type).
+//!
+//! **The summation order** (every path): element `i` of a row goes to accumulator `i % 16` by a
+//! fused multiply-add; the 16 accumulators are then folded, `a[l] + a[l + 8]`, and the 8 left added
+//! as [`super::hsum`] adds them. AVX2 holds the 16 accumulators in two registers and converts 16
+//! weights per step (F16C for F16, a shift for BF16); the tail of a row that is not a multiple of
+//! 16 long, and the fold, run as in the scalar reference [`dot_ref`].
+
+use super::{hsum, Level, RowFormat};
+use candle_core::quantized::GgmlDType;
+use half::{bf16, f16};
+
+/// Accumulators per row (two AVX2 registers).
+const L: usize = 16;
+
+/// A float weight: its value as f32 (exact for all three types).
+pub trait Float: bytemuck::Pod + Send + Sync + 'static {
+    const DTYPE: GgmlDType;
+    fn value(self) -> f32;
+    /// The nearest weight to `v`.
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Float for f32 {
+    const DTYPE: GgmlDType = GgmlDType::F32;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Float for f16 {
+    const DTYPE: GgmlDType = GgmlDType::F16;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Float for bf16 {
+    const DTYPE: GgmlDType = GgmlDType::BF16;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// The 16 accumulators folded and added in the one order.
+#[inline(always)]
+fn fold(acc: [f32; L]) -> f32 {
+    hsum(std::array::from_fn(|l| acc[l] + acc[l + 8]))
+}
+
+/// Elements `from..` of a row added into the accumulators (the scalar order).
+#[inline(always)]
+fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[f32], from: usize) {
+    for (i, (&w, &y)) in xs.iter().zip(ys).enumerate().skip(from) {
+        acc[i % L] = w.value().mul_add(y, acc[i % L]);
+    }
+}
+
+/// The portable dot product of one weight row with one input row: the reference every SIMD path
+/// is tested against, bit for bit.
+pub fn dot_ref<W: Float>(xs: &[W], ys: &[f32]) -> f32 {
+    let mut acc = [0f32; L];
+    accumulate(&mut acc, xs, ys, 0);
+    fold(acc)
+}
+
+/// A matrix of float weights of type `W` (F32, F16 or BF16 as GGUF stores them).
+pub struct Floats<W>(std::marker::PhantomData<W>);
+
+impl<W: Float + Simd> RowFormat for Floats<W> {
+    type Block = W;
+    type Act = f32;
+    const N: usize = 1;
+    const DTYPE: GgmlDType = W::DTYPE;
+    fn quantize(xs: &[f32], ys: &mut [f32]) {
+        ys.copy_from_slice(xs);
+    }
+    fn dequantize(x: &W, out: &mut [f32]) {
+        out[0] = x.value();
+    }
+    #[inline]
+    fn dot(level: Level, xs: &[W], ys: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Avx2 {
+            // SAFETY: the CPU runs AVX2, FMA and F16C (`level()`, checked at run time).
+            return unsafe { avx2::dot(xs, ys) };
+        }
+        let _ = level;
+        dot_ref(xs, ys)
+    }
+    #[inline]
+    fn dot_x4(level: Level, xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Avx2 {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::dot_x4(xs, ys) };
+        }
+        let _ = level;
+        ys.map(|y| dot_ref(xs, y))
+    }
+}
+
+/// How AVX2 widens 8 weights of a float type to f32.
+#[cfg(target_arch = "x86_64")]
+pub trait Simd: Float {
+    /// Weights `xs[0..8]` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2 and F16C (the contract of [`super::Avx2`]); `xs` holds 8 values.
+    unsafe fn load8(xs: &[Self]) -> std::arch::x86_64::__m256;
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub trait Simd: Float {}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl<W: Float> Simd for W {}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{accumulate, fold, Simd, L};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    impl Simd for f32 {
+        #[inline(always)]
+        unsafe fn load8(xs: &[f32]) -> __m256 {
+            assert!(xs.len() >= 8);
+            _mm256_loadu_ps(xs.as_ptr())
+        }
+    }
+
+    impl Simd for f16 {
+        #[inline(always)]
+        unsafe fn load8(xs: &[f16]) -> __m256 {
+            assert!(xs.len() >= 8);
+            _mm256_cvtph_ps(_mm_loadu_si128(xs.as_ptr() as *const __m128i))
+        }
+    }
+
+    impl Simd for bf16 {
+        #[inline(always)]
+        unsafe fn load8(xs: &[bf16]) -> __m256 {
+            assert!(xs.len() >= 8);
+            // A bf16 is the high half of its f32.
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(xs.as_ptr() as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+    }
+
+    /// The two registers' accumulators as the scalar order's 16.
+    #[inline(always)]
+    unsafe fn spill(a0: __m256, a1: __m256) -> [f32; L] {
+        let mut acc = [0f32; L];
+        _mm256_storeu_ps(acc.as_mut_ptr(), a0);
+        _mm256_storeu_ps(acc.as_mut_ptr().add(8), a1);
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot<W: Simd>(xs: &[W], ys: &[f32]) -> f32 {
+        let n = xs.len().min(ys.len());
+        let body = n - n % L;
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
+            a0 = _mm256_fmadd_ps(W::load8(&x[..8]), _mm256_loadu_ps(y[..8].as_ptr()), a0);
+            a1 = _mm256_fmadd_ps(W::load8(&x[8..]), _mm256_loadu_ps(y[8..16].as_ptr()), a1);
+        }
+        let mut acc = spill(a0, a1);
+        accumulate(&mut acc, &xs[..n], &ys[..n], body);
+        fold(acc)
+    }
+
+    /// Four tokens at once: each 16 weights widened once, 8 accumulators in registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_x4<W: Simd>(xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+        let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
+        let body = n - n % L;
+        let z = _mm256_setzero_ps();
+        let (mut a0, mut b0, mut a1, mut b1) = (z, z, z, z);
+        let (mut a2, mut b2, mut a3, mut b3) = (z, z, z, z);
+        let [c0, c1, c2, c3] = ys.map(|y| y[..body].chunks_exact(L));
+        let steps = xs[..body].chunks_exact(L).zip(c0).zip(c1);
+        for (((x, y0), y1), (y2, y3)) in steps.zip(c2.zip(c3)) {
+            let (w0, w1) = (W::load8(&x[..8]), W::load8(&x[8..]));
+            let lo = |y: &[f32]| _mm256_loadu_ps(y[..8].as_ptr());
+            let hi = |y: &[f32]| _mm256_loadu_ps(y[8..16].as_ptr());
+            a0 = _mm256_fmadd_ps(w0, lo(y0), a0);
+            b0 = _mm256_fmadd_ps(w1, hi(y0), b0);
+            a1 = _mm256_fmadd_ps(w0, lo(y1), a1);
+            b1 = _mm256_fmadd_ps(w1, hi(y1), b1);
+            a2 = _mm256_fmadd_ps(w0, lo(y2), a2);
+            b2 = _mm256_fmadd_ps(w1, hi(y2), b2);
+            a3 = _mm256_fmadd_ps(w0, lo(y3), a3);
+            b3 = _mm256_fmadd_ps(w1, hi(y3), b3);
+        }
+        let acc = [spill(a0, b0), spill(a1, b1), spill(a2, b2), spill(a3, b3)];
+        std::array::from_fn(|t| {
+            let mut acc = acc[t];
+            accumulate(&mut acc, &xs[..n], &ys[t][..n], body);
+            fold(acc)
+        })
+    }
+}
