@@ -149,8 +149,11 @@ fn q6_k_weights_run_as_the_dequantized_model_does() {
 #[test]
 fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
     // llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf -f assets/bench-text.txt -c 512 -t 2
-    //   → Final estimate: PPL = 15.8532 (scripts/ppl-vs-llamacpp.sh 512 <file>)
-    let reference = 15.8532;
+    //   → Final estimate: PPL = 15.8272 (llama.cpp of llama-cpp-python 0.3.36's sdist, AVX2-only
+    //   AMD EPYC, 2026-12-02; scripts/ppl-vs-llamacpp.sh 512 <file>). On a CPU with AVX-512 VNNI
+    //   llama.cpp's kernels round otherwise and gave 15.8532; ours give the same bits on both
+    //   (15.8053 since the activation quantizers follow llama.cpp's), within 0.3 % of either.
+    let reference = 15.8272;
     let e = Engine::load(&LoadOptions::for_path(common::model_path())).unwrap();
     let ids = e
         .tokenizer

@@ -264,12 +264,14 @@ format_tests!(
     act = q8_0,
     candle_tolerance = 1e-5
 );
+// Q8_1's s = d·Σq: rounded to f16 once as llama.cpp rounds it, by candle as f16(Σq)·f16(d); the
+// min term m·s then differs by up to ~2⁻¹¹ of itself.
 format_tests!(
     q4_1,
     Q4_1,
     halves = [0, 2],
     act = q8_1,
-    candle_tolerance = 1e-5
+    candle_tolerance = 5e-4
 );
 format_tests!(
     q5_0,
@@ -278,12 +280,14 @@ format_tests!(
     act = q8_0,
     candle_tolerance = 1e-5
 );
+// Q8_1's s = d·Σq: rounded to f16 once as llama.cpp rounds it, by candle as f16(Σq)·f16(d); the
+// min term m·s then differs by up to ~2⁻¹¹ of itself.
 format_tests!(
     q5_1,
     Q5_1,
     halves = [0, 2],
     act = q8_1,
-    candle_tolerance = 1e-5
+    candle_tolerance = 5e-4
 );
 format_tests!(
     q8_0w,
