@@ -20,12 +20,25 @@ text="${TEXT:-$root/assets/bench-text.txt}"
 perplexity="$("$root/scripts/llamacpp.sh" llama-perplexity)/llama-perplexity"
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kvchat="$root/target/release/kvchat"
-printf '%-28s %12s %9s %12s %12s %9s\n' file llama.cpp diff 'llama.cpp -nr' kvchat diff
+# llama-perplexity's final estimate for file $1 with extra flags; empty if it failed (its log is
+# kept in $log for the message below).
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+llama_ppl() {
+  local f="$1"; shift
+  "$perplexity" -m "$f" -f "$text" -c "$ctx" -t 2 "$@" > "$log" 2>&1 || true
+  sed -n 's/.*Final estimate: PPL = \([0-9.]*\).*/\1/p' "$log"
+}
+printf '%-28s %12s %9s %13s %12s %9s\n' file llama.cpp diff 'llama.cpp -nr' kvchat diff
 for f in "$@"; do
   [ -f "$f" ] || { echo "no such model file: $f" >&2; exit 2; }
-  ref="$("$perplexity" -m "$f" -f "$text" -c "$ctx" -t 2 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\).*/\1/p')"
-  plain="$("$perplexity" -m "$f" -f "$text" -c "$ctx" -t 2 --no-repack 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\).*/\1/p')"
-  ours="$("$kvchat" ppl -m "$f" --chunk "$ctx" --threads 2 "$text" 2>/dev/null | sed -n 's/.*ppl \([0-9.]*\).*/\1/p' | tail -1)"
-  [ -n "$ref" ] && [ -n "$plain" ] && [ -n "$ours" ] || { echo "$(basename "$f"): no figure (llama.cpp '$ref' / '$plain', kvchat '$ours')" >&2; exit 1; }
-  python3 -c "import sys; a,p,b=map(float,sys.argv[2:5]); print(f'{sys.argv[1]:28} {a:12.4f} {100*(b/a-1):+8.2f}% {p:12.4f} {b:12.4f} {100*(b/p-1):+8.2f}%')" "$(basename "$f")" "$ref" "$plain" "$ours"
+  ref="$(llama_ppl "$f")"
+  plain="$(llama_ppl "$f" --no-repack)"
+  ours="$("$kvchat" ppl -m "$f" --chunk "$ctx" --threads 2 "$text" 2>/dev/null | sed -n 's/.*ppl \([0-9.]*\).*/\1/p' | tail -1 || true)"
+  [ -n "$ref" ] && [ -n "$plain" ] && [ -n "$ours" ] || {
+    echo "$(basename "$f"): no figure (llama.cpp '$ref' / '$plain', kvchat '$ours'); llama-perplexity's last lines:" >&2
+    tail -3 "$log" >&2
+    exit 1
+  }
+  python3 -c "import sys; a,p,b=map(float,sys.argv[2:5]); print(f'{sys.argv[1]:28} {a:12.4f} {100*(b/a-1):+8.2f}% {p:13.4f} {b:12.4f} {100*(b/p-1):+8.2f}%')" "$(basename "$f")" "$ref" "$plain" "$ours"
 done

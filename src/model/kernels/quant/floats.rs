@@ -212,7 +212,7 @@ mod avx2 {
         let acc = [spill(a0, b0), spill(a1, b1), spill(a2, b2), spill(a3, b3)];
         std::array::from_fn(|t| {
             let mut acc = acc[t];
-            accumulate(&mut acc, &xs[..n], &ys[t][..n], body);
+            accumulate(&mut acc, xs, ys[t], body);
             fold(acc)
         })
     }

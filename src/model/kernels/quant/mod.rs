@@ -12,7 +12,7 @@
 //! integer sum over its elements `i` with `(i % 32) / 4 == l` — what AVX2's maddubs+madd leave in
 //! lane `l` — of `w_i · y_i` (w_i the integer weight, times its sub-block scale for K-quants). Each
 //! lane is converted to f32 and fused-multiply-added with the block's scale into its own
-//! accumulator; a format with a min term (Q4_1, Q5_1, Q4_K, Q5_K) adds it to a separate f32 sum;
+//! accumulator; a format with a min term (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) adds it to a separate f32 sum;
 //! at the end the 8 lanes are added pairwise, ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the min
 //! sum. Decode (one token) and prefill (four tokens per unpacked block) sum identically, so a
 //! prefill, a decode and a `--no-cache` recompute agree to the bit.
@@ -21,7 +21,8 @@
 //! interleaved at load into 16-row tiles ([`tiled`]: one VNNI `dpbusd`, or AVX2's
 //! `maddubs`+`madd`, serves 8 or 16 rows; one FMA a block of 8 or 16 rows) with their own, simpler
 //! summation order (one accumulator per row; the reference is [`dot_rows_scalar`]); elsewhere
-//! (rows not in 16s) the per-row layout and the 8-lane order above run.
+//! (rows not in 16s, or a type with no tiles: Q2_K, Q3_K) the per-row layout and the 8-lane
+//! order above run. The float types (F32, F16, BF16: [`floats`]) run per row with their own order.
 //!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
 //! pool competing with its spinning workers; packing tiles at load uses scoped threads). Weights
@@ -139,35 +140,36 @@ fn q8_scale(x: &[f32]) -> (f32, f32) {
     (d, if amax != 0.0 { 127.0 / amax } else { 0.0 })
 }
 
+/// 32 inputs as i8 quants (llama.cpp's AVX2 `quantize_row_q8_0`/`_q8_1`): the scale d of
+/// [`q8_scale`], then each x·(127/max) rounded, ties to even (`_mm256_round_ps`), and clamped to
+/// ±127 (a no-op but for blocks so tiny that 127/max is infinite, where 0·∞ gives NaN and so 0;
+/// the SIMD kernels' sign trick holds for |y| ≤ 127). Returns d.
+fn q8_row(x: &[f32], qs: &mut [i8; 32]) -> f32 {
+    let (d, id) = q8_scale(x);
+    for (q, v) in qs.iter_mut().zip(x) {
+        *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
 impl Act for BlockQ8_0 {
     const N: usize = 32;
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
-            let (d, id) = q8_scale(x);
-            y.d = f16::from_f32(d);
-            // Ties to even, as llama.cpp's SIMD quantizers (`_mm256_round_ps`) round.
-            // Clamped to ±127 (a no-op but for blocks so tiny that 1/d is infinite): the SIMD
-            // kernels' sign trick holds for |y| ≤ 127.
-            for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-            }
+            y.d = f16::from_f32(q8_row(x, &mut y.qs));
         }
     }
 }
 
 impl Act for BlockQ8_1 {
     const N: usize = 32;
-    /// llama.cpp's AVX2 `quantize_row_q8_1`, value for value: Q8_0's scale and rounding, and
-    /// s = d·Σq rounded once to f16 (d unrounded).
+    /// llama.cpp's AVX2 `quantize_row_q8_1`, value for value: Q8_0's quants, and s = d·Σq
+    /// rounded once to f16 (d unrounded).
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
-            let (d, id) = q8_scale(x);
+            let d = q8_row(x, &mut y.qs);
+            let sum: i32 = y.qs.iter().map(|&q| q as i32).sum();
             y.d = f16::from_f32(d);
-            let mut sum = 0i32;
-            for (q, v) in y.qs.iter_mut().zip(x) {
-                *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-                sum += *q as i32;
-            }
             y.s = f16::from_f32(d * sum as f32);
         }
     }
@@ -1018,8 +1020,9 @@ impl std::str::FromStr for Kernels {
 /// Q6_K streamed from memory (0.7-0.9× there); they are kept for those too, as candle's tiles sum
 /// decode and prefill differently (bit-identical prefill and decode is this project's rule).
 /// Q2_K/Q3_K (per row) decode at 0.55-0.8× candle's from cache, at llama.cpp's speed from memory.
-/// The float types prefill at 0.6-0.8× candle's f32 gemm but decode 2-8× faster, in half the
-/// memory for F16/BF16 (candle widens them to a second, f32 copy).
+/// The float types prefill at 0.6-0.8× candle's f32 gemm per matrix (0.58× end to end on
+/// SmolLM2 F16) but decode 2-8× faster, in half the memory for F16/BF16 (candle widens them to a
+/// second, f32 copy).
 ///
 /// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
 /// everything (it has NEON kernels; ours would run their scalar reference).

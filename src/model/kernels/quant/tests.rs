@@ -168,7 +168,6 @@ fn matmul_matches_candle<F: RowFormat>(m: usize, k: usize, n: usize, tolerance: 
     );
 }
 
-/// Dequantized rows are candle's dequantization of the same rows, exactly.
 /// Two blocks' worth of columns (87 for the float types: a row that is no multiple of 16).
 fn two_blocks<F: RowFormat>() -> usize {
     if F::N == 1 {
@@ -178,6 +177,7 @@ fn two_blocks<F: RowFormat>() -> usize {
     }
 }
 
+/// Dequantized rows are candle's dequantization of the same rows, exactly.
 fn rows_are_candles_dequantization<F: RowFormat>() {
     let k = two_blocks::<F>();
     let qt = quantized(F::DTYPE, 12, k);
@@ -264,8 +264,9 @@ format_tests!(
     act = q8_0,
     candle_tolerance = 1e-5
 );
-// Q8_1's s = d·Σq: rounded to f16 once as llama.cpp rounds it, by candle as f16(Σq)·f16(d); the
-// min term m·s then differs by up to ~2⁻¹¹ of itself.
+// Q8_1 against candle's: we round ties to even and s = d·Σq to f16 once, as llama.cpp does;
+// candle rounds ties away from zero and s as f16(Σq)·f16(d), so the min term m·s differs by up
+// to ~2⁻¹¹ of itself (measured 1.2e-4 of the largest output).
 format_tests!(
     q4_1,
     Q4_1,
@@ -280,8 +281,7 @@ format_tests!(
     act = q8_0,
     candle_tolerance = 1e-5
 );
-// Q8_1's s = d·Σq: rounded to f16 once as llama.cpp rounds it, by candle as f16(Σq)·f16(d); the
-// min term m·s then differs by up to ~2⁻¹¹ of itself.
+// As Q4_1.
 format_tests!(
     q5_1,
     Q5_1,
@@ -296,8 +296,6 @@ format_tests!(
     act = q8_0,
     candle_tolerance = 1e-5
 );
-// Q8_0/Q8_K: we round ties to even (llama.cpp), candle away from zero: rare ties and the
-// summation order differ.
 format_tests!(
     q2_k,
     Q2K,
@@ -312,6 +310,8 @@ format_tests!(
     act = q8_k,
     candle_tolerance = 1e-5
 );
+// Q8_0/Q8_K: we round ties to even (llama.cpp), candle away from zero: rare ties and the
+// summation order differ.
 format_tests!(
     q4_k,
     Q4K,
@@ -335,7 +335,7 @@ format_tests!(
 );
 
 /// Float weights (`floats`): the AVX2 dot against [`dot_ref`], bit for bit, on rows whose length
-/// is not a multiple of 16, with every finite magnitude a weight can hold.
+/// is not a multiple of 16, with weights of magnitudes 2⁻¹⁴…2¹⁴ (F16's normal range).
 fn float_simd_equals_reference<W: floats::Float + floats::Simd>() {
     if super::level() < Level::Avx2 {
         return;
@@ -632,6 +632,39 @@ fn a_token_id_past_the_table_is_an_error_naming_it() {
         .unwrap();
     let e = t.rows(&[8]).unwrap_err().to_string();
     assert!(e.contains("token id 8") && e.contains("8 rows"), "{e}");
+}
+
+#[test]
+fn q8_0_and_q8_1_activations_are_llama_cpps_quants_ties_to_even() {
+    // max 127 makes the multiplier 1: x.5 values are exact ties.
+    let mut x = [0f32; 32];
+    x[..6].copy_from_slice(&[127.0, 0.5, 1.5, 2.5, -2.5, -3.5]);
+    let want = [127i8, 0, 2, 2, -2, -4];
+    let mut q0 = [BlockQ8_0::zeroed()];
+    BlockQ8_0::quantize(&x, &mut q0);
+    assert_eq!(&q0[0].qs[..6], &want);
+    assert_eq!(q0[0].d.to_f32(), 1.0);
+    let mut q1 = [BlockQ8_1::zeroed()];
+    BlockQ8_1::quantize(&x, &mut q1);
+    assert_eq!(&q1[0].qs[..6], &want);
+    // s = d·Σq = 127 + 0 + 2 + 2 − 2 − 4.
+    assert_eq!(q1[0].s.to_f32(), 125.0);
+}
+
+#[test]
+fn q8_1_sum_is_rounded_to_f16_once_from_the_unrounded_scale() {
+    // max 100: d = 100/127 is not an f16; every quant is 127 or 0, so Σq = 32·127 and
+    // s = f16(d·Σq) = f16(3200), where f16(d)·Σq would be 3200·(1 + ε).
+    let x = [100f32; 32];
+    let mut q1 = [BlockQ8_1::zeroed()];
+    BlockQ8_1::quantize(&x, &mut q1);
+    assert!(q1[0].qs.iter().all(|&q| q == 127));
+    let d = 100f32 / 127.0;
+    assert_eq!(q1[0].s, f16::from_f32(d * (32 * 127) as f32));
+    assert_ne!(
+        f16::from_f32(d).to_f32() * (32 * 127) as f32,
+        d * (32 * 127) as f32
+    );
 }
 
 #[test]
