@@ -414,32 +414,30 @@ impl TileKernel for Q6K {
     }
 }
 
-/// Asks for tile `b`'s cache lines ahead of their use (a decode reads each weight once, from
-/// memory; the hardware prefetcher alone leaves the loads waiting). Large tiles (the K-quants',
-/// 2.3–3.4 KB) are asked for [`AHEAD_LARGE`] tiles ahead into L2, small ones (the legacy
-/// formats', 288–544 B) [`AHEAD_SMALL`] ahead into L1: measured on the 1B-shaped files, A/B
-/// alternating, T1 six ahead decoded Q5_K_M, Q6_K and Q4_K_M 7–22 % faster than T0 two ahead, and
-/// Q8_0 12 % slower.
+/// Asks for tile `b`'s cache lines ahead of their use, for small tiles only (the legacy
+/// formats', 288–544 B: [`AHEAD`] tiles ahead into L1; a decode reads each weight once, from
+/// memory, and for these the hardware prefetcher alone left the loads waiting). Large tiles (the
+/// K-quants', 2.3–3.4 KB) are left to the hardware prefetcher: asking for them 6 tiles ahead into
+/// L2 (as from 4046dbf) measured slower than not asking, 2026-12-02 on the AVX2-only EPYC: a
+/// 32768×2048 / 8192×8192 Q6_K decode 4.46 / 4.71 ms against 3.48 / 3.89
+/// (`quant::tests::speed`), and `kvchat bench --contexts 128 --gen 32` on the 1B-shaped files,
+/// alternating, medians of 5 / 2 / 3 rounds: Q6_K 76.9 against 70.6 ms/token, Q5_K_M 80.0 against
+/// 76.9, Q4_K_M 69.1 against 53.3.
 #[inline(always)]
 unsafe fn prefetch<Tile>(tiles: &[Tile], b: usize) {
-    let large = std::mem::size_of::<Tile>() >= 1024;
-    let b = b + if large { AHEAD_LARGE } else { AHEAD_SMALL };
-    if let Some(t) = tiles.get(b) {
+    if std::mem::size_of::<Tile>() >= 1024 {
+        return;
+    }
+    if let Some(t) = tiles.get(b + AHEAD) {
         let p = t as *const Tile as *const i8;
         for off in (0..std::mem::size_of::<Tile>()).step_by(64) {
-            if large {
-                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off));
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
-            }
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
         }
     }
 }
 
-/// Tiles ahead that [`prefetch`] asks for, tiles of 1 KB or more.
-const AHEAD_LARGE: usize = 6;
-/// Tiles ahead that [`prefetch`] asks for, smaller tiles.
-const AHEAD_SMALL: usize = 2;
+/// Tiles ahead that [`prefetch`] asks for.
+const AHEAD: usize = 2;
 
 /// The 16 rows' dot products over all blocks with T activation rows (`ys[i]`, `ysums[i]` per
 /// block), in [`dot_rows_scalar`]'s order. One token (decode) takes both halves of each weight
