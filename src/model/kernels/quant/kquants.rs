@@ -81,14 +81,22 @@ pub(super) fn q3(x: &BlockQ3K, e: usize) -> i32 {
     q2(&x.qs, e) | ((((x.hmask[e % 32] >> (e / 32)) & 1) as i32) << 2)
 }
 
+/// The 12 packed scale bytes of a Q3_K/Q4_K/Q5_K super-block as three little-endian words, as
+/// ggml's unpacking reads them.
+#[inline(always)]
+fn words(q: &[u8; 12]) -> [u32; 3] {
+    std::array::from_fn(|i| {
+        u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]])
+    })
+}
+
 /// The 16 6-bit scales of a Q3_K super-block, less 32 (ggml's unpacking: scale j's low 4 bits are
 /// nibble j of bytes 0..8, its high 2 bits bits 2·(j / 4)… of byte 8 + j % 4).
 #[inline(always)]
 pub(super) fn scales_q3(q: &[u8; 12]) -> [i8; 16] {
     const KMASK1: u32 = 0x03030303;
     const KMASK2: u32 = 0x0f0f0f0f;
-    let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
-    let (a0, a1, tmp) = (w(0), w(1), w(2));
+    let [a0, a1, tmp] = words(q);
     let aux = [
         (a0 & KMASK2) | ((tmp & KMASK1) << 4),
         (a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4),
@@ -111,8 +119,7 @@ pub(super) fn scales_mins(q: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
-    let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
-    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let [u0, u1, u2] = words(q);
     let sc_lo = u0 & KMASK1;
     let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
     let m_lo = u1 & KMASK1;
