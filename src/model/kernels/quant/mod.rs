@@ -755,25 +755,24 @@ fn tileable(rows: usize) -> bool {
     level() >= Level::Avx2 && rows.is_multiple_of(tiled::TR)
 }
 
-/// Runs `$body` with `$F` the format of a tiled `$dtype` and `$wrap` its [`QMatrix`] variant;
-/// `$none` for other types.
+/// Runs `$body` with `$F` the format of a tiled `$dtype`; `$none` for other types. The list of
+/// tiled formats, once.
 macro_rules! tiled_format {
-    ($dtype:expr, |$F:ident, $wrap:ident| $body:expr, else $none:expr) => {
+    ($dtype:expr, |$F:ident| $body:expr, else $none:expr) => {
         match $dtype {
-            GgmlDType::Q4_0 => tiled_format!(@ Q4_0, Q4_0T, $F, $wrap, $body),
-            GgmlDType::Q4_1 => tiled_format!(@ Q4_1, Q4_1T, $F, $wrap, $body),
-            GgmlDType::Q5_0 => tiled_format!(@ Q5_0, Q5_0T, $F, $wrap, $body),
-            GgmlDType::Q5_1 => tiled_format!(@ Q5_1, Q5_1T, $F, $wrap, $body),
-            GgmlDType::Q8_0 => tiled_format!(@ Q8_0, Q8_0T, $F, $wrap, $body),
-            GgmlDType::Q4K => tiled_format!(@ Q4K, Q4KT, $F, $wrap, $body),
-            GgmlDType::Q5K => tiled_format!(@ Q5K, Q5KT, $F, $wrap, $body),
-            GgmlDType::Q6K => tiled_format!(@ Q6K, Q6KT, $F, $wrap, $body),
+            GgmlDType::Q4_0 => tiled_format!(@ Q4_0, $F, $body),
+            GgmlDType::Q4_1 => tiled_format!(@ Q4_1, $F, $body),
+            GgmlDType::Q5_0 => tiled_format!(@ Q5_0, $F, $body),
+            GgmlDType::Q5_1 => tiled_format!(@ Q5_1, $F, $body),
+            GgmlDType::Q8_0 => tiled_format!(@ Q8_0, $F, $body),
+            GgmlDType::Q4K => tiled_format!(@ Q4K, $F, $body),
+            GgmlDType::Q5K => tiled_format!(@ Q5K, $F, $body),
+            GgmlDType::Q6K => tiled_format!(@ Q6K, $F, $body),
             _ => $none,
         }
     };
-    (@ $ty:ident, $variant:ident, $F:ident, $wrap:ident, $body:expr) => {{
+    (@ $ty:ident, $F:ident, $body:expr) => {{
         type $F = $ty;
-        let $wrap = QMatrix::$variant;
         $body
     }};
 }
@@ -819,7 +818,7 @@ impl Packer {
             .map(|&(dtype, rows, cols)| {
                 let at = tileable(rows)
                     .then(|| {
-                        tiled_format!(dtype, |F, _wrap| {
+                        tiled_format!(dtype, |F| {
                             let at = TiledMatrix::<F>::align(end);
                             end = at + TiledMatrix::<F>::bytes(rows, cols);
                             Some(at)
@@ -866,7 +865,7 @@ impl Packer {
         }
         check_cols(dtype, cols)?;
         let slot = match at {
-            Some(at) => tiled_format!(dtype, |F, _wrap| {
+            Some(at) => tiled_format!(dtype, |F| {
                 TiledMatrix::<F>::read_into(&mut self.store, at, rows, cols, src)?;
                 Slot::Tiles { dtype, rows, cols, at }
             }, else unreachable!("only tiled types are planned a place")),
@@ -891,71 +890,95 @@ impl Packer {
                     rows,
                     cols,
                     at,
-                } => tiled_format!(dtype, |F, wrap| {
-                    wrap(TiledMatrix::<F>::view(&store, at, rows, cols))
+                } => tiled_format!(dtype, |F| {
+                    QMatrix::new(TiledMatrix::<F>::view(&store, at, rows, cols))
                 }, else unreachable!("only tiled types are placed")),
             })
             .collect()
     }
 }
 
-/// Calls `$body` with `$m` bound to the typed matrix inside a [`QMatrix`].
-macro_rules! each_format {
-    ($q:expr, $m:ident => $body:expr) => {
-        match $q {
-            QMatrix::F32($m) => $body,
-            QMatrix::F16($m) => $body,
-            QMatrix::BF16($m) => $body,
-            QMatrix::Q4_0($m) => $body,
-            QMatrix::Q4_1($m) => $body,
-            QMatrix::Q5_0($m) => $body,
-            QMatrix::Q5_1($m) => $body,
-            QMatrix::Q8_0($m) => $body,
-            QMatrix::Q2K($m) => $body,
-            QMatrix::Q3K($m) => $body,
-            QMatrix::Q4K($m) => $body,
-            QMatrix::Q5K($m) => $body,
-            QMatrix::Q6K($m) => $body,
-            QMatrix::Q4_0T($m) => $body,
-            QMatrix::Q4_1T($m) => $body,
-            QMatrix::Q5_0T($m) => $body,
-            QMatrix::Q5_1T($m) => $body,
-            QMatrix::Q8_0T($m) => $body,
-            QMatrix::Q4KT($m) => $body,
-            QMatrix::Q5KT($m) => $body,
-            QMatrix::Q6KT($m) => $body,
-        }
-    };
+/// A matrix of one format in one layout (per row or tiles): what a [`QMatrix`] holds.
+trait Kernel: Send + Sync + 'static {
+    fn dtype(&self) -> GgmlDType;
+    /// `[rows, cols]`.
+    fn dims(&self) -> (usize, usize);
+    /// `xs [m, cols]` (f32, row-major) times the transposed matrix into `out [m, rows]`.
+    fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]);
+    /// Row `r` dequantized into `out` (`cols` values).
+    fn dequantize_row(&self, r: usize, out: &mut [f32]);
+    /// `parts` stacked, where all are of this one's format and layout (else None).
+    fn stack(&self, parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>>;
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
-/// A quantized weight matrix on the CPU, of any format this driver runs.
-#[derive(Clone)]
-pub enum QMatrix {
-    /// Float weights as the GGUF stores them (per row, `floats`).
-    F32(Matrix<Floats<f32>>),
-    F16(Matrix<Floats<f16>>),
-    BF16(Matrix<Floats<half::bf16>>),
-    Q4_0(Matrix<Q4_0>),
-    Q4_1(Matrix<Q4_1>),
-    Q5_0(Matrix<Q5_0>),
-    Q5_1(Matrix<Q5_1>),
-    Q8_0(Matrix<Q8_0>),
-    /// Q2_K and Q3_K run per row only (no tiles).
-    Q2K(Matrix<Q2K>),
-    Q3K(Matrix<Q3K>),
-    Q4K(Matrix<Q4K>),
-    Q5K(Matrix<Q5K>),
-    Q6K(Matrix<Q6K>),
-    /// Row-interleaved tiles (`tiled`), made where AVX2 runs and rows come in 16s.
-    Q4_0T(TiledMatrix<Q4_0>),
-    Q4_1T(TiledMatrix<Q4_1>),
-    Q5_0T(TiledMatrix<Q5_0>),
-    Q5_1T(TiledMatrix<Q5_1>),
-    Q8_0T(TiledMatrix<Q8_0>),
-    Q4KT(TiledMatrix<Q4K>),
-    Q5KT(TiledMatrix<Q5K>),
-    Q6KT(TiledMatrix<Q6K>),
+/// The typed matrices behind `parts`, where every one is an `M`.
+fn all_of<'a, M: 'static>(parts: &[&'a QMatrix]) -> Option<Vec<&'a M>> {
+    parts.iter().map(|p| p.downcast::<M>()).collect()
 }
+
+impl<F: RowFormat> Kernel for Matrix<F> {
+    fn dtype(&self) -> GgmlDType {
+        F::DTYPE
+    }
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
+        Matrix::matmul(self, xs, m, out)
+    }
+    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        Matrix::dequantize_row(self, r, out)
+    }
+    fn stack(&self, parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>> {
+        let Some(typed) = all_of::<Self>(parts) else {
+            return Ok(None);
+        };
+        let (all, views) = Matrix::stack(&typed)?;
+        Ok(Some((
+            QMatrix::new(all),
+            views.into_iter().map(QMatrix::new).collect(),
+        )))
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl<F: tiled::TileKernels> Kernel for TiledMatrix<F> {
+    fn dtype(&self) -> GgmlDType {
+        <F as Format>::DTYPE
+    }
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
+        TiledMatrix::matmul(self, xs, m, out)
+    }
+    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        TiledMatrix::dequantize_row(self, r, out)
+    }
+    fn stack(&self, parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>> {
+        let Some(typed) = all_of::<Self>(parts) else {
+            return Ok(None);
+        };
+        Ok(TiledMatrix::stack(&typed)?.map(|(all, views)| {
+            (
+                QMatrix::new(all),
+                views.into_iter().map(QMatrix::new).collect(),
+            )
+        }))
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A weight matrix on the CPU, of any format this driver runs: per row ([`Matrix`]; the float
+/// types, Q2_K and Q3_K always) or as row-interleaved tiles ([`TiledMatrix`], made where AVX2
+/// runs and rows come in 16s). Cloning shares the weights.
+#[derive(Clone)]
+pub struct QMatrix(Arc<dyn Kernel>);
 
 /// The GGUF types this driver runs.
 pub const FORMATS: [GgmlDType; 13] = [
@@ -1044,21 +1067,29 @@ impl QMatrix {
         cols: usize,
         src: &mut dyn std::io::Read,
     ) -> Result<Option<Self>> {
-        Ok(Some(match dtype {
-            GgmlDType::F32 => Self::F32(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::F16 => Self::F16(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::BF16 => Self::BF16(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q4_0 => Self::Q4_0(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q4_1 => Self::Q4_1(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q5_0 => Self::Q5_0(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q5_1 => Self::Q5_1(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q8_0 => Self::Q8_0(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q2K => Self::Q2K(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q3K => Self::Q3K(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q4K => Self::Q4K(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q5K => Self::Q5K(Matrix::read_rows(rows, cols, src)?),
-            GgmlDType::Q6K => Self::Q6K(Matrix::read_rows(rows, cols, src)?),
-            _ => return Ok(None),
+        /// The per-row formats, once (FORMATS lists the same types).
+        macro_rules! per_row {
+            ($($d:ident => $F:ty),* $(,)?) => {
+                match dtype {
+                    $(GgmlDType::$d => Self::new(Matrix::<$F>::read_rows(rows, cols, src)?),)*
+                    _ => return Ok(None),
+                }
+            };
+        }
+        Ok(Some(per_row! {
+            F32 => Floats<f32>,
+            F16 => Floats<f16>,
+            BF16 => Floats<half::bf16>,
+            Q4_0 => Q4_0,
+            Q4_1 => Q4_1,
+            Q5_0 => Q5_0,
+            Q5_1 => Q5_1,
+            Q8_0 => Q8_0,
+            Q2K => Q2K,
+            Q3K => Q3K,
+            Q4K => Q4K,
+            Q5K => Q5K,
+            Q6K => Q6K,
         }))
     }
 
@@ -1070,7 +1101,7 @@ impl QMatrix {
         cols: usize,
         data: &[u8],
     ) -> Result<Option<Self>> {
-        if !tileable(rows) || !tiled_format!(dtype, |_F, _wrap| true, else false) {
+        if !tileable(rows) || !tiled_format!(dtype, |_F| true, else false) {
             let want = rows * cols / dtype.block_size() * dtype.type_size();
             if data.len() != want {
                 bail!(
@@ -1080,114 +1111,37 @@ impl QMatrix {
             }
             return Self::read_rows(dtype, rows, cols, &mut &data[..]);
         }
-        Ok(Some(match dtype {
-            GgmlDType::Q4_0 => Self::Q4_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q4_1 => Self::Q4_1T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5_0 => Self::Q5_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5_1 => Self::Q5_1T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q8_0 => Self::Q8_0T(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q4K => Self::Q4KT(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q5K => Self::Q5KT(Matrix::tiled_from(rows, cols, data)?),
-            GgmlDType::Q6K => Self::Q6KT(Matrix::tiled_from(rows, cols, data)?),
-            _ => return Ok(None),
-        }))
+        Ok(Some(tiled_format!(dtype, |F| {
+            Self::new(Matrix::<F>::tiled_from(rows, cols, data)?)
+        }, else unreachable!("a tiled type"))))
+    }
+
+    fn new(m: impl Kernel) -> Self {
+        Self(Arc::new(m))
+    }
+
+    /// The typed matrix inside, where it is an `M` (`Matrix<F>` or `TiledMatrix<F>`).
+    pub fn downcast<M: 'static>(&self) -> Option<&M> {
+        self.0.as_any().downcast_ref()
     }
 
     pub fn dtype(&self) -> GgmlDType {
-        match self {
-            QMatrix::F32(_) => GgmlDType::F32,
-            QMatrix::F16(_) => GgmlDType::F16,
-            QMatrix::BF16(_) => GgmlDType::BF16,
-            QMatrix::Q4_0(_) | QMatrix::Q4_0T(_) => GgmlDType::Q4_0,
-            QMatrix::Q4_1(_) | QMatrix::Q4_1T(_) => GgmlDType::Q4_1,
-            QMatrix::Q5_0(_) | QMatrix::Q5_0T(_) => GgmlDType::Q5_0,
-            QMatrix::Q5_1(_) | QMatrix::Q5_1T(_) => GgmlDType::Q5_1,
-            QMatrix::Q8_0(_) | QMatrix::Q8_0T(_) => GgmlDType::Q8_0,
-            QMatrix::Q2K(_) => GgmlDType::Q2K,
-            QMatrix::Q3K(_) => GgmlDType::Q3K,
-            QMatrix::Q4K(_) | QMatrix::Q4KT(_) => GgmlDType::Q4K,
-            QMatrix::Q5K(_) | QMatrix::Q5KT(_) => GgmlDType::Q5K,
-            QMatrix::Q6K(_) | QMatrix::Q6KT(_) => GgmlDType::Q6K,
-        }
+        self.0.dtype()
     }
 
     /// `[rows, cols]`.
     pub fn dims(&self) -> (usize, usize) {
-        each_format!(self, m => (m.rows, m.cols))
+        self.0.dims()
     }
 
     /// The rows of `parts` stacked into one matrix (so one pass computes all their outputs: q, k
     /// and v, or gate and up), and each part as a view into it; no weight is stored twice. None
     /// when the parts are not all of one format.
     pub fn stack(parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>> {
-        macro_rules! same {
-            ($v:ident) => {{
-                let typed: Option<Vec<_>> = parts
-                    .iter()
-                    .map(|p| match p {
-                        QMatrix::$v(m) => Some(m),
-                        _ => None,
-                    })
-                    .collect();
-                match typed {
-                    Some(t) => {
-                        let (all, views) = Matrix::stack(&t)?;
-                        Some((
-                            QMatrix::$v(all),
-                            views.into_iter().map(QMatrix::$v).collect(),
-                        ))
-                    }
-                    None => None,
-                }
-            }};
-        }
-        macro_rules! same_tiled {
-            ($v:ident) => {{
-                let typed: Option<Vec<_>> = parts
-                    .iter()
-                    .map(|p| match p {
-                        QMatrix::$v(m) => Some(m),
-                        _ => None,
-                    })
-                    .collect();
-                match typed {
-                    Some(t) => TiledMatrix::stack(&t)?,
-                    None => None,
-                }
-                .map(|(all, views)| {
-                    (
-                        QMatrix::$v(all),
-                        views.into_iter().map(QMatrix::$v).collect(),
-                    )
-                })
-            }};
-        }
         let Some(first) = parts.first() else {
             return Ok(None);
         };
-        Ok(match first {
-            QMatrix::F32(_) => same!(F32),
-            QMatrix::F16(_) => same!(F16),
-            QMatrix::BF16(_) => same!(BF16),
-            QMatrix::Q4_0(_) => same!(Q4_0),
-            QMatrix::Q4_1(_) => same!(Q4_1),
-            QMatrix::Q5_0(_) => same!(Q5_0),
-            QMatrix::Q5_1(_) => same!(Q5_1),
-            QMatrix::Q8_0(_) => same!(Q8_0),
-            QMatrix::Q2K(_) => same!(Q2K),
-            QMatrix::Q3K(_) => same!(Q3K),
-            QMatrix::Q4K(_) => same!(Q4K),
-            QMatrix::Q5K(_) => same!(Q5K),
-            QMatrix::Q6K(_) => same!(Q6K),
-            QMatrix::Q4_0T(_) => same_tiled!(Q4_0T),
-            QMatrix::Q4_1T(_) => same_tiled!(Q4_1T),
-            QMatrix::Q5_0T(_) => same_tiled!(Q5_0T),
-            QMatrix::Q5_1T(_) => same_tiled!(Q5_1T),
-            QMatrix::Q8_0T(_) => same_tiled!(Q8_0T),
-            QMatrix::Q4KT(_) => same_tiled!(Q4KT),
-            QMatrix::Q5KT(_) => same_tiled!(Q5KT),
-            QMatrix::Q6KT(_) => same_tiled!(Q6KT),
-        })
+        first.0.stack(parts)
     }
 
     /// `x [.., cols]` (f32) times the transposed matrix: `[.., rows]`.
@@ -1203,7 +1157,7 @@ impl QMatrix {
         let m = x.elem_count() / k;
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let mut out = vec![0f32; m * n];
-        each_format!(self, w => w.matmul(&xs, m, &mut out));
+        self.0.matmul(&xs, m, &mut out);
         let mut out_dims = dims;
         *out_dims.last_mut().expect("at least one dim") = n;
         Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?)
@@ -1219,7 +1173,7 @@ impl QMatrix {
             if id >= n {
                 bail!("token id {id} is outside the embedding table of {n} rows");
             }
-            each_format!(self, w => w.dequantize_row(id, o));
+            self.0.dequantize_row(id, o);
         }
         Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
     }

@@ -467,7 +467,10 @@ mod tiles {
                 .unwrap()
         };
         let (a, b) = (q(48), q(32));
-        assert!(matches!(a, QMatrix::Q6KT(_)), "rows in 16s make tiles");
+        assert!(
+            a.downcast::<TiledMatrix<Q6K>>().is_some(),
+            "rows in 16s make tiles"
+        );
         let x = seeded(104, (1, 5, 512));
         let (all, views) = QMatrix::stack(&[&a, &b]).unwrap().expect("one format");
         let all = all.forward(&x).unwrap();
@@ -552,9 +555,10 @@ mod tiles {
         let (packed, alone) = packed_and_alone(&shapes);
         let parts: Vec<&QMatrix> = packed.iter().collect();
         let (all, views) = QMatrix::stack(&parts).unwrap().expect("one format");
-        let (QMatrix::Q6KT(all_t), QMatrix::Q6KT(first)) = (&all, &packed[0]) else {
-            panic!("rows in 16s make tiles");
-        };
+        fn tiles(m: &QMatrix) -> &TiledMatrix<Q6K> {
+            m.downcast().expect("rows in 16s make tiles")
+        }
+        let (all_t, first) = (tiles(&all), tiles(&packed[0]));
         assert!(all_t.shares_store(first), "stacked over the packed store");
         let x = seeded(108, (1, 2, 256));
         let y = all.forward(&x).unwrap();

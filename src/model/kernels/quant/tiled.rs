@@ -653,6 +653,11 @@ impl<F: Tiled> TiledMatrix<F> {
 pub trait TileKernels: vnni::TileKernel + avx2::TileKernel {}
 #[cfg(target_arch = "x86_64")]
 impl<F: vnni::TileKernel + avx2::TileKernel> TileKernels for F {}
+/// Elsewhere no tiles are made: every tiled format qualifies (its matmul is never called).
+#[cfg(not(target_arch = "x86_64"))]
+pub trait TileKernels: Tiled {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<F: Tiled> TileKernels for F {}
 
 #[cfg(target_arch = "x86_64")]
 impl<F: TileKernels> TiledMatrix<F> {
