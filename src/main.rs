@@ -5,8 +5,8 @@ use kvchat::cli::{Cli, Command};
 use kvchat::commands;
 
 /// glibc's allocator, told to keep what a forward pass frees. By default it returns the top of
-/// the heap to the kernel once 128 KiB+ lie free there (a threshold it raises only as far as
-/// the largest freed mmap), so the [tokens, hidden] activations of each layer, allocated and
+/// the heap to the kernel once 128 KiB+ lie free there (a threshold it raises only to twice the
+/// largest mmapped block freed), so the [tokens, hidden] activations of each layer, allocated and
 /// freed over and over in a prefill, were zeroed and faulted in anew each time: 4-6 % of a
 /// SmolLM2 prefill went to `clear_page_erms` and page faults (`perf record`). Keeping up to
 /// 256 MiB free at the top and serving blocks up to 32 MiB (glibc's maximum for this setting)
@@ -16,11 +16,13 @@ use kvchat::commands;
 /// SmolLM2 0.12 GB); what a run frees stays mapped, for reuse, up to the threshold.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn keep_freed_memory() {
-    // SAFETY: mallopt only sets allocator parameters; called before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
-    }
+    // SAFETY: mallopt only sets allocator parameters, and is called before any thread starts
+    // (glibc: "MT-Unsafe init"). It returns 1 when it took the value.
+    let took = unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20)
+            + libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20)
+    };
+    debug_assert_eq!(took, 2, "glibc refused a mallopt setting");
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -1136,7 +1136,7 @@ impl QMatrix {
 
     /// The rows of `parts` stacked into one matrix (so one pass computes all their outputs: q, k
     /// and v, or gate and up), and each part as a view into it; no weight is stored twice. None
-    /// when the parts are not all of one format.
+    /// when the parts are not all of one format and layout (per row or tiles).
     pub fn stack(parts: &[&QMatrix]) -> Result<Option<(QMatrix, Vec<QMatrix>)>> {
         let Some(first) = parts.first() else {
             return Ok(None);
