@@ -912,6 +912,14 @@ trait Kernel: Send + Sync + 'static {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// A stacked matrix and its parts' views, as QMatrix values.
+fn wrapped<M: Kernel>((all, views): (M, Vec<M>)) -> (QMatrix, Vec<QMatrix>) {
+    (
+        QMatrix::new(all),
+        views.into_iter().map(QMatrix::new).collect(),
+    )
+}
+
 /// The typed matrices behind `parts`, where every one is an `M`.
 fn all_of<'a, M: 'static>(parts: &[&'a QMatrix]) -> Option<Vec<&'a M>> {
     parts.iter().map(|p| p.downcast::<M>()).collect()
@@ -934,11 +942,7 @@ impl<F: RowFormat> Kernel for Matrix<F> {
         let Some(typed) = all_of::<Self>(parts) else {
             return Ok(None);
         };
-        let (all, views) = Matrix::stack(&typed)?;
-        Ok(Some((
-            QMatrix::new(all),
-            views.into_iter().map(QMatrix::new).collect(),
-        )))
+        Ok(Some(wrapped(Matrix::stack(&typed)?)))
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -962,12 +966,7 @@ impl<F: tiled::TileKernels> Kernel for TiledMatrix<F> {
         let Some(typed) = all_of::<Self>(parts) else {
             return Ok(None);
         };
-        Ok(TiledMatrix::stack(&typed)?.map(|(all, views)| {
-            (
-                QMatrix::new(all),
-                views.into_iter().map(QMatrix::new).collect(),
-            )
-        }))
+        Ok(TiledMatrix::stack(&typed)?.map(wrapped))
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
