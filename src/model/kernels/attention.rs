@@ -203,8 +203,12 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
         * r
         + 0.5;
     let p = p * r * r + r + 1.0;
-    // 2^n by building the exponent bits; −126 ≤ n ≤ 0 here.
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // 2^n by building the exponent bits; −126 ≤ n ≤ 0 here. The biased exponent n + 127 is read
+    // from the low mantissa bits of 2^23 + n + 127 (exact: an integer below 2^23), not by an
+    // `as` cast, whose saturating conversion the compiler leaves scalar in every vector lane.
+    const MAGIC: f32 = 8_388_608.0; // 2^23
+    let biased = (n + (MAGIC + 127.0)).to_bits() - MAGIC.to_bits();
+    p * f32::from_bits(biased << 23)
 }
 
 /// Keys per softmax chunk. Each row's attention is computed over fixed key ranges 0..C, C..2C, …:

@@ -147,9 +147,25 @@ fn q8_scale(x: &[f32]) -> (f32, f32) {
 fn q8_row(x: &[f32], qs: &mut [i8; 32]) -> f32 {
     let (d, id) = q8_scale(x);
     for (q, v) in qs.iter_mut().zip(x) {
-        *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *q = round_i8(v * id);
     }
     d
+}
+
+/// `v` rounded to the nearest integer, ties to even, clamped to ±127, NaN to 0: what
+/// `v.round_ties_even().clamp(-127.0, 127.0) as i8` gives, written so that a loop of it
+/// vectorizes (the compiler leaves an `as` cast from float scalar, lane by lane). Adding
+/// 1.5·2^23 rounds to an integer in the current (nearest-even) mode, and leaves it in the low
+/// mantissa bits.
+#[inline(always)]
+fn round_i8(v: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    let c = if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(-127.0, 127.0)
+    };
+    ((c + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits())) as i8
 }
 
 impl Act for BlockQ8_0 {
@@ -194,7 +210,7 @@ impl Act for BlockQ8K {
             let iscale = -127.0 / max;
             for (q, v) in y.qs.iter_mut().zip(x) {
                 // Ties to even, as llama.cpp's `nearest_int`.
-                *q = (iscale * v).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = round_i8(iscale * v);
             }
             for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
                 *s = q.iter().map(|&v| v as i16).sum();
@@ -691,10 +707,7 @@ impl<F: RowFormat> Matrix<F> {
     fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) {
         let (n, k) = (self.rows, self.cols);
         let kb = k / F::N;
-        let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
-        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
-            F::quantize(row, qrow);
-        }
+        let q = activations(xs, m, kb, F::quantize);
         let level = level();
         let dst = DisjointOut::new(out);
         let items = n.div_ceil(ROWS_PER_ITEM);
@@ -747,6 +760,35 @@ impl<F: RowFormat> Matrix<F> {
             });
         }
     }
+}
+
+/// Activation rows below which one thread quantizes them all (a decode's one).
+const QUANTIZE_SPLIT_FROM: usize = 8;
+
+/// `xs [m, k]` as activation rows `[m, kb]` by `quantize`, a prefill's rows split over candle's
+/// pool (each row's values are its own, whichever thread makes them).
+fn activations<A: Pod + Send + Sync>(
+    xs: &[f32],
+    m: usize,
+    kb: usize,
+    quantize: fn(&[f32], &mut [A]),
+) -> Vec<A> {
+    let k = xs.len() / m;
+    let mut q = vec![A::zeroed(); m * kb];
+    if m < QUANTIZE_SPLIT_FROM {
+        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
+            quantize(row, qrow);
+        }
+        return q;
+    }
+    let dst = DisjointOut::new(&mut q);
+    candle_core::utils::barrier_pool().execute_chunked(m, |rows| {
+        for t in rows {
+            // SAFETY (DisjointOut's contract): activation row t belongs to this item alone.
+            quantize(&xs[t * k..(t + 1) * k], unsafe { dst.slice(t * kb, kb) });
+        }
+    });
+    q
 }
 
 /// Whether a matrix of a tiled type becomes tiles: AVX2 runs here (`level()`), its rows

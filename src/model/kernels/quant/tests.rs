@@ -639,6 +639,25 @@ fn a_token_id_past_the_table_is_an_error_naming_it() {
 }
 
 #[test]
+fn activation_rounding_is_round_ties_even_clamped_with_nan_as_zero() {
+    let reference = |v: f32| v.round_ties_even().clamp(-127.0, 127.0) as i8;
+    let mut vs: Vec<f32> = (-300_000..=300_000).map(|i| i as f32 * 1e-3).collect(); // ±300
+    vs.extend((-300..=300).map(|i| i as f32 + 0.5)); // every tie
+    vs.extend([
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        -f32::MAX,
+        1e-40,
+        -0.0,
+    ]);
+    for v in vs {
+        assert_eq!(round_i8(v), reference(v), "{v}");
+    }
+    assert_eq!(round_i8(f32::NAN), 0);
+}
+
+#[test]
 fn q8_0_and_q8_1_activations_are_llama_cpps_quants_ties_to_even() {
     // max 127 makes the multiplier 1: x.5 values are exact ties.
     let mut x = [0f32; 32];

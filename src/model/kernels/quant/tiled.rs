@@ -694,11 +694,8 @@ impl<F: TileKernels> TiledMatrix<F> {
                 }
             }
         }
-        let (n, k, kb) = (self.rows, self.cols, self.kb());
-        let mut q = vec![<F::Act as Zeroable>::zeroed(); m * kb];
-        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
-            F::Act::quantize(row, qrow);
-        }
+        let (n, kb) = (self.rows, self.kb());
+        let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
         let ysums: Vec<i32> = if F::YSUM {
             q.iter().map(F::ysum).collect()
         } else {
