@@ -8,6 +8,8 @@
 
 use super::cache::{DecoderCache, LayerCache};
 use super::config::{Activation, Config};
+use super::kernels::glu::Gate;
+use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
 use super::rope::Rope;
 use anyhow::{bail, Result};
@@ -219,7 +221,7 @@ impl Llama {
             Logits::Last => x.narrow(1, t - 1, 1)?, // [1, 1, hidden]
             Logits::All => x,
         };
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
+        let x = rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
         let logits = self.output.forward(&x)?.squeeze(0)?; // [t or 1, vocab]
         Ok(match which {
             Logits::Last => logits.squeeze(0)?, // [vocab]
@@ -237,13 +239,13 @@ impl Llama {
         cache: &mut dyn LayerCache,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
-        let h = candle_nn::ops::rms_norm(x, &layer.attn_norm, eps)?;
+        let h = rms_norm(x, &layer.attn_norm, eps)?;
         let mut att = self.attention(i, layer, &h, cache)?;
         if let Some(n) = &layer.post_attn_norm {
-            att = candle_nn::ops::rms_norm(&att, n, eps)?;
+            att = rms_norm(&att, n, eps)?;
         }
         let x = (x + att)?;
-        let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+        let h = rms_norm(&x, &layer.ffn_norm, eps)?;
         let mut ffn = {
             let (gate, up) = match &layer.gate_up {
                 Some(w) => {
@@ -253,15 +255,16 @@ impl Llama {
                 }
                 None => (layer.w_gate.forward(&h)?, layer.w_up.forward(&h)?), // [1, t, ffn] each
             };
+            // act(gate) · up in one pass.
             let act = match self.cfg.block.act {
-                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
-                // GELU's tanh approximation, times up, in one pass.
-                Activation::GeluTanh => super::kernels::glu::gelu_tanh_mul(&gate, &up)?,
+                Activation::Silu => Gate::Silu,
+                Activation::GeluTanh => Gate::GeluTanh, // GELU's tanh approximation
             };
+            let act = super::kernels::glu::gated(act, &gate, &up)?; // [1, t, ffn]
             layer.w_down.forward(&act)? // [1, t, hidden]
         };
         if let Some(n) = &layer.post_ffn_norm {
-            ffn = candle_nn::ops::rms_norm(&ffn, n, eps)?;
+            ffn = rms_norm(&ffn, n, eps)?;
         }
         Ok((x + ffn)?)
     }
@@ -299,11 +302,11 @@ impl Llama {
         // Per-head RMSNorm over hd (qwen3, gemma3), before the rotation.
         let eps = cfg.rms_eps as f32;
         let q = match &layer.q_norm {
-            Some(n) => candle_nn::ops::rms_norm(&q.contiguous()?, n, eps)?,
+            Some(n) => rms_norm(&q, n, eps)?,
             None => q,
         };
         let k = match &layer.k_norm {
-            Some(n) => candle_nn::ops::rms_norm(&k.contiguous()?, n, eps)?,
+            Some(n) => rms_norm(&k, n, eps)?,
             None => k,
         };
         // [1, t, n, hd] -> [1, n, t, hd]

@@ -9,4 +9,5 @@ pub mod kvrows;
 
 pub mod disjoint;
 pub mod glu;
+pub mod norm;
 pub mod quant;
