@@ -208,7 +208,10 @@ mod tests {
         let n = _mm256_sub_ps(z, r);
         let b = _mm256_fnmadd_ps(n, f(0x35bf_be8e), _mm256_fnmadd_ps(n, f(0x3f31_7200), x));
         let e = _mm256_slli_epi32::<23>(_mm256_castps_si256(z));
-        let k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0))));
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(
+            e,
+            _mm256_castps_si256(_mm256_set1_ps(1.0)),
+        ));
         let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
         let c = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(126.0)));
         let u = _mm256_mul_ps(b, b);
@@ -225,7 +228,10 @@ mod tests {
             return _mm256_fmadd_ps(j, k, k);
         }
         let le = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
-        let g = _mm256_and_si256(_mm256_castps_si256(le), _mm256_set1_epi32(0x8200_0000u32 as i32));
+        let g = _mm256_and_si256(
+            _mm256_castps_si256(le),
+            _mm256_set1_epi32(0x8200_0000u32 as i32),
+        );
         let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
         let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
         let d = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0)));
@@ -253,7 +259,18 @@ mod tests {
         // eight: some vectors mix lanes of |n| ≤ 126 with larger ones (llama.cpp's slow branch).
         let mut vs: Vec<f32> = (-400_000..400_000).map(|i| i as f32 * 2.5e-4).collect();
         vs.extend((-2_000..2_000).map(|i| i as f32 * 0.1)); // ±200
-        vs.extend([f32::MAX, -f32::MAX, 1e-30, -1e-30, 0.0, -0.0, 88.5, -88.5, 150.0, -150.0]);
+        vs.extend([
+            f32::MAX,
+            -f32::MAX,
+            1e-30,
+            -1e-30,
+            0.0,
+            -0.0,
+            88.5,
+            -88.5,
+            150.0,
+            -150.0,
+        ]);
         vs.resize(vs.len().next_multiple_of(8), 1.0);
         for v in vs.chunks_exact(8) {
             // SAFETY: AVX2 and FMA are present (checked above).
@@ -264,7 +281,12 @@ mod tests {
                 std::mem::transmute(_mm256_div_ps(x, one_plus))
             };
             for (&x, w) in v.iter().zip(want) {
-                assert_eq!(silu(x).to_bits(), w.to_bits(), "silu({x}) = {} against {w}", silu(x));
+                assert_eq!(
+                    silu(x).to_bits(),
+                    w.to_bits(),
+                    "silu({x}) = {} against {w}",
+                    silu(x)
+                );
             }
         }
     }

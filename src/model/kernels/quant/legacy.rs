@@ -44,8 +44,14 @@ pub struct BlockQ5_1 {
     pub qs: [u8; 16],
 }
 
-/// Q8_0: `{d: f16, qs: [i8; 32]}`, w = d·q (the activation block's layout).
-pub type BlockQ8_0W = BlockQ8_0;
+/// Q8_0 weights: `{d: f16, qs: [i8; 32]}`, w = d·q (the activation block, [`BlockQ8_0`], keeps
+/// its scale as f32).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockQ8_0W {
+    pub d: f16,
+    pub qs: [i8; 32],
+}
 
 /// Element `i`'s 4-bit value.
 #[inline(always)]
@@ -97,7 +103,7 @@ impl Format for Q4_0 {
     }
     #[inline(always)]
     fn scale(x: &BlockQ4_0, y: &BlockQ8_0) -> f32 {
-        x.d.to_f32() * y.d.to_f32()
+        x.d.to_f32() * y.d
     }
     #[inline(always)]
     fn min_term(_: &BlockQ4_0, _: &BlockQ8_0) -> f32 {
@@ -123,11 +129,11 @@ impl Format for Q4_1 {
     }
     #[inline(always)]
     fn scale(x: &BlockQ4_1, y: &BlockQ8_1) -> f32 {
-        x.d.to_f32() * y.d.to_f32()
+        x.d.to_f32() * y.d
     }
     #[inline(always)]
     fn min_term(x: &BlockQ4_1, y: &BlockQ8_1) -> f32 {
-        x.m.to_f32() * y.s.to_f32()
+        x.m.to_f32() * y.s
     }
 }
 
@@ -149,7 +155,7 @@ impl Format for Q5_0 {
     }
     #[inline(always)]
     fn scale(x: &BlockQ5_0, y: &BlockQ8_0) -> f32 {
-        x.d.to_f32() * y.d.to_f32()
+        x.d.to_f32() * y.d
     }
     #[inline(always)]
     fn min_term(_: &BlockQ5_0, _: &BlockQ8_0) -> f32 {
@@ -175,11 +181,11 @@ impl Format for Q5_1 {
     }
     #[inline(always)]
     fn scale(x: &BlockQ5_1, y: &BlockQ8_1) -> f32 {
-        x.d.to_f32() * y.d.to_f32()
+        x.d.to_f32() * y.d
     }
     #[inline(always)]
     fn min_term(x: &BlockQ5_1, y: &BlockQ8_1) -> f32 {
-        x.m.to_f32() * y.s.to_f32()
+        x.m.to_f32() * y.s
     }
 }
 
@@ -189,22 +195,22 @@ impl Format for Q8_0 {
     const N: usize = 32;
     const DTYPE: GgmlDType = GgmlDType::Q8_0;
     const HAS_MIN: bool = false;
-    fn dequantize(x: &BlockQ8_0, out: &mut [f32]) {
+    fn dequantize(x: &BlockQ8_0W, out: &mut [f32]) {
         let d = x.d.to_f32();
         for (q, o) in x.qs.iter().zip(out) {
             *o = *q as f32 * d;
         }
     }
     #[inline(always)]
-    fn lanes(x: &BlockQ8_0, y: &BlockQ8_0) -> [i32; 8] {
+    fn lanes(x: &BlockQ8_0W, y: &BlockQ8_0) -> [i32; 8] {
         lanes32(|i| x.qs[i] as i32, &y.qs)
     }
     #[inline(always)]
-    fn scale(x: &BlockQ8_0, y: &BlockQ8_0) -> f32 {
-        x.d.to_f32() * y.d.to_f32()
+    fn scale(x: &BlockQ8_0W, y: &BlockQ8_0) -> f32 {
+        x.d.to_f32() * y.d
     }
     #[inline(always)]
-    fn min_term(_: &BlockQ8_0, _: &BlockQ8_0) -> f32 {
+    fn min_term(_: &BlockQ8_0W, _: &BlockQ8_0) -> f32 {
         0.0
     }
 }
@@ -332,7 +338,7 @@ mod avx2 {
     impl Avx2 for Q8_0 {
         type Unpacked = __m256i;
         #[inline(always)]
-        unsafe fn unpack(x: &BlockQ8_0) -> __m256i {
+        unsafe fn unpack(x: &BlockQ8_0W) -> __m256i {
             load32(&x.qs)
         }
         #[inline(always)]

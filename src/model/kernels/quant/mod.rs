@@ -104,11 +104,12 @@ fn lane(i: usize) -> usize {
     (i % 32) / 4
 }
 
-/// Q8_0 activations: `{d: f16, qs: [i8; 32]}`, x ≈ d·q.
+/// Q8_0 activations: `{d, qs: [i8; 32]}`, x ≈ d·q. `d` is llama.cpp's f16 scale, kept widened
+/// to f32 (the same value), so that no kernel converts it again per weight row.
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct BlockQ8_0 {
-    pub d: f16,
+    pub d: f32,
     pub qs: [i8; 32],
 }
 
@@ -116,8 +117,8 @@ pub struct BlockQ8_0 {
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct BlockQ8_1 {
-    pub d: f16,
-    pub s: f16,
+    pub d: f32,
+    pub s: f32,
     pub qs: [i8; 32],
 }
 
@@ -172,7 +173,7 @@ impl Act for BlockQ8_0 {
     const N: usize = 32;
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
-            y.d = f16::from_f32(q8_row(x, &mut y.qs));
+            y.d = f16::from_f32(q8_row(x, &mut y.qs)).to_f32();
         }
     }
 }
@@ -185,8 +186,8 @@ impl Act for BlockQ8_1 {
         for (x, y) in xs.chunks_exact(32).zip(ys) {
             let d = q8_row(x, &mut y.qs);
             let sum: i32 = y.qs.iter().map(|&q| q as i32).sum();
-            y.d = f16::from_f32(d);
-            y.s = f16::from_f32(d * sum as f32);
+            y.d = f16::from_f32(d).to_f32();
+            y.s = f16::from_f32(d * sum as f32).to_f32();
         }
     }
 }

@@ -248,10 +248,10 @@ macro_rules! format_tests {
 }
 
 fn q8_0(y: &BlockQ8_0) -> Vec<f32> {
-    y.qs.iter().map(|&q| q as f32 * y.d.to_f32()).collect()
+    y.qs.iter().map(|&q| q as f32 * y.d).collect()
 }
 fn q8_1(y: &BlockQ8_1) -> Vec<f32> {
-    y.qs.iter().map(|&q| q as f32 * y.d.to_f32()).collect()
+    y.qs.iter().map(|&q| q as f32 * y.d).collect()
 }
 fn q8_k(y: &BlockQ8K) -> Vec<f32> {
     y.qs.iter().map(|&q| q as f32 * y.d).collect()
@@ -666,12 +666,12 @@ fn q8_0_and_q8_1_activations_are_llama_cpps_quants_ties_to_even() {
     let mut q0 = [BlockQ8_0::zeroed()];
     BlockQ8_0::quantize(&x, &mut q0);
     assert_eq!(&q0[0].qs[..6], &want);
-    assert_eq!(q0[0].d.to_f32(), 1.0);
+    assert_eq!(q0[0].d, 1.0);
     let mut q1 = [BlockQ8_1::zeroed()];
     BlockQ8_1::quantize(&x, &mut q1);
     assert_eq!(&q1[0].qs[..6], &want);
     // s = d·Σq = 127 + 0 + 2 + 2 − 2 − 4.
-    assert_eq!(q1[0].s.to_f32(), 125.0);
+    assert_eq!(q1[0].s, 125.0);
 }
 
 #[test]
@@ -683,7 +683,7 @@ fn q8_1_sum_is_rounded_to_f16_once_from_the_unrounded_scale() {
     BlockQ8_1::quantize(&x, &mut q1);
     assert!(q1[0].qs.iter().all(|&q| q == 127));
     let d = 100f32 / 127.0;
-    assert_eq!(q1[0].s, f16::from_f32(d * (32 * 127) as f32));
+    assert_eq!(q1[0].s, f16::from_f32(d * (32 * 127) as f32).to_f32());
     assert_ne!(
         f16::from_f32(d).to_f32() * (32 * 127) as f32,
         d * (32 * 127) as f32

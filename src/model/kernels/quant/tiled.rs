@@ -28,14 +28,16 @@ const CHUNK_BYTES: usize = 4 << 20;
 /// A format whose blocks can be interleaved 16 rows to a tile.
 pub trait Tiled: Format {
     type Tile: Pod + Send + Sync;
-    /// Whether the kernel needs each activation block's integer sum ([`Tiled::ysum`]).
+    /// Whether the kernel needs each activation block's offset term ([`Tiled::ysum`]).
     const YSUM: bool;
     /// The blocks of 16 consecutive rows at one column position, written into `t` (zero on
     /// entry).
     fn pack(rows: [&Self::Block; TR], t: &mut Self::Tile);
     /// Row `r` of the tile dequantized (`N` values), as `Format::dequantize` gives it.
     fn dequantize_row(t: &Self::Tile, r: usize, out: &mut [f32]);
-    /// The integer sum of an activation block's values (where `YSUM`).
+    /// The offset term of an activation block (where `YSUM`): the format's quant offset (8, 16
+    /// or 128, what the tile adds to make its quants unsigned) times the block's integer sum,
+    /// computed once per block and token rather than in every tile's kernel.
     fn ysum(_y: &Self::Act) -> i32 {
         0
     }
@@ -202,7 +204,7 @@ impl Tiled for Q4_0 {
         }
     }
     fn ysum(y: &BlockQ8_0) -> i32 {
-        y.qs.iter().map(|&q| q as i32).sum()
+        8 * y.qs.iter().map(|&q| q as i32).sum::<i32>()
     }
 }
 
@@ -242,7 +244,7 @@ impl Tiled for Q5_0 {
         }
     }
     fn ysum(y: &BlockQ8_0) -> i32 {
-        y.qs.iter().map(|&q| q as i32).sum()
+        16 * y.qs.iter().map(|&q| q as i32).sum::<i32>()
     }
 }
 
@@ -269,7 +271,7 @@ impl Tiled for Q5_1 {
 impl Tiled for Q8_0 {
     type Tile = TileQ8_0;
     const YSUM: bool = true;
-    fn pack(rows: [&BlockQ8_0; TR], t: &mut TileQ8_0) {
+    fn pack(rows: [&super::legacy::BlockQ8_0W; TR], t: &mut TileQ8_0) {
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             // Four values at a time, each + 128 (the sign bit flipped).
@@ -287,7 +289,7 @@ impl Tiled for Q8_0 {
         }
     }
     fn ysum(y: &BlockQ8_0) -> i32 {
-        y.qs.iter().map(|&q| q as i32).sum()
+        128 * y.qs.iter().map(|&q| q as i32).sum::<i32>()
     }
 }
 

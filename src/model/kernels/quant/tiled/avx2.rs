@@ -130,14 +130,13 @@ unsafe fn isum_nibbles<const H: usize, const T: usize>(
     acc
 }
 
-/// `acc[half][token] − c · ysums[token]` (the offset of Q4_0's and Q5_0's unsigned quants).
+/// `acc[half][token] − ysums[token]` (the offset term of Q4_0's and Q5_0's unsigned quants).
 #[inline(always)]
 unsafe fn minus_ysums<const H: usize, const T: usize>(
     acc: [[__m256i; T]; H],
-    c: i32,
     ysums: [i32; T],
 ) -> [[__m256i; T]; H] {
-    acc.map(|a| std::array::from_fn(|i| _mm256_sub_epi32(a[i], _mm256_set1_epi32(c * ysums[i]))))
+    acc.map(|a| std::array::from_fn(|i| _mm256_sub_epi32(a[i], _mm256_set1_epi32(ysums[i]))))
 }
 
 impl TileKernel for Q4_0 {
@@ -148,11 +147,11 @@ impl TileKernel for Q4_0 {
         ys: [&BlockQ8_0; T],
         ysums: [i32; T],
     ) -> [[__m256i; T]; H] {
-        minus_ysums(isum_nibbles(&t.qs, None, h0, ys.map(|y| &y.qs)), 8, ysums)
+        minus_ysums(isum_nibbles(&t.qs, None, h0, ys.map(|y| &y.qs)), ysums)
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
     }
 }
 
@@ -168,11 +167,11 @@ impl TileKernel for Q4_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ4_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
+        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s))
     }
 }
 
@@ -186,13 +185,12 @@ impl TileKernel for Q5_0 {
     ) -> [[__m256i; T]; H] {
         minus_ysums(
             isum_nibbles(&t.qs, Some(&t.qh), h0, ys.map(|y| &y.qs)),
-            16,
             ysums,
         )
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
     }
 }
 
@@ -208,11 +206,11 @@ impl TileKernel for Q5_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ5_1, h: usize, y: &BlockQ8_1) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s.to_f32()))
+        _mm256_mul_ps(half_f32(&t.m, h), _mm256_set1_ps(y.s))
     }
 }
 
@@ -245,7 +243,7 @@ impl TileKernel for Q8_0 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ8_0, h: usize, y: &BlockQ8_0) -> __m256 {
-        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d.to_f32()))
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
     }
 }
 

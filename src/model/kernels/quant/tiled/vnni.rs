@@ -75,11 +75,11 @@ impl TileKernel for Q4_0 {
         ysums: [i32; T],
     ) -> [__m512i; T] {
         let acc = isum_nibbles(&t.qs, None, ys.map(|y| &y.qs));
-        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(8 * ysums[i])))
+        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(ysums[i])))
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_0, y: &BlockQ8_0) -> __m512 {
-        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
     }
 }
 
@@ -90,11 +90,11 @@ impl TileKernel for Q4_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ4_1, y: &BlockQ8_1) -> __m512 {
-        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ4_1, y: &BlockQ8_1) -> __m512 {
-        _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s.to_f32()))
+        _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s))
     }
 }
 
@@ -106,11 +106,11 @@ impl TileKernel for Q5_0 {
         ysums: [i32; T],
     ) -> [__m512i; T] {
         let acc = isum_nibbles(&t.qs, Some(&t.qh), ys.map(|y| &y.qs));
-        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(16 * ysums[i])))
+        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(ysums[i])))
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_0, y: &BlockQ8_0) -> __m512 {
-        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
     }
 }
 
@@ -121,11 +121,11 @@ impl TileKernel for Q5_1 {
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ5_1, y: &BlockQ8_1) -> __m512 {
-        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
     }
     #[inline(always)]
     unsafe fn min(t: &TileQ5_1, y: &BlockQ8_1) -> __m512 {
-        _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s.to_f32()))
+        _mm512_mul_ps(halves(&t.m), _mm512_set1_ps(y.s))
     }
 }
 
@@ -143,11 +143,11 @@ impl TileKernel for Q8_0 {
                 acc[i] = _mm512_dpbusd_epi32(acc[i], w, bcast4(&ys[i].qs[4 * g..]));
             }
         }
-        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(128 * ysums[i])))
+        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(ysums[i])))
     }
     #[inline(always)]
     unsafe fn scale(t: &TileQ8_0, y: &BlockQ8_0) -> __m512 {
-        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d.to_f32()))
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
     }
 }
 
