@@ -438,34 +438,90 @@ fn tile_scores<E>(
 }
 
 /// Per tile row, its chunk's softmax numerators in place over `lo..hi` (exp(score − m), 0 where
-/// the row does not see the key, whose score may be anything: it is never used) and its `[m, Σ]` (m = −∞, Σ = 0 where it sees none): the max,
-/// then the exponentials summed in key order.
+/// the row does not see the key, whose score may be anything: it is never used) and its `[m, Σ]`
+/// (m = −∞, Σ = 0 where it sees none): the max, then the exponentials summed in key order. The
+/// keys every row sees (all but a causal diagonal's or a window edge's) take a loop without
+/// per-lane choices: written with them, the compiler makes the score loads and stores masked
+/// (`vmaskmovps`, microcoded on AMD's cores). Both loops do the same operations on what a row
+/// sees, so the split changes no bit.
 #[inline(always)]
 fn tile_softmax(
     scores: &mut [f32],
     (lo, hi, j0): (usize, usize, usize),
     (starts, ends): (&[u32; TILE], &[u32; TILE]),
 ) -> ([f32; TILE], [f32; TILE]) {
+    // Keys a..b are seen by every row (empty where some row sees none).
+    let a = (*starts.iter().max().expect("TILE") as usize).clamp(lo, hi);
+    let b = (*ends.iter().min().expect("TILE") as usize).clamp(a, hi);
+    let spans = [(lo, a, true), (a, b, false), (b, hi, true)];
     let mut m = [f32::NEG_INFINITY; TILE];
-    for j in lo..hi {
-        let s = &scores[(j - j0) * TILE..][..TILE];
-        for r in 0..TILE {
-            let sees = starts[r] <= j as u32 && (j as u32) < ends[r];
-            m[r] = if sees { m[r].max(s[r]) } else { m[r] };
+    for &(lo, hi, masked) in &spans {
+        if masked {
+            softmax_max::<true>(scores, (lo, hi, j0), (starts, ends), &mut m);
+        } else {
+            softmax_max::<false>(scores, (lo, hi, j0), (starts, ends), &mut m);
         }
     }
     let mut sum = [0f32; TILE];
+    for &(lo, hi, masked) in &spans {
+        if masked {
+            softmax_exp::<true>(scores, (lo, hi, j0), (starts, ends), &m, &mut sum);
+        } else {
+            softmax_exp::<false>(scores, (lo, hi, j0), (starts, ends), &m, &mut sum);
+        }
+    }
+    (m, sum)
+}
+
+/// Whether row r sees key j (always, unless `MASKED`).
+#[inline(always)]
+fn sees<const MASKED: bool>(
+    j: usize,
+    r: usize,
+    (starts, ends): (&[u32; TILE], &[u32; TILE]),
+) -> bool {
+    !MASKED || (starts[r] <= j as u32 && (j as u32) < ends[r])
+}
+
+/// `m[r]` raised to the scores of keys `lo..hi` row r sees.
+#[inline(always)]
+fn softmax_max<const MASKED: bool>(
+    scores: &[f32],
+    (lo, hi, j0): (usize, usize, usize),
+    bounds: (&[u32; TILE], &[u32; TILE]),
+    m: &mut [f32; TILE],
+) {
+    for j in lo..hi {
+        let s = &scores[(j - j0) * TILE..][..TILE];
+        for r in 0..TILE {
+            m[r] = if sees::<MASKED>(j, r, bounds) {
+                m[r].max(s[r])
+            } else {
+                m[r]
+            };
+        }
+    }
+}
+
+/// Scores of keys `lo..hi` replaced by their numerators, added into `sum` in key order.
+#[inline(always)]
+fn softmax_exp<const MASKED: bool>(
+    scores: &mut [f32],
+    (lo, hi, j0): (usize, usize, usize),
+    bounds: (&[u32; TILE], &[u32; TILE]),
+    m: &[f32; TILE],
+    sum: &mut [f32; TILE],
+) {
     for j in lo..hi {
         let s = &mut scores[(j - j0) * TILE..][..TILE];
         for r in 0..TILE {
-            let sees = starts[r] <= j as u32 && (j as u32) < ends[r];
+            let sees = sees::<MASKED>(j, r, bounds);
             // The exponential's argument is chosen first: for a row that sees no key m is −∞.
             let p = exp_nonpositive(if sees { s[r] - m[r] } else { f32::NEG_INFINITY });
             s[r] = if sees { p } else { 0.0 };
             sum[r] = if sees { sum[r] + p } else { sum[r] };
         }
     }
-    (m, sum)
 }
 
 /// Adds weights × values `lo..hi` of a part into the tile's accumulators `acc [hd][TILE]`: per
