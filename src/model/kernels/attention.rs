@@ -204,7 +204,8 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
         + 0.5;
     let p = p * r * r + r + 1.0;
     // 2^n by building the exponent bits; −126 ≤ n ≤ 0 here. The biased exponent n + 127 is read
-    // from the low mantissa bits of 2^23 + n + 127 (exact: an integer below 2^23), not by an
+    // from the low mantissa bits of 2^23 + n + 127 (exact: n + 127 is an integer in 1..=127, so
+    // the sum lies in [2^23, 2^24), where floats are the integers), not by an
     // `as` cast, whose saturating conversion the compiler leaves scalar in every vector lane.
     const MAGIC: f32 = 8_388_608.0; // 2^23
     let biased = (n + (MAGIC + 127.0)).to_bits() - MAGIC.to_bits();
@@ -450,9 +451,12 @@ fn tile_softmax(
     (lo, hi, j0): (usize, usize, usize),
     (starts, ends): (&[u32; TILE], &[u32; TILE]),
 ) -> ([f32; TILE], [f32; TILE]) {
-    // Keys a..b are seen by every row (empty where some row sees none).
-    let a = (*starts.iter().max().expect("TILE") as usize).clamp(lo, hi);
-    let b = (*ends.iter().min().expect("TILE") as usize).clamp(a, hi);
+    // Keys a..b are seen by every row of the tile (empty where some row sees none). Lanes past
+    // the tile's rows (ends 0: a decode's tile holds a KV head's few query heads) are left out:
+    // their results are never read, as in `tile_values`.
+    let rows = || (0..TILE).filter(|&r| ends[r] != 0);
+    let a = (rows().map(|r| starts[r]).max().unwrap_or(u32::MAX) as usize).clamp(lo, hi);
+    let b = (rows().map(|r| ends[r]).min().unwrap_or(0) as usize).clamp(a, hi);
     let spans = [(lo, a, true), (a, b, false), (b, hi, true)];
     let mut m = [f32::NEG_INFINITY; TILE];
     for &(lo, hi, masked) in &spans {
@@ -1185,5 +1189,41 @@ mod tests {
             assert_eq!(max_diff(&all_last, &one), 0.0);
         }
         let _ = DType::F32;
+    }
+
+    #[test]
+    fn a_query_row_gives_the_same_bits_in_a_prefill_as_alone_under_a_window() {
+        // A window's lower edge masks keys at the start of a row's range as the diagonal does at
+        // its end; t = 700 spans three key chunks, so whole-chunk, edge and diagonal spans occur.
+        let (nkv, g, hd, t, w) = (2, 3, 64, 700, 300);
+        let (k, v) = (rand((nkv, t, hd)), rand((nkv, t, hd)));
+        let q = Tensor::randn(0f32, 1.0, (nkv, g, t, hd), &Device::Cpu).unwrap();
+        let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
+        let mut view = view_of(&kr, &vr, t, hd, &[], Rows::F16);
+        view.window = Some(w);
+        let all = attend_view(&[&q.reshape((nkv, g * t, hd)).unwrap()], &view, t, 0.125)
+            .unwrap()
+            .reshape((nkv, g, t, hd))
+            .unwrap();
+        // Each of the last rows alone, as a decode step at that position would see it.
+        for pos in [t - 1, t - 150, w - 1, w] {
+            let mut prefix = view_of(&kr, &vr, pos + 1, hd, &[], Rows::F16);
+            // The rows' head stride stays the full cache's: the prefix view reads its first
+            // pos + 1 positions.
+            for p in &mut prefix.parts {
+                if let Rows::F16(x) = &mut p.rows {
+                    x.head_stride = t * hd;
+                }
+            }
+            prefix.window = Some(w);
+            let one_q = q.narrow(2, pos, 1).unwrap().reshape((nkv, g, hd)).unwrap();
+            let one = attend_view(&[&one_q], &prefix, 1, 0.125).unwrap();
+            let want = all
+                .narrow(2, pos, 1)
+                .unwrap()
+                .reshape((nkv, g, hd))
+                .unwrap();
+            assert_eq!(max_diff(&want, &one), 0.0, "position {pos}");
+        }
     }
 }

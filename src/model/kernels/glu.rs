@@ -2,8 +2,9 @@
 //! halves of the stacked projection in place, for GeGLU (`gelu_tanh`, Gemma 3) and SwiGLU
 //! (`silu`, the llama family). candle's `gelu`/`silu` then `*` made two passes over strided
 //! halves, two tensors, and called libm's scalar `tanhf`/`expf` per element (7 % of Gemma 3's
-//! prefill; SiLU's `expf` and the strided passes 4-5 % of SmolLM2's); here both are built from
-//! the vectorizable `exp_nonpositive` of the attention kernel, rows split over candle's pool.
+//! prefill; SiLU's `expf` and the strided passes 4-5 % of SmolLM2's). Here GELU's tanh is built
+//! from the vectorizable `exp_nonpositive` of the attention kernel and SiLU is llama.cpp's own
+//! vectorized formula (`expf_ggml`); rows are split over candle's pool.
 
 use super::attention::exp_nonpositive;
 use super::disjoint::DisjointOut;
@@ -27,7 +28,8 @@ pub fn gelu_tanh(v: f32) -> f32 {
     0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * v * (1.0 + 0.044_715 * v * v)))
 }
 
-/// e^x as llama.cpp's vectorized `ggml_v_expf` computes it (ggml-cpu/vec.h, AVX2 build), lane
+/// e^x as llama.cpp's vectorized `ggml_v_expf` computes it (ggml-cpu/vec.h, AVX2 build; its
+/// AVX-512 build has another, and it takes libm's `expf` for a row's last n mod 8), lane
 /// for lane: x = n·ln2 + b with n = round(x·log2 e) (by adding 1.5·2^23), ln2 split in two, a
 /// degree-5 polynomial in b, and 2^n built in the exponent bits; for |n| > 126 the scale is
 /// split in two factors (and beyond 192 saturates to 0 or ∞). Each `mul_add` is one of its fused
@@ -192,7 +194,7 @@ mod tests {
         assert!(worst < 4.0 * f32::EPSILON, "worst relative error {worst:e}");
         assert_eq!(silu(0.0), 0.0);
         assert_eq!(silu(100.0), 100.0);
-        assert_eq!(silu(-200.0), -0.0);
+        assert_eq!(silu(-200.0).to_bits(), (-0.0f32).to_bits());
         assert!(silu(f32::NAN).is_nan());
     }
 

@@ -87,6 +87,18 @@ mod tests {
     }
 
     #[test]
+    fn a_contiguous_view_from_an_offset_is_normed_in_place() {
+        // Rows 2..5 of 8: contiguous, starting 2 rows into the storage.
+        let x = Tensor::randn(0f32, 1.0, (1, 8, 2048), &Device::Cpu).unwrap();
+        let rows = x.narrow(1, 2, 3).unwrap();
+        assert!(rows.is_contiguous());
+        let w = Tensor::randn(1f32, 0.5, 2048, &Device::Cpu).unwrap();
+        let ours = rms_norm(&rows, &w, 1e-5).unwrap();
+        let want = candle_nn::ops::rms_norm(&rows.contiguous().unwrap(), &w, 1e-5).unwrap();
+        assert_eq!(values(&ours), values(&want));
+    }
+
+    #[test]
     fn a_view_that_is_not_contiguous_goes_through_candle() {
         let x = Tensor::randn(0f32, 1.0, (1, 8, 128), &Device::Cpu).unwrap();
         let half = x.narrow(2, 0, 64).unwrap(); // rows of 64 with a stride of 128

@@ -774,6 +774,9 @@ fn activations<A: Pod + Send + Sync>(
     kb: usize,
     quantize: fn(&[f32], &mut [A]),
 ) -> Vec<A> {
+    if m == 0 {
+        return Vec::new();
+    }
     let k = xs.len() / m;
     let mut q = vec![A::zeroed(); m * kb];
     if m < QUANTIZE_SPLIT_FROM {
