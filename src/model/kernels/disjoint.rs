@@ -48,6 +48,38 @@ impl<'a, T> DisjointOut<'a, T> {
     }
 }
 
+/// Fills `out`, rows of `width`, by `row(r, out_row)`: on candle's pool, `rows_per_item` rows to
+/// a work item, once `out` holds `parallel_from` elements or more; below that on this thread
+/// (a decode step's row). Each row is written by one item alone, so this states the contract
+/// for every row-wise kernel (RMSNorm, the gated FFN activation, activation quantizing).
+pub fn for_each_row<T: Send>(
+    out: &mut [T],
+    width: usize,
+    rows_per_item: usize,
+    parallel_from: usize,
+    row: impl Fn(usize, &mut [T]) + Sync,
+) {
+    if width == 0 {
+        return;
+    }
+    let rows = out.len() / width;
+    if out.len() < parallel_from {
+        for (r, o) in out.chunks_exact_mut(width).enumerate() {
+            row(r, o);
+        }
+        return;
+    }
+    let dst = DisjointOut::new(out);
+    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(rows_per_item), |items| {
+        for item in items {
+            for r in item * rows_per_item..rows.min((item + 1) * rows_per_item) {
+                // SAFETY (the module's contract): row r belongs to this item alone.
+                row(r, unsafe { dst.slice(r * width, width) });
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

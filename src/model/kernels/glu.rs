@@ -7,7 +7,7 @@
 //! (libm's `expf`), and rows are split over candle's pool.
 
 use super::attention::exp_nonpositive;
-use super::disjoint::DisjointOut;
+use super::disjoint::for_each_row;
 use anyhow::Result;
 use candle_core::{CpuStorage, Storage, Tensor};
 
@@ -98,22 +98,9 @@ pub fn gated(act: Gate, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let g_row = |r: usize| &g[go + r * gstride..go + r * gstride + f];
     let u_row = |r: usize| &u[uo + r * ustride..uo + r * ustride + f];
     let mut out = vec![0f32; t * f];
-    if t * f < PARALLEL_FROM {
-        for (r, o) in out.chunks_exact_mut(f).enumerate() {
-            row(act, g_row(r), u_row(r), o);
-        }
-    } else {
-        let dst = DisjointOut::new(&mut out);
-        candle_core::utils::barrier_pool().execute_chunked(t.div_ceil(ROWS_PER_ITEM), |items| {
-            for item in items {
-                for r in item * ROWS_PER_ITEM..t.min((item + 1) * ROWS_PER_ITEM) {
-                    // SAFETY (DisjointOut's contract): row r belongs to this item alone.
-                    let o = unsafe { dst.slice(r * f, f) };
-                    row(act, g_row(r), u_row(r), o);
-                }
-            }
-        });
-    }
+    for_each_row(&mut out, f, ROWS_PER_ITEM, PARALLEL_FROM, |r, o| {
+        row(act, g_row(r), u_row(r), o)
+    });
     let device = gate.device().clone();
     drop((gs, us));
     Ok(Tensor::from_vec(out, (1, t, f), &device)?)

@@ -3,7 +3,7 @@
 //! matmuls, so a 2-core prefill ran three busy threads on two cores. The values are candle's bit
 //! for bit: each row computes the same operations in the same order.
 
-use super::disjoint::DisjointOut;
+use super::disjoint::for_each_row;
 use anyhow::Result;
 use candle_core::{CpuStorage, Storage, Tensor};
 
@@ -42,24 +42,10 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
         return fallback();
     };
     let (xv, wv) = (&xv[x0..x1], &wv[w0..w1]);
-    let rows = xv.len() / n.max(1);
     let mut out = vec![0f32; xv.len()];
-    if xv.len() < PARALLEL_FROM {
-        for (x, o) in xv.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-            row(x, wv, eps, o);
-        }
-    } else {
-        let dst = DisjointOut::new(&mut out);
-        candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(ROWS_PER_ITEM), |items| {
-            for item in items {
-                for r in item * ROWS_PER_ITEM..rows.min((item + 1) * ROWS_PER_ITEM) {
-                    // SAFETY (DisjointOut's contract): row r belongs to this item alone.
-                    let o = unsafe { dst.slice(r * n, n) };
-                    row(&xv[r * n..(r + 1) * n], wv, eps, o);
-                }
-            }
-        });
-    }
+    for_each_row(&mut out, n, ROWS_PER_ITEM, PARALLEL_FROM, |r, o| {
+        row(&xv[r * n..(r + 1) * n], wv, eps, o)
+    });
     let (shape, device) = (x.shape().clone(), x.device().clone());
     drop((xs, ws));
     Ok(Tensor::from_vec(out, shape, &device)?)

@@ -779,18 +779,9 @@ fn activations<A: Pod + Send + Sync>(
     }
     let k = xs.len() / m;
     let mut q = vec![A::zeroed(); m * kb];
-    if m < QUANTIZE_SPLIT_FROM {
-        for (row, qrow) in xs.chunks_exact(k).zip(q.chunks_exact_mut(kb)) {
-            quantize(row, qrow);
-        }
-        return q;
-    }
-    let dst = DisjointOut::new(&mut q);
-    candle_core::utils::barrier_pool().execute_chunked(m, |rows| {
-        for t in rows {
-            // SAFETY (DisjointOut's contract): activation row t belongs to this item alone.
-            quantize(&xs[t * k..(t + 1) * k], unsafe { dst.slice(t * kb, kb) });
-        }
+    // Serial below QUANTIZE_SPLIT_FROM rows: one row per work item.
+    super::disjoint::for_each_row(&mut q, kb, 1, QUANTIZE_SPLIT_FROM * kb, |t, o| {
+        quantize(&xs[t * k..(t + 1) * k], o)
     });
     q
 }
