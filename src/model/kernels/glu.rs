@@ -3,8 +3,8 @@
 //! (`silu`, the llama family). candle's `gelu`/`silu` then `*` made two passes over strided
 //! halves, two tensors, and called libm's scalar `tanhf`/`expf` per element (7 % of Gemma 3's
 //! prefill; SiLU's `expf` and the strided passes 4-5 % of SmolLM2's). Here GELU's tanh is built
-//! from the vectorizable `exp_nonpositive` of the attention kernel, SiLU is candle's formula
-//! (libm's `expf`), and rows are split over candle's pool.
+//! from the vectorizable `exp_nonpositive` of the attention kernel and SiLU is llama.cpp's own
+//! vectorized formula (`expf_ggml`); rows are split over candle's pool.
 
 use super::attention::exp_nonpositive;
 use super::disjoint::for_each_row;
@@ -28,14 +28,51 @@ pub fn gelu_tanh(v: f32) -> f32 {
     0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * v * (1.0 + 0.044_715 * v * v)))
 }
 
-/// SiLU: v / (1 + e^(−v)) with libm's `expf`, candle's formula value for value. llama.cpp's
-/// vectorized `ggml_v_silu` (its own exp polynomial) was tried (35cb69a): it moved perplexities
-/// by up to 1 % on a 1,020-token text and pushed two comparisons that follow flipped int8/int4
-/// roundings (Q3_K weights against candle's kernels, the int4 GPU-path check) past their bounds;
-/// reverted until that is understood. The exp stays scalar here: the pass is still one, on the pool.
+/// e^x as llama.cpp's vectorized `ggml_v_expf` computes it (ggml-cpu/vec.h, AVX2 build; its
+/// AVX-512 build has another, and it takes libm's `expf` for a row's last n mod 8), lane
+/// for lane: x = n·ln2 + b with n = round(x·log2 e) (by adding 1.5·2^23), ln2 split in two, a
+/// degree-5 polynomial in b, and 2^n built in the exponent bits; for |n| > 126 the scale is
+/// split in two factors (and beyond 192 saturates to 0 or ∞). Each `mul_add` is one of its fused
+/// multiply-adds, so the bits are the same; selects instead of its branch give the same lanes.
+#[inline(always)]
+pub fn expf_ggml(x: f32) -> f32 {
+    let c = |bits: u32| f32::from_bits(bits);
+    let r = c(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(c(0x3fb8_aa3b), r); // log2 e
+    let n = z - r;
+    // b = x − n·ln2, ln2 = 0x1.62e4p-1 + 0x1.7f7d1cp-20 (fnmadd(a, b, c) = −a·b + c, exact).
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = c(e.wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6) * b);
+    let fast = j.mul_add(k, k);
+    // |n| > 126: 2^n as s1·s2.
+    let g = if n <= 0.0 { 0x8200_0000u32 } else { 0 };
+    let s1 = c(g.wrapping_add(0x7f00_0000));
+    let s2 = c(e.wrapping_sub(g));
+    let split = if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    };
+    if n.abs() > 126.0 {
+        split
+    } else {
+        fast
+    }
+}
+
+/// SiLU as llama.cpp's vectorized `ggml_v_silu`: v / (1 + e^(−v)), e^x by [`expf_ggml`]. Its
+/// SwiGLU (`ggml_vec_swiglu_f32`) multiplies this by up; so does [`gated`], so that the FFN's
+/// input to the down projection is llama.cpp's value for value (on SmolLM2, a few ulp here move
+/// a perplexity by up to 1 %, as the activation quantizers' last bits did).
 #[inline(always)]
 pub fn silu(v: f32) -> f32 {
-    v / (1.0 + (-v).exp())
+    v / (1.0 + expf_ggml(-v))
 }
 
 /// The activation a gated FFN applies to its gate.
@@ -146,6 +183,101 @@ mod tests {
         assert_eq!(silu(100.0), 100.0);
         assert_eq!(silu(-200.0).to_bits(), (-0.0f32).to_bits());
         assert!(silu(f32::NAN).is_nan());
+    }
+
+    /// llama.cpp's `ggml_v_expf` for AVX2 (ggml-cpu/vec.h of the llama-cpp-python 0.3.36 sdist),
+    /// transcribed intrinsic for intrinsic.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn ggml_v_expf(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let f = |b: u32| _mm256_set1_ps(f32::from_bits(b));
+        let r = f(0x4b40_0000);
+        let z = _mm256_fmadd_ps(x, f(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, f(0x35bf_be8e), _mm256_fnmadd_ps(n, f(0x3f31_7200), x));
+        let e = _mm256_slli_epi32::<23>(_mm256_castps_si256(z));
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(
+            e,
+            _mm256_castps_si256(_mm256_set1_ps(1.0)),
+        ));
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let c = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(126.0)));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(f(0x3c07_2010), b, f(0x3d2b_9f17)),
+                u,
+                _mm256_fmadd_ps(f(0x3e2a_af33), b, f(0x3eff_fedb)),
+            ),
+            u,
+            _mm256_mul_ps(f(0x3f7f_fff6), b),
+        );
+        if _mm256_movemask_ps(_mm256_castsi256_ps(c)) == 0 {
+            return _mm256_fmadd_ps(j, k, k);
+        }
+        let le = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
+        let g = _mm256_and_si256(
+            _mm256_castps_si256(le),
+            _mm256_set1_epi32(0x8200_0000u32 as i32),
+        );
+        let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+        let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+        let d = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0)));
+        let (c, d) = (_mm256_castsi256_ps(c), _mm256_castsi256_ps(d));
+        _mm256_or_ps(
+            _mm256_and_ps(d, _mm256_mul_ps(s1, s1)),
+            _mm256_andnot_ps(
+                d,
+                _mm256_or_ps(
+                    _mm256_and_ps(c, _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                    _mm256_andnot_ps(c, _mm256_fmadd_ps(k, j, k)),
+                ),
+            ),
+        )
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn silu_is_llama_cpps_avx2_silu_bit_for_bit() {
+        use std::arch::x86_64::*;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        // Small steps around 0, then the whole range out to where e^(−v) overflows, in lanes of
+        // eight: some vectors mix lanes of |n| ≤ 126 with larger ones (llama.cpp's slow branch).
+        let mut vs: Vec<f32> = (-400_000..400_000).map(|i| i as f32 * 2.5e-4).collect();
+        vs.extend((-2_000..2_000).map(|i| i as f32 * 0.1)); // ±200
+        vs.extend([
+            f32::MAX,
+            -f32::MAX,
+            1e-30,
+            -1e-30,
+            0.0,
+            -0.0,
+            88.5,
+            -88.5,
+            150.0,
+            -150.0,
+        ]);
+        vs.resize(vs.len().next_multiple_of(8), 1.0);
+        for v in vs.chunks_exact(8) {
+            // SAFETY: AVX2 and FMA are present (checked above).
+            let want: [f32; 8] = unsafe {
+                let x = _mm256_loadu_ps(v.as_ptr());
+                let neg = _mm256_sub_ps(_mm256_setzero_ps(), x);
+                let one_plus = _mm256_add_ps(_mm256_set1_ps(1.0), ggml_v_expf(neg));
+                std::mem::transmute(_mm256_div_ps(x, one_plus))
+            };
+            for (&x, w) in v.iter().zip(want) {
+                assert_eq!(
+                    silu(x).to_bits(),
+                    w.to_bits(),
+                    "silu({x}) = {} against {w}",
+                    silu(x)
+                );
+            }
+        }
     }
 
     /// `gated(act, ..)` on the halves of one `[1, t, 2f]` tensor, flattened.
