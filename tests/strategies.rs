@@ -430,8 +430,9 @@ fn the_gpus_path_run_on_the_cpu_picks_the_cpus_greedy_tokens_in_every_cache_comb
         // the neighbouring f16/bf16 value or quantization step, 30 layers over: measured up to
         // 8.2e-4 (f16), 5.4e-3 (bf16), 4.0e-3 (int8), 3.8e-2 (int4; 1.4e-3 with libm's SiLU
         // in the FFN, which only moves which 4-bit roundings sit near a tie). A flipped 4-bit
-        // rounding moves a value by 1/15 of its row's range, 17 times an 8-bit step, so int4's
-        // bound is 0.1 (the layer tests' int4 bound, `kv::layer`, is 0.2).
+        // rounding moves a value by an eighth of its group's largest magnitude, 16 times an
+        // 8-bit step (1/127): int4's bound is 0.1, the headroom over its measurement (2.6×)
+        // that int8's 1e-2 has over 4.0e-3. (The token check below follows from the bound.)
         let tol = match p {
             Precision::F32 => 1e-4,
             Precision::Int4 => 0.1,

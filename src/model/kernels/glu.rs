@@ -68,8 +68,9 @@ pub fn expf_ggml(x: f32) -> f32 {
 
 /// SiLU as llama.cpp's vectorized `ggml_v_silu`: v / (1 + e^(−v)), e^x by [`expf_ggml`]. Its
 /// SwiGLU (`ggml_vec_swiglu_f32`) multiplies this by up; so does [`gated`], so that the FFN's
-/// input to the down projection is llama.cpp's value for value (on SmolLM2, a few ulp here move
-/// a perplexity by up to 1 %, as the activation quantizers' last bits did).
+/// input to the down projection is llama.cpp's value for value (where the row length is a
+/// multiple of 8: llama.cpp takes libm's `expf` for the rest; on SmolLM2, a few ulp here move a
+/// perplexity by over 1 %, as the activation quantizers' last bits did).
 #[inline(always)]
 pub fn silu(v: f32) -> f32 {
     v / (1.0 + expf_ggml(-v))
