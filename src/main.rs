@@ -28,8 +28,23 @@ fn keep_freed_memory() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn keep_freed_memory() {}
 
+/// How many times an idle worker of candle's barrier pool (our matmuls' and candle's) polls for
+/// work before it parks, unless the user set `CANDLE_BARRIER_POOL_SPIN_LIMIT`: candle's default,
+/// 25,000 (about half a millisecond), keeps a worker spinning through a decode step's gaps, and
+/// when another process wants that core the scheduler then charges the spin to it and preempts
+/// it mid-step while the other thread waits at the barrier. Parking after 500 polls (~10 µs,
+/// still longer than the gap between two matmuls) gave SmolLM2 Q4_1 decode with one core kept
+/// busy by `yes` 48–58 tok/s against 21–30 (5 alternations, `kvchat bench --contexts 128 --gen
+/// 64`; 2,000 and 5,000 polls gave 38–44 and 25–40); quiet, the limits were within this VM's
+/// noise of each other (medians of 3: 500 147, 25,000 136 tok/s). Set here, before the pool or
+/// any other thread starts (the variable is read once, when the pool is made).
+const BARRIER_POOL_SPIN_LIMIT: &str = "500";
+
 fn main() {
     keep_freed_memory();
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", BARRIER_POOL_SPIN_LIMIT);
+    }
     let matches = Cli::command()
         .long_version(&*Box::leak(kvchat::cli::long_version().into_boxed_str()))
         .get_matches();
