@@ -39,11 +39,27 @@ fn keep_freed_memory() {}
 /// noise of each other (medians of 3: 500 147, 25,000 136 tok/s). Set here, before the pool or
 /// any other thread starts (the variable is read once, when the pool is made).
 const BARRIER_POOL_SPIN_LIMIT: &str = "500";
+const SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+
+/// Sets the pool's spin limit unless the user did; a value of theirs that candle could not read
+/// (it would fall back to 25,000 without a word) is refused in one line naming it.
+fn pool_spin_limit() -> anyhow::Result<()> {
+    match std::env::var_os(SPIN_LIMIT_VAR) {
+        None => std::env::set_var(SPIN_LIMIT_VAR, BARRIER_POOL_SPIN_LIMIT),
+        Some(v) if v.to_str().and_then(|s| s.parse::<u32>().ok()).is_some() => {}
+        Some(v) => anyhow::bail!(
+            "{SPIN_LIMIT_VAR}={v:?} is not a whole number of polls (0 to {}); unset it for \
+             kvchat's {BARRIER_POOL_SPIN_LIMIT}",
+            u32::MAX
+        ),
+    }
+    Ok(())
+}
 
 fn main() {
     keep_freed_memory();
-    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
-        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", BARRIER_POOL_SPIN_LIMIT);
+    if let Err(e) = pool_spin_limit() {
+        kvchat::cli::report::exit_with(&e);
     }
     let matches = Cli::command()
         .long_version(&*Box::leak(kvchat::cli::long_version().into_boxed_str()))

@@ -150,6 +150,21 @@ fn gguf_of_unsupported_architecture_is_an_error() {
 }
 
 #[test]
+fn a_pool_spin_limit_candle_cannot_read_is_an_error_naming_the_variable() {
+    for bad in ["abc", "-1", "4294967296", ""] {
+        let out = common::kvchat_env(
+            &["run", "hi"],
+            "",
+            &[("CANDLE_BARRIER_POOL_SPIN_LIMIT", std::ffi::OsStr::new(bad))],
+        );
+        assert_one_line_error(
+            &out,
+            &format!("CANDLE_BARRIER_POOL_SPIN_LIMIT={bad:?} is not a whole number of polls"),
+        );
+    }
+}
+
+#[test]
 fn empty_prompt_is_an_error() {
     assert_one_line_error(&kvchat(&["run", ""], ""), "the prompt is empty");
     assert_one_line_error(&kvchat(&["run", "--raw"], "\n"), "the prompt is empty");
