@@ -523,6 +523,12 @@ impl Engine {
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
         let text = template.render(messages, add_generation_prompt)?;
+        self.encode_rendered(&text, messages)
+    }
+
+    /// Token ids of `text`, which a chat template rendered from `messages`: the messages' content
+    /// is found in it and never becomes control tokens.
+    pub fn encode_rendered(&self, text: &str, messages: &[Message]) -> Result<Vec<u32>> {
         let mut spans = Vec::new();
         let mut at = 0;
         for m in messages {
@@ -542,7 +548,7 @@ impl Engine {
                 None => {}
             }
         }
-        self.tokenizer.encode_chat(&text, &spans)
+        self.tokenizer.encode_chat(text, &spans)
     }
 
     /// Token ids of a raw completion prompt (BOS first when the model wants one).

@@ -9,12 +9,18 @@ pub mod fsx;
 pub mod guard;
 pub mod interrupt;
 pub mod kv;
+pub mod membudget;
 pub mod model;
 pub mod plot;
 pub mod session;
 pub mod source;
 pub mod template;
 pub mod tokenizer;
+
+/// The system allocator, counting the bytes of threads under a memory budget (chat templates:
+/// `membudget`). Declared here so that the binary and every test of the library run on it.
+#[global_allocator]
+static ALLOCATOR: membudget::Counting = membudget::Counting;
 
 /// A JSON file, with errors that name it (config.json, tokenizer_config.json, safetensors indexes).
 pub fn read_json(path: &std::path::Path) -> anyhow::Result<serde_json::Value> {

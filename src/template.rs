@@ -65,6 +65,23 @@ const RECURSION_LIMIT: usize = 64;
 pub const MAX_OUTPUT: usize = 16 << 20;
 /// How long a render may take.
 const DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+/// The memory a render may hold at once (`membudget`), besides twice its messages' bytes (the
+/// template's copy of them and the output that repeats them): the output's 16 MiB, with room.
+pub const MEMORY_BUDGET: usize = 64 << 20;
+
+/// `text` as it can be shown inside a one-line message: control characters escaped, at most
+/// `max` characters (an ellipsis says the rest was cut).
+pub fn one_line(text: &str, max: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max)
+        .flat_map(char::escape_debug)
+        .collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
 
 /// A writer that fails once more than `left` bytes are written.
 struct Capped {
@@ -110,6 +127,12 @@ impl ChatTemplate {
         if spec.contains("{{") || spec.contains("{%") {
             return Self::new(spec, bos_token, eos_token);
         }
+        if spec.trim().is_empty() {
+            bail!(
+                "the chat template '{}' is blank: give a template name, Jinja text or a file",
+                one_line(spec, 40)
+            );
+        }
         let path = std::path::Path::new(spec);
         if std::fs::symlink_metadata(path).is_ok() {
             let text = crate::fsx::read_text(path, MAX_OUTPUT as u64, "chat template file")?;
@@ -118,7 +141,8 @@ impl ChatTemplate {
         let names: Vec<&str> = NAMED.iter().map(|(n, _)| *n).collect();
         let hint = crate::did_you_mean(spec, names.iter().copied());
         bail!(
-            "chat template '{spec}' is not a template name ({}), Jinja text or an existing file{hint}",
+            "chat template '{}' is not a template name ({}), Jinja text or an existing file{hint}",
+            one_line(spec, 80),
             names.join(", ")
         )
     }
@@ -137,7 +161,11 @@ impl ChatTemplate {
             let msg = e.to_string();
             // A template may refuse a conversation shape on purpose (raise_exception); that is
             // not a fault of the template. Running out of a limit is.
-            if msg.contains("limit") || msg.contains("deadline") || msg.contains("interrupted") {
+            if msg.contains("limit")
+                || msg.contains("deadline")
+                || msg.contains("interrupted")
+                || msg.contains("memory")
+            {
                 return Err(e);
             }
         }
@@ -168,16 +196,25 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant speaks.
-    /// Runs on a worker thread so that a deadline and Ctrl-C can end the wait; a render cut off
-    /// that way stops on its own when its fuel runs out.
+    /// Runs on a worker thread under a memory budget (`membudget`), so that a deadline, Ctrl-C
+    /// and the budget can end the wait: a render cut off by time stops on its own when its fuel
+    /// runs out, one cut off by memory sleeps for good holding at most its budget.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         let env = self.env(messages.len())?;
         let messages = messages.to_vec();
+        let input: usize = messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len())
+            .sum();
+        let budget =
+            crate::membudget::Budget::new(MEMORY_BUDGET.saturating_add(input.saturating_mul(2)));
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
         let (tx, rx) = std::sync::mpsc::channel();
+        let thread_budget = budget.clone();
         std::thread::Builder::new()
             .name("chat-template".into())
             .spawn(move || {
+                let _budget = crate::membudget::Budget::enter(&thread_budget);
                 let result = (|| -> Result<String> {
                     let tmpl = env.get_template("chat").map_err(|e| anyhow!("{e}"))?;
                     let mut out = Capped {
@@ -219,6 +256,12 @@ impl ChatTemplate {
                     bail!("chat template rendering failed")
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if budget.exceeded() {
+                        bail!(
+                            "chat template needs more than its memory limit of {} MiB (a value that grows without bound?)",
+                            budget.limit() >> 20
+                        );
+                    }
                     if crate::interrupt::stop_requested() {
                         bail!("chat template rendering interrupted");
                     }

@@ -22,6 +22,11 @@ fn temp(name: &str) -> PathBuf {
 /// kvchat with every cache under `home`, the hub at `hub` (or nowhere), `stdin` as input; killed
 /// (and the test failed) if it runs past 120 s: a hang is a failure, not a wait.
 fn kvchat(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> Output {
+    kvchat_measured(home, hub, args, stdin).0
+}
+
+/// [`kvchat`] and its peak resident memory in bytes.
+fn kvchat_measured(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> (Output, u64) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvchat"));
     c.args(args)
         .env("HF_HOME", home.join("hf"))
@@ -56,35 +61,7 @@ fn kvchat(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> Output
     ] {
         c.env_remove(v);
     }
-    let mut child = c
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    let data = stdin.to_vec();
-    let writer = std::thread::spawn(move || {
-        use std::io::Write;
-        let _ = input.write_all(&data);
-    });
-    let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "kvchat {args:?} hung; stderr: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = writer.join();
-    child.wait_with_output().unwrap()
+    common::run_measured(c, stdin, Duration::from_secs(120))
 }
 
 fn stderr(o: &Output) -> String {
@@ -360,6 +337,35 @@ fn run_with_cache(home: &Path, model: &Path, cache: &Path) -> Output {
         ],
         b"",
     )
+}
+
+#[test]
+fn a_temporary_file_a_killed_save_left_goes_at_the_next_save_and_nothing_else_does() {
+    let home = temp("pc-stale-temp");
+    let model = tiny_model("pc-stale-temp");
+    // The pid of a process that has exited (a `kill -9` mid-save leaves its pid on the file).
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = [format!(".c.kvc.tmp-{dead}"), format!(".c.kvc.tmp-{dead}-3")];
+    // Not kvchat's temporary files for c.kvc: another file's, a user's, a non-number.
+    let kept = [
+        format!(".other.kvc.tmp-{dead}-0"),
+        ".c.kvc.tmp-notes".to_string(),
+        format!("c.kvc.tmp-{dead}"),
+    ];
+    for f in stale.iter().chain(&kept) {
+        std::fs::write(home.join(f), vec![7u8; 1000]).unwrap();
+    }
+    let o = run_with_cache(&home, &model, &home.join("c.kvc"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(home.join("c.kvc").is_file());
+    for f in &stale {
+        assert!(!home.join(f).exists(), "{f} is still there");
+    }
+    for f in &kept {
+        assert_eq!(std::fs::read(home.join(f)).unwrap(), vec![7u8; 1000], "{f}");
+    }
 }
 
 #[test]
@@ -702,6 +708,93 @@ fn a_runaway_chat_template_on_the_command_line_is_a_one_line_error() {
         b"",
     );
     assert_refused(&o, "did you mean 'chatml'?");
+}
+
+/// The memory a small hostile input may take in all (issue 32): the model, the tokenizer and a
+/// render's budget, far from the gigabytes these inputs took before they were bounded.
+const SMALL_INPUT_PEAK: u64 = 512 << 20;
+
+#[test]
+fn templates_that_grow_a_value_past_the_memory_budget_are_refused_not_aborted() {
+    let cases = [
+        // A lazy repetition made real: 24 TB asked for at once.
+        "{{ ([1] * 10**12) | list | length }}",
+        "{{ [1] | batch(10**12, 'x') | list }}",
+        // A list and a string doubled 40 times.
+        "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | list | length }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+        // replace() blow-ups: 2 MB → 51 MB → 2.5 GB.
+        "{{ ('ab' * 1000000) | replace('a', 'a' * 50) | replace('a', 'a' * 50) | length }}",
+    ];
+    for src in cases {
+        let t0 = Instant::now();
+        let err = render(src).expect_err(src).to_string();
+        assert!(err.contains("memory limit of 64 MiB"), "{src}: {err}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{src}: too slow");
+    }
+}
+
+#[test]
+fn a_template_within_the_memory_budget_still_renders() {
+    // 8 MB of output: within the 16 MiB output cap and the 64 MiB budget.
+    let out = render("{{ 'x' * 8000000 }}").unwrap();
+    assert_eq!(out.len(), 8_000_000);
+}
+
+#[test]
+fn a_runaway_template_on_the_command_line_or_in_the_model_is_one_line_in_little_memory() {
+    let home = temp("template-memory");
+    let grow = "{{ ([1] * 10**12) | list | length }}";
+    let model = tiny_model("template-memory");
+    let m = model.to_str().unwrap();
+    let (o, peak) = kvchat_measured(
+        &home,
+        None,
+        &["run", "-m", m, "--chat-template", grow, "hi"],
+        b"",
+    );
+    assert_refused(
+        &o,
+        "--chat-template: chat template needs more than its memory limit",
+    );
+    assert!(peak < SMALL_INPUT_PEAK, "peak {peak} bytes");
+    // The same template as the model's own: every run of that model was an abort.
+    let mut meta = common::tiny::spm_metadata(common::tiny::VOCAB);
+    meta.push((
+        "tokenizer.chat_template".into(),
+        candle_core::quantized::gguf_file::Value::String(grow.into()),
+    ));
+    let model = common::tiny::write_tiny("hostile-template-memory-gguf", meta);
+    let (o, peak) = kvchat_measured(
+        &home,
+        None,
+        &["run", "-m", model.to_str().unwrap(), "hi"],
+        b"",
+    );
+    assert_refused(&o, "chat template needs more than its memory limit");
+    assert!(stderr(&o).contains("chat template of"), "{}", stderr(&o));
+    assert!(peak < SMALL_INPUT_PEAK, "peak {peak} bytes");
+}
+
+#[test]
+fn a_blank_chat_template_is_refused_with_its_text_on_one_line() {
+    let home = temp("template-blank");
+    let model = tiny_model("template-blank");
+    let m = model.to_str().unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &["run", "-m", m, "--chat-template", "   \n  ", "hi"],
+        b"",
+    );
+    assert_refused(&o, r"the chat template '   \n  ' is blank");
+    let o = kvchat(
+        &home,
+        None,
+        &["run", "-m", m, "--chat-template", "no\nsuch", "hi"],
+        b"",
+    );
+    assert_refused(&o, r"chat template 'no\nsuch' is not a template name");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1088,6 +1181,85 @@ fn a_prompt_far_beyond_the_context_is_refused_before_tokenizing() {
         &vec![b'a'; 65 << 20],
     );
     assert_refused(&o, "longer than");
+}
+
+#[test]
+fn a_huge_chat_line_is_refused_by_its_bytes_before_it_is_tokenized() {
+    let home = temp("chat-line-bytes");
+    let model = tiny_model("chat-line-bytes");
+    let m = model.to_str().unwrap();
+    // 10 MB (1.9 GB and 8.7 s before), and just under the 16 MiB line cap (3.2 GB before).
+    for len in [10_000_000usize, (16 << 20) - 1] {
+        let mut input = vec![b'a'; len];
+        input.push(b'\n');
+        let t0 = Instant::now();
+        let (o, peak) = kvchat_measured(
+            &home,
+            None,
+            &["chat", "-m", m, "--chat-template", "chatml"],
+            &input,
+        );
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!("the question is {len} bytes, at least")),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(peak < SMALL_INPUT_PEAK, "{len}: peak {peak} bytes");
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    }
+}
+
+#[test]
+fn a_system_message_longer_than_the_context_is_named_as_what_does_not_fit() {
+    let home = temp("system-too-long");
+    let model = tiny_model("system-too-long");
+    let m = model.to_str().unwrap();
+    let long = "hello ".repeat(2000);
+    let args = [
+        "-m",
+        m,
+        "--chat-template",
+        "chatml",
+        "--ctx",
+        "64",
+        "--system",
+        &long,
+    ];
+    // chat: refused before the first turn.
+    let o = kvchat(&home, None, &[&["chat"][..], &args].concat(), b"hi\n");
+    assert_refused(&o, "the system message is");
+    assert!(
+        stderr(&o).contains("more than the context of 64"),
+        "{}",
+        stderr(&o)
+    );
+    // run: the system message is named, not the prompt.
+    let o = kvchat(&home, None, &[&["run"][..], &args, &["hi"]].concat(), b"");
+    assert_refused(&o, "the system message is");
+    // Each alone fits, together they do not: both are named.
+    let half = "hello ".repeat(12);
+    let args = [
+        "-m",
+        m,
+        "--chat-template",
+        "chatml",
+        "--ctx",
+        "64",
+        "--system",
+        &half,
+    ];
+    let o = kvchat(
+        &home,
+        None,
+        &[&["chat"][..], &args].concat(),
+        format!("{half}\n").as_bytes(),
+    );
+    let err = stderr(&o);
+    assert!(err.contains("the system message ("), "{err}");
+    assert!(err.contains("and the question ("), "{err}");
+    assert!(err.contains("more than the context of 64"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -411,6 +411,7 @@ fn read_line_bounded(r: &mut impl BufRead, limit: u64) -> Result<Option<String>>
             buf.pop();
         }
     } else if n as u64 > limit {
+        // (The chat ends here: a piped script with a line this long is not one to go on with.)
         bail!("an input line is longer than {limit} bytes");
     }
     String::from_utf8(buf)
@@ -418,20 +419,33 @@ fn read_line_bounded(r: &mut impl BufRead, limit: u64) -> Result<Option<String>>
         .map_err(|_| anyhow::anyhow!("an input line is not UTF-8 text"))
 }
 
-/// Reads one turn's input: handles `\\` continuations and `"""` blocks. None at end of input.
+/// Reads one turn's input: handles `\\` continuations and `"""` blocks, at most [`MAX_LINE`]
+/// bytes in all. None at end of input.
 fn read_turn(mut next_line: impl FnMut(bool) -> Result<Option<String>>) -> Result<Option<String>> {
     let Some(first) = next_line(false)? else {
         return Ok(None);
     };
+    let too_long = |text: &str| -> Result<()> {
+        if text.len() as u64 > MAX_LINE {
+            bail!("an input turn is longer than {MAX_LINE} bytes");
+        }
+        Ok(())
+    };
     if first.trim() == "\"\"\"" {
-        let mut lines = Vec::new();
+        let mut text = String::new();
+        let mut first_line = true;
         while let Some(l) = next_line(true)? {
             if l.trim() == "\"\"\"" {
                 break;
             }
-            lines.push(l);
+            if !first_line {
+                text.push('\n');
+            }
+            first_line = false;
+            text.push_str(&l);
+            too_long(&text)?;
         }
-        return Ok(Some(lines.join("\n")));
+        return Ok(Some(text));
     }
     let mut text = first;
     while text.ends_with('\\') {
@@ -440,6 +454,7 @@ fn read_turn(mut next_line: impl FnMut(bool) -> Result<Option<String>>) -> Resul
             Some(l) => {
                 text.push('\n');
                 text.push_str(&l);
+                too_long(&text)?;
             }
             None => break,
         }
@@ -487,6 +502,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
         colour: style::stderr(),
         stats: args.stats,
     };
+    // A system message that alone fills the context is refused before the first turn.
+    chat.conv.check_system()?;
     let prompt_cache = args.prompt_cache.is_some();
     let session = &chat.conv.session;
     chat.conv.store = open_store(&args.store, store_budget, prompt_cache, &engine, session);

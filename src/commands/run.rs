@@ -63,14 +63,38 @@ pub fn run(args: RunArgs) -> Result<()> {
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
     let engine = Engine::load(&load)?;
-    // No tokenizer packs more than ~64 bytes into a token on real text: a longer prompt cannot
-    // fit the context, and tokenizing it first would take memory for nothing.
-    if prompt.len() > engine.ctx.saturating_mul(64) {
-        bail!(
-            "the prompt is {} bytes, which cannot fit the context of {} tokens (raise --ctx)",
-            prompt.len(),
-            engine.ctx
-        );
+    let spec = args.cache.spec(engine.ctx)?;
+    // Every text is checked by its bytes before it is tokenized (tokenizing takes ~180 bytes of
+    // memory per byte of text): n bytes are at least n / (the longest token's bytes) tokens.
+    let fits = |what: &str, text: &str| -> Result<()> {
+        let at_least = engine.tokenizer.min_tokens(text.len());
+        if spec.bounded_by_context() && at_least >= engine.ctx {
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "{what} is {} bytes, at least {at_least} tokens, which cannot fit the context of {}",
+                    text.len(),
+                    engine.ctx
+                ),
+            ));
+        }
+        // A window takes a sequence of any length; no tokenizer packs more than ~64 bytes into a
+        // token of real text, so a text past that is refused as not meant for this context.
+        if !spec.bounded_by_context() && text.len() > engine.ctx.saturating_mul(64) {
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "{what} is {} bytes, which cannot fit the context of {} tokens",
+                    text.len(),
+                    engine.ctx
+                ),
+            ));
+        }
+        Ok(())
+    };
+    fits("the prompt", &prompt)?;
+    if let Some(s) = args.system.as_deref().filter(|_| !args.raw) {
+        fits("the system message", s)?;
     }
     // Where the system message ends: the prefix store may end a block there.
     let mut boundaries = Vec::new();
@@ -83,17 +107,32 @@ pub fn run(args: RunArgs) -> Result<()> {
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", &prompt));
-        let ids = engine.chat_prompt(&template, &messages)?;
+        let text = template.render(&messages, true)?;
+        fits("the prompt in the chat template", &text)?;
+        let ids = engine.encode_rendered(&text, &messages)?;
         boundaries = engine.message_boundaries(&template, &messages, &ids);
         ids
     };
-    let spec = args.cache.spec(engine.ctx)?;
     if ids.len() >= engine.ctx && spec.bounded_by_context() {
-        bail!(
-            "the prompt is {} tokens, which does not fit the context of {} (raise --ctx)",
-            ids.len(),
-            engine.ctx
-        );
+        // Name the part that does not fit: the system message alone, else the prompt.
+        let system = match args.system.as_deref().filter(|_| !args.raw) {
+            Some(s) => engine.tokenizer.encode_literal(s)?.len(),
+            None => 0,
+        };
+        let what = if system >= engine.ctx {
+            format!("the system message is {system} tokens")
+        } else if system > 0 {
+            format!(
+                "the prompt with its system message of {system} tokens is {} tokens",
+                ids.len()
+            )
+        } else {
+            format!("the prompt is {} tokens", ids.len())
+        };
+        return Err(crate::fixable(
+            crate::Fix::RaiseContext,
+            format!("{what}, which does not fit the context of {}", engine.ctx),
+        ));
     }
     let mut session = engine.session(&spec);
     let sampling = engine.sampling_for(&sampling);

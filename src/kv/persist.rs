@@ -188,14 +188,10 @@ pub fn save(
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp_path = dir.join(format!(
-        ".{}.tmp-{}",
-        path.file_name().and_then(|f| f.to_str()).unwrap_or("kv"),
-        std::process::id()
-    ));
-    // create_new: never reuse (or follow a link planted at) the temporary name.
-    let (tmp, mut f) = TempFile::create(tmp_path.clone())
-        .with_context(|| format!("cannot write {}", tmp_path.display()))?;
+    // create_new: never reuse (or follow a link planted at) the temporary name; a temporary file
+    // for this path that a killed kvchat left is removed first.
+    let (tmp, mut f) = TempFile::beside(path)
+        .with_context(|| format!("cannot write a temporary file in {}", dir.display()))?;
     f.write_all(&bytes)
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", tmp.path().display()))?;

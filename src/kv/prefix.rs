@@ -47,8 +47,6 @@ const MAGIC: &[u8; 8] = b"KVCHATB1";
 const FORMAT: &str = "kvchat-kv-block/1";
 /// The longest header a block may have.
 const MAX_HEADER: usize = 64 << 10;
-/// A temporary file older than this was left by a process that died: removed on eviction.
-const STALE_TEMP: Duration = Duration::from_secs(3600);
 
 /// What the rows of a block depend on besides its tokens.
 #[derive(Debug, Clone)]
@@ -668,15 +666,7 @@ fn check_dir(dir: &Path) -> Result<()> {
 /// Writes `bytes` to `path` through a temporary file in the same directory, renamed into place,
 /// with the modification time `mtime` when given.
 fn write_atomically(path: &Path, bytes: &[u8], mtime: Option<SystemTime>) -> Result<()> {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("block"),
-        std::process::id(),
-        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
-    let (tmp, mut f) = TempFile::create(tmp).context("cannot create a temporary file")?;
+    let (tmp, mut f) = TempFile::beside(path).context("cannot create a temporary file")?;
     f.write_all(bytes)?;
     if let Some(t) = mtime {
         f.set_modified(t)?;
@@ -723,20 +713,7 @@ fn model_dirs(root: &Path) -> Vec<PathBuf> {
 /// files left by processes that died); returns how many blocks went. Call under the lock.
 fn evict(root: &Path, budget: u64) -> Result<usize> {
     for dir in std::iter::once(root.to_path_buf()).chain(model_dirs(root)) {
-        if let Ok(rd) = std::fs::read_dir(&dir) {
-            for e in rd.flatten() {
-                let name = e.file_name();
-                let stale = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age > STALE_TEMP);
-                if name.to_string_lossy().contains(".tmp-") && stale {
-                    let _ = std::fs::remove_file(e.path());
-                }
-            }
-        }
+        crate::interrupt::remove_stale(&dir, None);
     }
     let mut all = blocks(root);
     let mut total: u64 = all.iter().map(|b| b.1).sum();

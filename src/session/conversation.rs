@@ -33,6 +33,31 @@ impl std::str::FromStr for OnFull {
     }
 }
 
+/// How long a text is in tokens: counted, or the fewest it can be from its bytes (not tokenized).
+#[derive(Debug, Clone, Copy)]
+enum Length {
+    Counted(usize),
+    /// (tokens at least, bytes)
+    AtLeast(usize, usize),
+}
+
+impl Length {
+    fn tokens(self) -> usize {
+        match self {
+            Length::Counted(n) | Length::AtLeast(n, _) => n,
+        }
+    }
+}
+
+impl std::fmt::Display for Length {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Length::Counted(n) => write!(f, "{n} tokens"),
+            Length::AtLeast(n, bytes) => write!(f, "{bytes} bytes, at least {n} tokens"),
+        }
+    }
+}
+
 /// What one turn did.
 #[derive(Debug, Clone)]
 pub struct TurnStats {
@@ -113,6 +138,83 @@ impl<'e> Conversation<'e> {
             .encode_conversation(&self.template, &messages, answer)
     }
 
+    /// The conversation with `question`, rendered for an answer, as ids when it is shorter than
+    /// `limit` tokens; else its length — found from its bytes alone when they show it, before
+    /// tokenizing (which takes ~180 bytes of memory per byte of text).
+    fn render_within(&self, question: &str, limit: usize) -> Result<Result<Vec<u32>, Length>> {
+        let messages = self.messages(Some(question));
+        let text = self.template.render(&messages, true)?;
+        let at_least = self.engine.tokenizer.min_tokens(text.len());
+        if at_least >= limit {
+            return Ok(Err(Length::AtLeast(at_least, text.len())));
+        }
+        let ids = self.engine.encode_rendered(&text, &messages)?;
+        if ids.len() >= limit {
+            return Ok(Err(Length::Counted(ids.len())));
+        }
+        Ok(Ok(ids))
+    }
+
+    /// The length of `text` in tokens, counted only when its bytes do not already show it is
+    /// `limit` or more.
+    fn length(&self, text: &str, limit: usize) -> Result<Length> {
+        let tk = &self.engine.tokenizer;
+        let at_least = tk.min_tokens(text.len());
+        if at_least >= limit {
+            return Ok(Length::AtLeast(at_least, text.len()));
+        }
+        Ok(Length::Counted(tk.encode_literal(text)?.len()))
+    }
+
+    /// Why a conversation of no earlier turns (`whole` long) does not fit `limit`: the system
+    /// message alone, the question alone, or the two together.
+    fn does_not_fit(&self, question: &str, whole: Length, limit: usize) -> Result<anyhow::Error> {
+        let system = match &self.system {
+            Some(s) => Some(self.length(s, limit)?),
+            None => None,
+        };
+        let why = match system {
+            Some(s) if s.tokens() >= limit => {
+                format!("the system message is {s}, more than the context of {limit}")
+            }
+            _ => {
+                let q = self.length(question, limit)?;
+                match system {
+                    _ if q.tokens() >= limit => {
+                        format!("the question is {q}, more than the context of {limit}")
+                    }
+                    Some(s) => format!(
+                        "the system message ({s}) and the question ({q}) are {whole} in the chat template, more than the context of {limit}"
+                    ),
+                    None => format!(
+                        "the question ({q}) is {whole} in the chat template, more than the context of {limit}"
+                    ),
+                }
+            }
+        };
+        Ok(crate::fixable(crate::Fix::RaiseContext, why))
+    }
+
+    /// The fewest tokens `text` can be, from its bytes.
+    fn length_bound(&self, text: &str) -> Length {
+        Length::AtLeast(self.engine.tokenizer.min_tokens(text.len()), text.len())
+    }
+
+    /// Refuses a system message that alone fills `limit` positions (before any turn is asked).
+    pub fn check_system(&self) -> Result<()> {
+        let limit = self.session.max_positions();
+        if let Some(s) = &self.system {
+            let n = self.length(s, limit)?;
+            if n.tokens() >= limit {
+                return Err(crate::fixable(
+                    crate::Fix::RaiseContext,
+                    format!("the system message is {n}, more than the context of {limit}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Asks `question`; `on_text` gets the answer as it streams. Generation stops early when
     /// `interrupt` is set (the partial answer stays as the assistant's turn).
     pub fn ask(
@@ -127,33 +229,40 @@ impl<'e> Conversation<'e> {
             bail!("the question is empty");
         }
         let limit = self.session.max_positions();
-        let mut ids = self.render_ids(Some(question), true)?;
+        // A question whose bytes alone cannot fit is refused before it is rendered or tokenized.
+        if let q @ Length::AtLeast(..) = self.length_bound(question) {
+            if q.tokens() >= limit {
+                return Err(crate::fixable(
+                    crate::Fix::RaiseContext,
+                    format!("the question is {q}, more than the context of {limit}"),
+                ));
+            }
+        }
         let mut shifted = 0;
-        while ids.len() >= limit {
+        let ids = loop {
+            let whole = match self.render_within(question, limit)? {
+                Ok(ids) => break ids,
+                Err(whole) => whole,
+            };
+            if self.turns.is_empty() {
+                return Err(self.does_not_fit(question, whole, limit)?);
+            }
             match self.on_full {
                 OnFull::Stop => {
                     return Err(crate::fixable(
                         crate::Fix::ChatFull,
                         format!(
-                        "the conversation is {} tokens and no longer fits the context of {limit}",
-                        ids.len()
-                    ),
+                            "the conversation is {whole} and no longer fits the context of {limit}"
+                        ),
                     ))
                 }
                 OnFull::Shift => {
-                    if self.turns.is_empty() {
-                        bail!(
-                            "the question alone is {} tokens, more than the context of {limit}",
-                            ids.len()
-                        );
-                    }
                     self.turns.remove(0);
                     self.shifted_out += 1;
                     shifted += 1;
-                    ids = self.render_ids(Some(question), true)?;
                 }
             }
-        }
+        };
         let mut reused = self.session.keep_prefix_of(&ids)?;
         // Nothing of the conversation in the cache: the store may hold its start, and what is
         // prefilled now is one prefill (see session::prefix).

@@ -64,6 +64,8 @@ pub struct Tokenizer {
     pub eos_id: Option<u32>,
     /// Whether a BOS token goes before the prompt (`tokenizer.ggml.add_bos_token`).
     pub add_bos: bool,
+    /// The longest token text's bytes ([`Tokenizer::max_token_bytes`]), found on first use.
+    longest: std::sync::OnceLock<usize>,
 }
 
 // One per loaded model: the variants' sizes do not matter.
@@ -206,6 +208,7 @@ impl Tokenizer {
             bos_id: md_u32(ct, "tokenizer.ggml.bos_token_id"),
             eos_id: md_u32(ct, "tokenizer.ggml.eos_token_id"),
             add_bos: md_bool(ct, "tokenizer.ggml.add_bos_token").unwrap_or(model == "llama"),
+            longest: Default::default(),
         })
     }
 
@@ -219,6 +222,7 @@ impl Tokenizer {
             bos_id: fallback.and_then(|t| t.bos_id),
             eos_id: fallback.and_then(|t| t.eos_id),
             add_bos: fallback.is_some_and(|t| t.add_bos),
+            longest: Default::default(),
         })
     }
 
@@ -258,6 +262,7 @@ impl Tokenizer {
                 .get("add_bos_token")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
+            longest: Default::default(),
             backend: Backend::hf(inner),
         };
         Ok((tk, template))
@@ -368,6 +373,29 @@ impl Tokenizer {
             Backend::Hf { inner, .. } => inner.token_to_id(token),
             Backend::Spm(spm) => spm.token_id(token),
         }
+    }
+
+    /// The most bytes of text one token stands for: the longest token text of the vocabulary. A
+    /// token's text is never shorter than the text it covers (byte-level BPE spells each byte as
+    /// one character, SentencePiece a space as the 3-byte "▁" and a byte as "<0xNN>"), so a text
+    /// of n bytes is at least n / this many tokens: [`Tokenizer::min_tokens`].
+    pub fn max_token_bytes(&self) -> usize {
+        *self.longest.get_or_init(|| {
+            let longest = match &self.backend {
+                Backend::Hf { inner, .. } => inner.get_vocab(true).keys().map(String::len).max(),
+                Backend::Spm(spm) => (0..spm.len() as u32)
+                    .filter_map(|i| spm.token_text(i))
+                    .map(str::len)
+                    .max(),
+            };
+            longest.unwrap_or(1).max(1)
+        })
+    }
+
+    /// The fewest tokens that `bytes` bytes of text can become: what a text can be checked
+    /// against before it is tokenized (which takes ~180 bytes of memory per byte of text).
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.max_token_bytes())
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -112,3 +112,60 @@ pub fn kvchat_env(args: &[&str], stdin: &str, env: &[(&str, &std::ffi::OsStr)]) 
         .unwrap();
     child.wait_with_output().unwrap()
 }
+
+/// Runs `cmd` with `stdin` as its input until it exits; returns what it printed and its peak
+/// resident memory in bytes (`wait4`'s `ru_maxrss`: this child's alone, whatever other tests run
+/// beside it). A run past `limit` is killed and the test fails: a hang is a failure, not a wait.
+pub fn run_measured(mut cmd: Command, stdin: &[u8], limit: std::time::Duration) -> (Output, u64) {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    // Reaped by wait4 below (std's wait would lose the child's rusage), or killed and waited.
+    #[allow(clippy::zombie_processes)]
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let data = stdin.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = input.write_all(&data);
+    });
+    let reader = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = reader(Box::new(child.stdout.take().unwrap()));
+    let err = reader(Box::new(child.stderr.take().unwrap()));
+    let pid = child.id() as libc::pid_t;
+    let start = std::time::Instant::now();
+    let (status, peak) = loop {
+        let mut status = 0;
+        // SAFETY: rusage is plain data that wait4 fills; all-zero bytes are a valid value of it.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: wait4 writes only through the two pointers, to locals that outlive the call.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        assert!(r >= 0, "wait4: {}", std::io::Error::last_os_error());
+        if r == pid {
+            break (status, usage.ru_maxrss as u64 * 1024);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = err.join().unwrap();
+            panic!("{cmd:?} hung; stderr: {}", String::from_utf8_lossy(&err));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let _ = writer.join();
+    let output = Output {
+        status: std::process::ExitStatus::from_raw(status),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    };
+    (output, peak)
+}
