@@ -16,6 +16,8 @@ pub struct Engine {
     pub model: Llama,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// Why the model's own template is not `template`, when it has one that cannot run.
+    template_problem: Option<String>,
     /// Ids that end generation: EOS and the template's end-of-turn tokens.
     pub stop_ids: Vec<u32>,
     /// The most positions a sequence may reach (`--ctx`).
@@ -433,12 +435,23 @@ impl Engine {
         digest: String,
         weights: &str,
     ) -> Result<Self> {
-        let template = match template_src {
-            Some(src) => Some(
-                ChatTemplate::new(&src, &tokenizer.bos_text(), &tokenizer.eos_text())
-                    .with_context(|| format!("chat template of {}", path.display()))?,
-            ),
-            None => None,
+        // A model whose own template cannot run (it does not parse, or trips a limit) still loads:
+        // `--chat-template` or a raw prompt can use it, and asking for its template says why not.
+        let (template, template_problem) = match template_src {
+            Some(src) => {
+                match ChatTemplate::new(&src, &tokenizer.bos_text(), &tokenizer.eos_text()) {
+                    Ok(t) => (Some(t), None),
+                    Err(e) => (
+                        None,
+                        Some(format!(
+                            "the chat template of {}: {}",
+                            path.display(),
+                            crate::error_line(&e)
+                        )),
+                    ),
+                }
+            }
+            None => (None, None),
         };
         let mut stop_ids: Vec<u32> = tokenizer.eos_id.into_iter().collect();
         if let Some(t) = &template {
@@ -461,6 +474,7 @@ impl Engine {
             model,
             tokenizer,
             template,
+            template_problem,
             stop_ids,
             ctx,
             device,
@@ -481,6 +495,10 @@ impl Engine {
         match (override_spec, &self.template) {
             (Some(spec), _) => ChatTemplate::from_spec(spec, &tk.bos_text(), &tk.eos_text()),
             (None, Some(t)) => Ok(t.clone()),
+            (None, None) if self.template_problem.is_some() => Err(crate::fixable(
+                crate::Fix::ChatTemplate,
+                self.template_problem.clone().unwrap_or_default(),
+            )),
             (None, None) => Err(crate::fixable(
                 crate::Fix::ChatTemplate,
                 format!("{} has no chat template", self.path.display()),

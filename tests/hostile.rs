@@ -772,8 +772,24 @@ fn a_runaway_template_on_the_command_line_or_in_the_model_is_one_line_in_little_
         b"",
     );
     assert_refused(&o, "chat template needs more than its memory limit");
-    assert!(stderr(&o).contains("chat template of"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the chat template of"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stderr(&o).contains("--chat-template"), "{}", stderr(&o));
     assert!(peak < SMALL_INPUT_PEAK, "peak {peak} bytes");
+    // The model still runs with another template, or a raw prompt.
+    for extra in [&["--chat-template", "chatml"][..], &["--raw"][..]] {
+        let args = [
+            &["run", "-m", model.to_str().unwrap(), "-n", "2"][..],
+            extra,
+            &["hi"],
+        ]
+        .concat();
+        let o = kvchat(&home, None, &args, b"");
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+    }
 }
 
 #[test]
