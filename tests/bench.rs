@@ -21,7 +21,7 @@ fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
         kv_heads: Some(kv_heads),
         head_dim: Some(head_dim),
         heads: None,
-        dtype: "f16".into(),
+        dtype: Storage::F16,
         ctx: 4096,
         users: 8,
         window: None,

@@ -102,11 +102,11 @@ pub struct CacheArgs {
     pub kv_sinks: usize,
     /// How the cache stores keys and values: f32, f16, bf16, int8 or int4 (8/4 bits, a f16 scale
     /// per 32 values), all read in place by attention [default: f16]
-    #[arg(long, value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "int8", "int4"])]
-    pub kv_type: Option<String>,
+    #[arg(long, value_name = "TYPE", value_parser = precision_parser(false))]
+    pub kv_type: Option<Precision>,
     /// Quantize the cache (the same as --kv-type)
-    #[arg(long, value_name = "TYPE", value_parser = ["int8", "int4"], conflicts_with = "kv_type")]
-    pub kv_quant: Option<String>,
+    #[arg(long, value_name = "TYPE", value_parser = precision_parser(true), conflicts_with = "kv_type")]
+    pub kv_quant: Option<Precision>,
     /// With int8/int4: how many most recent positions are also kept in f16
     #[arg(long, value_name = "R", default_value_t = DEFAULT_RESIDUAL, alias = "kv-quant-residual")]
     pub kv_residual: usize,
@@ -115,14 +115,25 @@ pub struct CacheArgs {
     pub kv_offload: bool,
 }
 
+/// clap's parser of a KV precision: the precision table's names (`model::cache`), the quantized
+/// ones alone when `quantized_only`.
+pub(crate) fn precision_parser(
+    quantized_only: bool,
+) -> impl clap::builder::TypedValueParser<Value = Precision> {
+    use clap::builder::TypedValueParser;
+    let names = Precision::ALL
+        .into_iter()
+        .filter(move |p| !quantized_only || p.quantized())
+        .map(Precision::name);
+    clap::builder::PossibleValuesParser::new(names)
+        .map(|name| Precision::parse(&name).expect("a name from the table"))
+}
+
 impl CacheArgs {
     /// The cache mode these flags select. Conflicts and impossible values are refused here, before
     /// anything loads, each naming its flag.
     pub fn mode(&self) -> Result<CacheMode> {
-        let kv_type = self.kv_quant.as_deref().or(self.kv_type.as_deref());
-        let precision = kv_type
-            .and_then(Precision::parse)
-            .unwrap_or(DEFAULT_PRECISION);
+        let precision = self.kv_quant.or(self.kv_type).unwrap_or(DEFAULT_PRECISION);
         if self.kv_residual != DEFAULT_RESIDUAL && !precision.quantized() {
             bail!("--kv-residual applies to a quantized cache only (add --kv-type int8 or int4)");
         }

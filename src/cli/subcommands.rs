@@ -1,7 +1,7 @@
 //! Each subcommand's flags. The shared groups (model, cache, sampling) are in `options.rs`, with
 //! their conversion into library options.
 
-use super::options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
+use super::options::{precision_parser, CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 
@@ -161,8 +161,8 @@ pub struct KvSizeArgs {
     #[arg(long)]
     pub heads: Option<usize>,
     /// The storage mode of the headline figures: f32, f16 (the cache's default), bf16, int8, int4
-    #[arg(long, default_value = "f16")]
-    pub dtype: String,
+    #[arg(long, default_value = "f16", value_parser = precision_parser(false))]
+    pub dtype: crate::kv::Precision,
     /// Context length, in tokens
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,

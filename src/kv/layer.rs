@@ -649,23 +649,12 @@ impl Layer {
 /// Whether stored float rows are all finite, read from their bytes: `None` for a quantized
 /// precision (whose rows must be decoded to tell).
 fn raw_finite(p: Precision, bytes: &[u8]) -> Option<std::result::Result<(), &'static str>> {
-    // The exponent bits of each format: all set means infinity or NaN.
-    let bad = match p {
-        Precision::F32 => bytes
-            .chunks_exact(4)
-            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
-        Precision::F16 => bytes
-            .chunks_exact(2)
-            .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
-        Precision::Bf16 => bytes
-            .chunks_exact(2)
-            .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
-        Precision::Int8 | Precision::Int4 => return None,
-    };
-    Some(if bad {
-        Err("NaN or infinite values")
-    } else {
-        Ok(())
+    p.all_finite(bytes).map(|ok| {
+        if ok {
+            Ok(())
+        } else {
+            Err("NaN or infinite values")
+        }
     })
 }
 
@@ -951,8 +940,8 @@ mod tests {
     }
 
     #[test]
-    fn quantized_rows_kept_as_tensors_save_the_host_stores_bytes() {
-        for p in [Precision::Int8, Precision::Int4] {
+    fn rows_kept_as_tensors_save_the_host_stores_bytes() {
+        for p in Precision::ALL {
             let mut host = layer(p, Retention::All);
             let mut tensors = Layer::new(&spec(p, Retention::All), NKV, HD, Some(&Device::Cpu));
             run(&mut host, &STEPS);

@@ -12,7 +12,7 @@
 //!
 //! Encoding gives the codec's bytes, ties and signed zeros included (tested against it).
 
-use crate::model::cache::Precision;
+use crate::model::cache::{OnDevice, Precision, Quants};
 use crate::model::kernels::kvrows::QK;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -25,13 +25,20 @@ pub struct QRows {
     pub d: Tensor,
 }
 
-/// Bytes of one row's quants.
-pub fn quant_bytes(p: Precision, hd: usize) -> usize {
-    if p == Precision::Int4 {
-        hd / 2
-    } else {
-        hd
+/// How `p`'s quants are kept (the precision table's [`OnDevice::Quantized`]).
+fn quants(p: Precision) -> Result<Quants> {
+    match p.on_device() {
+        OnDevice::Quantized(q) => Ok(q),
+        OnDevice::Float(_) => bail!("{p:?} rows are not quantized"),
     }
+}
+
+/// Bytes of one row's quants.
+pub fn quant_bytes(p: Precision, hd: usize) -> Result<usize> {
+    Ok(match quants(p)? {
+        Quants::Byte => hd,
+        Quants::Nibble => hd / 2,
+    })
 }
 
 /// `x` `[1, nkv, n, hd]` quantized where it lies.
@@ -43,8 +50,8 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
     let g = hd / QK;
     let dev = x.device();
     let x = x.to_dtype(DType::F32)?.reshape((b, nkv, n, g, QK))?; // [1, nkv, n, g, QK]
-    let (d, lo, hi) = match p {
-        Precision::Int8 => {
+    let (d, lo, hi) = match quants(p)? {
+        Quants::Byte => {
             let amax = x.abs()?.max_keepdim(4)?; // [1, nkv, n, g, 1]
                                                  // A division, as the codec does (candle's `/ f64` multiplies by the inverse).
             (
@@ -53,7 +60,7 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
                 127.0,
             )
         }
-        Precision::Int4 => {
+        Quants::Nibble => {
             // The value of largest magnitude, with its sign, maps to −8 exactly (ggml's q4_0); of
             // several, the first, as the codec's scan takes it: each one weighted by QK − j, the
             // largest weight is the first.
@@ -68,7 +75,6 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
             // Divided, not multiplied (candle's affine adds +0.0, which turns −0 into +0).
             (m.broadcast_div(&Tensor::new(-8f32, dev)?)?, -8.0, 7.0)
         }
-        _ => bail!("{p:?} rows are not quantized"),
     };
     let d = d.to_dtype(DType::F16)?; // [1, nkv, n, g, 1]
     let df = d.to_dtype(DType::F32)?;
@@ -76,9 +82,9 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
     // codec's `q = 0` for such a group.
     let safe = (&df + df.eq(0f32)?.to_dtype(DType::F32)?)?;
     let q = x.broadcast_div(&safe)?.round()?.clamp(lo, hi)?; // [1, nkv, n, g, QK]
-    let q = match p {
-        Precision::Int8 => (q + 128.0)?.to_dtype(DType::U8)?.reshape((b, nkv, n, hd))?,
-        _ => {
+    let q = match quants(p)? {
+        Quants::Byte => (q + 128.0)?.to_dtype(DType::U8)?.reshape((b, nkv, n, hd))?,
+        Quants::Nibble => {
             let q = (q + 8.0)?;
             let (low, high) = (q.narrow(4, 0, QK / 2)?, q.narrow(4, QK / 2, QK / 2)?);
             (low + (high * 16.0)?)?
@@ -96,15 +102,14 @@ pub fn encode(x: &Tensor, p: Precision) -> Result<QRows> {
 pub fn decode(r: &QRows, p: Precision) -> Result<Tensor> {
     let (b, nkv, n, g) = r.d.dims4()?;
     let q = r.q.to_dtype(DType::F32)?;
-    let q = match p {
-        Precision::Int8 => (q - 128.0)?.reshape((b, nkv, n, g, QK))?,
-        Precision::Int4 => {
+    let q = match quants(p)? {
+        Quants::Byte => (q - 128.0)?.reshape((b, nkv, n, g, QK))?,
+        Quants::Nibble => {
             let q = q.reshape((b, nkv, n, g, QK / 2))?;
             let high = (q.clone() * 0.0625)?.floor()?;
             let low = (q - (&high * 16.0)?)?;
             (Tensor::cat(&[low, high], 4)? - 8.0)?
         }
-        _ => bail!("{p:?} rows are not quantized"),
     };
     let d = r.d.to_dtype(DType::F32)?.unsqueeze(4)?; // [1, nkv, n, g, 1]
     Ok(q.broadcast_mul(&d)?.reshape((b, nkv, n, g * QK))?)
@@ -118,7 +123,8 @@ pub fn from_host(
     (nkv, n, hd): (usize, usize, usize),
     device: &Device,
 ) -> Result<QRows> {
-    let (qb, g) = (quant_bytes(p, hd), hd / QK);
+    let (qb, g) = (quant_bytes(p, hd)?, hd / QK);
+    let byte = quants(p)? == Quants::Byte;
     let row = qb + 2 * g;
     if bytes.len() != nkv * n * row {
         bail!(
@@ -129,10 +135,11 @@ pub fn from_host(
     let mut q = Vec::with_capacity(nkv * n * qb);
     let mut d = Vec::with_capacity(nkv * n * g);
     for r in bytes.chunks_exact(row) {
-        match p {
+        if byte {
             // The codec stores q as i8; the tensor as q + 128.
-            Precision::Int8 => q.extend(r[..qb].iter().map(|b| b ^ 0x80)),
-            _ => q.extend_from_slice(&r[..qb]),
+            q.extend(r[..qb].iter().map(|b| b ^ 0x80));
+        } else {
+            q.extend_from_slice(&r[..qb]);
         }
         d.extend(
             r[qb..]
@@ -152,11 +159,13 @@ pub fn to_host(r: &QRows, p: Precision) -> Result<Vec<u8>> {
     let g = r.d.dim(3)?;
     let q: Vec<u8> = r.q.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
     let d: Vec<f16> = r.d.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+    let byte = quants(p)? == Quants::Byte;
     let mut out = Vec::with_capacity(nkv * n * (qb + 2 * g));
     for (qs, ds) in q.chunks_exact(qb).zip(d.chunks_exact(g)) {
-        match p {
-            Precision::Int8 => out.extend(qs.iter().map(|b| b ^ 0x80)),
-            _ => out.extend_from_slice(qs),
+        if byte {
+            out.extend(qs.iter().map(|b| b ^ 0x80));
+        } else {
+            out.extend_from_slice(qs);
         }
         for s in ds {
             out.extend_from_slice(&s.to_le_bytes());

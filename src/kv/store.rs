@@ -9,7 +9,7 @@
 //! running the GPU's path).
 
 use super::qrows::{self, QRows};
-use crate::model::cache::{HostRows, Part, Precision, Rows};
+use crate::model::cache::{with_codec, HostRows, OnDevice, Part, Precision, RowFormat, Rows};
 use crate::model::kernels::kvrows::{self, Codec};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -51,20 +51,12 @@ pub fn stage(
     let p = store.precision();
     let shape = (1, nkv, len, hd);
     let put = |bytes: &[u8]| -> Result<Tensor> {
-        Ok(match p {
-            Precision::F32 => {
-                let xs: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
+        Ok(match p.on_device() {
+            OnDevice::Float(_) => with_codec!(p, |C| {
+                let xs: Vec<<C as Codec>::E> = bytemuck::pod_collect_to_vec(bytes);
                 Tensor::from_vec(xs, shape, device)?
-            }
-            Precision::F16 => {
-                let xs: Vec<half::f16> = bytemuck::pod_collect_to_vec(bytes);
-                Tensor::from_vec(xs, shape, device)?
-            }
-            Precision::Bf16 => {
-                let xs: Vec<half::bf16> = bytemuck::pod_collect_to_vec(bytes);
-                Tensor::from_vec(xs, shape, device)?
-            }
-            Precision::Int8 | Precision::Int4 => {
+            }),
+            OnDevice::Quantized(_) => {
                 let r = qrows::from_host(bytes, p, (nkv, len, hd), device)?;
                 qrows::decode(&r, p)?
             }
@@ -81,70 +73,29 @@ pub fn new_store(
     on_device: Option<&Device>,
 ) -> Box<dyn Store> {
     if let Some(dev) = on_device {
-        return if precision.quantized() {
-            Box::new(QDeviceStore::new(
+        return match precision.on_device() {
+            OnDevice::Float(dtype) => Box::new(DeviceStore::new(
+                precision,
+                dtype,
+                n_kv_heads,
+                head_dim,
+                dev.clone(),
+            )),
+            OnDevice::Quantized(_) => Box::new(QDeviceStore::new(
                 precision,
                 n_kv_heads,
                 head_dim,
                 dev.clone(),
-            ))
-        } else {
-            Box::new(DeviceStore::new(
-                precision,
-                n_kv_heads,
-                head_dim,
-                dev.clone(),
-            ))
+            )),
         };
     }
-    match precision {
-        Precision::F32 => Box::new(HostStore::<kvrows::F32>::new(n_kv_heads, head_dim)),
-        Precision::F16 => Box::new(HostStore::<kvrows::F16>::new(n_kv_heads, head_dim)),
-        Precision::Bf16 => Box::new(HostStore::<kvrows::Bf16>::new(n_kv_heads, head_dim)),
-        Precision::Int8 => Box::new(HostStore::<kvrows::Q8>::new(n_kv_heads, head_dim)),
-        Precision::Int4 => Box::new(HostStore::<kvrows::Q4>::new(n_kv_heads, head_dim)),
-    }
-}
-
-/// A row format as the cache knows it: its precision and how its rows enter a view.
-pub trait Format: Codec {
-    const PRECISION: Precision;
-    fn rows(x: HostRows<'_, Self::E>) -> Rows<'_>;
-}
-
-impl Format for kvrows::F32 {
-    const PRECISION: Precision = Precision::F32;
-    fn rows(x: HostRows<'_, f32>) -> Rows<'_> {
-        Rows::F32(x)
-    }
-}
-impl Format for kvrows::F16 {
-    const PRECISION: Precision = Precision::F16;
-    fn rows(x: HostRows<'_, half::f16>) -> Rows<'_> {
-        Rows::F16(x)
-    }
-}
-impl Format for kvrows::Bf16 {
-    const PRECISION: Precision = Precision::Bf16;
-    fn rows(x: HostRows<'_, half::bf16>) -> Rows<'_> {
-        Rows::Bf16(x)
-    }
-}
-impl Format for kvrows::Q8 {
-    const PRECISION: Precision = Precision::Int8;
-    fn rows(x: HostRows<'_, u8>) -> Rows<'_> {
-        Rows::Q8(x)
-    }
-}
-impl Format for kvrows::Q4 {
-    const PRECISION: Precision = Precision::Int4;
-    fn rows(x: HostRows<'_, u8>) -> Rows<'_> {
-        Rows::Q4(x)
-    }
+    with_codec!(precision, |C| Box::new(HostStore::<C>::new(
+        n_kv_heads, head_dim
+    )))
 }
 
 /// Rows in host memory, `[n_kv_heads, capacity, row_len]` elements of `C::E` for keys and values.
-pub struct HostStore<C: Format> {
+pub struct HostStore<C: RowFormat> {
     nkv: usize,
     hd: usize,
     row: usize,
@@ -153,7 +104,7 @@ pub struct HostStore<C: Format> {
     v: Vec<C::E>,
 }
 
-impl<C: Format> HostStore<C> {
+impl<C: RowFormat> HostStore<C> {
     pub fn new(nkv: usize, hd: usize) -> Self {
         Self {
             nkv,
@@ -182,7 +133,7 @@ impl<C: Format> HostStore<C> {
     }
 }
 
-impl<C: Format> Store for HostStore<C> {
+impl<C: RowFormat> Store for HostStore<C> {
     fn precision(&self) -> Precision {
         C::PRECISION
     }
@@ -320,6 +271,7 @@ impl<C: Format> Store for HostStore<C> {
 /// Float rows as tensors on a CUDA/Metal device, `[1, n_kv_heads, capacity, head_dim]` each.
 pub struct DeviceStore {
     precision: Precision,
+    dtype: DType,
     nkv: usize,
     hd: usize,
     cap: usize,
@@ -328,9 +280,11 @@ pub struct DeviceStore {
 }
 
 impl DeviceStore {
-    pub fn new(precision: Precision, nkv: usize, hd: usize, device: Device) -> Self {
+    /// Rows of `precision` kept as `dtype` tensors (the precision's [`OnDevice::Float`]).
+    pub fn new(precision: Precision, dtype: DType, nkv: usize, hd: usize, device: Device) -> Self {
         Self {
             precision,
+            dtype,
             nkv,
             hd,
             cap: 0,
@@ -340,11 +294,7 @@ impl DeviceStore {
     }
 
     fn dtype(&self) -> DType {
-        match self.precision {
-            Precision::F32 => DType::F32,
-            Precision::Bf16 => DType::BF16,
-            _ => DType::F16,
-        }
+        self.dtype
     }
 
     fn buffers(&self, slot: usize, len: usize) -> Result<(&Tensor, &Tensor)> {
@@ -511,7 +461,7 @@ impl Store for QDeviceStore {
         if let Some(why) = self.precision.unfit(self.hd) {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }
-        let qb = qrows::quant_bytes(self.precision, self.hd);
+        let qb = qrows::quant_bytes(self.precision, self.hd)?;
         let g = self.hd / kvrows::QK;
         let fresh = || -> Result<QRows> {
             Ok(QRows {
@@ -577,5 +527,44 @@ impl Store for QDeviceStore {
 
     fn bytes(&self) -> usize {
         2 * self.nkv * self.cap * self.precision.row_bytes(self.hd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row of the precision table (`model::cache`) reaches every piece: a name that parses
+    /// back, host and device stores that keep the codec's bytes, staging from host bytes, and a
+    /// finite check exactly where the bytes can tell. A row that lacks one fails here.
+    #[test]
+    fn every_precision_in_the_table_has_every_piece() {
+        let (nkv, hd, n) = (2, 64, 3);
+        let x = Tensor::randn(0f32, 1.0, (1, nkv, n, hd), &Device::Cpu).unwrap();
+        for (i, p) in Precision::ALL.into_iter().enumerate() {
+            assert_eq!(Precision::parse(p.name()), Some(p));
+            assert_eq!(Precision::NAMES[i], p.name());
+            let mut host = new_store(p, nkv, hd, None);
+            let mut dev = new_store(p, nkv, hd, Some(&Device::Cpu));
+            for s in [&mut host, &mut dev] {
+                assert_eq!(s.precision(), p);
+                s.grow(n, 0).unwrap();
+                s.write(0, &x, &x).unwrap();
+                assert_eq!(s.part(0, n, 0).unwrap().rows.len(), n, "{p:?}");
+            }
+            let (k, v) = host.raw(0, n).unwrap();
+            assert_eq!(k.len(), nkv * n * p.row_bytes(hd), "{p:?}");
+            // The device path encodes to the codec's bytes, so states move between the two.
+            assert_eq!(dev.raw(0, n).unwrap(), (k.clone(), v), "{p:?}");
+            // Offloaded rows staged from those bytes are the device store's rows.
+            let (staged, _) = stage(host.as_ref(), (nkv, hd), 0, n, &Device::Cpu).unwrap();
+            assert_eq!(staged.dims(), &[1, nkv, n, hd], "{p:?}");
+            assert_eq!(p.all_finite(&k), (!p.quantized()).then_some(true), "{p:?}");
+            if !p.quantized() {
+                let nan = Tensor::full(f32::NAN, (1, nkv, 1, hd), &Device::Cpu).unwrap();
+                host.write(0, &nan, &nan).unwrap();
+                assert_eq!(p.all_finite(&host.raw(0, 1).unwrap().0), Some(false));
+            }
+        }
     }
 }

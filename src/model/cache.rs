@@ -10,58 +10,160 @@
 use super::rope::Rope;
 use anyhow::Result;
 use candle_core::Tensor;
-use half::{bf16, f16};
 
-/// How keys and values are stored (the precision axis). f16 is the default, as in llama.cpp.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    F32,
-    F16,
-    Bf16,
+/// How a precision's rows live on a compute device (CUDA, Metal, or the CPU running the GPU's path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDevice {
+    /// As a tensor of this dtype, the stored value widened by candle (float formats).
+    Float(candle_core::DType),
+    /// As quants and one f16 scale per [`QK`](super::kernels::kvrows::QK) values (`kv::qrows`).
+    Quantized(Quants),
+}
+
+/// How a quantized precision's quants are kept in a device tensor (`kv::qrows`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quants {
+    /// One byte a value, q ∈ [−127, 127] kept as q + 128.
+    Byte,
+    /// Two values a byte, q ∈ [−8, 7] kept as q + 8, in ggml's q4_0 nibble order.
+    Nibble,
+}
+
+/// The precision axis, declared once. A row: the variant (its doc comment), its name (in flags,
+/// KV files and tables), its row codec (`kernels::kvrows`: encode, decoders, finite check) and how
+/// its rows live on a compute device. From these rows come the [`Precision`] enum, [`Precision::ALL`]
+/// and every per-precision fact below, the view's [`Rows`] variants, [`RowFormat`] (how a codec's
+/// rows enter a view) and the two dispatch macros, [`with_codec!`] and [`with_host_rows!`], through
+/// which the cache's stores and the attention kernel pick a codec. No code matches on a precision
+/// elsewhere: a new precision is its codec plus one row here (docs/architecture.md).
+macro_rules! precisions {
+    ($d:tt $( $(#[$doc:meta])* $v:ident = $name:literal, $codec:ty, $dev:expr; )*) => {
+        /// `$body` with the type `$C` bound to precision `$p`'s codec (a [`RowFormat`]).
+        macro_rules! with_codec {
+            ($d p:expr, |$d C:ident| $d body:expr) => {
+                match $d p {
+                    $( $crate::model::cache::Precision::$v => {
+                        #[allow(dead_code)]
+                        type $d C = $codec;
+                        $d body
+                    } )*
+                }
+            };
+        }
+
+        /// `$body` with `$x` the host rows of a view's part and the type `$C` bound to their
+        /// codec; `$dense` for rows on a compute device.
+        macro_rules! with_host_rows {
+            ($d rows:expr, |$d x:ident, $d C:ident| $d body:expr, dense => $d dense:expr) => {
+                match $d rows {
+                    $( $crate::model::cache::Rows::$v($d x) => {
+                        #[allow(dead_code)]
+                        type $d C = $codec;
+                        $d body
+                    } )*
+                    $crate::model::cache::Rows::Dense { .. } => $d dense,
+                }
+            };
+        }
+
+        /// How keys and values are stored (the precision axis). f16 is the default, as in llama.cpp.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+        #[serde(rename_all = "lowercase")]
+        pub enum Precision {
+            $( $(#[$doc])* $v, )*
+        }
+
+        impl Precision {
+            pub const ALL: [Precision; [$($name),*].len()] = [$(Precision::$v),*];
+            /// Every precision's name, in [`Precision::ALL`]'s order (flags' value lists).
+            pub const NAMES: [&'static str; [$($name),*].len()] = [$($name),*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( Precision::$v => $name, )*
+                }
+            }
+
+            /// How its rows live on a compute device.
+            pub fn on_device(self) -> OnDevice {
+                match self {
+                    $( Precision::$v => $dev, )*
+                }
+            }
+
+            /// Bytes of one row of `hd` values.
+            pub fn row_bytes(self, hd: usize) -> usize {
+                with_codec!(self, |C| C::row_len(hd) * std::mem::size_of::<<C as Codec>::E>())
+            }
+
+            /// Whether stored rows (`raw`, their bytes) hold only finite values, where the bytes
+            /// tell without decoding; None for quantized rows.
+            pub fn all_finite(self, raw: &[u8]) -> Option<bool> {
+                with_codec!(self, |C| C::all_finite(raw))
+            }
+        }
+
+        /// A run of positions of the view, in one format.
+        pub enum Rows<'a> {
+            $( $v(HostRows<'a, <$codec as Codec>::E>), )*
+            /// On a compute device: `[1, n_kv_heads, len, head_dim]` keys and values (views are fine).
+            Dense {
+                k: Tensor,
+                v: Tensor,
+            },
+        }
+
+        impl Rows<'_> {
+            pub fn len(&self) -> usize {
+                match self {
+                    $( Rows::$v(r) => r.len, )*
+                    Rows::Dense { k, .. } => k.dim(2).unwrap_or(0),
+                }
+            }
+        }
+
+        $(
+            impl RowFormat for $codec {
+                const PRECISION: Precision = Precision::$v;
+                fn rows(x: HostRows<'_, Self::E>) -> Rows<'_> {
+                    Rows::$v(x)
+                }
+            }
+        )*
+
+    };
+}
+
+use super::kernels::kvrows::Codec;
+use candle_core::DType;
+
+precisions! {$
+    F32 = "f32", crate::model::kernels::kvrows::F32, OnDevice::Float(DType::F32);
+    F16 = "f16", crate::model::kernels::kvrows::F16, OnDevice::Float(DType::F16);
+    Bf16 = "bf16", crate::model::kernels::kvrows::Bf16, OnDevice::Float(DType::BF16);
     /// 8-bit symmetric, one f16 scale per 32 values, rows Hadamard-rotated.
-    Int8,
+    Int8 = "int8", crate::model::kernels::kvrows::Q8, OnDevice::Quantized(Quants::Byte);
     /// 4-bit symmetric (ggml's q4_0 layout), one f16 scale per 32 values, rows Hadamard-rotated.
-    Int4,
+    Int4 = "int4", crate::model::kernels::kvrows::Q4, OnDevice::Quantized(Quants::Nibble);
+}
+
+pub(crate) use {with_codec, with_host_rows};
+
+/// A row codec as the cache knows it: its precision and how its rows enter a view (one impl per
+/// row of the table above).
+pub trait RowFormat: Codec {
+    const PRECISION: Precision;
+    fn rows(x: HostRows<'_, Self::E>) -> Rows<'_>;
 }
 
 impl Precision {
-    pub const ALL: [Precision; 5] = [
-        Precision::F32,
-        Precision::F16,
-        Precision::Bf16,
-        Precision::Int8,
-        Precision::Int4,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::Bf16 => "bf16",
-            Precision::Int8 => "int8",
-            Precision::Int4 => "int4",
-        }
-    }
-
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|p| p.name() == s)
     }
 
     /// Whether rows are quantized (and so stored Hadamard-rotated, with a recent residual).
     pub fn quantized(self) -> bool {
-        matches!(self, Precision::Int8 | Precision::Int4)
-    }
-
-    /// Bytes of one row of `hd` values.
-    pub fn row_bytes(self, hd: usize) -> usize {
-        use super::kernels::kvrows::{Codec, Q4, Q8};
-        match self {
-            Precision::F32 => 4 * hd,
-            Precision::F16 | Precision::Bf16 => 2 * hd,
-            Precision::Int8 => Q8::row_len(hd),
-            Precision::Int4 => Q4::row_len(hd),
-        }
+        matches!(self.on_device(), OnDevice::Quantized(_))
     }
 
     /// Why rows of `hd` values cannot be stored in this precision, if they cannot (the float
@@ -89,30 +191,7 @@ pub struct HostRows<'a, E> {
     pub len: usize,
 }
 
-/// A run of positions of the view, in one format.
-pub enum Rows<'a> {
-    F32(HostRows<'a, f32>),
-    F16(HostRows<'a, f16>),
-    Bf16(HostRows<'a, bf16>),
-    Q8(HostRows<'a, u8>),
-    Q4(HostRows<'a, u8>),
-    /// On a compute device: `[1, n_kv_heads, len, head_dim]` keys and values (views are fine).
-    Dense {
-        k: Tensor,
-        v: Tensor,
-    },
-}
-
 impl Rows<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            Rows::F32(r) => r.len,
-            Rows::F16(r) => r.len,
-            Rows::Bf16(r) => r.len,
-            Rows::Q8(r) | Rows::Q4(r) => r.len,
-            Rows::Dense { k, .. } => k.dim(2).unwrap_or(0),
-        }
-    }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

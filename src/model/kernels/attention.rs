@@ -12,7 +12,7 @@
 
 use super::disjoint::DisjointOut;
 use super::kvrows::{self, Codec, Decoder};
-use crate::model::cache::{HostRows, KvView, Rows};
+use crate::model::cache::{with_host_rows, HostRows, KvView, Rows};
 use anyhow::{bail, ensure, Result};
 use candle_core::Tensor;
 
@@ -309,32 +309,18 @@ fn chunked_attention(
     out
 }
 
-/// Calls `$body` with `$x` the part's [`HostRows`] and `$dec` its format's decoder.
+/// Calls `$body` with `$x` the part's [`HostRows`] and `$dec` its format's decoder (the precision
+/// table's dispatch, `model::cache`).
 macro_rules! with_rows {
     ($rows:expr, |$x:ident, $dec:ident| $body:expr) => {
-        match $rows {
-            Rows::F32($x) => {
-                let $dec: Decoder<f32> = kvrows::F32::decoder();
+        with_host_rows!(
+            $rows,
+            |$x, C| {
+                let $dec: Decoder<<C as Codec>::E> = C::decoder();
                 $body
-            }
-            Rows::F16($x) => {
-                let $dec: Decoder<half::f16> = kvrows::F16::decoder();
-                $body
-            }
-            Rows::Bf16($x) => {
-                let $dec: Decoder<half::bf16> = kvrows::Bf16::decoder();
-                $body
-            }
-            Rows::Q8($x) => {
-                let $dec: Decoder<u8> = kvrows::Q8::decoder();
-                $body
-            }
-            Rows::Q4($x) => {
-                let $dec: Decoder<u8> = kvrows::Q4::decoder();
-                $body
-            }
-            Rows::Dense { .. } => unreachable!("attend_host takes host rows only"),
-        }
+            },
+            dense => unreachable!("attend_host takes host rows only")
+        )
     };
 }
 
@@ -758,14 +744,7 @@ fn attend_host_at(
     let mut kv_len = 0;
     for p in &view.parts {
         let n = p.rows.len();
-        let ok = match &p.rows {
-            Rows::F32(x) => fits(x, nkv, kvrows::F32::row_len(hd)),
-            Rows::F16(x) => fits(x, nkv, kvrows::F16::row_len(hd)),
-            Rows::Bf16(x) => fits(x, nkv, kvrows::Bf16::row_len(hd)),
-            Rows::Q8(x) => fits(x, nkv, kvrows::Q8::row_len(hd)),
-            Rows::Q4(x) => fits(x, nkv, kvrows::Q4::row_len(hd)),
-            Rows::Dense { .. } => false,
-        };
+        let ok = with_host_rows!(&p.rows, |x, C| fits(x, nkv, C::row_len(hd)), dense => false);
         ensure!(
             ok,
             "a KV view's rows do not hold {n} positions of {nkv} heads × {hd}"
@@ -1018,7 +997,7 @@ mod tests {
                 continue;
             }
             let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
-            let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Q8);
+            let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Int8);
             let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
             let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
             assert_eq!(bits(&simd), bits(&portable), "int8 t={t} L={l} hd={hd}");
@@ -1065,12 +1044,12 @@ mod tests {
     }
     impl Wrap for kvrows::Q8 {
         fn wrap(x: HostRows<'_, u8>) -> Rows<'_> {
-            Rows::Q8(x)
+            Rows::Int8(x)
         }
     }
     impl Wrap for kvrows::Q4 {
         fn wrap(x: HostRows<'_, u8>) -> Rows<'_> {
-            Rows::Q4(x)
+            Rows::Int4(x)
         }
     }
 

@@ -33,6 +33,21 @@ pub trait Codec: Send + Sync + 'static {
     fn decoder() -> Decoder<Self::E> {
         Self::decode_scalar
     }
+    /// Whether stored rows (their bytes, little-endian) hold only finite values, where the bytes
+    /// tell without decoding (float formats); None where they do not (quantized rows).
+    fn all_finite(_raw: &[u8]) -> Option<bool> {
+        None
+    }
+}
+
+/// Whether any `W`-byte little-endian word of `raw` has all of `exponent`'s bits set (infinity
+/// or NaN in an IEEE format whose exponent field is `exponent`).
+fn any_exponent_full<const W: usize>(raw: &[u8], exponent: u32) -> bool {
+    raw.chunks_exact(W).any(|b| {
+        let mut w = [0u8; 4];
+        w[..W].copy_from_slice(b);
+        u32::from_le_bytes(w) & exponent == exponent
+    })
 }
 
 pub struct F32;
@@ -51,6 +66,9 @@ impl Codec for F32 {
     }
     fn decode_scalar<'b>(row: &'b [f32], _buf: &'b mut [f32]) -> &'b [f32] {
         row
+    }
+    fn all_finite(raw: &[u8]) -> Option<bool> {
+        Some(!any_exponent_full::<4>(raw, 0x7f80_0000))
     }
 }
 
@@ -79,6 +97,9 @@ impl Codec for F16 {
         }
         Self::decode_scalar
     }
+    fn all_finite(raw: &[u8]) -> Option<bool> {
+        Some(!any_exponent_full::<2>(raw, 0x7c00))
+    }
 }
 
 impl Codec for Bf16 {
@@ -103,6 +124,9 @@ impl Codec for Bf16 {
             return simd::bf16_row;
         }
         Self::decode_scalar
+    }
+    fn all_finite(raw: &[u8]) -> Option<bool> {
+        Some(!any_exponent_full::<2>(raw, 0x7f80))
     }
 }
 
