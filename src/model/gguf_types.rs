@@ -2,24 +2,14 @@
 //! reader refuses a type it does not know with a bare "unknown dtype"; [`unsupported_tensor`] reads
 //! the header's tensor list itself (bounded, hostile input) to name the tensor and its type instead.
 
+use super::kernels::quant::WEIGHT_TYPES;
 use std::io::{BufRead, BufReader, Read, Seek};
 use std::path::Path;
 
-/// ggml's type names by id (`ggml_type`), where kvchat can name them.
+/// The names of ggml's types (`ggml_type`) that kvchat does not run, by id, so that a file holding
+/// one is refused naming it (the types it runs are named by `WEIGHT_TYPES`).
 const NAMES: &[(u32, &str)] = &[
-    (0, "F32"),
-    (1, "F16"),
-    (2, "Q4_0"),
-    (3, "Q4_1"),
-    (6, "Q5_0"),
-    (7, "Q5_1"),
-    (8, "Q8_0"),
     (9, "Q8_1"),
-    (10, "Q2_K"),
-    (11, "Q3_K"),
-    (12, "Q4_K"),
-    (13, "Q5_K"),
-    (14, "Q6_K"),
     (15, "Q8_K"),
     (16, "IQ2_XXS"),
     (17, "IQ2_XS"),
@@ -35,21 +25,26 @@ const NAMES: &[(u32, &str)] = &[
     (27, "I64"),
     (28, "F64"),
     (29, "IQ1_M"),
-    (30, "BF16"),
     (34, "TQ1_0"),
     (35, "TQ2_0"),
     (39, "MXFP4"),
 ];
 
-/// The weight types kvchat runs (candle's reader and kernels know them).
-pub const SUPPORTED: &[u32] = &[0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14];
+/// Whether kvchat runs weight type `id`: the quantized-matmul driver's table
+/// (`kernels::quant::WEIGHT_TYPES`; candle's reader and QMatMul know each of them too).
+fn supported(id: u32) -> bool {
+    WEIGHT_TYPES.iter().any(|(i, ..)| *i == id)
+}
 
 /// A type's name, or "type N (unknown to kvchat)".
 pub fn type_name(id: u32) -> String {
-    NAMES.iter().find(|(i, _)| *i == id).map_or_else(
-        || format!("type {id} (unknown to kvchat)"),
-        |(_, n)| format!("type {n}"),
-    )
+    let run = WEIGHT_TYPES.iter().map(|(i, n, _)| (*i, *n));
+    run.chain(NAMES.iter().copied())
+        .find(|(i, _)| *i == id)
+        .map_or_else(
+            || format!("type {id} (unknown to kvchat)"),
+            |(_, n)| format!("type {n}"),
+        )
 }
 
 /// The first tensor of the GGUF at `path` whose type kvchat cannot run, as a one-line reason; None
@@ -88,11 +83,12 @@ pub fn unsupported_tensor(path: &Path) -> Option<String> {
         }
         let ty = u32_le(&mut r)?;
         u64_le(&mut r)?; // offset
-        if !SUPPORTED.contains(&ty) {
-            let names: Vec<String> = SUPPORTED
-                .iter()
-                .map(|&t| type_name(t).trim_start_matches("type ").to_string())
-                .collect();
+        if !supported(ty) {
+            // Float types first, then the quantized ones by id.
+            let mut types: Vec<(u32, &str)> =
+                WEIGHT_TYPES.iter().map(|(i, n, _)| (*i, *n)).collect();
+            types.sort_by_key(|&(i, n)| (!n.starts_with(['F', 'B']), i));
+            let names: Vec<&str> = types.iter().map(|(_, n)| *n).collect();
             return Some(format!(
                 "tensor {name} has {}, which kvchat cannot run yet; supported: {}",
                 type_name(ty),

@@ -792,26 +792,74 @@ fn tileable(rows: usize) -> bool {
     level() >= Level::Avx2 && rows.is_multiple_of(tiled::TR)
 }
 
-/// Runs `$body` with `$F` the format of a tiled `$dtype`; `$none` for other types. The list of
-/// tiled formats, once.
-macro_rules! tiled_format {
-    ($dtype:expr, |$F:ident| $body:expr, else $none:expr) => {
-        match $dtype {
-            GgmlDType::Q4_0 => tiled_format!(@ Q4_0, $F, $body),
-            GgmlDType::Q4_1 => tiled_format!(@ Q4_1, $F, $body),
-            GgmlDType::Q5_0 => tiled_format!(@ Q5_0, $F, $body),
-            GgmlDType::Q5_1 => tiled_format!(@ Q5_1, $F, $body),
-            GgmlDType::Q8_0 => tiled_format!(@ Q8_0, $F, $body),
-            GgmlDType::Q4K => tiled_format!(@ Q4K, $F, $body),
-            GgmlDType::Q5K => tiled_format!(@ Q5K, $F, $body),
-            GgmlDType::Q6K => tiled_format!(@ Q6K, $F, $body),
-            _ => $none,
+/// The weight types this driver runs, declared once. A row: ggml's type id, its name, candle's
+/// `GgmlDType`, and its format here (a block struct with `Format` and, for tiles, `Tiled` impls; or
+/// `Floats<E>`). Rows under `tiled` become row-interleaved tiles where AVX2 runs and rows come in
+/// 16s (per row otherwise); rows under `per_row` always run per row. From these rows come
+/// [`FORMATS`], [`WEIGHT_TYPES`] (the GGUF reader's list of what kvchat runs), the per-row reader
+/// and `tiled_format!`. A new type: its kernel file and one row (docs/architecture.md).
+macro_rules! weight_types {
+    ($d:tt
+        tiled { $($tid:literal $tname:literal $tdt:ident => $TF:ty;)* }
+        per_row { $($rid:literal $rname:literal $rdt:ident => $RF:ty;)* }
+    ) => {
+        /// Runs `$body` with `$F` the format of a tiled `$dtype`; `$none` for other types.
+        macro_rules! tiled_format {
+            ($d dtype:expr, |$d F:ident| $d body:expr, else $d none:expr) => {
+                match $d dtype {
+                    $( GgmlDType::$tdt => {
+                        #[allow(dead_code)]
+                        type $d F = $TF;
+                        $d body
+                    } )*
+                    _ => $d none,
+                }
+            };
+        }
+
+        /// The GGUF types this driver runs.
+        pub const FORMATS: [GgmlDType; [$($tname,)* $($rname,)*].len()] =
+            [$(GgmlDType::$tdt,)* $(GgmlDType::$rdt,)*];
+
+        /// The GGUF types this driver runs, as (ggml type id, name, candle's type).
+        pub const WEIGHT_TYPES: [(u32, &str, GgmlDType); [$($tname,)* $($rname,)*].len()] =
+            [$(($tid, $tname, GgmlDType::$tdt),)* $(($rid, $rname, GgmlDType::$rdt),)*];
+
+        /// The per-row matrix of `[rows, cols]` blocks of `dtype` read from `src`; None for a
+        /// type this driver does not run.
+        fn read_per_row(
+            dtype: GgmlDType,
+            rows: usize,
+            cols: usize,
+            src: &mut dyn std::io::Read,
+        ) -> Result<Option<QMatrix>> {
+            Ok(Some(match dtype {
+                $( GgmlDType::$tdt => QMatrix::new(Matrix::<$TF>::read_rows(rows, cols, src)?), )*
+                $( GgmlDType::$rdt => QMatrix::new(Matrix::<$RF>::read_rows(rows, cols, src)?), )*
+                _ => return Ok(None),
+            }))
         }
     };
-    (@ $ty:ident, $F:ident, $body:expr) => {{
-        type $F = $ty;
-        $body
-    }};
+}
+
+weight_types! {$
+    tiled {
+        2 "Q4_0" Q4_0 => Q4_0;
+        3 "Q4_1" Q4_1 => Q4_1;
+        6 "Q5_0" Q5_0 => Q5_0;
+        7 "Q5_1" Q5_1 => Q5_1;
+        8 "Q8_0" Q8_0 => Q8_0;
+        12 "Q4_K" Q4K => Q4K;
+        13 "Q5_K" Q5K => Q5K;
+        14 "Q6_K" Q6K => Q6K;
+    }
+    per_row {
+        0 "F32" F32 => Floats<f32>;
+        1 "F16" F16 => Floats<f16>;
+        30 "BF16" BF16 => Floats<half::bf16>;
+        10 "Q2_K" Q2K => Q2K;
+        11 "Q3_K" Q3K => Q3K;
+    }
 }
 
 /// Reads a model's matrices for our kernels: those that become tiles into one [`TileStore`]
@@ -1016,23 +1064,6 @@ impl<F: tiled::TileKernels> Kernel for TiledMatrix<F> {
 #[derive(Clone)]
 pub struct QMatrix(Arc<dyn Kernel>);
 
-/// The GGUF types this driver runs.
-pub const FORMATS: [GgmlDType; 13] = [
-    GgmlDType::F32,
-    GgmlDType::F16,
-    GgmlDType::BF16,
-    GgmlDType::Q4_0,
-    GgmlDType::Q4_1,
-    GgmlDType::Q5_0,
-    GgmlDType::Q5_1,
-    GgmlDType::Q8_0,
-    GgmlDType::Q2K,
-    GgmlDType::Q3K,
-    GgmlDType::Q4K,
-    GgmlDType::Q5K,
-    GgmlDType::Q6K,
-];
-
 /// Which CPU matmul runs a GGUF's quantized matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kernels {
@@ -1103,30 +1134,7 @@ impl QMatrix {
         cols: usize,
         src: &mut dyn std::io::Read,
     ) -> Result<Option<Self>> {
-        /// The per-row formats, once (FORMATS lists the same types).
-        macro_rules! per_row {
-            ($($d:ident => $F:ty),* $(,)?) => {
-                match dtype {
-                    $(GgmlDType::$d => Self::new(Matrix::<$F>::read_rows(rows, cols, src)?),)*
-                    _ => return Ok(None),
-                }
-            };
-        }
-        Ok(Some(per_row! {
-            F32 => Floats<f32>,
-            F16 => Floats<f16>,
-            BF16 => Floats<half::bf16>,
-            Q4_0 => Q4_0,
-            Q4_1 => Q4_1,
-            Q5_0 => Q5_0,
-            Q5_1 => Q5_1,
-            Q8_0 => Q8_0,
-            Q2K => Q2K,
-            Q3K => Q3K,
-            Q4K => Q4K,
-            Q5K => Q5K,
-            Q6K => Q6K,
-        }))
+        read_per_row(dtype, rows, cols, src)
     }
 
     /// The matrix of a GGUF tensor's bytes, `[rows, cols]` of `dtype`; None for a type this
