@@ -307,11 +307,11 @@ impl Engine {
             None if !fits(cfg.ctx_train) => {
                 let mut c = (avail / per_token.max(1)) as usize;
                 c = 1usize << (usize::BITS - 1 - c.max(2).leading_zeros());
-                eprintln!(
+                crate::notes::note(format!(
                     "note: the model's context of {} tokens would need {} of KV cache; using a context of {c}",
                     cfg.ctx_train,
                     crate::source::human_bytes((cfg.ctx_train as u64).saturating_mul(per_token))
-                );
+                ));
                 Ok(c)
             }
             None => Ok(cfg.ctx_train),

@@ -11,6 +11,7 @@ pub mod interrupt;
 pub mod kv;
 pub mod membudget;
 pub mod model;
+pub mod notes;
 pub mod plot;
 pub mod session;
 pub mod source;
@@ -49,6 +50,8 @@ pub enum Fix {
     KvType,
     /// A chat that no longer fits: drop turns or grow the context.
     ChatFull,
+    /// The prefix store's budget cannot hold what would be stored.
+    StoreBudget,
     /// A build with the cuda / metal feature.
     BuildWithCuda,
     BuildWithMetal,

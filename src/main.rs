@@ -5,15 +5,11 @@ use kvchat::cli::{Cli, Command};
 use kvchat::commands;
 
 /// glibc's allocator, told to keep what a forward pass frees. By default it returns the top of
-/// the heap to the kernel once 128 KiB+ lie free there (a threshold it raises only to twice the
-/// largest mmapped block freed), so the [tokens, hidden] activations of each layer, allocated and
-/// freed over and over in a prefill, were zeroed and faulted in anew each time: 4-6 % of a
-/// SmolLM2 prefill went to `clear_page_erms` and page faults (`perf record`). Keeping up to
-/// 256 MiB free at the top and serving blocks up to 32 MiB (glibc's maximum for this setting)
-/// from the heap made its prefill of 512 tokens 17-18 % faster and its decode ~10 % (`kvchat
-/// bench --contexts 512 --gen 4`, two binaries alternating, medians of 3 on 2 cores: Q4_0 343
-/// against 293 tok/s, Q6_K 273 against 231). Peak RSS is unchanged (1B-shaped Q4_K_M 0.78 GB,
-/// SmolLM2 0.12 GB); what a run frees stays mapped, for reuse, up to the threshold.
+/// the heap to the kernel once 128 KiB+ lie free there, so the [tokens, hidden] activations of
+/// each layer, allocated and freed over and over in a prefill, were zeroed and faulted in anew each
+/// time. Keeping up to 256 MiB free at the top and serving blocks up to 32 MiB (glibc's maximum for
+/// this setting) from the heap removes that; peak RSS is unchanged (figures and commands:
+/// docs/perf-notes.md §7).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn keep_freed_memory() {
     // SAFETY: mallopt only sets allocator parameters, and is called before any thread starts
@@ -29,15 +25,12 @@ fn keep_freed_memory() {
 fn keep_freed_memory() {}
 
 /// How many times an idle worker of candle's barrier pool (our matmuls' and candle's) polls for
-/// work before it parks, unless the user set `CANDLE_BARRIER_POOL_SPIN_LIMIT`: candle's default,
-/// 25,000 (about half a millisecond), keeps a worker spinning through a decode step's gaps, and
-/// when another process wants that core the scheduler then charges the spin to it and preempts
-/// it mid-step while the other thread waits at the barrier. Parking after 500 polls (~10 µs,
-/// still longer than the gap between two matmuls) gave SmolLM2 Q4_1 decode with one core kept
-/// busy by `yes` 48–58 tok/s against 21–30 (5 alternations, `kvchat bench --contexts 128 --gen
-/// 64`; 2,000 and 5,000 polls gave 38–44 and 25–40); quiet, the limits were within this VM's
-/// noise of each other (medians of 3: 500 147, 25,000 136 tok/s). Set here, before the pool or
-/// any other thread starts (the variable is read once, when the pool is made).
+/// work before it parks, unless the user set `CANDLE_BARRIER_POOL_SPIN_LIMIT`: candle's default
+/// keeps a worker spinning through a decode step's gaps, and when another process wants that core
+/// the scheduler charges the spin to it and preempts it mid-step while the other thread waits at
+/// the barrier. 500 polls is still longer than the gap between two matmuls (figures and commands:
+/// docs/perf-notes.md §9). Set here, before the pool or any other thread starts (the variable is
+/// read once, when the pool is made).
 const BARRIER_POOL_SPIN_LIMIT: &str = "500";
 const SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
@@ -58,6 +51,8 @@ fn pool_spin_limit() -> anyhow::Result<()> {
 
 fn main() {
     keep_freed_memory();
+    // The library's notes (a lowered context, a download) go to stderr.
+    kvchat::notes::install(Box::new(kvchat::notes::Stderr));
     if let Err(e) = pool_spin_limit() {
         kvchat::cli::report::exit_with(&e);
     }

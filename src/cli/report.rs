@@ -15,6 +15,7 @@ pub fn advice(fix: Fix) -> &'static str {
         Fix::FullCache => "use a cache: drop --no-cache",
         Fix::KvType => "choose another --kv-type (f16, bf16 or f32 store any head size)",
         Fix::ChatFull => "/undo, /reset, or run with --on-full shift or a larger --ctx",
+        Fix::StoreBudget => "raise --kv-store-budget",
         Fix::BuildWithCuda => "rebuild with `cargo build --release --features cuda`",
         Fix::BuildWithMetal => "rebuild with `cargo build --release --features metal`",
         Fix::CudaLibraries => {

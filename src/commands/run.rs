@@ -260,7 +260,14 @@ pub fn open_store(
 /// without what failed).
 pub fn report_store_problems(store: &mut StoreUse) {
     for p in store.take_problems() {
-        eprintln!("kvchat: prefix store: {p}");
+        match p.fix {
+            Some(fix) => eprintln!(
+                "kvchat: prefix store: {} ({})",
+                p.text,
+                crate::cli::report::advice(fix)
+            ),
+            None => eprintln!("kvchat: prefix store: {}", p.text),
+        }
     }
 }
 

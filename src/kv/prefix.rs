@@ -140,7 +140,7 @@ pub struct Found {
     pub bytes_read: u64,
     pub elapsed: Duration,
     /// Blocks found damaged or foreign (each removed), one line each.
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     /// Where the first damaged block started (the blocks after it are suspect too).
     pub damaged_at: Option<usize>,
     /// The files restored, in order (removed if their rows are refused: [`PrefixStore::discard`]).
@@ -149,13 +149,39 @@ pub struct Found {
     pub removed: usize,
 }
 
+/// Something the store could not do, for a person: the text names values, `fix` says what would
+/// avoid it (the front end words it as its flag).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub text: String,
+    pub fix: Option<crate::Fix>,
+}
+
+impl From<String> for Problem {
+    fn from(text: String) -> Self {
+        Self { text, fix: None }
+    }
+}
+
+impl From<&str> for Problem {
+    fn from(text: &str) -> Self {
+        text.to_string().into()
+    }
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
 /// What a write did.
 #[derive(Default, Debug)]
 pub struct Written {
     pub blocks: usize,
     pub bytes: u64,
     pub evicted: usize,
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     /// How long making room and writing took.
     pub elapsed: Duration,
 }
@@ -334,19 +360,19 @@ impl PrefixStore {
                     Err(BlockError::Unreadable(e)) => {
                         found
                             .problems
-                            .push(format!("cannot read {}: {e}", path.display()));
+                            .push(format!("cannot read {}: {e}", path.display()).into());
                         false
                     }
                     Err(BlockError::Damaged(e)) => {
                         let removed = std::fs::remove_file(&path);
                         found.removed += usize::from(removed.is_ok());
-                        found.problems.push(match removed {
+                        found.problems.push(Problem::from(match removed {
                             Ok(()) => format!("removed {}: {e}", path.display()),
                             Err(r) => format!(
                                 "{} is damaged ({e}) and cannot be removed: {r}",
                                 path.display()
                             ),
-                        });
+                        }));
                         found.damaged_at = Some(piece.start);
                         false
                     }
@@ -558,17 +584,20 @@ impl PrefixStore {
         }
         let need: u64 = pieces.iter().map(|p| self.block_bytes(p.len)).sum();
         if need > self.budget {
-            out.problems.push(format!(
-                "{} of blocks do not fit the budget of {} (--kv-store-budget); nothing stored",
-                human(need),
-                human(self.budget)
-            ));
+            out.problems.push(Problem {
+                text: format!(
+                    "{} of blocks do not fit the store's budget of {}; nothing stored",
+                    human(need),
+                    human(self.budget)
+                ),
+                fix: Some(crate::Fix::StoreBudget),
+            });
             return out;
         }
         match self.locked(|| evict(&self.root, self.budget - need)) {
             Ok(n) => out.evicted = n,
             Err(e) => {
-                out.problems.push(format!("cannot make room: {e:#}"));
+                out.problems.push(format!("cannot make room: {e:#}").into());
                 return out;
             }
         }
@@ -605,11 +634,14 @@ impl PrefixStore {
             body.extend_from_slice(&sum);
             let mtime = Some(last_use(now, piece));
             if let Err(e) = write_atomically(&self.path_of(&key), &body, mtime) {
-                out.problems.push(format!(
-                    "cannot write blocks in {}: {}; this prompt's prefix is not stored",
-                    self.dir.display(),
-                    crate::first_line(e)
-                ));
+                out.problems.push(
+                    format!(
+                        "cannot write blocks in {}: {}; this prompt's prefix is not stored",
+                        self.dir.display(),
+                        crate::first_line(e)
+                    )
+                    .into(),
+                );
                 break;
             }
             out.blocks += 1;
@@ -1075,7 +1107,7 @@ mod tests {
         assert_eq!(f.tokens, 0);
         assert_eq!(f.problems.len(), 1);
         assert!(
-            f.problems[0].contains("checksum mismatch"),
+            f.problems[0].text.contains("checksum mismatch"),
             "{}",
             f.problems[0]
         );
@@ -1095,7 +1127,7 @@ mod tests {
         let f = damaged("empty", |p| std::fs::write(p, b"").unwrap());
         assert_eq!((f.tokens, f.problems.len()), (0, 1));
         assert!(
-            f.problems[0].contains("not a kvchat KV block"),
+            f.problems[0].text.contains("not a kvchat KV block"),
             "{}",
             f.problems[0]
         );
@@ -1112,7 +1144,7 @@ mod tests {
         std::fs::copy(other.path_of(&other.keys(&t)[0]), s.path_of(&key)).unwrap();
         let f = s.lookup(&t, 127, &[], &|_| true);
         assert_eq!((f.tokens, f.problems.len()), (0, 1));
-        assert!(f.problems[0].contains("foreign"), "{}", f.problems[0]);
+        assert!(f.problems[0].text.contains("foreign"), "{}", f.problems[0]);
         assert!(!s.path_of(&key).exists());
     }
 
@@ -1153,8 +1185,14 @@ mod tests {
         let s = store(&root, "m", 100);
         let w = write_all(&s, &prompt(128, 1), 128, &[]);
         assert_eq!(w.blocks, 0);
+        assert_eq!(
+            w.problems[0].fix,
+            Some(crate::Fix::StoreBudget),
+            "{:?}",
+            w.problems
+        );
         assert!(
-            w.problems[0].contains("--kv-store-budget"),
+            w.problems[0].text.contains("budget of 100 B"),
             "{:?}",
             w.problems
         );

@@ -17,7 +17,7 @@
 
 use super::Session;
 use crate::kv::persist::Snapshot;
-use crate::kv::prefix::{BlockRows, Found, Piece, PrefixStore, Shape};
+use crate::kv::prefix::{BlockRows, Found, Piece, PrefixStore, Problem, Shape};
 use crate::kv::Retention;
 use anyhow::Result;
 
@@ -25,7 +25,7 @@ impl Session<'_> {
     /// Why this session's cache cannot use the prefix store, if it cannot.
     pub fn store_refusal(&self) -> Option<&'static str> {
         match self.cache.spec().retention() {
-            Retention::None => Some("--no-cache keeps no KV state to store"),
+            Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
             Retention::All if self.model.cfg.window_layers().is_some() => {
                 Some("this model's sliding-window layers keep only their window")
@@ -84,7 +84,7 @@ impl Session<'_> {
             if let Err(e) = self.restore(&snap) {
                 self.reset()?;
                 let line = store.discard(&found.paths, &crate::first_line(e));
-                found.problems.push(line);
+                found.problems.push(line.into());
                 found.damaged_at = Some(0);
                 found.tokens = 0;
             }
@@ -158,7 +158,7 @@ pub struct StoreUse {
     pub last: Option<Lookup>,
     writer: Option<std::thread::JoinHandle<crate::kv::prefix::Written>>,
     run: crate::kv::prefix::Totals,
-    problems: Vec<String>,
+    problems: Vec<Problem>,
     /// Where the last lookup found a damaged block: the blocks from there on are rewritten.
     rewrite_from: usize,
     /// This process's writes: blocks, bytes, time copying the rows (on the answer's path) and
@@ -223,7 +223,7 @@ impl StoreUse {
             Err(e) => {
                 let mut s = Self::off(format!("unusable ({})", crate::first_line(&e)));
                 s.problems
-                    .push(format!("{}; going on without it", crate::first_line(e)));
+                    .push(format!("{}; going on without it", crate::first_line(e)).into());
                 s
             }
         }
@@ -289,10 +289,9 @@ impl StoreUse {
                 }));
             }
             Ok(_) => {}
-            Err(e) => self.problems.push(format!(
-                "cannot copy the blocks to store: {}",
-                crate::first_line(e)
-            )),
+            Err(e) => self
+                .problems
+                .push(format!("cannot copy the blocks to store: {}", crate::first_line(e)).into()),
         }
     }
 
@@ -331,14 +330,14 @@ impl StoreUse {
             if let Err(e) = store.record(&add) {
                 if !self.write_failed {
                     let line = format!("cannot update the totals: {}", crate::first_line(e));
-                    self.problems.push(line);
+                    self.problems.push(line.into());
                 }
             }
         }
     }
 
     /// Problems met since the last call, one line each.
-    pub fn take_problems(&mut self) -> Vec<String> {
+    pub fn take_problems(&mut self) -> Vec<Problem> {
         std::mem::take(&mut self.problems)
     }
 

@@ -207,7 +207,10 @@ impl Hub {
                     Err(e) => Err(e),
                 };
             }
-            eprintln!("fetched {file} from hf:{id} ({})", human_bytes(meta.size));
+            crate::notes::note(format!(
+                "fetched {file} from hf:{id} ({})",
+                human_bytes(meta.size)
+            ));
         }
         let pointer = self.link(repo, &meta, file)?;
         Ok(Some(pointer))

@@ -141,7 +141,7 @@ pub fn fetch_entry(entry: &Entry) -> Result<Location> {
             Ok(loc) => {
                 // Say why the preferred sources were passed over, once one has worked.
                 for f in &failures {
-                    eprintln!("note: skipped {f}");
+                    crate::notes::note(format!("note: skipped {f}"));
                 }
                 return Ok(loc);
             }

