@@ -25,7 +25,7 @@ fn ask(c: &mut Conversation<'_>, q: &str) -> String {
     let mut sampler = Sampler::new(SamplingParams::greedy());
     c.ask(q, &mut sampler, 40, &AtomicBool::new(false), |_| Ok(()))
         .unwrap();
-    c.turns.last().unwrap().1.clone()
+    c.turns().last().unwrap().1.clone()
 }
 
 fn temp(name: &str) -> std::path::PathBuf {
@@ -42,13 +42,18 @@ fn after_three_turns_the_cache_equals_one_prefill_of_the_transcript() {
     }
     // The transcript as the template renders it, with a fourth question pending.
     let ids = c.render_ids(Some("And another?"), true).unwrap();
-    let held = c.session.tokens().len();
+    let held = c.session().tokens().len();
     assert_eq!(
         &ids[..held],
-        c.session.tokens(),
+        c.session().tokens(),
         "the cache holds a prefix of the transcript"
     );
-    let incremental: Vec<f32> = c.session.feed(&ids[held..]).unwrap().to_vec1().unwrap();
+    let incremental: Vec<f32> = c
+        .session_mut()
+        .feed(&ids[held..])
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     let mut fresh = engine().session(&CacheSpec::full(kvchat::kv::Precision::F32, 4096));
     let one_prefill: Vec<f32> = fresh.feed(&ids).unwrap().to_vec1().unwrap();
     let d = rel_diff(&incremental, &one_prefill);
@@ -109,7 +114,7 @@ fn undo_then_a_new_question_answers_as_a_fresh_session_with_the_shorter_history(
     ask(&mut b, "What is the capital of France?");
     let fresh = ask(&mut b, "What is 2+2?");
     assert_eq!(after_undo, fresh);
-    assert_eq!(a.session.tokens(), b.session.tokens());
+    assert_eq!(a.session().tokens(), b.session().tokens());
 }
 
 #[test]
@@ -508,23 +513,23 @@ fn set_seed_replays_the_same_sampled_answer_even_when_the_seed_is_unchanged() {
 #[test]
 fn undo_of_the_only_exchange_keeps_the_system_prompt_cached() {
     let mut c = conversation();
-    c.system = Some("You are terse.".into());
+    c.set_system(Some("You are terse.".into()));
     ask(&mut c, "hi");
     assert!(c.undo().unwrap());
     let system_ids = engine()
         .encode_conversation(
-            &c.template,
+            c.template(),
             &[kvchat::template::Message::new("system", "You are terse.")],
             false,
         )
         .unwrap();
     assert!(
-        c.session.tokens().len() >= system_ids.len(),
+        c.session().tokens().len() >= system_ids.len(),
         "holds {} positions, the system prompt is {}",
-        c.session.tokens().len(),
+        c.session().tokens().len(),
         system_ids.len()
     );
-    assert_eq!(&c.session.tokens()[..system_ids.len()], &system_ids[..]);
+    assert_eq!(&c.session().tokens()[..system_ids.len()], &system_ids[..]);
 }
 
 #[test]
@@ -581,4 +586,43 @@ fn piped_chat_stats_carry_no_colour_codes() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("[stats] turn 1:"), "{err}");
     assert!(!err.contains('\x1b'), "{err}");
+}
+
+#[test]
+fn help_lists_every_slash_command_and_each_one_is_understood() {
+    let out = kvchat(&["chat"], "/help\n");
+    let help = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{help}");
+    let names: Vec<&str> = help
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| w.starts_with('/'))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "/help", "/reset", "/system", "/set", "/show", "/stats", "/cache", "/save", "/load",
+            "/undo", "/exit"
+        ]
+    );
+    // Each listed command (and /exit's aliases) is dispatched: none is "unknown".
+    let script: String = names
+        .iter()
+        .filter(|n| !["/exit", "/save", "/load"].contains(n))
+        .chain(["/quit"].iter())
+        .map(|n| format!("{n}\n"))
+        .collect();
+    let out = kvchat(&["chat"], &script);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("unknown command"), "{text}");
+    assert!(out.status.success(), "{text}");
+}
+
+#[test]
+fn a_file_command_without_its_file_is_an_error_that_says_how_to_use_it() {
+    let out = kvchat(&["chat"], "/save\n/load\n");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("error: usage: /save FILE"), "{text}");
+    assert!(text.contains("error: usage: /load FILE"), "{text}");
+    assert_eq!(out.status.code(), Some(1), "errors in a piped chat fail it");
 }

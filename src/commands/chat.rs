@@ -23,27 +23,190 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-const HELP: &str = "commands:
-  /help              this text
-  /reset             forget the conversation (keeps the system message)
-  /system TEXT       set the system message
-  /set NAME VALUE    change a setting: temperature, top-k, top-p, min-p, repeat-penalty,
-                     repeat-last-n, seed, max-tokens (/set alone lists them)
-  /show              the model, its context, template, cache and the sampling in force
-  /stats             tokens and bytes in the cache, per-layer shape, last turn's speed
-  /cache             the cache's precision, retention and placement
-  /save FILE         save the conversation and its KV state
-  /load FILE         load a saved conversation (same model and cache configuration)
-  /undo              drop the last exchange
-  /exit              leave (also Ctrl-D, or Ctrl-C at an empty prompt)
-input: end a line with \\ to continue it; a line \"\"\" opens and closes a multi-line block;
-Ctrl-C clears a line being typed, or stops an answer";
+/// What a slash command asks of the chat loop.
+enum Flow {
+    Continue,
+    Leave,
+}
 
-/// The slash commands, for "did you mean" and completion.
-const COMMANDS: [&str; 13] = [
-    "/help", "/reset", "/system", "/set", "/show", "/stats", "/cache", "/save", "/load", "/undo",
-    "/exit", "/quit", "/bye",
+/// What a slash command does, given the chat, its argument (trimmed) and where to write.
+type Action = fn(&mut Chat<'_>, &str, &mut dyn Write) -> Result<Flow>;
+
+/// A slash command: its names (the first is the one /help shows), its argument, its help line and
+/// what it does. The one list of them: /help, completion and dispatch all read [`SLASH`].
+struct Slash {
+    names: &'static [&'static str],
+    args: &'static str,
+    help: &'static str,
+    run: Action,
+}
+
+const SLASH: &[Slash] = &[
+    Slash {
+        names: &["/help"],
+        args: "",
+        help: "this text",
+        run: |_, _, out| {
+            writeln!(out, "{}", help_text())?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/reset"],
+        args: "",
+        help: "forget the conversation (keeps the system message)",
+        run: |chat, _, out| {
+            chat.conv.reset()?;
+            writeln!(out, "(conversation cleared)")?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/system"],
+        args: "TEXT",
+        help: "set the system message (/system alone shows it)",
+        run: |chat, arg, out| {
+            let c = &mut chat.conv;
+            if arg.is_empty() {
+                let system = c.system().unwrap_or("(the template's default)");
+                writeln!(out, "system: {system}")?;
+            } else {
+                c.set_system(Some(arg.to_string()));
+                writeln!(out, "(system message set)")?;
+            }
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/set"],
+        args: "NAME VALUE",
+        help: "change a setting: temperature, top-k, top-p, min-p, repeat-penalty,\n\
+               repeat-last-n, seed, max-tokens (/set alone lists them)",
+        run: |chat, arg, out| {
+            if arg.is_empty() {
+                writeln!(
+                    out,
+                    "sampling: {}\nmax-tokens {}",
+                    chat.sampling.describe(),
+                    chat.max_tokens
+                )?;
+            } else {
+                let done = chat.set(arg).map_err(|e| anyhow::anyhow!("/set {e}"))?;
+                writeln!(out, "{done}")?;
+            }
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/show"],
+        args: "",
+        help: "the model, its context, template, cache and the sampling in force",
+        run: |chat, _, out| {
+            writeln!(out, "{}", chat.show_text())?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/stats"],
+        args: "",
+        help: "tokens and bytes in the cache, per-layer shape, last turn's speed",
+        run: |chat, _, out| {
+            writeln!(out, "{}", chat.stats_text())?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/cache"],
+        args: "",
+        help: "the cache's precision, retention and placement",
+        run: |chat, _, out| {
+            let c = &chat.conv;
+            writeln!(
+                out,
+                "{}\nprefix store: {}",
+                c.session().cache().spec().describe(),
+                c.store().describe()
+            )?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/save"],
+        args: "FILE",
+        help: "save the conversation and its KV state",
+        run: |chat, arg, out| {
+            let c = &chat.conv;
+            c.save(Path::new(file_arg("/save", arg)?))?;
+            let (turns, positions) = (c.turns().len(), c.session().tokens().len());
+            writeln!(out, "(saved {turns} turns, {positions} positions to {arg})")?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/load"],
+        args: "FILE",
+        help: "load a saved conversation (same model and cache configuration)",
+        run: |chat, arg, out| {
+            let c = &mut chat.conv;
+            c.load(Path::new(file_arg("/load", arg)?))?;
+            let (turns, positions) = (c.turns().len(), c.session().tokens().len());
+            writeln!(
+                out,
+                "(loaded {turns} turns, {positions} positions from {arg})"
+            )?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/undo"],
+        args: "",
+        help: "drop the last exchange",
+        run: |chat, _, out| {
+            let c = &mut chat.conv;
+            if c.undo()? {
+                let held = c.session().cache().len();
+                writeln!(out, "(last exchange dropped; cache holds {held} positions)")?;
+            } else {
+                writeln!(out, "(nothing to undo)")?;
+            }
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
+        names: &["/exit", "/quit", "/bye"],
+        args: "",
+        help: "leave (also Ctrl-D, or Ctrl-C at an empty prompt)",
+        run: |_, _, _| Ok(Flow::Leave),
+    },
 ];
+
+/// The FILE argument of /save and /load, which they cannot do without.
+fn file_arg<'a>(cmd: &str, arg: &'a str) -> Result<&'a str> {
+    if arg.is_empty() {
+        bail!("usage: {cmd} FILE");
+    }
+    Ok(arg)
+}
+
+/// Every slash command's name, aliases included (completion, "did you mean").
+fn slash_names() -> impl Iterator<Item = &'static str> {
+    SLASH.iter().flat_map(|c| c.names.iter().copied())
+}
+
+/// /help: one line per command (a help text's own line breaks continue it), then the input keys.
+fn help_text() -> String {
+    let mut s = String::from("commands:");
+    for c in SLASH {
+        let head = format!("{} {}", c.names[0], c.args);
+        let mut lines = c.help.lines();
+        s += &format!("\n  {head:<19}{}", lines.next().unwrap_or(""));
+        for more in lines {
+            s += &format!("\n  {:<19}{}", "", more.trim_start());
+        }
+    }
+    s + "\ninput: end a line with \\ to continue it; a line \"\"\" opens and closes a multi-line block;\n\
+         Ctrl-C clears a line being typed, or stops an answer"
+}
 
 /// The platform's data directory for kvchat's history.
 fn default_history() -> PathBuf {
@@ -79,12 +242,12 @@ impl Chat<'_> {
             if t.shifted > 0 { format!(", dropped {} old turn(s)", t.shifted) } else { String::new() },
             t.gen.generated,
             t.gen.decode_tok_s(),
-            c.session.cache().len(),
-            human_bytes(c.session.cache().bytes_used() as u64),
+            c.session().cache().len(),
+            human_bytes(c.session().cache().bytes_used() as u64),
             t.reason
         );
         eprintln!("{}", style::paint(self.colour, style::DIM, &line));
-        let store = match (&t.store, &c.store.off) {
+        let store = match (&t.store, &c.store().off) {
             (Some(l), _) => Some(l.describe()),
             (None, Some(why)) if t.number == 1 => Some(format!("not used: {why}")),
             _ => None,
@@ -97,8 +260,8 @@ impl Chat<'_> {
 
     fn stats_text(&self) -> String {
         let c = &self.conv;
-        let cfg = &c.engine.model.cfg;
-        let cache = &c.session.cache();
+        let cfg = &c.engine().model.cfg;
+        let cache = &c.session().cache();
         let mut s = format!(
             "cache: {} positions held ({} seen), {} used of {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
             cache.len(),
@@ -110,10 +273,10 @@ impl Chat<'_> {
             cache.len(),
             cfg.head_dim,
             cache.spec().precision().name(),
-            crate::engine::device_name(&c.engine.device),
+            crate::engine::device_name(&c.engine().device),
             candle_core::utils::get_num_threads()
         );
-        if let Some(t) = &c.last {
+        if let Some(t) = c.last() {
             s += &format!(
                 "\nlast turn: reused {}, prefilled {} at {:.1} tok/s, generated {} at {:.1} tok/s, stop: {}",
                 t.reused,
@@ -128,9 +291,9 @@ impl Chat<'_> {
     }
 
     fn show_text(&self) -> String {
-        let mut lines: Vec<(&str, String)> = self.conv.engine.facts();
+        let mut lines: Vec<(&str, String)> = self.conv.engine().facts();
         lines.push(("template", self.template.clone()));
-        lines.push(("cache", self.conv.session.cache().spec().describe()));
+        lines.push(("cache", self.conv.session().cache().spec().describe()));
         lines.push(("sampling", self.sampling.describe()));
         lines.push(("max tokens", self.max_tokens.to_string()));
         lines
@@ -181,7 +344,8 @@ impl Chat<'_> {
     }
 }
 
-/// Handles a slash command; returns false to leave. Errors a command reports are counted.
+/// Handles a slash command; returns false to leave. A command that fails is reported and
+/// counted.
 fn command(
     chat: &mut Chat<'_>,
     line: &str,
@@ -189,95 +353,24 @@ fn command(
     errors: &mut usize,
 ) -> Result<bool> {
     let (cmd, arg) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
-    let arg = arg.trim();
-    let c = &mut chat.conv;
-    match cmd {
-        "/help" => writeln!(out, "{HELP}")?,
-        "/exit" | "/quit" | "/bye" => return Ok(false),
-        "/reset" => {
-            c.reset()?;
-            writeln!(out, "(conversation cleared)")?;
-        }
-        "/system" => {
-            if arg.is_empty() {
-                writeln!(
-                    out,
-                    "system: {}",
-                    c.system.as_deref().unwrap_or("(the template's default)")
-                )?;
-            } else {
-                c.system = Some(arg.to_string());
-                writeln!(out, "(system message set)")?;
-            }
-        }
-        "/stats" => writeln!(out, "{}", chat.stats_text())?,
-        "/cache" => writeln!(
-            out,
-            "{}\nprefix store: {}",
-            c.session.cache().spec().describe(),
-            c.store.describe()
-        )?,
-        "/show" => writeln!(out, "{}", chat.show_text())?,
-        "/set" if arg.is_empty() => writeln!(
-            out,
-            "sampling: {}\nmax-tokens {}",
-            chat.sampling.describe(),
-            chat.max_tokens
-        )?,
-        "/set" => match chat.set(arg) {
-            Ok(done) => writeln!(out, "{done}")?,
-            Err(e) => {
-                *errors += 1;
-                writeln!(out, "error: /set {e}")?
-            }
-        },
-        "/undo" => {
-            if c.undo()? {
-                writeln!(
-                    out,
-                    "(last exchange dropped; cache holds {} positions)",
-                    c.session.cache().len()
-                )?;
-            } else {
-                writeln!(out, "(nothing to undo)")?;
-            }
-        }
-        "/save" | "/load" if arg.is_empty() => writeln!(out, "usage: {cmd} FILE")?,
-        "/save" => match c.save(Path::new(arg)) {
-            Ok(()) => writeln!(
-                out,
-                "(saved {} turns, {} positions to {arg})",
-                c.turns.len(),
-                c.session.tokens().len()
-            )?,
-            Err(e) => {
-                *errors += 1;
-                writeln!(out, "error: {}", describe(&e))?
-            }
-        },
-        "/load" => match c.load(Path::new(arg)) {
-            Ok(()) => writeln!(
-                out,
-                "(loaded {} turns, {} positions from {arg})",
-                c.turns.len(),
-                c.session.tokens().len()
-            )?,
-            Err(e) => {
-                *errors += 1;
-                writeln!(out, "error: {}", describe(&e))?
-            }
-        },
-        other => {
+    let flow = match SLASH.iter().find(|c| c.names.contains(&cmd)) {
+        Some(c) => (c.run)(chat, arg.trim(), out),
+        None => Err(anyhow::anyhow!(
+            "unknown command {cmd}: /help lists them{}",
+            crate::did_you_mean(cmd, slash_names())
+        )),
+    };
+    let leave = match flow {
+        Ok(Flow::Leave) => true,
+        Ok(Flow::Continue) => false,
+        Err(e) => {
             *errors += 1;
-            writeln!(
-                out,
-                "unknown command {other}: /help lists them{}",
-                crate::did_you_mean(other, COMMANDS.iter().copied())
-            )?
+            writeln!(out, "error: {}", describe(&e))?;
+            false
         }
-    }
+    };
     out.flush()?;
-    Ok(true)
+    Ok(!leave)
 }
 
 /// The line editor's helper: a coloured prompt and completion of slash commands and /set names.
@@ -304,7 +397,7 @@ impl rustyline::completion::Completer for EditorHelper {
                 (names, 5, rest)
             }
             Some(_) => return Ok((0, Vec::new())),
-            None if !head.contains(' ') => (COMMANDS.to_vec(), 0, head),
+            None if !head.contains(' ') => (slash_names().collect(), 0, head),
             None => return Ok((0, Vec::new())),
         };
         let found = candidates
@@ -505,9 +598,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
     // A system message that alone fills the context is refused before the first turn.
     chat.conv.check_system()?;
     let prompt_cache = args.prompt_cache.is_some();
-    let session = &chat.conv.session;
-    chat.conv.store = open_store(&args.store, store_budget, prompt_cache, &engine, session);
-    report_store_problems(&mut chat.conv.store);
+    let store = open_store(
+        &args.store,
+        store_budget,
+        prompt_cache,
+        &engine,
+        chat.conv.session(),
+    );
+    chat.conv.set_store(store);
+    report_store_problems(chat.conv.store_mut());
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");
     }
@@ -517,7 +616,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             match chat.conv.load(pc) {
                 Ok(()) => eprintln!(
                     "kvchat: resumed {} turns from {}",
-                    chat.conv.turns.len(),
+                    chat.conv.turns().len(),
                     pc.display()
                 ),
                 Err(e) => eprintln!("kvchat: ignoring prompt cache: {}", describe(&e)),
@@ -614,14 +713,14 @@ pub fn run(args: ChatArgs) -> Result<()> {
         drop(quiet);
         interrupt.generating.store(false, Ordering::SeqCst);
         writeln!(stdout)?;
-        report_store_problems(&mut chat.conv.store);
+        report_store_problems(chat.conv.store_mut());
         match result {
             Ok(t) => {
                 match t.reason {
                     StopReason::Interrupted => eprintln!("(interrupted)"),
                     StopReason::ContextFull => eprintln!(
                         "(the answer was cut: the context of {} tokens is full; {})",
-                        chat.conv.session.max_positions(),
+                        chat.conv.session().max_positions(),
                         if on_full == crate::session::conversation::OnFull::Stop {
                             "/undo, /reset, or --on-full shift"
                         } else {
@@ -646,8 +745,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
-    chat.conv.store.finish();
-    report_store_problems(&mut chat.conv.store);
+    chat.conv.store_mut().finish();
+    report_store_problems(chat.conv.store_mut());
     if !tty && errors > 0 {
         bail!("{errors} of the chat's turns or commands failed (see above)");
     }

@@ -75,20 +75,22 @@ pub struct TurnStats {
     pub store: Option<super::prefix::Lookup>,
 }
 
+/// A conversation: its messages and the session whose cache holds them, changed together (asking,
+/// undoing, resetting, loading), so the cache never holds tokens the messages no longer render.
 pub struct Conversation<'e> {
-    pub engine: &'e Engine,
-    pub template: ChatTemplate,
-    pub system: Option<String>,
+    engine: &'e Engine,
+    template: ChatTemplate,
+    system: Option<String>,
     /// (user, assistant) exchanges, oldest first.
-    pub turns: Vec<(String, String)>,
-    pub session: Session<'e>,
-    pub on_full: OnFull,
-    pub last: Option<TurnStats>,
+    turns: Vec<(String, String)>,
+    session: Session<'e>,
+    on_full: OnFull,
+    last: Option<TurnStats>,
     /// Turns shifted out by [`OnFull::Shift`] so far (turn numbers keep counting them).
-    pub shifted_out: usize,
+    shifted_out: usize,
     /// The prefix store: looked up when the session holds nothing of the conversation (its
     /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
-    pub store: StoreUse,
+    store: StoreUse,
 }
 
 impl<'e> Conversation<'e> {
@@ -110,6 +112,67 @@ impl<'e> Conversation<'e> {
             shifted_out: 0,
             store: StoreUse::off("not opened"),
         }
+    }
+
+    pub fn engine(&self) -> &'e Engine {
+        self.engine
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// The session whose cache holds the conversation.
+    pub fn session(&self) -> &Session<'e> {
+        &self.session
+    }
+
+    /// The session, to feed tokens past the conversation (what the next turn reuses is what it
+    /// still shares with the rendered conversation).
+    pub fn session_mut(&mut self) -> &mut Session<'e> {
+        &mut self.session
+    }
+
+    pub fn system(&self) -> Option<&str> {
+        self.system.as_deref()
+    }
+
+    /// Sets the system message; the next turn renders with it (and reuses what still matches).
+    pub fn set_system(&mut self, system: Option<String>) {
+        self.system = system;
+    }
+
+    /// The (user, assistant) exchanges, oldest first.
+    pub fn turns(&self) -> &[(String, String)] {
+        &self.turns
+    }
+
+    /// Adds an exchange that happened elsewhere (a transcript): the next turn renders it before
+    /// its question.
+    pub fn record_exchange(&mut self, user: &str, assistant: &str) {
+        self.turns.push((user.to_string(), assistant.to_string()));
+    }
+
+    /// What the last turn did.
+    pub fn last(&self) -> Option<&TurnStats> {
+        self.last.as_ref()
+    }
+
+    pub fn on_full(&self) -> OnFull {
+        self.on_full
+    }
+
+    pub fn store(&self) -> &StoreUse {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut StoreUse {
+        &mut self.store
+    }
+
+    /// Uses `store` for the prefix store from now on.
+    pub fn set_store(&mut self, store: StoreUse) {
+        self.store = store;
     }
 
     pub fn messages(&self, pending: Option<&str>) -> Vec<Message> {

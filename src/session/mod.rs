@@ -166,7 +166,16 @@ impl<'m> Session<'m> {
             Err(e) => {
                 // Keep the sequence and the cache consistent after a failed step.
                 self.tokens.truncate(total - new.len());
-                let _ = self.cache.truncate(self.tokens.len());
+                if let Err(back) = self.cache.truncate(self.tokens.len()) {
+                    // The cache cannot go back (a window dropped those positions): both start
+                    // over rather than disagree.
+                    self.tokens.clear();
+                    self.cache.reset()?;
+                    return Err(e.context(format!(
+                        "the cache could not return to the sequence before this step ({}), so it was cleared",
+                        crate::first_line(back)
+                    )));
+                }
                 Err(e)
             }
         }
