@@ -3,7 +3,7 @@
 //!
 //! Measures decode tok/s after a prompt of 128 and 2048 tokens (64 greedy tokens each), and prefill
 //! tok/s for a 512-token prompt. The prompt is real text (assets/bench-text.txt, repeated as needed).
-//! Usage: cargo run --release --example vs_quantized_llama -- [MODEL.gguf] [REPEATS]
+//! Usage: cargo run --release --features bench-candle --example vs_quantized_llama -- [MODEL.gguf] [REPEATS]
 
 use anyhow::Result;
 use candle_core::quantized::gguf_file;

@@ -9,7 +9,7 @@ repeats="${1:-3}"
 export RAYON_NUM_THREADS="${2:-2}"
 scripts/fetch-models.sh >&2
 model="${KVCHAT_MODEL:-${KVCHAT_HOME:-$HOME/.cache/kvchat}/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
-cargo build --release --quiet --example vs_quantized_llama --bin kvchat
+cargo build --release --quiet --features bench-candle --example vs_quantized_llama --bin kvchat
 target/release/examples/vs_quantized_llama "$model" "$repeats"
 rss_kb=$( { /usr/bin/time -f '%M' target/release/kvchat run -m "$model" --temperature 0 --ignore-eos -n 128 \
   "Tell me about caches" >/dev/null; } 2>&1 | tail -n 1)
