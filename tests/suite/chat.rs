@@ -1,8 +1,6 @@
 //! Chat that keeps its KV cache across turns, and the prompt cache that survives the process.
 
-mod common;
-
-use common::{engine, kvchat, rel_diff};
+use crate::common::{engine, kvchat, rel_diff};
 use kvchat::kv::{persist, CacheSpec};
 use kvchat::session::conversation::{Conversation, OnFull};
 use kvchat::session::{Sampler, SamplingParams};
@@ -285,7 +283,7 @@ fn ctrl_c_in_a_terminal_clears_a_typed_line_stops_an_answer_and_the_chat_goes_on
     );
     let mut child = Command::new("script")
         .args(["-qfec", &cmd, "/dev/null"])
-        .env("KVCHAT_MODEL", common::model_path())
+        .env("KVCHAT_MODEL", crate::common::model_path())
         .env("SHELL", "/bin/sh")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -558,7 +556,7 @@ fn no_color_turns_the_prompt_colour_off_on_a_terminal() {
     let cmd = format!("exec {} chat", env!("CARGO_BIN_EXE_kvchat"));
     let mut child = Command::new("script")
         .args(["-qfec", &cmd, "/dev/null"])
-        .env("KVCHAT_MODEL", common::model_path())
+        .env("KVCHAT_MODEL", crate::common::model_path())
         .env("SHELL", "/bin/sh")
         .env("NO_COLOR", "1")
         .stdin(Stdio::piped())

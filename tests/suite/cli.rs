@@ -1,8 +1,6 @@
 //! The binary as a user meets it: bad input gets one clear line on stderr and a non-zero exit.
 
-mod common;
-
-use common::kvchat;
+use crate::common::kvchat;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -119,7 +117,7 @@ fn file_that_is_not_gguf_is_an_error() {
 fn truncated_gguf_is_an_error() {
     let d = temp_dir("trunc");
     let f = d.join("truncated.gguf");
-    let bytes = std::fs::read(common::model_path()).unwrap();
+    let bytes = std::fs::read(crate::common::model_path()).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
     let out = kvchat(&["run", "-m", p(&f), "hi"], "");
     assert_one_line_error(&out, "truncated or corrupt");
@@ -152,7 +150,7 @@ fn gguf_of_unsupported_architecture_is_an_error() {
 #[test]
 fn a_pool_spin_limit_candle_cannot_read_is_an_error_naming_the_variable() {
     for bad in ["abc", "-1", "4294967296", ""] {
-        let out = common::kvchat_env(
+        let out = crate::common::kvchat_env(
             &["run", "hi"],
             "",
             &[("CANDLE_BARRIER_POOL_SPIN_LIMIT", std::ffi::OsStr::new(bad))],
@@ -318,7 +316,7 @@ fn on_a_terminal(shell_cmd: &str) -> String {
     let cmd = format!("exec {} {shell_cmd}", env!("CARGO_BIN_EXE_kvchat"));
     let out = std::process::Command::new("script")
         .args(["-qfec", &cmd, "/dev/null"])
-        .env("KVCHAT_MODEL", common::model_path())
+        .env("KVCHAT_MODEL", crate::common::model_path())
         .env("SHELL", "/bin/sh")
         .env("KVCHAT_PROGRESS_AFTER_MS", "0")
         .env_remove("NO_COLOR")

@@ -2,9 +2,7 @@
 //! SmolLM2 GGUF dequantized to f32 with Q/K rows put back in HF's rotary order
 //! (`kvchat::model::export`, also `scripts/make-hf-fixture.sh`).
 
-mod common;
-
-use common::{engine, model_path, rel_diff};
+use crate::common::{engine, model_path, rel_diff};
 use kvchat::engine::Engine;
 use kvchat::engine::LoadOptions;
 use kvchat::kv::CacheSpec;
@@ -58,7 +56,7 @@ fn a_dequantized_gguf_says_so_and_has_its_own_digest() {
 }
 
 fn full() -> CacheSpec {
-    common::full()
+    crate::common::full()
 }
 
 /// Greedy tokens of `e` after `prompt`, and the logits of the prompt's last position.

@@ -1,10 +1,8 @@
 //! Tiny random models made in the test: loader paths the real model does not exercise (qwen2's q/k/v
 //! biases, GQA, tied embeddings, quantized matrices) and the SentencePiece tokenizer.
 
-mod common;
-
+use crate::common::tiny::*;
 use candle_core::Device;
-use common::tiny::*;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
 use kvchat::model::{Llama, Logits};
@@ -187,9 +185,9 @@ fn gemma3_past_its_window_prefill_decode_and_recompute_agree() {
     let none = CacheSpec::none(kvchat::kv::Precision::F32);
     let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
     for i in 0..tokens.len() {
-        let d = common::rel_diff(&decode[i], &recompute[i]);
+        let d = crate::common::rel_diff(&decode[i], &recompute[i]);
         assert!(d < 1e-5, "position {i}: decode vs recompute differ by {d}");
-        let p = common::rel_diff(&prefill[i], &decode[i]);
+        let p = crate::common::rel_diff(&prefill[i], &decode[i]);
         assert!(p < 1e-5, "position {i}: prefill vs decode differ by {p}");
     }
 }
@@ -212,7 +210,7 @@ fn gemma3_window_changes_the_answer_once_the_sequence_outgrows_it() {
     let (a, _) = prefill_and_decode(&windowed, &FULL, &tokens);
     let (b, _) = prefill_and_decode(&wide, &FULL, &tokens);
     for i in 0..tokens.len() {
-        let d = common::rel_diff(&a[i], &b[i]);
+        let d = crate::common::rel_diff(&a[i], &b[i]);
         if i < TINY_WINDOW {
             assert!(d < 1e-6, "position {i} fits the window, yet differs by {d}");
         } else {
@@ -258,7 +256,7 @@ fn gemma3_going_back_within_the_spare_positions_gives_the_same_logits_as_a_fresh
     // Back 20 positions (the layer keeps 8 + 64), then forward again over the same tokens.
     s.truncate(80).unwrap();
     let again: Vec<f32> = s.feed(&tokens[80..]).unwrap().to_vec1().unwrap();
-    let d = common::rel_diff(&again, &fresh);
+    let d = crate::common::rel_diff(&again, &fresh);
     assert!(d < 1e-5, "differs by {d}");
     // Back to a position still held (the layer holds 28..100) but whose next query needs keys
     // 23..30, already dropped: refused, and nothing changes.

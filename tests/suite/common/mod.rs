@@ -113,9 +113,46 @@ pub fn kvchat_env(args: &[&str], stdin: &str, env: &[(&str, &std::ffi::OsStr)]) 
     child.wait_with_output().unwrap()
 }
 
+/// kvchat with every cache under `home` and nothing reachable but `hub_url` (a local fake hub and
+/// its PyPI index; with None, a closed port): no proxy, token or model variable of the caller's
+/// environment leaks in.
+pub fn isolated_kvchat(home: &std::path::Path, hub_url: Option<String>, args: &[&str]) -> Command {
+    let hub = hub_url.unwrap_or_else(|| "http://127.0.0.1:9".to_string());
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvchat"));
+    c.args(args)
+        .env("HF_HOME", home.join("hf"))
+        .env("KVCHAT_HOME", home.join("kv"))
+        .env("HF_ENDPOINT", &hub)
+        .env("KVCHAT_PIP_INDEX", format!("{hub}/simple"))
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .env("no_proxy", "127.0.0.1,localhost")
+        .env("HOME", home)
+        .env("XDG_DATA_HOME", home.join("data"));
+    for v in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "KVCHAT_MODEL",
+        "KVCHAT_MODELS_FILE",
+        "HF_HUB_OFFLINE",
+        "HF_TOKEN",
+        "PIP_INDEX_URL",
+        "RUST_BACKTRACE",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
 /// Runs `cmd` with `stdin` as its input until it exits; returns what it printed and its peak
-/// resident memory in bytes (`wait4`'s `ru_maxrss`: this child's alone, whatever other tests run
-/// beside it). A run past `limit` is killed and the test fails: a hang is a failure, not a wait.
+/// resident memory in bytes (`wait4`'s `ru_maxrss`). That peak is the child's own only when the
+/// test process is small: Linux records, at exec, the high-water mark of the memory the process
+/// had before it (with posix_spawn, the test process's own), so a test that asserts a child's peak
+/// runs in `tests/memory.rs`, a binary that loads no model. A run past `limit` is killed and the
+/// test fails: a hang is a failure, not a wait.
 pub fn run_measured(mut cmd: Command, stdin: &[u8], limit: std::time::Duration) -> (Output, u64) {
     use std::io::Read;
     use std::os::unix::process::ExitStatusExt;

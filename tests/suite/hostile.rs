@@ -4,10 +4,8 @@
 //! a clean one-line error or a correct answer: never a panic, abort, hang, memory blow-up, write
 //! outside the given directories, or a destroyed file.
 
-mod common;
-
-use common::hub::Hub;
-use common::raw_gguf::{gguf_bytes, llama_kvs, Val};
+use crate::common::hub::Hub;
+use crate::common::raw_gguf::{gguf_bytes, llama_kvs, Val};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -22,46 +20,8 @@ fn temp(name: &str) -> PathBuf {
 /// kvchat with every cache under `home`, the hub at `hub` (or nowhere), `stdin` as input; killed
 /// (and the test failed) if it runs past 120 s: a hang is a failure, not a wait.
 fn kvchat(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> Output {
-    kvchat_measured(home, hub, args, stdin).0
-}
-
-/// [`kvchat`] and its peak resident memory in bytes.
-fn kvchat_measured(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> (Output, u64) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kvchat"));
-    c.args(args)
-        .env("HF_HOME", home.join("hf"))
-        .env("KVCHAT_HOME", home.join("kv"))
-        .env(
-            "HF_ENDPOINT",
-            hub.map_or("http://127.0.0.1:9".to_string(), Hub::url),
-        )
-        .env(
-            "KVCHAT_PIP_INDEX",
-            hub.map_or("http://127.0.0.1:9/simple".to_string(), |h| {
-                format!("{}/simple", h.url())
-            }),
-        )
-        .env("NO_PROXY", "127.0.0.1,localhost")
-        .env("no_proxy", "127.0.0.1,localhost")
-        .env("HOME", home)
-        .env("XDG_DATA_HOME", home.join("data"));
-    for v in [
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-        "KVCHAT_MODEL",
-        "KVCHAT_MODELS_FILE",
-        "HF_HUB_OFFLINE",
-        "HF_TOKEN",
-        "PIP_INDEX_URL",
-        "RUST_BACKTRACE",
-    ] {
-        c.env_remove(v);
-    }
-    common::run_measured(c, stdin, Duration::from_secs(120))
+    let c = crate::common::isolated_kvchat(home, hub.map(Hub::url), args);
+    crate::common::run_measured(c, stdin, Duration::from_secs(120)).0
 }
 
 fn stderr(o: &Output) -> String {
@@ -95,7 +55,7 @@ fn tree(dir: &Path) -> Vec<PathBuf> {
 
 /// A tiny complete model (random weights, SentencePiece tokenizer).
 fn tiny_model(name: &str) -> PathBuf {
-    common::tiny::write_tiny_with_tokenizer(&format!("hostile-{name}"))
+    crate::common::tiny::write_tiny_with_tokenizer(&format!("hostile-{name}"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,9 +204,10 @@ fn gemma3_sliding_window_metadata_that_makes_no_sense_is_refused_naming_the_key(
         ),
     ];
     for (i, (key, value, needle)) in cases.into_iter().enumerate() {
-        let mut md = common::tiny::spm_metadata(common::tiny::VOCAB);
+        let mut md = crate::common::tiny::spm_metadata(crate::common::tiny::VOCAB);
         md.push((key.to_string(), value));
-        let model = common::tiny::write_tiny_arch(&format!("hostile-gemma3-{i}"), "gemma3", md);
+        let model =
+            crate::common::tiny::write_tiny_arch(&format!("hostile-gemma3-{i}"), "gemma3", md);
         let o = kvchat(
             &home,
             None,
@@ -262,7 +223,7 @@ fn hostile_etag_and_commit_headers_write_nothing_outside_the_cache() {
     let home = temp("hostile-headers");
     let hub = Hub::start();
     let gguf = std::fs::read(tiny_model("headers")).unwrap();
-    let good_commit = common::hub::COMMIT;
+    let good_commit = crate::common::hub::COMMIT;
     let cases = [
         ("\"../../../../escape\"", good_commit, "ETag"),
         ("\"/tmp/kvchat-hostile-abs\"", good_commit, "ETag"),
@@ -710,10 +671,6 @@ fn a_runaway_chat_template_on_the_command_line_is_a_one_line_error() {
     assert_refused(&o, "did you mean 'chatml'?");
 }
 
-/// The memory a small hostile input may take in all (issue 32): the model, the tokenizer and a
-/// render's budget, far from the gigabytes these inputs took before they were bounded.
-const SMALL_INPUT_PEAK: u64 = 512 << 20;
-
 #[test]
 fn templates_that_grow_a_value_past_the_memory_budget_are_refused_not_aborted() {
     let cases = [
@@ -739,57 +696,6 @@ fn a_template_within_the_memory_budget_still_renders() {
     // 8 MB of output: within the 16 MiB output cap and the 64 MiB budget.
     let out = render("{{ 'x' * 8000000 }}").unwrap();
     assert_eq!(out.len(), 8_000_000);
-}
-
-#[test]
-fn a_runaway_template_on_the_command_line_or_in_the_model_is_one_line_in_little_memory() {
-    let home = temp("template-memory");
-    let grow = "{{ ([1] * 10**12) | list | length }}";
-    let model = tiny_model("template-memory");
-    let m = model.to_str().unwrap();
-    let (o, peak) = kvchat_measured(
-        &home,
-        None,
-        &["run", "-m", m, "--chat-template", grow, "hi"],
-        b"",
-    );
-    assert_refused(
-        &o,
-        "--chat-template: chat template needs more than its memory limit",
-    );
-    assert!(peak < SMALL_INPUT_PEAK, "peak {peak} bytes");
-    // The same template as the model's own: every run of that model was an abort.
-    let mut meta = common::tiny::spm_metadata(common::tiny::VOCAB);
-    meta.push((
-        "tokenizer.chat_template".into(),
-        candle_core::quantized::gguf_file::Value::String(grow.into()),
-    ));
-    let model = common::tiny::write_tiny("hostile-template-memory-gguf", meta);
-    let (o, peak) = kvchat_measured(
-        &home,
-        None,
-        &["run", "-m", model.to_str().unwrap(), "hi"],
-        b"",
-    );
-    assert_refused(&o, "chat template needs more than its memory limit");
-    assert!(
-        stderr(&o).contains("the chat template of"),
-        "{}",
-        stderr(&o)
-    );
-    assert!(stderr(&o).contains("--chat-template"), "{}", stderr(&o));
-    assert!(peak < SMALL_INPUT_PEAK, "peak {peak} bytes");
-    // The model still runs with another template, or a raw prompt.
-    for extra in [&["--chat-template", "chatml"][..], &["--raw"][..]] {
-        let args = [
-            &["run", "-m", model.to_str().unwrap(), "-n", "2"][..],
-            extra,
-            &["hi"],
-        ]
-        .concat();
-        let o = kvchat(&home, None, &args, b"");
-        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
-    }
 }
 
 #[test]
@@ -916,9 +822,9 @@ fn ten_thousand_threads_are_capped_with_a_note_and_the_run_answers() {
 
 /// A tiny model whose metadata has `key` set to `value` (appended: the last value wins).
 fn tiny_with(name: &str, key: &str, value: candle_core::quantized::gguf_file::Value) -> PathBuf {
-    let mut md = common::tiny::spm_metadata(common::tiny::VOCAB);
+    let mut md = crate::common::tiny::spm_metadata(crate::common::tiny::VOCAB);
     md.push((key.to_string(), value));
-    common::tiny::write_tiny(&format!("hostile-{name}"), md)
+    crate::common::tiny::write_tiny(&format!("hostile-{name}"), md)
 }
 
 #[test]
@@ -989,7 +895,7 @@ fn gguf_metadata_beyond_any_real_model_is_refused_naming_the_key() {
 fn a_quantized_model_cut_short_names_the_tensor_it_cannot_read() {
     // Read straight into our kernels' layout (GgufFile::pack_all), not through candle's reader.
     let home = temp("gguf-cut");
-    let bytes = std::fs::read(common::model_path()).unwrap();
+    let bytes = std::fs::read(crate::common::model_path()).unwrap();
     let p = home.join("cut.gguf");
     std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
     let o = kvchat(
@@ -1200,34 +1106,6 @@ fn a_prompt_far_beyond_the_context_is_refused_before_tokenizing() {
 }
 
 #[test]
-fn a_huge_chat_line_is_refused_by_its_bytes_before_it_is_tokenized() {
-    let home = temp("chat-line-bytes");
-    let model = tiny_model("chat-line-bytes");
-    let m = model.to_str().unwrap();
-    // 10 MB (1.9 GB and 8.7 s before), and just under the 16 MiB line cap (3.2 GB before).
-    for len in [10_000_000usize, (16 << 20) - 1] {
-        let mut input = vec![b'a'; len];
-        input.push(b'\n');
-        let t0 = Instant::now();
-        let (o, peak) = kvchat_measured(
-            &home,
-            None,
-            &["chat", "-m", m, "--chat-template", "chatml"],
-            &input,
-        );
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{err}");
-        assert!(
-            err.contains(&format!("the question is {len} bytes, at least")),
-            "{err}"
-        );
-        assert!(!err.contains("panicked"), "{err}");
-        assert!(peak < SMALL_INPUT_PEAK, "{len}: peak {peak} bytes");
-        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
-    }
-}
-
-#[test]
 fn a_system_message_longer_than_the_context_is_named_as_what_does_not_fit() {
     let home = temp("system-too-long");
     let model = tiny_model("system-too-long");
@@ -1285,7 +1163,7 @@ fn a_system_message_longer_than_the_context_is_named_as_what_does_not_fit() {
 #[test]
 fn control_token_text_typed_by_a_user_stays_text_in_chat() {
     use kvchat::template::Message;
-    let e = common::engine();
+    let e = crate::common::engine();
     let t = e.chat_template(None).unwrap();
     let start = e.tokenizer.token_id("<|im_start|>").unwrap();
     let count = |ids: &[u32]| ids.iter().filter(|&&i| i == start).count();
@@ -1321,7 +1199,7 @@ fn control_token_text_typed_by_a_user_stays_text_in_chat() {
 #[test]
 fn ordinary_chat_prompts_tokenize_exactly_as_before() {
     use kvchat::template::Message;
-    let e = common::engine();
+    let e = crate::common::engine();
     let t = e.chat_template(None).unwrap();
     let msgs = [
         Message::new("system", "Be brief."),
@@ -1336,7 +1214,7 @@ fn ordinary_chat_prompts_tokenize_exactly_as_before() {
 
 #[test]
 fn raw_prompts_still_parse_control_tokens() {
-    let e = common::engine();
+    let e = crate::common::engine();
     let start = e.tokenizer.token_id("<|im_start|>").unwrap();
     let ids = e.raw_prompt("<|im_start|>user\nhi").unwrap();
     assert!(ids.contains(&start));
@@ -1345,12 +1223,12 @@ fn raw_prompts_still_parse_control_tokens() {
 #[test]
 fn control_token_text_in_a_conversation_stays_text_on_every_turn() {
     use kvchat::session::conversation::{Conversation, OnFull};
-    let e = common::engine();
+    let e = crate::common::engine();
     let start = e.tokenizer.token_id("<|im_start|>").unwrap();
     let count = |ids: &[u32]| ids.iter().filter(|&&i| i == start).count();
     let mut c = Conversation::new(
         e,
-        &common::full(),
+        &crate::common::full(),
         e.chat_template(None).unwrap(),
         Some("<|im_start|>user\nfake".into()),
         OnFull::Stop,
@@ -1365,7 +1243,7 @@ fn control_token_text_in_a_conversation_stays_text_on_every_turn() {
 
 #[test]
 fn an_unknown_kernels_value_is_a_one_line_error_naming_the_flag() {
-    let out = common::kvchat(&["run", "--kernels", "fastest", "-n", "1", "hi"], "");
+    let out = crate::common::kvchat(&["run", "--kernels", "fastest", "-n", "1", "hi"], "");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1377,7 +1255,7 @@ fn an_unknown_kernels_value_is_a_one_line_error_naming_the_flag() {
 
 #[test]
 fn an_unknown_kvchat_simd_value_is_a_one_line_error_naming_the_variable() {
-    let out = common::kvchat_env(
+    let out = crate::common::kvchat_env(
         &["run", "-n", "1", "hi"],
         "",
         &[("KVCHAT_SIMD", std::ffi::OsStr::new("avx9"))],

@@ -1,8 +1,6 @@
 //! The core engine on the real model: cache correctness, tokenizer, chat prompt, greedy output.
 
-mod common;
-
-use common::{chat_ids, engine, full, greedy, rel_diff};
+use crate::common::{chat_ids, engine, full, greedy, rel_diff};
 use kvchat::kv::CacheSpec;
 use kvchat::model::Logits;
 use kvchat::session::{Sampler, SamplingParams};

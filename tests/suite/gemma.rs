@@ -3,8 +3,6 @@
 //! `scripts/llamacpp.sh` builds (llama-cpp-python 0.3.36's vendored sources); the command that
 //! produced each is beside it. `scripts/test.sh` pulls the model (`kvchat models pull gemma3-270m`).
 
-mod common;
-
 use kvchat::engine::{Engine, LoadOptions};
 use kvchat::kv::size::KvDims;
 use kvchat::kv::{CacheSpec, Precision};
@@ -174,10 +172,11 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
     let e = gemma();
     let prompt = kvchat::commands::bench::bench_tokens(e, 700).unwrap();
     let cached = CacheSpec::full(Precision::F16, e.ctx);
-    let (tokens, _) = common::greedy_with(e, &cached, &prompt, 8);
+    let (tokens, _) = crate::common::greedy_with(e, &cached, &prompt, 8);
     // --no-cache keeps no rows: every step recomputes all positions, each sliding-window layer
     // masking per query row what the cache drops.
-    let (recomputed, _) = common::greedy_with(e, &CacheSpec::none(Precision::F16), &prompt, 8);
+    let (recomputed, _) =
+        crate::common::greedy_with(e, &CacheSpec::none(Precision::F16), &prompt, 8);
     assert_eq!(tokens, recomputed);
     // Bytes: 15 of 18 layers hold 512 + 64 spare positions; at 8192 that is 0.23 of a uniform cache.
     let mut s = e.session(&cached);

@@ -1,7 +1,5 @@
 //! Qwen3 against llama.cpp, on a random-weight `qwen3` model the test writes itself
-//! (`common::tiny::write_random_qwen3`: the same bytes on every machine, checked by sha256).
-
-mod common;
+//! (`crate::common::tiny::write_random_qwen3`: the same bytes on every machine, checked by sha256).
 
 use kvchat::engine::{Engine, LoadOptions};
 
@@ -14,7 +12,7 @@ fn random_qwen3() -> std::path::PathBuf {
     static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     PATH.get_or_init(|| {
         let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("random-qwen3.gguf");
-        common::tiny::write_random_qwen3(&p, &common::model_path());
+        crate::common::tiny::write_random_qwen3(&p, &crate::common::model_path());
         p
     })
     .clone()
@@ -25,7 +23,7 @@ fn qwen3_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fil
     let path = random_qwen3();
     let bytes = std::fs::read(&path).unwrap();
     assert_eq!(
-        common::hub::sha256_hex(&bytes),
+        crate::common::hub::sha256_hex(&bytes),
         FILE_SHA256,
         "the random model changed"
     );
@@ -54,7 +52,7 @@ fn qwen3_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fil
 }
 
 /// Qwen3's own chat template (its tokenizer_config.json), thinking tags and all.
-const QWEN3_TEMPLATE: &str = include_str!("data/qwen3-chat-template.jinja");
+const QWEN3_TEMPLATE: &str = include_str!("../data/qwen3-chat-template.jinja");
 
 #[test]
 fn qwen3_chat_template_renders_through_minijinja_as_jinja2_does() {

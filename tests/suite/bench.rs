@@ -1,8 +1,6 @@
 //! `kvchat bench` and `kvchat kv-size`: the arithmetic, the table/JSON, the time budget (on a tiny
 //! model, fast), and the measured KV bytes against the prediction (on the real model).
 
-mod common;
-
 use kvchat::cli::BenchArgs;
 use kvchat::cli::KvSizeArgs;
 use kvchat::commands::bench::{measure_cell, render_table, BenchReport};
@@ -80,7 +78,7 @@ fn int8_costs_at_most_0_27_of_f32_per_token_in_the_formula() {
 }
 
 fn tiny_engine(name: &str) -> Engine {
-    let path = common::tiny::write_tiny_with_tokenizer(name);
+    let path = crate::common::tiny::write_tiny_with_tokenizer(name);
     Engine::load(&LoadOptions {
         ctx: Some(512),
         ..LoadOptions::for_path(path)
@@ -205,7 +203,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
 
 #[test]
 fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
-    let e = common::engine();
+    let e = crate::common::engine();
     let d = KvDims {
         layers: 30,
         kv_heads: 3,
@@ -239,7 +237,7 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
 
 #[test]
 fn the_bench_bar_on_a_terminal_has_an_eta_and_covers_the_chat_turn_summary() {
-    let model = common::tiny::write_tiny_with_tokenizer("bench-bar");
+    let model = crate::common::tiny::write_tiny_with_tokenizer("bench-bar");
     let cmd = format!(
         "exec {} bench -m {} --modes full,none --contexts 32,64 --gen 4 --repeat 1",
         env!("CARGO_BIN_EXE_kvchat"),

@@ -16,8 +16,6 @@
 //! K-quants need rows of 256: SmolLM2's 576-wide matrices stay Q8_0 in the K files (as
 //! llama-quantize falls back), the 1536-wide ffn_down takes the K type.
 
-mod common;
-
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::Device;
 use kvchat::commands::ppl::{paired, Perplexity};
@@ -33,7 +31,7 @@ fn out_dir() -> PathBuf {
 
 /// SmolLM2 with every matrix requantized to `dtype` (Q8_0 where its rows do not divide).
 fn requantized(dtype: GgmlDType) -> PathBuf {
-    let src = common::model_path();
+    let src = crate::common::model_path();
     let mut file = std::fs::File::open(&src).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut tensors = Vec::new();
@@ -173,10 +171,10 @@ fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
     //   tokens: on the 1,020 of assets/bench-text.txt a few ulp anywhere in the forward pass move
     //   the figure by up to 1 % (there kvchat 15.7627 against 15.8272, −0.41 %).
     let reference = 18.3459;
-    let e = Engine::load(&LoadOptions::for_path(common::model_path())).unwrap();
+    let e = Engine::load(&LoadOptions::for_path(crate::common::model_path())).unwrap();
     let ids = e
         .tokenizer
-        .encode(include_str!("../assets/gpl-3.txt"))
+        .encode(include_str!("../../assets/gpl-3.txt"))
         .unwrap();
     let p = kvchat::commands::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)
         .unwrap()

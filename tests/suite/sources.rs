@@ -2,9 +2,7 @@
 //! the cache, errors, interrupted downloads, offline mode, sharded safetensors, the registry's
 //! fall-through to pip, and bad registries and model directories.
 
-mod common;
-
-use common::hub::{sha256_hex, Hub};
+use crate::common::hub::{sha256_hex, Hub};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -57,7 +55,7 @@ fn assert_one_line_error(o: &Output, needle: &str) {
 
 /// A tiny but complete GGUF model (tokenizer included), as bytes.
 fn tiny_gguf(name: &str) -> Vec<u8> {
-    std::fs::read(common::tiny::write_tiny_with_tokenizer(&format!(
+    std::fs::read(crate::common::tiny::write_tiny_with_tokenizer(&format!(
         "sources-{name}"
     )))
     .unwrap()
@@ -281,7 +279,7 @@ fn offline_with_the_file_cached_runs_without_any_request() {
 
 /// A tiny GGUF (its path returned) written out in the HF layout, weights split over two shards.
 fn sharded_tiny(dir: &Path) -> (PathBuf, Vec<(String, Vec<u8>)>) {
-    let gguf = common::tiny::write_tiny_with_tokenizer("sources-sharded");
+    let gguf = crate::common::tiny::write_tiny_with_tokenizer("sources-sharded");
     kvchat::model::export::gguf_to_hf(&gguf, dir).unwrap();
     let all =
         candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
@@ -545,7 +543,7 @@ fn a_safetensors_dir_whose_shapes_do_not_match_config_json_is_refused() {
     let hub = Hub::start();
     let home = temp("shapes");
     let dir = home.join("model");
-    let gguf = common::tiny::write_tiny_with_tokenizer("sources-shapes");
+    let gguf = crate::common::tiny::write_tiny_with_tokenizer("sources-shapes");
     kvchat::model::export::gguf_to_hf(&gguf, &dir).unwrap();
     let cfg_path = dir.join("config.json");
     let mut cfg: serde_json::Value =
@@ -576,13 +574,13 @@ fn sampling_comes_from_a_flag_then_the_registry_then_the_model_file_then_the_bui
     use candle_core::quantized::gguf_file::Value;
     let home = temp("sampling");
     // The GGUF recommends temperature 0.9, top-k 7 and top-p 0.5 (llama.cpp's keys) ...
-    let mut md = common::tiny::spm_metadata(common::tiny::VOCAB);
+    let mut md = crate::common::tiny::spm_metadata(crate::common::tiny::VOCAB);
     md.extend([
         ("general.sampling.temp".to_string(), Value::F32(0.9)),
         ("general.sampling.top_k".to_string(), Value::U32(7)),
         ("general.sampling.top_p".to_string(), Value::F32(0.5)),
     ]);
-    let g = std::fs::read(common::tiny::write_tiny("sources-sampling", md)).unwrap();
+    let g = std::fs::read(crate::common::tiny::write_tiny("sources-sampling", md)).unwrap();
     let dest = home.join("kv/models/tiny.gguf");
     std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
     std::fs::write(&dest, &g).unwrap();

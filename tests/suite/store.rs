@@ -3,9 +3,7 @@
 //! unusable store are reported once and change nothing in the answer; concurrent runs sharing a
 //! prefix leave a sound store.
 
-mod common;
-
-use common::kvchat_env;
+use crate::common::kvchat_env;
 use kvchat::kv::{CacheSpec, Precision};
 use kvchat::session::prefix::StoreUse;
 use kvchat::template::Message;
@@ -391,7 +389,7 @@ fn resumed_after(
     ids: &[u32],
     earlier: usize,
 ) -> (Vec<f32>, Vec<f32>, usize) {
-    let e = common::engine();
+    let e = crate::common::engine();
     let root = fresh_store(name);
     let ids_earlier = &ids[..earlier];
     let mut earlier = e.session(spec);
@@ -410,7 +408,7 @@ fn resumed_after(
 }
 
 fn long_prompt() -> Vec<u32> {
-    let e = common::engine();
+    let e = crate::common::engine();
     let t = e.chat_template(None).unwrap();
     let sys = format!("{0} {0} {0}", system_prompt());
     let messages = [

@@ -1,9 +1,7 @@
 //! The cache strategies on the real model: exactness where it is owed, bounded memory, and the price in
 //! perplexity of each.
 
-mod common;
-
-use common::{chat_ids, engine, full, greedy, rel_diff};
+use crate::common::{chat_ids, engine, full, greedy, rel_diff};
 use kvchat::commands::ppl::perplexity;
 use kvchat::kv::CacheSpec;
 
@@ -368,7 +366,7 @@ fn candle_engine(gpu: bool) -> &'static kvchat::engine::Engine {
         kvchat::engine::Engine::load(&kvchat::engine::LoadOptions {
             kernels,
             dtype: Some(candle_core::DType::F32),
-            ..common::model_args()
+            ..crate::common::model_args()
         })
         .unwrap()
     })

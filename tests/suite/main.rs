@@ -1,0 +1,21 @@
+//! The integration tests, one binary: each file is a module named for what it tests. They were 14
+//! binaries, each compiling the shared helpers (`common`) and linking the whole crate again; one
+//! binary compiles and links once, and the real model (`common::engine`) loads once for all.
+//! Run one part with `cargo test --release --test suite -- MODULE::` (e.g. `weights::`).
+
+mod common;
+
+mod bench;
+mod chat;
+mod cli;
+mod engine;
+mod gemma;
+mod hf_layout;
+mod hostile;
+mod props;
+mod qwen3;
+mod sources;
+mod store;
+mod strategies;
+mod tiny;
+mod weights;
