@@ -6,6 +6,7 @@
 #[path = "suite/common/mod.rs"]
 mod common;
 
+use common::{assert_refused, stderr};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
@@ -33,19 +34,6 @@ fn kvchat_measured(home: &Path, args: &[&str], stdin: &[u8]) -> (Output, u64) {
 
 fn kvchat(home: &Path, args: &[&str], stdin: &[u8]) -> Output {
     kvchat_measured(home, args, stdin).0
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).to_string()
-}
-
-/// Exit 1, one line on stderr, containing `needle`, no panic.
-fn assert_refused(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(1), "exit code; stderr: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
-    assert!(err.contains(needle), "expected {needle:?} in: {err}");
 }
 
 #[test]

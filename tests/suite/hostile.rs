@@ -6,6 +6,7 @@
 
 use crate::common::hub::Hub;
 use crate::common::raw_gguf::{gguf_bytes, llama_kvs, Val};
+use crate::common::{assert_refused, stderr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -22,19 +23,6 @@ fn temp(name: &str) -> PathBuf {
 fn kvchat(home: &Path, hub: Option<&Hub>, args: &[&str], stdin: &[u8]) -> Output {
     let c = crate::common::isolated_kvchat(home, hub.map(Hub::url), args);
     crate::common::run_measured(c, stdin, Duration::from_secs(120)).0
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).to_string()
-}
-
-/// Exit 1, one line on stderr, containing `needle`, no panic.
-fn assert_refused(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(1), "exit code; stderr: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
-    assert!(err.contains(needle), "expected {needle:?} in: {err}");
 }
 
 /// Every path under `dir` (files, links and directories), sorted.

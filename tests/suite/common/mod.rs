@@ -206,3 +206,17 @@ pub fn run_measured(mut cmd: Command, stdin: &[u8], limit: std::time::Duration) 
     };
     (output, peak)
 }
+
+/// What a run wrote on stderr, as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+/// Exit 1, one line on stderr, containing `needle`, no panic: how kvchat refuses bad input.
+pub fn assert_refused(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+}
