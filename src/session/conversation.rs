@@ -158,10 +158,6 @@ impl<'e> Conversation<'e> {
         self.last.as_ref()
     }
 
-    pub fn on_full(&self) -> OnFull {
-        self.on_full
-    }
-
     pub fn store(&self) -> &StoreUse {
         &self.store
     }

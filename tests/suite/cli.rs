@@ -420,3 +420,49 @@ fn scripts_kvchat_says_it_is_building_on_the_first_run_only() {
         String::from_utf8_lossy(&second.stderr)
     );
 }
+
+#[test]
+fn an_unknown_kv_precision_is_refused_naming_the_flag_and_the_tables_choices() {
+    for (args, flag, choices) in [
+        (
+            &["run", "--kv-type", "int9", "hi"][..],
+            "--kv-type",
+            "f32, f16, bf16, int8, int4",
+        ),
+        (
+            &["run", "--kv-quant", "f16", "hi"][..],
+            "--kv-quant",
+            "int8, int4",
+        ),
+        (
+            &[
+                "kv-size",
+                "--layers",
+                "2",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "64",
+                "--dtype",
+                "q8",
+            ][..],
+            "--dtype",
+            "f32, f16, bf16, int8, int4",
+        ),
+    ] {
+        let out = kvchat(args, "");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        let bad = args[args.iter().position(|a| *a == flag).unwrap() + 1];
+        assert!(
+            err.contains(&format!("invalid value '{bad}' for '{flag}")),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("[possible values: {choices}]")),
+            "{err}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} printed a result");
+    }
+}
