@@ -204,7 +204,7 @@ impl StoreUse {
             model: format!(
                 "{} weights {} {}",
                 engine.digest,
-                crate::kv::prefix::weights_sample(&engine.path),
+                crate::source::local::weights_sample(&engine.path),
                 engine.numerics
             ),
             file: engine.path.display().to_string(),

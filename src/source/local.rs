@@ -92,3 +92,42 @@ pub(super) fn shard_names(index: &Path) -> Result<Vec<String>> {
     }
     Ok(names)
 }
+
+/// A sample of a model's weight bytes for its identity: its size and 16 slices of 4 KiB spread
+/// over the file (every `.safetensors` file of a directory), so that two files with the same
+/// layout but other weights (random-weight test models) never share blocks. Reads 64 KiB.
+pub fn weights_sample(path: &Path) -> String {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Seek, SeekFrom};
+    let mut files = vec![path.to_path_buf()];
+    if path.is_dir() {
+        files = std::fs::read_dir(path)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+    }
+    let mut h = Sha256::new();
+    for p in files {
+        let Ok(mut f) = std::fs::File::open(&p) else {
+            continue;
+        };
+        let len = f.metadata().map_or(0, |m| m.len());
+        h.update(len.to_le_bytes());
+        let mut buf = vec![0u8; 4096];
+        for i in 0..16u64 {
+            if f.seek(SeekFrom::Start(len / 16 * i)).is_ok() {
+                let n = f.read(&mut buf).unwrap_or(0);
+                h.update(&buf[..n]);
+            }
+        }
+    }
+    h.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

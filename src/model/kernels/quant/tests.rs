@@ -4,8 +4,10 @@
 //! exactly, an embedding lookup dequantizes the rows asked for.
 
 use super::*;
-use candle_core::quantized::QMatMul;
+use bytemuck::Zeroable;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::Module;
+use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 
 fn rng() -> rand::rngs::StdRng {

@@ -1,0 +1,365 @@
+use super::*;
+use crate::kv::test_rope;
+use crate::model::kernels::attention::attend_view;
+
+const NKV: usize = 2;
+const HD: usize = 64;
+
+fn spec(precision: Precision, retention: Retention) -> LayerSpec {
+    LayerSpec {
+        precision,
+        retention,
+        offload: false,
+        residual: 8,
+        max_positions: 4096,
+        attend_window: None,
+    }
+}
+
+fn layer(precision: Precision, retention: Retention) -> Layer {
+    Layer::new(&spec(precision, retention), NKV, HD, None)
+}
+
+/// Keys and values for positions `from..from + t`, the same for a position whatever the step.
+fn kv(from: usize, t: usize) -> (Tensor, Tensor) {
+    let make = |salt: f32| {
+        let xs: Vec<f32> = (0..NKV)
+            .flat_map(|h| {
+                (from..from + t).flat_map(move |p| {
+                    (0..HD).map(move |c| {
+                        ((p * 131 + c * 17 + h * 7) as f32 * 0.618 + salt).sin()
+                            * if c % 13 == 5 { 6.0 } else { 1.0 }
+                    })
+                })
+            })
+            .collect();
+        Tensor::from_vec(xs, (1, NKV, t, HD), &Device::Cpu).unwrap()
+    };
+    (make(0.0), make(1.7))
+}
+
+/// Attention of a fixed query for the step at positions `from..from + t`: the output's bits.
+fn step(c: &mut Layer, rope: &Rope, from: usize, t: usize) -> Vec<u32> {
+    let (k, v) = kv(from, t);
+    let att = c.append(&k, &v, rope).unwrap();
+    let q = Tensor::ones((NKV, 2 * t, HD), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let rot = |pos: usize| {
+        rope.apply(&q.reshape((1, NKV * 2, t, HD)).unwrap(), pos)
+            .unwrap()
+            .reshape((NKV, 2 * t, HD))
+            .unwrap()
+    };
+    let q0 = rot(att.q_pos);
+    let q1 = att.sink_q_pos.map(rot);
+    let qs: Vec<&Tensor> = std::iter::once(&q0).chain(q1.as_ref()).collect();
+    let out = attend_view(&qs, &att.view, t, 0.125).unwrap();
+    let xs: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+    // As the decoder does before the layer's next step (a no-op but with offload).
+    c.prefetch().unwrap();
+    xs.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The outputs of a run of steps of these sizes.
+fn run(c: &mut Layer, steps: &[usize]) -> Vec<Vec<u32>> {
+    let rope = test_rope(4096, HD);
+    let mut pos = c.seen;
+    steps
+        .iter()
+        .map(|&t| {
+            let o = step(c, &rope, pos, t);
+            pos += t;
+            o
+        })
+        .collect()
+}
+
+const STEPS: [usize; 6] = [5, 1, 17, 1, 1, 40];
+
+#[test]
+fn a_window_is_the_full_cache_bit_for_bit_until_it_drops_a_position() {
+    for p in Precision::ALL {
+        let mut full = layer(p, Retention::All);
+        let mut win = layer(
+            p,
+            Retention::Window {
+                window: 61,
+                sinks: 4,
+            },
+        );
+        assert!(run(&mut full, &STEPS) == run(&mut win, &STEPS), "{p:?}");
+        assert_eq!((win.len(), win.seen()), (65, 65));
+    }
+}
+
+/// The largest difference between two runs' outputs (bits as `step` gives them).
+fn max_diff(a: &[Vec<u32>], b: &[Vec<u32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (f32::from_bits(*x) - f32::from_bits(*y)).abs())
+        .fold(
+            0.0,
+            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+        )
+}
+
+#[test]
+fn rows_kept_as_tensors_attend_as_the_cpu_kernel_reads_them_in_place() {
+    // The GPU's path (rows as tensors, quantized with candle ops, attention by candle ops,
+    // offloaded rows staged from host bytes) run on the CPU, against the CPU's path, for
+    // every precision, retention and placement. (On the CPU both rotate quantized rows by
+    // the fast transform; another device's matrix product is checked in `attention`.)
+    let window = Retention::Window {
+        window: 29,
+        sinks: 3,
+    };
+    for p in Precision::ALL {
+        for retention in [Retention::All, window, Retention::None] {
+            for offload in [false, true] {
+                let s = LayerSpec {
+                    offload,
+                    ..spec(p, retention)
+                };
+                let mut host = Layer::new(&s, NKV, HD, None);
+                let mut tensors = Layer::new(&s, NKV, HD, Some(&Device::Cpu));
+                let (a, b) = (run(&mut host, &STEPS), run(&mut tensors, &STEPS));
+                // candle's matmuls against the kernel's sums: rounding apart.
+                let d = max_diff(&a, &b);
+                assert!(d < 1e-5, "{p:?} {retention:?} offload {offload}: {d}");
+                assert_eq!((host.len(), host.seen()), (tensors.len(), tensors.seen()));
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_kept_as_tensors_save_the_host_stores_bytes() {
+    for p in Precision::ALL {
+        let mut host = layer(p, Retention::All);
+        let mut tensors = Layer::new(&spec(p, Retention::All), NKV, HD, Some(&Device::Cpu));
+        run(&mut host, &STEPS);
+        run(&mut tensors, &STEPS);
+        let (a, b) = (host.raw_state().unwrap(), tensors.raw_state().unwrap());
+        // The same rows encoded by the CPU codec and by candle ops: the same bytes, so a
+        // state saved on a GPU restores on the CPU and back.
+        assert!(a.k == b.k && a.v == b.v, "{p:?}: stored rows differ");
+        assert!(a.residual_k == b.residual_k && a.residual_v == b.residual_v);
+        assert_eq!(a.residual_from, b.residual_from);
+    }
+}
+
+#[test]
+fn the_window_keeps_the_sinks_and_the_latest_positions() {
+    let mut c = layer(
+        Precision::F32,
+        Retention::Window {
+            window: 6,
+            sinks: 2,
+        },
+    );
+    run(&mut c, &[3, 1, 4, 2, 9, 1]);
+    assert_eq!((c.seen(), c.len()), (20, 8));
+    let held = |c: &Layer| {
+        let (s, w) = c.held();
+        s.chain(w).collect::<Vec<_>>()
+    };
+    assert_eq!(held(&c), [0, 1, 14, 15, 16, 17, 18, 19]);
+    // What the slots hold is what those positions were given (keys rotated at their place).
+    let rope = test_rope(4096, HD);
+    let (k, v) = c.read_range(14, 20).unwrap();
+    let (k_want, v_want) = kv(14, 6);
+    let d = (v - v_want.squeeze(0).unwrap().unsqueeze(0).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(d, 0.0);
+    let k_rot = rope.apply(&k_want, 14).unwrap();
+    let d = (k - k_rot).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+}
+
+#[test]
+fn once_positions_are_dropped_the_window_attends_as_streaming_llm_places_them() {
+    // Sinks 0, 1 and the window 13..19, then position 19: in the cache's frame the sinks sit
+    // at 0, 1, the window at 2..8 and the query at 8.
+    let mut c = layer(
+        Precision::F32,
+        Retention::Window {
+            window: 6,
+            sinks: 2,
+        },
+    );
+    run(&mut c, &[3, 1, 4, 2, 9]);
+    let got = run(&mut c, &[1]).pop().unwrap();
+    let rope = test_rope(4096, HD);
+    let (ks, vs) = kv(0, 2);
+    let (kw, vw) = kv(13, 7);
+    let k = Tensor::cat(
+        &[rope.apply(&ks, 0).unwrap(), rope.apply(&kw, 2).unwrap()],
+        2,
+    )
+    .unwrap()
+    .squeeze(0)
+    .unwrap();
+    let v = Tensor::cat(&[vs, vw], 2).unwrap().squeeze(0).unwrap();
+    let q = Tensor::ones((1, NKV * 2, 1, HD), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let q = rope.apply(&q, 8).unwrap().reshape((NKV, 2, HD)).unwrap();
+    let want = crate::model::kernels::attention::attend_candle_ops(&q, &k, &v, 1, 0.125)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (f32::from_bits(*g) - w).abs() < 1e-4,
+            "{} vs {w}",
+            f32::from_bits(*g)
+        );
+    }
+}
+
+#[test]
+fn truncating_inside_the_window_works_and_before_it_is_refused() {
+    let mut c = layer(
+        Precision::F16,
+        Retention::Window {
+            window: 6,
+            sinks: 2,
+        },
+    );
+    run(&mut c, &[4, 8]); // holds sinks 0,1 and 6..12
+    c.truncate(9).unwrap();
+    assert_eq!((c.seen(), c.len()), (9, 5));
+    assert!(c.truncate(4).is_err(), "positions 2..6 were dropped");
+    c.truncate(0).unwrap();
+    assert_eq!((c.len(), c.seen()), (0, 0));
+}
+
+/// (A quantized cache cannot promise this: positions that had left its f16 residual before
+/// the truncation are read from their quantized rows afterwards.)
+#[test]
+fn a_truncated_cache_continues_as_if_the_dropped_positions_never_came() {
+    for p in [Precision::F16, Precision::Bf16, Precision::F32] {
+        let mut a = layer(p, Retention::All);
+        run(&mut a, &[30, 1, 1]);
+        a.truncate(30).unwrap();
+        let mut b = layer(p, Retention::All);
+        run(&mut b, &[30]);
+        assert!(run(&mut a, &[1, 3]) == run(&mut b, &[1, 3]), "{p:?}");
+    }
+}
+
+#[test]
+fn a_saved_and_restored_layer_continues_bit_for_bit_in_every_combination() {
+    for p in Precision::ALL {
+        for r in [
+            Retention::All,
+            Retention::Window {
+                window: 20,
+                sinks: 3,
+            },
+            Retention::Window {
+                window: 9,
+                sinks: 0,
+            },
+        ] {
+            let mut a = layer(p, r);
+            run(&mut a, &[25, 1, 1]);
+            let st = a.raw_state().unwrap();
+            let mut b = layer(p, r);
+            b.restore_raw(a.seen(), &st).unwrap();
+            assert_eq!(b.len(), a.len());
+            assert_eq!(b.bytes_used(), a.bytes_used());
+            assert!(
+                run(&mut a, &[1, 4, 1]) == run(&mut b, &[1, 4, 1]),
+                "{p:?} {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_damaged_state_is_refused_and_leaves_the_layer_empty() {
+    let mut a = layer(Precision::F16, Retention::All);
+    run(&mut a, &[10]);
+    let mut st = a.raw_state().unwrap();
+    st.k.iter_mut().for_each(|b| *b = 0xff); // f16 NaN
+    let mut b = layer(Precision::F16, Retention::All);
+    let e = b.restore_raw(10, &st).unwrap_err();
+    assert!(e.to_string().contains("NaN"), "{e}");
+    assert_eq!(b.seen(), 0);
+    let st = a.raw_state().unwrap();
+    assert!(b.restore_raw(11, &st).is_err(), "one position short");
+}
+
+#[test]
+fn bytes_used_is_what_the_size_arithmetic_predicts() {
+    use crate::kv::size::KvDims;
+    let d = KvDims {
+        layers: 1,
+        kv_heads: NKV,
+        head_dim: HD,
+    };
+    for p in Precision::ALL {
+        for (r, steps) in [
+            (Retention::All, &[40usize, 1][..]),
+            (
+                Retention::Window {
+                    window: 16,
+                    sinks: 4,
+                },
+                &[40, 1][..],
+            ),
+        ] {
+            let mut c = layer(p, r);
+            run(&mut c, steps);
+            let mode = crate::kv::CacheMode {
+                precision: p,
+                retention: r,
+                offload: false,
+                residual: 8,
+            };
+            assert_eq!(
+                c.bytes_used() as f64,
+                d.bytes_for_mode(&mode, c.seen()),
+                "{p:?} {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_residual_larger_than_the_context_allocates_no_more_than_the_context() {
+    let mut s = spec(Precision::Int8, Retention::All);
+    (s.residual, s.max_positions) = (usize::MAX / 2, 64);
+    let mut c = Layer::new(&s, NKV, HD, None);
+    run(&mut c, &[10, 1]);
+    // 256 main slots (the first allocation) and at most 64 f16 residual rows.
+    assert!(
+        c.bytes() <= 2 * NKV * (256 * 68 + 64 * 128),
+        "{}",
+        c.bytes()
+    );
+}
+
+#[test]
+fn quantized_attention_stays_close_to_f32() {
+    let mut exact = layer(Precision::F32, Retention::All);
+    let a = run(&mut exact, &[200, 1]);
+    for (p, tol) in [(Precision::Int8, 0.02), (Precision::Int4, 0.2)] {
+        let mut q = layer(p, Retention::All);
+        let b = run(&mut q, &[200, 1]);
+        let (x, y) = (&a[1], &b[1]);
+        let worst = x
+            .iter()
+            .zip(y)
+            .map(|(x, y)| (f32::from_bits(*x) - f32::from_bits(*y)).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < tol, "{p:?}: {worst}");
+    }
+}

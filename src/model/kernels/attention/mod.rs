@@ -1,0 +1,161 @@
+//! Scaled dot-product attention with a causal mask, for one sequence, grouped-query.
+//!
+//! On CPU a fused kernel does every query row on its own, in the same order whatever the step's
+//! length: a prefill, a token-by-token decode and a `--no-cache` recompute give bit-identical
+//! results, and no `[rows, L]` score tensor or K/V copy is ever made. It reads the cache's rows in
+//! their stored format, each widened to f32 in a row of scratch by its format's decoder
+//! (`kvrows`), so f16, bf16, INT8 and INT4 caches are read in place. Other devices use candle ops.
+//!
+//! Shapes: each query tensor `[nkv, g*t, hd]` (the g query heads sharing a KV head, each with t
+//! rows); the view's parts hold L positions per KV head; the step's t queries sit at the last t of
+//! the L positions. Result `[nkv, g*t, hd]`.
+//!
+//! Files: `ops` (candle ops: the device path, the mask, Hadamard), `chunk` (the work split and the
+//! combination of partials), `tile` (the fused kernel's loops).
+
+mod chunk;
+mod ops;
+#[cfg(test)]
+mod tests;
+mod tile;
+
+use chunk::*;
+use ops::*;
+pub use ops::{attend_candle_ops, causal_mask, hadamard_product, hadamard_rows};
+pub(crate) use tile::exp_nonpositive;
+use tile::*;
+
+use super::kvrows::{self, Codec};
+use crate::model::cache::{with_host_rows, KvView, Rows};
+use anyhow::{bail, ensure, Result};
+use candle_core::Tensor;
+
+/// Attention of the queries over a layer's view. `qs[0]` is rotated at the step's position, `qs[1]`
+/// (when a part asks for it) where a window's sinks need it.
+pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    ensure!(!qs.is_empty(), "attention needs queries");
+    if let Some(p) = view.parts.iter().find(|p| p.query >= qs.len()) {
+        bail!(
+            "a part of the KV view pairs with query rotation {} that was not given",
+            p.query
+        );
+    }
+    let host = view
+        .parts
+        .iter()
+        .all(|p| !matches!(p.rows, Rows::Dense { .. }));
+    if host && qs[0].device().is_cpu() {
+        return attend_host(qs, view, t, scale);
+    }
+    // Device: scores per part with its queries, then one softmax over them all. Rows stored
+    // Hadamard-rotated (quantized caches) meet rotated queries, and the output is rotated back:
+    // (Hq)·(Hk) = q·k, Σ p·(Hv) = H(Σ p·v).
+    let rotated: Vec<Tensor> = match view.hadamard {
+        Some(b) => qs
+            .iter()
+            .map(|q| hadamard_rows(q, b))
+            .collect::<Result<_>>()?,
+        None => qs.iter().map(|q| (*q).clone()).collect(),
+    };
+    let mut scores = Vec::with_capacity(view.parts.len());
+    let mut values = Vec::with_capacity(view.parts.len());
+    for p in &view.parts {
+        let Rows::Dense { k, v } = &p.rows else {
+            bail!("a KV view mixes host and device rows");
+        };
+        let q = &rotated[p.query];
+        let k = k.squeeze(0)?.to_dtype(q.dtype())?; // [nkv, len, hd]
+        scores.push(q.matmul(&k.t()?)?); // [nkv, g*t, len]
+        values.push(v.squeeze(0)?.to_dtype(q.dtype())?);
+    }
+    let scores = Tensor::cat(&scores, 2)?;
+    let values = Tensor::cat(&values, 1)?.contiguous()?;
+    let out = softmax_weighted(scores, &values, t, scale, view.window)?; // [nkv, g*t, hd]
+    match view.hadamard {
+        Some(b) => hadamard_rows(&out, b),
+        None => Ok(out),
+    }
+}
+
+/// The fused CPU kernel over host rows.
+fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    attend_host_at(qs, view, t, scale, false)
+}
+
+/// [`attend_host`], its tile loops built portably where `portable` (the reference the SIMD build
+/// is tested against) or as this CPU runs them best.
+fn attend_host_at(
+    qs: &[&Tensor],
+    view: &KvView<'_>,
+    t: usize,
+    scale: f32,
+    portable: bool,
+) -> Result<Tensor> {
+    let (nkv, gt, hd) = qs[0].dims3()?;
+    let mut q: Vec<Vec<f32>> = Vec::with_capacity(qs.len());
+    for x in qs {
+        ensure!(
+            x.dims3()? == (nkv, gt, hd),
+            "query rotations differ in shape"
+        );
+        q.push(
+            x.flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1()?,
+        );
+    }
+    if let Some(b) = view.hadamard {
+        ensure!(
+            hd % b == 0,
+            "Hadamard block {b} does not divide head_dim {hd}"
+        );
+        for x in &mut q {
+            kvrows::hadamard(x, b);
+        }
+    }
+    let mut segs = Vec::with_capacity(view.parts.len());
+    let mut kv_len = 0;
+    for p in &view.parts {
+        let n = p.rows.len();
+        let ok = with_host_rows!(&p.rows, |x, C| fits(x, nkv, C::row_len(hd)), dense => false);
+        ensure!(
+            ok,
+            "a KV view's rows do not hold {n} positions of {nkv} heads × {hd}"
+        );
+        if n > 0 {
+            segs.push(Seg {
+                rows: &p.rows,
+                start: kv_len,
+                end: kv_len + n,
+                query: p.query,
+            });
+        }
+        kv_len += n;
+    }
+    if t == 0 || gt % t != 0 || t > kv_len {
+        bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
+    }
+    let offset = kv_len - t;
+    let cx = Ctx {
+        segs: &segs,
+        q: &q,
+        gt,
+        hd,
+        t,
+        offset,
+        window: view.window,
+        scale,
+    };
+    // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
+    // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits,
+    // nor does the split of the positions into parts.
+    let chunk =
+        |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
+            run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
+        };
+    let mut out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
+    if let Some(b) = view.hadamard {
+        kvrows::hadamard(&mut out, b);
+    }
+    Ok(Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?)
+}
