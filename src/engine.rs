@@ -183,8 +183,6 @@ pub struct LoadOptions {
     pub device: DeviceChoice,
     /// Dense weight dtype (safetensors; for GGUF, dequantize at load). None = f32 / keep quantized.
     pub dtype: Option<DType>,
-    /// CPU threads (1 ..= max_threads()); None = all cores.
-    pub threads: Option<usize>,
     /// Context size; None = the model's trained context (lowered to what memory holds).
     pub ctx: Option<usize>,
     /// The KV precisions the run will use: each must fit the model's heads (checked once its
@@ -244,13 +242,6 @@ impl Engine {
 
     /// Finds the model the options name (fetching it if needed), and loads it on their device.
     pub fn load(args: &LoadOptions) -> Result<Self> {
-        if let Some(n) = args.threads {
-            if n == 0 || n > max_threads() {
-                bail!("{n} threads is not between 1 and {}", max_threads());
-            }
-            // candle sizes its thread pool (used by its kernels and ours) from this variable.
-            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-        }
         let device = args.device.open()?;
         let (location, registry) =
             crate::source::resolve_model(args.model.as_deref(), args.models_file.as_deref())?;

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod commands;
 pub mod engine;
+pub mod eval;
 pub mod fsx;
 pub mod guard;
 pub mod interrupt;
@@ -57,6 +58,27 @@ pub enum Fix {
     BuildWithMetal,
     /// The NVIDIA driver and CUDA 13's cuBLAS/cuRAND libraries, where the loader finds them.
     CudaLibraries,
+    /// A window (with its sinks) no wider than the context, or a wider context.
+    WindowOverContext,
+    /// A larger time budget would let a benchmark cell run in full.
+    BenchTimeBudget,
+}
+
+/// A front end's words for each [`Fix`] (the CLI's name its flags). A command is given them with
+/// its options, to word the errors it reports and goes on from.
+pub type Advice = fn(Fix) -> &'static str;
+
+/// The error as one line ([`error_line`]), with `advice`'s words for the fix the library named.
+pub fn describe_with(e: &anyhow::Error, advice: Advice) -> String {
+    let line = error_line(e);
+    let fix = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<Fixable>())
+        .map(|f| f.fix);
+    match fix {
+        Some(f) => format!("{line} ({})", advice(f)),
+        None => line,
+    }
 }
 
 /// An error that a [`Fix`] would avoid; its text names the values involved.

@@ -60,15 +60,20 @@ fn main() {
         .long_version(&*Box::leak(kvchat::cli::long_version().into_boxed_str()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // candle sizes its thread pool (its kernels' and ours) from this variable, once, when the
+    // first matmul starts it: set before anything runs.
+    if let Some(n) = cli.command.threads() {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
     let result = match cli.command {
-        Command::Run(args) => commands::run::run(args),
-        Command::Chat(args) => commands::chat::run(args),
-        Command::Tokenize(args) => commands::tokenize::run(args),
-        Command::Ppl(args) => commands::ppl::run(args),
-        Command::KvSize(args) => commands::kv_size::run(args),
-        Command::Bench(args) => commands::bench::run(args),
-        Command::Models(args) => commands::models::run(args),
-        Command::Cache(args) => commands::cache::run(args),
+        Command::Run(args) => args.resolve().and_then(commands::run::run),
+        Command::Chat(args) => args.resolve().and_then(commands::chat::run),
+        Command::Tokenize(args) => args.resolve().and_then(commands::tokenize::run),
+        Command::Ppl(args) => args.resolve().and_then(commands::ppl::run),
+        Command::KvSize(args) => args.resolve().and_then(commands::kv_size::run),
+        Command::Bench(args) => args.resolve().and_then(commands::bench::run),
+        Command::Models(args) => args.resolve().and_then(commands::models::run),
+        Command::Cache(args) => args.resolve().and_then(commands::cache::run),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "kvchat", &mut std::io::stdout());
             Ok(())

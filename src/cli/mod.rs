@@ -1,11 +1,12 @@
 //! The command line: the only place that knows a flag. clap parses the flags (`subcommands.rs`,
-//! `options.rs`); `options.rs` converts them, once, into the library's options (`LoadOptions`,
-//! `CacheMode`, `SamplingParams`), checking every value before anything is downloaded or loaded;
-//! `report.rs` words errors for a person, adding which flag would fix them.
+//! `options.rs`); `resolve.rs` turns each subcommand's flags, once, into the options its command
+//! runs with (`options.rs` converts the shared groups: `LoadOptions`, `CacheMode`,
+//! `SamplingPrefs`), checking every value before anything is downloaded or loaded; `report.rs`
+//! words errors for a person, adding which flag would fix them.
 
 pub mod options;
 pub mod report;
-pub mod style;
+pub mod resolve;
 pub mod subcommands;
 
 pub use options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
@@ -51,6 +52,20 @@ pub enum Command {
         /// bash, zsh, fish, elvish or powershell
         shell: clap_complete::Shell,
     },
+}
+
+impl Command {
+    /// The CPU threads the command's flags ask for (None: all cores, or a command that runs no
+    /// model).
+    pub fn threads(&self) -> Option<usize> {
+        match self {
+            Command::Run(a) => a.model.threads(),
+            Command::Chat(a) => a.model.threads(),
+            Command::Bench(a) => a.model.threads(),
+            Command::Ppl(a) => a.model.threads(),
+            _ => None,
+        }
+    }
 }
 
 /// `kvchat --version`: the version, the compute features built in, and the CPU paths this machine

@@ -46,7 +46,14 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The load options these flags select; a thread count over the cap is lowered with a note.
+    /// The CPU threads asked for, capped at [`max_threads`] (None: all cores). The process's
+    /// thread pool is sized from it before anything runs (main.rs).
+    pub fn threads(&self) -> Option<usize> {
+        self.threads.filter(|&n| n > 0).map(|n| n.min(max_threads()))
+    }
+
+    /// The load options these flags select; a thread count over the cap is noted (see
+    /// [`ModelArgs::threads`]).
     pub fn options(&self) -> Result<LoadOptions> {
         let device: DeviceChoice = self.device.parse().context("--device")?;
         let dtype = self
@@ -55,18 +62,15 @@ impl ModelArgs {
             .map(crate::model::safetensors::parse_dtype)
             .transpose()
             .context("--dtype")?;
-        let threads = match self.threads {
+        match self.threads {
             Some(0) => bail!("--threads must be at least 1"),
-            Some(n) if n > max_threads() => {
-                eprintln!(
-                    "note: --threads {n} capped at {} (4 × the {} cores)",
-                    max_threads(),
-                    max_threads() / 4
-                );
-                Some(max_threads())
-            }
-            other => other,
-        };
+            Some(n) if n > max_threads() => eprintln!(
+                "note: --threads {n} capped at {} (4 × the {} cores)",
+                max_threads(),
+                max_threads() / 4
+            ),
+            _ => {}
+        }
         if self.ctx == Some(0) {
             bail!("--ctx must be at least 1");
         }
@@ -76,7 +80,6 @@ impl ModelArgs {
             tokenizer: self.tokenizer.clone(),
             device,
             dtype,
-            threads,
             ctx: self.ctx,
             kv_precisions: Vec::new(),
             kernels: {
@@ -250,30 +253,6 @@ pub struct StoreArgs {
     /// Where the prefix store keeps its blocks [default: $KVCHAT_HOME/kv-store]
     #[arg(long, value_name = "DIR", env = "KVCHAT_KV_STORE")]
     pub kv_store_dir: Option<PathBuf>,
-}
-
-impl StoreArgs {
-    /// The store's budget in bytes, or None when the store is off.
-    pub fn budget(&self) -> Result<Option<u64>> {
-        let b = parse_size(&self.kv_store_budget).context("--kv-store-budget")?;
-        Ok((!self.no_kv_store && b > 0).then_some(b))
-    }
-
-    /// Why the store is off, when [`StoreArgs::budget`] is None.
-    pub fn off_reason(&self) -> &'static str {
-        if self.no_kv_store {
-            "--no-kv-store"
-        } else {
-            "--kv-store-budget 0"
-        }
-    }
-
-    /// The store's directory.
-    pub fn root(&self) -> PathBuf {
-        self.kv_store_dir
-            .clone()
-            .unwrap_or_else(crate::source::kv_store_root)
-    }
 }
 
 /// A byte size: a number with an optional unit (B; K, M, G, T and KiB… binary; KB, MB, GB, TB

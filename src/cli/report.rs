@@ -21,20 +21,14 @@ pub fn advice(fix: Fix) -> &'static str {
         Fix::CudaLibraries => {
             "install the NVIDIA driver and CUDA 13's cuBLAS and cuRAND (pip install nvidia-cublas nvidia-curand) and put their lib folders on LD_LIBRARY_PATH, or use --device cpu"
         }
+        Fix::WindowOverContext => "lower --kv-window or --kv-sinks, or raise --ctx",
+        Fix::BenchTimeBudget => "raise --budget-s",
     }
 }
 
-/// The error as one line, with the fix when the library named one.
+/// The error as one line, with the fix in kvchat's flags when the library named one.
 pub fn describe(e: &anyhow::Error) -> String {
-    let line = crate::error_line(e);
-    let fix = e
-        .chain()
-        .find_map(|c| c.downcast_ref::<crate::Fixable>())
-        .map(|f| f.fix);
-    match fix {
-        Some(f) => format!("{line} ({})", advice(f)),
-        None => line,
-    }
+    crate::describe_with(e, advice)
 }
 
 /// Prints the error as kvchat's last words and exits with status 1.

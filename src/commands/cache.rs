@@ -1,15 +1,30 @@
 //! `kvchat cache`: the prefix store's figures, its stored prefixes, and clearing it.
 
-use crate::cli::{CacheAction, CacheCmdArgs};
 use crate::kv::prefix;
 use crate::source::human_bytes;
 use anyhow::Result;
+use std::path::PathBuf;
 use std::time::SystemTime;
 
-pub fn run(args: CacheCmdArgs) -> Result<()> {
-    let root = args
-        .kv_store_dir
-        .unwrap_or_else(crate::source::kv_store_root);
+/// What `kvchat cache` does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CacheTask {
+    Stats,
+    Ls,
+    /// Remove the stored blocks (of the models whose file path contains this, when given).
+    Clear(Option<String>),
+}
+
+/// `kvchat cache`, resolved.
+#[derive(Debug, Clone)]
+pub struct CacheOptions {
+    pub task: CacheTask,
+    /// The prefix store's directory.
+    pub root: PathBuf,
+}
+
+pub fn run(args: CacheOptions) -> Result<()> {
+    let root = args.root;
     if let Ok(m) = std::fs::symlink_metadata(&root) {
         if !m.is_dir() {
             anyhow::bail!(
@@ -19,8 +34,8 @@ pub fn run(args: CacheCmdArgs) -> Result<()> {
             );
         }
     }
-    match args.action {
-        CacheAction::Stats => {
+    match args.task {
+        CacheTask::Stats => {
             let (t, blocks, bytes) = prefix::stats(&root);
             println!(
                 "prefix store {}: {blocks} blocks, {} on disk",
@@ -44,7 +59,7 @@ pub fn run(args: CacheCmdArgs) -> Result<()> {
                 t.removed_damaged
             );
         }
-        CacheAction::Ls => {
+        CacheTask::Ls => {
             let entries = prefix::list(&root);
             if entries.is_empty() {
                 println!("the prefix store {} is empty", root.display());
@@ -66,7 +81,7 @@ pub fn run(args: CacheCmdArgs) -> Result<()> {
             }
             println!("(a prefix's size counts the blocks it shares with others)");
         }
-        CacheAction::Clear { model } => {
+        CacheTask::Clear(model) => {
             let (n, bytes) = prefix::clear(&root, model.as_deref())?;
             match (&model, n) {
                 (Some(m), 0) => println!("no stored blocks of a model matching '{m}'"),

@@ -1,13 +1,29 @@
 //! `kvchat models list|pull`: the model registry (models.toml) and what of it is on disk.
 
-use crate::cli::{ModelsAction, ModelsArgs};
 use crate::source::{self, human_bytes, Registry};
 use anyhow::Result;
+use std::path::PathBuf;
 
-pub fn run(args: ModelsArgs) -> Result<()> {
-    match args.action {
-        ModelsAction::List => list(&Registry::load(args.models_file.as_deref())?),
-        ModelsAction::Pull { model } => {
+/// What `kvchat models` does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelsTask {
+    List,
+    /// Download a model (None: the registry's default).
+    Pull(Option<String>),
+}
+
+/// `kvchat models`, resolved.
+#[derive(Debug, Clone)]
+pub struct ModelsOptions {
+    pub task: ModelsTask,
+    /// Another registry than the built-in models.toml.
+    pub models_file: Option<PathBuf>,
+}
+
+pub fn run(args: ModelsOptions) -> Result<()> {
+    match args.task {
+        ModelsTask::List => list(&Registry::load(args.models_file.as_deref())?),
+        ModelsTask::Pull(model) => {
             let loc = source::resolve(model.as_deref(), args.models_file.as_deref())?;
             println!("{}", loc.describe());
             eprintln!("on disk: {}", human_bytes(loc.size()));

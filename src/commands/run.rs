@@ -1,35 +1,38 @@
 //! `kvchat run`: one prompt in (argument or stdin), one streamed answer out.
 
-use crate::cli::report::describe;
-use crate::cli::{RunArgs, StoreArgs};
+use super::{Generate, StoreChoice};
 use crate::engine::Engine;
-use crate::kv::{persist, KvCache};
+use crate::kv::KvCache;
 use crate::session::prefix::StoreUse;
 use crate::session::{GenStats, Sampler, StopReason};
 use crate::source::human_bytes;
 use crate::template::Message;
 use crate::tokenizer::TextStream;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 /// The longest prompt read (from stdin or the argument), before any model is loaded.
 const MAX_PROMPT_BYTES: u64 = 64 << 20;
 
-pub fn run(args: RunArgs) -> Result<()> {
-    if args.max_tokens == 0 {
-        bail!("-n/--max-tokens must be at least 1");
-    }
-    // Every flag is checked before the prompt is read or anything is fetched or loaded.
-    let sampling = args.sampling.prefs()?;
-    let store_budget = args.store.budget()?;
-    let mut load = args.model.options()?;
-    let mode = args.cache.mode_for(args.model.ctx)?;
-    load.kv_precisions = vec![mode.precision];
-    if mode.retention == crate::kv::Retention::None && args.prompt_cache.is_some() {
-        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
-    }
-    let prompt = match &args.prompt {
+/// `kvchat run`, resolved.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub generate: Generate,
+    /// The prompt; None: read from stdin (which must not be a terminal).
+    pub prompt: Option<String>,
+    /// Complete the text as-is, without the chat template.
+    pub raw: bool,
+    /// Keep generating past end-of-text tokens.
+    pub ignore_eos: bool,
+    /// A generation whose answer goes to a file or pipe shows a bar on a terminal's stderr once
+    /// it has run this long.
+    pub bar_after: Duration,
+}
+
+pub fn run(opts: RunOptions) -> Result<()> {
+    let g = &opts.generate;
+    let prompt = match &opts.prompt {
         Some(p) => p.clone(),
         None => {
             if std::io::stdin().is_terminal() {
@@ -53,17 +56,10 @@ pub fn run(args: RunArgs) -> Result<()> {
             prompt.len()
         );
     }
-    // What is at --prompt-cache must be a kvchat KV file or nothing: checked before anything loads.
-    if let Some(pc) = &args.prompt_cache {
-        persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
-    }
-    if let Some(t) = &args.chat_template {
-        crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
-    }
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
-    let engine = Engine::load(&load)?;
-    let spec = args.cache.spec(engine.ctx)?;
+    let engine = Engine::load(&g.load)?;
+    let spec = g.mode.spec(engine.ctx)?;
     // Every text is checked by its bytes before it is tokenized (tokenizing takes ~180 bytes of
     // memory per byte of text): n bytes are at least n / (the longest token's bytes) tokens.
     let fits = |what: &str, text: &str| -> Result<()> {
@@ -93,17 +89,17 @@ pub fn run(args: RunArgs) -> Result<()> {
         Ok(())
     };
     fits("the prompt", &prompt)?;
-    if let Some(s) = args.system.as_deref().filter(|_| !args.raw) {
+    if let Some(s) = g.system.as_deref().filter(|_| !opts.raw) {
         fits("the system message", s)?;
     }
     // Where the system message ends: the prefix store may end a block there.
     let mut boundaries = Vec::new();
-    let ids = if args.raw {
+    let ids = if opts.raw {
         engine.raw_prompt(&prompt)?
     } else {
-        let template = engine.chat_template(args.chat_template.as_deref())?;
+        let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
         let mut messages = Vec::new();
-        if let Some(s) = &args.system {
+        if let Some(s) = &g.system {
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", &prompt));
@@ -115,7 +111,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     if ids.len() >= engine.ctx && spec.bounded_by_context() {
         // Name the part that does not fit: the system message alone, else the prompt.
-        let system = match args.system.as_deref().filter(|_| !args.raw) {
+        let system = match g.system.as_deref().filter(|_| !opts.raw) {
             Some(s) => engine.tokenizer.encode_literal(s)?.len(),
             None => 0,
         };
@@ -135,21 +131,23 @@ pub fn run(args: RunArgs) -> Result<()> {
         ));
     }
     let mut session = engine.session(&spec);
-    let sampling = engine.sampling_for(&sampling);
+    let sampling = engine.sampling_for(&g.sampling);
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");
     }
     let mut sampler = Sampler::new(sampling.params.clone());
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
-    let prompt_cache = args.prompt_cache.is_some();
-    let mut store = open_store(&args.store, store_budget, prompt_cache, &engine, &session);
+    let mut store = open_store(&g.store, &engine, &session);
     let t0 = Instant::now();
-    let reused = match &args.prompt_cache {
+    let reused = match &g.prompt_cache {
         Some(p) if p.exists() => match session.reuse_saved_prefix(p, &engine.digest, &ids) {
             Ok(n) => n,
             Err(e) => {
-                eprintln!("kvchat: ignoring prompt cache: {}", describe(&e));
+                eprintln!(
+                    "kvchat: ignoring prompt cache: {}",
+                    crate::describe_with(&e, g.advice)
+                );
                 0
             }
         },
@@ -158,37 +156,34 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let logits = session.feed(&ids[reused..])?;
     let prefill = t0.elapsed();
-    report_store_problems(&mut store);
-    if let Some(p) = &args.prompt_cache {
+    report_store_problems(&mut store, g.advice);
+    if let Some(p) = &g.prompt_cache {
         if let Err(e) = session.save_state(p, &engine.digest, serde_json::json!({})) {
-            eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
+            eprintln!(
+                "kvchat: cannot save the prompt cache: {}",
+                crate::describe_with(&e, g.advice)
+            );
         }
     }
     let mut first_token: Option<Duration> = None;
     // A generation whose answer goes to a file or a pipe shows a bar on stderr (a terminal only)
     // once it has run a few seconds; on a terminal the streaming answer is the progress.
     let show_bar = !std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
-    // (KVCHAT_PROGRESS_AFTER_MS changes the delay: the tests set 0.)
-    let bar_after = Duration::from_millis(
-        std::env::var("KVCHAT_PROGRESS_AFTER_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2000),
-    );
+    let bar_after = opts.bar_after;
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut generated = 0u64;
     let recomputes = spec.recomputes();
     let (_, reason, mut stats) = session.decode(
         logits,
         &mut sampler,
-        args.max_tokens,
+        g.max_tokens,
         &engine.stop_ids,
-        args.ignore_eos,
+        opts.ignore_eos,
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
             generated += 1;
             if show_bar && bar.is_none() && t0.elapsed() >= bar_after {
-                bar = Some(generation_bar(args.max_tokens as u64, recomputes));
+                bar = Some(generation_bar(g.max_tokens as u64, recomputes));
             }
             if let Some(b) = &bar {
                 b.set_position(generated);
@@ -207,7 +202,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     // would take a core from its threads (measured: +5 % on a 2-core machine).
     store.store(&session, true, &boundaries, ids.len());
     store.finish();
-    report_store_problems(&mut store);
+    report_store_problems(&mut store, g.advice);
     stats.prompt_tokens = ids.len() - reused;
     stats.prefill = prefill;
     if let Some(text) = stream.finish(&engine.tokenizer)? {
@@ -217,12 +212,13 @@ pub fn run(args: RunArgs) -> Result<()> {
     stdout.flush()?;
     if reason == StopReason::ContextFull {
         eprintln!(
-            "kvchat: stopped: the context of {} tokens is full (raise --ctx)",
-            engine.ctx
+            "kvchat: stopped: the context of {} tokens is full ({})",
+            engine.ctx,
+            (g.advice)(crate::Fix::RaiseContext)
         );
     }
-    if args.stats {
-        if args.prompt_cache.is_some() {
+    if g.stats {
+        if g.prompt_cache.is_some() {
             eprintln!(
                 "[stats] prompt cache: reused {reused} of {} prompt tokens; time to first token {:.1} ms",
                 ids.len(),
@@ -240,32 +236,24 @@ pub fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// The prefix store of a run or chat as its flags say: off with --no-kv-store (a budget of None)
-/// or with --prompt-cache (which names the state to use).
+/// The prefix store of a run or chat, as chosen.
 pub fn open_store(
-    flags: &StoreArgs,
-    budget: Option<u64>,
-    prompt_cache: bool,
+    choice: &StoreChoice,
     engine: &Engine,
     session: &crate::session::Session<'_>,
 ) -> StoreUse {
-    match budget {
-        _ if prompt_cache => StoreUse::off("--prompt-cache names the state to use"),
-        None => StoreUse::off(flags.off_reason()),
-        Some(budget) => StoreUse::open(engine, session, &flags.root(), budget),
+    match choice {
+        StoreChoice::Off(why) => StoreUse::off(*why),
+        StoreChoice::On { root, budget } => StoreUse::open(engine, session, root, *budget),
     }
 }
 
 /// Prints what went wrong with the prefix store since the last call, one line each (the run goes on
 /// without what failed).
-pub fn report_store_problems(store: &mut StoreUse) {
+pub fn report_store_problems(store: &mut StoreUse, advice: crate::Advice) {
     for p in store.take_problems() {
         match p.fix {
-            Some(fix) => eprintln!(
-                "kvchat: prefix store: {} ({})",
-                p.text,
-                crate::cli::report::advice(fix)
-            ),
+            Some(fix) => eprintln!("kvchat: prefix store: {} ({})", p.text, advice(fix)),
             None => eprintln!("kvchat: prefix store: {}", p.text),
         }
     }
@@ -281,7 +269,7 @@ fn generation_bar(max: u64, recomputes: bool) -> indicatif::ProgressBar {
         .expect("valid template"),
     );
     if recomputes {
-        bar.set_message("--no-cache: every step recomputes the whole sequence");
+        bar.set_message("no KV cache: every step recomputes the whole sequence");
     }
     bar
 }

@@ -1,12 +1,23 @@
 //! `kvchat tokenize TEXT`: the ids the model sees, as a JSON array.
 
-use crate::cli::TokenizeArgs;
 use crate::model::gguf::GgufFile;
 use crate::source::Location;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
+use std::path::PathBuf;
 
-pub fn run(args: TokenizeArgs) -> Result<()> {
+/// `kvchat tokenize`, resolved.
+#[derive(Debug, Clone)]
+pub struct TokenizeOptions {
+    pub text: String,
+    /// The model whose tokenizer to use (None: the default).
+    pub model: Option<String>,
+    pub models_file: Option<PathBuf>,
+    /// A tokenizer.json instead of the model's.
+    pub tokenizer: Option<PathBuf>,
+}
+
+pub fn run(args: TokenizeOptions) -> Result<()> {
     let tokenizer = match (&args.tokenizer, &args.model) {
         (Some(tj), None) => Tokenizer::from_file(tj, None)?,
         _ => match crate::source::resolve(args.model.as_deref(), args.models_file.as_deref())? {
@@ -25,8 +36,11 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
                     .tokenizer
                     .as_ref()
                     .or(files.tokenizer.as_ref())
-                    .with_context(|| {
-                        format!("{} has no tokenizer.json: pass --tokenizer", files.label)
+                    .ok_or_else(|| {
+                        crate::fixable(
+                            crate::Fix::Tokenizer,
+                            format!("{} has no tokenizer.json", files.label),
+                        )
                     })?;
                 Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?.0
             }

@@ -175,9 +175,12 @@ impl CacheMode {
             }
             // What a window holds must fit the memory the context was sized (and checked) for.
             if window.saturating_add(sinks) > ctx {
-                anyhow::bail!(
-                    "a window of {window} with {sinks} sinks holds more than the context of {ctx} positions"
-                );
+                return Err(crate::fixable(
+                    crate::Fix::WindowOverContext,
+                    format!(
+                        "a window of {window} with {sinks} sinks holds more than the context of {ctx} positions"
+                    ),
+                ));
             }
         }
         Ok(CacheSpec {

@@ -1,31 +1,27 @@
 //! `kvchat bench` and `kvchat kv-size`: the arithmetic, the table/JSON, the time budget (on a tiny
 //! model, fast), and the measured KV bytes against the prediction (on the real model).
 
-use kvchat::cli::BenchArgs;
-use kvchat::cli::KvSizeArgs;
-use kvchat::commands::bench::{measure_cell, render_table, BenchReport};
-use kvchat::commands::kv_size::report;
+use kvchat::eval::bench::{measure_cell, render_table, BenchReport, Runs};
+use kvchat::eval::kv_size::{report, DimsFrom, KvSizeQuery};
 use kvchat::engine::Engine;
 use kvchat::engine::LoadOptions;
 use kvchat::kv::size::KvDims;
 use kvchat::kv::CacheMode;
 use kvchat::kv::Precision as Storage;
 
-fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeArgs {
-    KvSizeArgs {
-        model: None,
-        models_file: None,
-        layers: Some(layers),
-        kv_heads: Some(kv_heads),
-        head_dim: Some(head_dim),
+fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeQuery {
+    KvSizeQuery {
+        dims: DimsFrom::Given(KvDims {
+            layers,
+            kv_heads,
+            head_dim,
+        }),
         heads: None,
         dtype: Storage::F16,
         ctx: 4096,
         users: 8,
         window: None,
-        sinks: 4,
         residual: 32,
-        json: false,
     }
 }
 
@@ -36,7 +32,7 @@ fn llama3_70b_f16_holds_320_kib_per_token_and_10_gib_for_8_users() {
     assert_eq!(f16.bytes_per_token, 327_680.0);
     assert_eq!(f16.bytes_per_context, 1.25 * (1u64 << 30) as f64);
     assert_eq!(f16.bytes_all_users, 10.0 * (1u64 << 30) as f64);
-    let text = kvchat::commands::kv_size::render(&r);
+    let text = kvchat::eval::kv_size::render(&r);
     assert!(
         text.contains("327,680 bytes (320.00 KiB) per token"),
         "{text}"
@@ -51,7 +47,7 @@ fn llama3_70b_f16_holds_320_kib_per_token_and_10_gib_for_8_users() {
 fn sixty_four_kv_heads_hold_eight_times_more() {
     let gqa = report(&kv_size_args(80, 8, 128)).unwrap();
     let mha = report(&kv_size_args(80, 64, 128)).unwrap();
-    let f16 = |r: &kvchat::commands::kv_size::KvSizeReport| {
+    let f16 = |r: &kvchat::eval::kv_size::KvSizeReport| {
         r.modes
             .iter()
             .find(|m| m.mode == "f16")
@@ -86,18 +82,14 @@ fn tiny_engine(name: &str) -> Engine {
     .unwrap()
 }
 
-/// `kvchat bench` flags as the command line gives them, then adjusted.
-fn bench_args(budget_s: f64) -> BenchArgs {
-    use clap::Parser;
-    let cli = kvchat::cli::Cli::try_parse_from(["kvchat", "bench", "--gen", "8", "--repeat", "2"])
-        .unwrap();
-    let kvchat::cli::Command::Bench(mut b) = cli.command else {
-        unreachable!()
-    };
-    b.budget_s = budget_s;
-    b.warmup = 1;
-    b.no_summary = true;
-    b
+/// How the cells below run: 8 tokens decoded, one warm-up run and two measured ones.
+fn bench_args(budget_s: f64) -> Runs {
+    Runs {
+        gen: 8,
+        repeat: 2,
+        warmup: 1,
+        budget_s,
+    }
 }
 
 fn mode(name: &str) -> CacheMode {
@@ -169,7 +161,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     };
     // A slow cell (a recompute at long context) with a big cache must not widen its columns.
     let mut slow = report.cells[0].clone();
-    slow.decode_ms_per_token = kvchat::commands::bench::Spread {
+    slow.decode_ms_per_token = kvchat::eval::bench::Spread {
         median: 1234.5,
         min: 999.9,
         max: 2345.6,
@@ -197,7 +189,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
         "wider than 100 columns: {table}"
     );
     assert!(table.contains(" KiB"), "kv bytes are readable: {table}");
-    let svg = kvchat::commands::bench::plot_svg(&report);
+    let svg = kvchat::eval::bench::plot_svg(&report);
     assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("window:16+2"));
 }
 
@@ -222,10 +214,10 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
             name,
             &spec,
             ctx,
-            &BenchArgs {
+            &Runs {
                 repeat: 1,
                 warmup: 0,
-                ..args.clone()
+                ..args
             },
         )
         .unwrap();

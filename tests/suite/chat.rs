@@ -157,7 +157,7 @@ fn loading_a_conversation_into_another_cache_configuration_is_refused() {
 }
 
 fn run_with_cache(file: &str, question: &str) -> Output {
-    let system = kvchat::commands::bench::BENCH_TEXT.to_string();
+    let system = kvchat::eval::bench::BENCH_TEXT.to_string();
     let system: String = system.chars().take(1500).collect();
     kvchat(
         &[

@@ -335,7 +335,7 @@ fn on_a_terminal(shell_cmd: &str) -> String {
 fn ppl_on_a_terminal_shows_a_bar_with_an_eta_and_the_running_perplexity() {
     let d = temp_dir("ppl-bar");
     let text = d.join("text.txt");
-    std::fs::write(&text, kvchat::commands::bench::BENCH_TEXT).unwrap();
+    std::fs::write(&text, kvchat::eval::bench::BENCH_TEXT).unwrap();
     let shown = on_a_terminal(&format!("ppl --chunk 64 --chunks 4 {}", p(&text)));
     assert!(shown.contains("/124 tokens scored"), "{shown}");
     assert!(shown.contains("(ETA "), "{shown}");
@@ -351,7 +351,7 @@ fn a_long_generation_into_a_file_shows_progress_on_the_terminal() {
     let d = temp_dir("gen-bar");
     let answer = d.join("answer.txt");
     // (The bar shows after 2 s; the test sets that delay to 0.)
-    let prompt: String = kvchat::commands::bench::BENCH_TEXT
+    let prompt: String = kvchat::eval::bench::BENCH_TEXT
         .chars()
         .take(200)
         .collect();
@@ -364,7 +364,7 @@ fn a_long_generation_into_a_file_shows_progress_on_the_terminal() {
     ));
     assert!(shown.contains("/4 tokens"), "{shown}");
     assert!(
-        shown.contains("--no-cache: every step recomputes"),
+        shown.contains("no KV cache: every step recomputes"),
         "{shown}"
     );
     assert!(!std::fs::read_to_string(&answer).unwrap().trim().is_empty());

@@ -134,9 +134,9 @@ fn ppl(chunk: usize) -> f64 {
     let e = gemma();
     let ids = e
         .tokenizer
-        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
-    kvchat::commands::ppl::perplexity(e, "full".parse().unwrap(), &ids, chunk, 0, false)
+    kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), &ids, chunk, 0, false)
         .unwrap()
         .ppl
 }
@@ -170,7 +170,7 @@ fn gemma3_perplexity_is_within_1_percent_of_llama_perplexity_past_the_window() {
 fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_a_quarter_of_the_bytes(
 ) {
     let e = gemma();
-    let prompt = kvchat::commands::bench::bench_tokens(e, 700).unwrap();
+    let prompt = kvchat::eval::bench::bench_tokens(e, 700).unwrap();
     let cached = CacheSpec::full(Precision::F16, e.ctx);
     let (tokens, _) = crate::common::greedy_with(e, &cached, &prompt, 8);
     // --no-cache keeps no rows: every step recomputes all positions, each sliding-window layer

@@ -34,9 +34,9 @@ fn qwen3_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fil
     .unwrap();
     let ids = e
         .tokenizer
-        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
-    let p = kvchat::commands::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
+    let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
         .unwrap()
         .ppl;
     // llama-perplexity -m target/tmp/random-qwen3.gguf -f assets/bench-text.txt -c 256 -t 2

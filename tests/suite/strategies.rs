@@ -2,7 +2,7 @@
 //! perplexity of each.
 
 use crate::common::{chat_ids, engine, full, greedy, rel_diff};
-use kvchat::commands::ppl::perplexity;
+use kvchat::eval::ppl::perplexity;
 use kvchat::kv::CacheSpec;
 
 const F32_PER_TOKEN: usize = 46_080; // 2 × 30 layers × 3 KV heads × 64 × 4 bytes
@@ -88,7 +88,7 @@ fn bytes_per_token(mode: &str) -> f64 {
     let mut s = e.session(&spec(mode));
     let ids = e
         .tokenizer
-        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
     s.feed(&ids[..100]).unwrap();
     let (n1, b1) = (s.cache().len(), s.cache().bytes_used());
@@ -112,7 +112,7 @@ fn int8_holds_at_most_0_27_and_int4_0_15_of_f32_per_token() {
 #[test]
 fn int8_next_token_logits_stay_close_to_full() {
     let e = engine();
-    let text = kvchat::commands::bench::BENCH_TEXT.to_string();
+    let text = kvchat::eval::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
     let prompt = &ids[..700];
     let last = |spec: &CacheSpec| -> Vec<f32> {
@@ -136,7 +136,7 @@ fn int8_next_token_logits_stay_close_to_full() {
 #[test]
 fn perplexity_of_each_strategy_is_reported_and_int8_costs_little() {
     let e = engine();
-    let text = kvchat::commands::bench::BENCH_TEXT.to_string();
+    let text = kvchat::eval::bench::BENCH_TEXT.to_string();
     let ids = e.tokenizer.encode(&text).unwrap();
     let ppl = |mode: &str| perplexity(e, mode.parse().unwrap(), &ids, 512, 1, false).unwrap();
     let full = ppl("full+f32");
@@ -221,7 +221,7 @@ fn a_window_that_has_dropped_positions_still_answers_with_every_precision() {
     let e = engine();
     let ids = e
         .tokenizer
-        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
     for p in ["f16", "int8", "int4"] {
         let mut s = e.session(&spec(&format!("window:64+4+{p}")));

@@ -18,7 +18,7 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::Device;
-use kvchat::commands::ppl::{paired, Perplexity};
+use kvchat::eval::ppl::{paired, Perplexity};
 use kvchat::engine::{Engine, LoadOptions};
 use kvchat::model::kernels::quant::Kernels;
 use std::path::{Path, PathBuf};
@@ -77,10 +77,10 @@ fn load(path: &Path, kernels: Kernels, dense: bool) -> Engine {
 fn ppl(e: &Engine) -> Perplexity {
     let ids = e
         .tokenizer
-        .encode(kvchat::commands::bench::BENCH_TEXT)
+        .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
     let ids = &ids[..ids.len().min(512)];
-    kvchat::commands::ppl::perplexity(e, "full".parse().unwrap(), ids, 256, 0, false).unwrap()
+    kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), ids, 256, 0, false).unwrap()
 }
 
 fn check(dtype: GgmlDType) {
@@ -176,7 +176,7 @@ fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
         .tokenizer
         .encode(include_str!("../../assets/gpl-3.txt"))
         .unwrap();
-    let p = kvchat::commands::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)
+    let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)
         .unwrap()
         .ppl;
     assert!(

@@ -13,14 +13,12 @@ mod slash;
 use input::*;
 use slash::*;
 
-use crate::cli::report::describe;
-use crate::cli::style;
-use crate::cli::ChatArgs;
+use super::style;
+use super::Generate;
 use crate::commands::run::{open_store, report_store_problems};
 use crate::engine::Engine;
-use crate::kv::persist;
 use crate::model::sampling::SamplingPrefs;
-use crate::session::conversation::{Conversation, TurnStats};
+use crate::session::conversation::{Conversation, OnFull, TurnStats};
 use crate::session::{Resolved, Sampler, StopReason};
 use crate::source::{human_bytes, kvchat_home};
 use anyhow::{bail, Context, Result};
@@ -47,8 +45,10 @@ struct Chat<'e> {
     template: String,
     /// Colour on stderr.
     colour: bool,
-    /// `--stats`: the sampling in force is printed at the start and after each `/set`.
+    /// Statistics asked for: the sampling in force is printed at the start and after each `/set`.
     stats: bool,
+    /// The front end's words for each fix.
+    advice: crate::Advice,
 }
 
 impl Chat<'_> {
@@ -165,63 +165,47 @@ impl Chat<'_> {
     }
 }
 
-pub fn run(args: ChatArgs) -> Result<()> {
-    if args.max_tokens == 0 {
-        bail!("-n/--max-tokens must be at least 1");
-    }
-    // Every flag is checked before anything is fetched or loaded.
-    let flags = args.sampling.prefs()?;
-    let store_budget = args.store.budget()?;
-    let mut load = args.model.options()?;
-    let mode = args.cache.mode_for(args.model.ctx)?;
-    load.kv_precisions = vec![mode.precision];
-    let on_full: crate::session::conversation::OnFull =
-        args.on_full.parse().context("--on-full")?;
-    if mode.retention == crate::kv::Retention::None && args.prompt_cache.is_some() {
-        bail!("--prompt-cache needs a KV cache (drop --no-cache)");
-    }
-    // What is at --prompt-cache must be a kvchat KV file or nothing.
-    if let Some(pc) = &args.prompt_cache {
-        persist::check_target(pc).map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
-    }
-    if let Some(t) = &args.chat_template {
-        crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
-    }
+/// `kvchat chat`, resolved.
+#[derive(Debug, Clone)]
+pub struct ChatOptions {
+    pub generate: Generate,
+    /// What a full context does: refuse the turn, or drop the oldest turns.
+    pub on_full: OnFull,
+    /// The line editor's history file; None: the platform's data directory.
+    pub history: Option<PathBuf>,
+}
+
+pub fn run(opts: ChatOptions) -> Result<()> {
+    let g = &opts.generate;
+    let on_full = opts.on_full;
     let interrupt = crate::interrupt::install()?;
-    let engine = Engine::load(&load)?;
-    let spec = args.cache.spec(engine.ctx)?;
-    let template = engine.chat_template(args.chat_template.as_deref())?;
-    let sampling = engine.sampling_for(&flags);
+    let engine = Engine::load(&g.load)?;
+    let spec = g.mode.spec(engine.ctx)?;
+    let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
+    let sampling = engine.sampling_for(&g.sampling);
     let mut chat = Chat {
-        conv: Conversation::new(&engine, &spec, template, args.system.clone(), on_full),
+        conv: Conversation::new(&engine, &spec, template, g.system.clone(), on_full),
         sampler: Sampler::new(sampling.params.clone()),
         sampling,
-        max_tokens: args.max_tokens,
-        template: match &args.chat_template {
-            Some(t) if t.len() < 40 && !t.contains('{') => format!("{t} (--chat-template)"),
-            Some(_) => "Jinja text from --chat-template".into(),
-            None => "the model's own".into(),
-        },
+        max_tokens: g.max_tokens,
+        template: g
+            .template
+            .as_ref()
+            .map_or_else(|| "the model's own".to_string(), |t| t.label.clone()),
+        advice: g.advice,
         colour: style::stderr(),
-        stats: args.stats,
+        stats: g.stats,
     };
     // A system message that alone fills the context is refused before the first turn.
     chat.conv.check_system()?;
-    let prompt_cache = args.prompt_cache.is_some();
-    let store = open_store(
-        &args.store,
-        store_budget,
-        prompt_cache,
-        &engine,
-        chat.conv.session(),
-    );
+    let store = open_store(&g.store, &engine, chat.conv.session());
     chat.conv.set_store(store);
-    report_store_problems(chat.conv.store_mut());
+    report_store_problems(chat.conv.store_mut(), g.advice);
     for n in &engine.sampling_notes {
         eprintln!("note: {n}");
     }
     chat.print_sampling();
-    if let Some(pc) = &args.prompt_cache {
+    if let Some(pc) = &g.prompt_cache {
         if pc.exists() {
             match chat.conv.load(pc) {
                 Ok(()) => eprintln!(
@@ -229,7 +213,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
                     chat.conv.turns().len(),
                     pc.display()
                 ),
-                Err(e) => eprintln!("kvchat: ignoring prompt cache: {}", describe(&e)),
+                Err(e) => eprintln!(
+                    "kvchat: ignoring prompt cache: {}",
+                    crate::describe_with(&e, g.advice)
+                ),
             }
         }
     }
@@ -247,7 +234,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             rustyline::KeyEvent::ctrl('C'),
             rustyline::EventHandler::Conditional(Box::new(CtrlC(dropped_line.clone()))),
         );
-        let hist = args.history.clone().unwrap_or_else(default_history);
+        let hist = opts.history.clone().unwrap_or_else(default_history);
         if let Some(dir) = hist.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
@@ -323,7 +310,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         drop(quiet);
         interrupt.generating.store(false, Ordering::SeqCst);
         writeln!(stdout)?;
-        report_store_problems(chat.conv.store_mut());
+        report_store_problems(chat.conv.store_mut(), g.advice);
         match result {
             Ok(t) => {
                 match t.reason {
@@ -331,32 +318,35 @@ pub fn run(args: ChatArgs) -> Result<()> {
                     StopReason::ContextFull => eprintln!(
                         "(the answer was cut: the context of {} tokens is full; {})",
                         chat.conv.session().max_positions(),
-                        if on_full == crate::session::conversation::OnFull::Stop {
-                            "/undo, /reset, or --on-full shift"
+                        if on_full == OnFull::Stop {
+                            (g.advice)(crate::Fix::ChatFull)
                         } else {
                             "the next turn drops the oldest turns"
                         }
                     ),
                     _ => {}
                 }
-                if args.stats {
+                if g.stats {
                     chat.print_turn_stats(&t);
                 }
-                if let Some(pc) = &args.prompt_cache {
+                if let Some(pc) = &g.prompt_cache {
                     if let Err(e) = chat.conv.save(pc) {
                         errors += 1;
-                        eprintln!("kvchat: cannot save the prompt cache: {}", describe(&e));
+                        eprintln!(
+                            "kvchat: cannot save the prompt cache: {}",
+                            crate::describe_with(&e, g.advice)
+                        );
                     }
                 }
             }
             Err(e) => {
                 errors += 1;
-                eprintln!("error: {}", describe(&e))
+                eprintln!("error: {}", crate::describe_with(&e, g.advice))
             }
         }
     }
     chat.conv.store_mut().finish();
-    report_store_problems(chat.conv.store_mut());
+    report_store_problems(chat.conv.store_mut(), g.advice);
     if !tty && errors > 0 {
         bail!("{errors} of the chat's turns or commands failed (see above)");
     }

@@ -208,7 +208,7 @@ pub(super) fn command(
         Ok(Flow::Continue) => false,
         Err(e) => {
             *errors += 1;
-            writeln!(out, "error: {}", describe(&e))?;
+            writeln!(out, "error: {}", crate::describe_with(&e, chat.advice))?;
             false
         }
     };

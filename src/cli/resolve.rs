@@ -1,0 +1,331 @@
+//! Each subcommand's flags turned, once, into the options its command runs with (ripgrep's
+//! `HiArgs` idea): every value checked here, before anything is read, fetched or loaded, and every
+//! error naming its flag. A command parses nothing after this.
+
+use super::options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
+use super::subcommands::*;
+use crate::commands::bench::{BenchOptions, JsonOut};
+use crate::commands::cache::{CacheOptions, CacheTask};
+use crate::commands::chat::ChatOptions;
+use crate::commands::kv_size::KvSizeOptions;
+use crate::commands::models::{ModelsOptions, ModelsTask};
+use crate::commands::ppl::PplOptions;
+use crate::commands::run::RunOptions;
+use crate::commands::tokenize::TokenizeOptions;
+use crate::commands::{Generate, StoreChoice, TemplateChoice};
+use crate::eval::bench::Runs;
+use crate::eval::kv_size::{DimsFrom, KvSizeQuery};
+use crate::kv::size::KvDims;
+use crate::kv::{CacheMode, Retention};
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The flags `run` and `chat` share.
+struct GenerateFlags<'a> {
+    model: &'a ModelArgs,
+    cache: &'a CacheArgs,
+    sampling: &'a SamplingArgs,
+    store: &'a StoreArgs,
+    system: Option<String>,
+    chat_template: Option<String>,
+    max_tokens: usize,
+    stats: bool,
+    prompt_cache: Option<PathBuf>,
+}
+
+impl GenerateFlags<'_> {
+    fn resolve(self) -> Result<Generate> {
+        if self.max_tokens == 0 {
+            bail!("-n/--max-tokens must be at least 1");
+        }
+        let sampling = self.sampling.prefs()?;
+        let mut load = self.model.options()?;
+        let mode = self.cache.mode_for(self.model.ctx)?;
+        load.kv_precisions = vec![mode.precision];
+        if mode.retention == Retention::None && self.prompt_cache.is_some() {
+            bail!("--prompt-cache needs a KV cache (drop --no-cache)");
+        }
+        // What is at --prompt-cache must be a kvchat KV file or nothing.
+        if let Some(pc) = &self.prompt_cache {
+            crate::kv::persist::check_target(pc)
+                .map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
+        }
+        let template = match self.chat_template {
+            Some(spec) => {
+                crate::template::ChatTemplate::check_spec(&spec).context("--chat-template")?;
+                let label = if spec.len() < 40 && !spec.contains('{') {
+                    format!("{spec} (--chat-template)")
+                } else {
+                    "Jinja text from --chat-template".into()
+                };
+                Some(TemplateChoice { spec, label })
+            }
+            None => None,
+        };
+        Ok(Generate {
+            load,
+            mode,
+            sampling,
+            store: self.store.choice(self.prompt_cache.is_some())?,
+            system: self.system,
+            template,
+            max_tokens: self.max_tokens,
+            stats: self.stats,
+            prompt_cache: self.prompt_cache,
+            advice: super::report::advice,
+        })
+    }
+}
+
+impl StoreArgs {
+    /// The prefix store as these flags (and `--prompt-cache`, which names the state to use
+    /// instead) choose it.
+    fn choice(&self, prompt_cache: bool) -> Result<StoreChoice> {
+        let budget =
+            super::options::parse_size(&self.kv_store_budget).context("--kv-store-budget")?;
+        Ok(if prompt_cache {
+            StoreChoice::Off("--prompt-cache names the state to use")
+        } else if self.no_kv_store {
+            StoreChoice::Off("--no-kv-store")
+        } else if budget == 0 {
+            StoreChoice::Off("--kv-store-budget 0")
+        } else {
+            StoreChoice::On {
+                root: self
+                    .kv_store_dir
+                    .clone()
+                    .unwrap_or_else(crate::source::kv_store_root),
+                budget,
+            }
+        })
+    }
+}
+
+/// How long a generation into a pipe runs before its bar shows: `KVCHAT_PROGRESS_AFTER_MS`
+/// (the tests set 0), else 2 s.
+fn bar_after() -> Duration {
+    Duration::from_millis(
+        std::env::var("KVCHAT_PROGRESS_AFTER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000),
+    )
+}
+
+impl RunArgs {
+    pub fn resolve(self) -> Result<RunOptions> {
+        let generate = GenerateFlags {
+            model: &self.model,
+            cache: &self.cache,
+            sampling: &self.sampling,
+            store: &self.store,
+            system: self.system.clone(),
+            chat_template: self.chat_template.clone(),
+            max_tokens: self.max_tokens,
+            stats: self.stats,
+            prompt_cache: self.prompt_cache.clone(),
+        }
+        .resolve()?;
+        Ok(RunOptions {
+            generate,
+            prompt: self.prompt,
+            raw: self.raw,
+            ignore_eos: self.ignore_eos,
+            bar_after: bar_after(),
+        })
+    }
+}
+
+impl ChatArgs {
+    pub fn resolve(self) -> Result<ChatOptions> {
+        let generate = GenerateFlags {
+            model: &self.model,
+            cache: &self.cache,
+            sampling: &self.sampling,
+            store: &self.store,
+            system: self.system.clone(),
+            chat_template: self.chat_template.clone(),
+            max_tokens: self.max_tokens,
+            stats: self.stats,
+            prompt_cache: self.prompt_cache.clone(),
+        }
+        .resolve()?;
+        Ok(ChatOptions {
+            generate,
+            on_full: self.on_full.parse().context("--on-full")?,
+            history: self.history,
+        })
+    }
+}
+
+impl BenchArgs {
+    pub fn resolve(self) -> Result<BenchOptions> {
+        if self.gen == 0 || self.repeat == 0 {
+            bail!("--gen and --repeat must be at least 1");
+        }
+        if self.contexts.is_empty() || self.contexts.contains(&0) {
+            bail!("--contexts must be a list of positive token counts");
+        }
+        if let Some(p) = &self.plot {
+            if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+                bail!("--plot {}: only .svg is supported", p.display());
+            }
+        }
+        if !(self.budget_s > 0.0 && self.budget_s.is_finite()) {
+            bail!("--budget-s must be a positive number of seconds");
+        }
+        let modes: Vec<(String, CacheMode)> = self
+            .modes
+            .iter()
+            .map(|m| Ok((m.clone(), m.parse::<CacheMode>().context("--modes")?)))
+            .collect::<Result<_>>()?;
+        let mut load = self.model.options()?;
+        load.kv_precisions = modes.iter().map(|(_, m)| m.precision).collect();
+        // The context holds the longest cell and the chat-turn summary (512 + 256 tokens).
+        let longest = self.contexts.iter().max().copied().unwrap_or(0) + self.gen;
+        load.ctx = Some(load.ctx.unwrap_or(0).max(longest).max(768 + 256));
+        // Each mode must fit that context (a window wider than it is named before anything loads).
+        for (name, m) in &modes {
+            m.spec(load.ctx.unwrap_or(0))
+                .with_context(|| format!("--modes {name}"))?;
+        }
+        Ok(BenchOptions {
+            load,
+            modes,
+            contexts: self.contexts,
+            runs: Runs {
+                gen: self.gen,
+                repeat: self.repeat,
+                warmup: self.warmup,
+                budget_s: self.budget_s,
+            },
+            summary: !self.no_summary,
+            json: self.json.map(|p| {
+                if p.as_os_str() == "-" {
+                    JsonOut::Stdout
+                } else {
+                    JsonOut::File(p)
+                }
+            }),
+            plot: self.plot,
+        })
+    }
+}
+
+impl PplArgs {
+    pub fn resolve(self) -> Result<PplOptions> {
+        if self.chunk < 4 {
+            bail!("--chunk must be at least 4 tokens");
+        }
+        let mut load = self.model.options()?;
+        let mode = self
+            .cache
+            .mode_for(self.model.ctx.map(|c| c.max(self.chunk)))?;
+        let against = match &self.against {
+            Some(a) => Some((
+                a.clone(),
+                a.parse::<CacheMode>()
+                    .map_err(|e| anyhow::anyhow!("--against: {e}"))?,
+            )),
+            None => None,
+        };
+        // With --ctx given, the --against mode is checked against it too before anything loads.
+        if let (Some((name, m)), Some(ctx)) = (&against, self.model.ctx) {
+            m.spec(ctx.max(self.chunk))
+                .map_err(|e| anyhow::anyhow!("--against {name}: {e}"))?;
+        }
+        load.kv_precisions = std::iter::once(mode.precision)
+            .chain(against.as_ref().map(|(_, m)| m.precision))
+            .collect();
+        Ok(PplOptions {
+            file: self.file,
+            load,
+            mode,
+            against,
+            chunk: self.chunk,
+            chunks: self.chunks,
+            long: self.long,
+            json: self.json,
+        })
+    }
+}
+
+impl KvSizeArgs {
+    pub fn resolve(self) -> Result<KvSizeOptions> {
+        let dims = match (self.layers, self.kv_heads, self.head_dim) {
+            (Some(layers), Some(kv_heads), Some(head_dim)) => {
+                if layers == 0 || kv_heads == 0 || head_dim == 0 {
+                    bail!("--layers, --kv-heads and --head-dim must be at least 1");
+                }
+                DimsFrom::Given(KvDims {
+                    layers,
+                    kv_heads,
+                    head_dim,
+                })
+            }
+            _ => DimsFrom::Model {
+                model: self.model,
+                models_file: self.models_file,
+            },
+        };
+        if self.ctx == 0 || self.users == 0 {
+            bail!("--ctx and --users must be at least 1");
+        }
+        if let Some(w) = self.window {
+            if w == 0 {
+                bail!("--window must be at least 1");
+            }
+        }
+        Ok(KvSizeOptions {
+            query: KvSizeQuery {
+                dims,
+                heads: self.heads,
+                dtype: self.dtype,
+                ctx: self.ctx,
+                users: self.users,
+                window: self.window.map(|w| (w, self.sinks)),
+                residual: self.residual,
+            },
+            json: self.json,
+        })
+    }
+}
+
+impl TokenizeArgs {
+    pub fn resolve(self) -> Result<TokenizeOptions> {
+        Ok(TokenizeOptions {
+            text: self.text,
+            model: self.model,
+            models_file: self.models_file,
+            tokenizer: self.tokenizer,
+        })
+    }
+}
+
+impl ModelsArgs {
+    pub fn resolve(self) -> Result<ModelsOptions> {
+        Ok(ModelsOptions {
+            task: match self.action {
+                ModelsAction::List => ModelsTask::List,
+                ModelsAction::Pull { model } => ModelsTask::Pull(model),
+            },
+            models_file: self.models_file,
+        })
+    }
+}
+
+impl CacheCmdArgs {
+    pub fn resolve(self) -> Result<CacheOptions> {
+        Ok(CacheOptions {
+            task: match self.action {
+                CacheAction::Stats => CacheTask::Stats,
+                CacheAction::Ls => CacheTask::Ls,
+                CacheAction::Clear { model } => CacheTask::Clear(model),
+            },
+            root: self
+                .kv_store_dir
+                .unwrap_or_else(crate::source::kv_store_root),
+        })
+    }
+}
