@@ -49,7 +49,9 @@ impl ModelArgs {
     /// The CPU threads asked for, capped at [`max_threads`] (None: all cores). The process's
     /// thread pool is sized from it before anything runs (main.rs).
     pub fn threads(&self) -> Option<usize> {
-        self.threads.filter(|&n| n > 0).map(|n| n.min(max_threads()))
+        self.threads
+            .filter(|&n| n > 0)
+            .map(|n| n.min(max_threads()))
     }
 
     /// The load options these flags select; a thread count over the cap is noted (see

@@ -1,10 +1,10 @@
 //! `kvchat bench` and `kvchat kv-size`: the arithmetic, the table/JSON, the time budget (on a tiny
 //! model, fast), and the measured KV bytes against the prediction (on the real model).
 
-use kvchat::eval::bench::{measure_cell, render_table, BenchReport, Runs};
-use kvchat::eval::kv_size::{report, DimsFrom, KvSizeQuery};
 use kvchat::engine::Engine;
 use kvchat::engine::LoadOptions;
+use kvchat::eval::bench::{measure_cell, render_table, BenchReport, Runs};
+use kvchat::eval::kv_size::{report, DimsFrom, KvSizeQuery};
 use kvchat::kv::size::KvDims;
 use kvchat::kv::CacheMode;
 use kvchat::kv::Precision as Storage;

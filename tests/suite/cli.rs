@@ -351,10 +351,7 @@ fn a_long_generation_into_a_file_shows_progress_on_the_terminal() {
     let d = temp_dir("gen-bar");
     let answer = d.join("answer.txt");
     // (The bar shows after 2 s; the test sets that delay to 0.)
-    let prompt: String = kvchat::eval::bench::BENCH_TEXT
-        .chars()
-        .take(200)
-        .collect();
+    let prompt: String = kvchat::eval::bench::BENCH_TEXT.chars().take(200).collect();
     let prompt_file = d.join("prompt.txt");
     std::fs::write(&prompt_file, prompt).unwrap();
     let shown = on_a_terminal(&format!(

@@ -132,10 +132,7 @@ fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out(
 /// kvchat's perplexity of the bundled bench text in chunks of `chunk`.
 fn ppl(chunk: usize) -> f64 {
     let e = gemma();
-    let ids = e
-        .tokenizer
-        .encode(kvchat::eval::bench::BENCH_TEXT)
-        .unwrap();
+    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
     kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), &ids, chunk, 0, false)
         .unwrap()
         .ppl

@@ -718,6 +718,7 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
         ),
         (&["bench", "-m", m, "--modes", "full,sideways"], "--modes"),
         (&["bench", "-m", m, "--contexts", "0"], "--contexts"),
+        (&["bench", "-m", m, "--budget-s=-1"], "--budget-s"),
     ];
     for (args, needle) in cases {
         let out = kvchat_at(&hub, &home, args, &[]);

@@ -86,10 +86,7 @@ fn window_refuses_to_truncate_to_a_position_it_no_longer_holds() {
 fn bytes_per_token(mode: &str) -> f64 {
     let e = engine();
     let mut s = e.session(&spec(mode));
-    let ids = e
-        .tokenizer
-        .encode(kvchat::eval::bench::BENCH_TEXT)
-        .unwrap();
+    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
     s.feed(&ids[..100]).unwrap();
     let (n1, b1) = (s.cache().len(), s.cache().bytes_used());
     s.feed(&ids[100..400]).unwrap();
@@ -219,10 +216,7 @@ fn every_precision_with_offload_or_a_wide_window_gives_its_bits() {
 #[test]
 fn a_window_that_has_dropped_positions_still_answers_with_every_precision() {
     let e = engine();
-    let ids = e
-        .tokenizer
-        .encode(kvchat::eval::bench::BENCH_TEXT)
-        .unwrap();
+    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
     for p in ["f16", "int8", "int4"] {
         let mut s = e.session(&spec(&format!("window:64+4+{p}")));
         s.feed(&ids[..300]).unwrap();

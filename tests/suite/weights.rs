@@ -18,8 +18,8 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::Device;
-use kvchat::eval::ppl::{paired, Perplexity};
 use kvchat::engine::{Engine, LoadOptions};
+use kvchat::eval::ppl::{paired, Perplexity};
 use kvchat::model::kernels::quant::Kernels;
 use std::path::{Path, PathBuf};
 
@@ -75,10 +75,7 @@ fn load(path: &Path, kernels: Kernels, dense: bool) -> Engine {
 
 /// Perplexity of the first 512 tokens of bench-text, in chunks of 256 (254 tokens scored).
 fn ppl(e: &Engine) -> Perplexity {
-    let ids = e
-        .tokenizer
-        .encode(kvchat::eval::bench::BENCH_TEXT)
-        .unwrap();
+    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
     let ids = &ids[..ids.len().min(512)];
     kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), ids, 256, 0, false).unwrap()
 }
