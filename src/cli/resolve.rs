@@ -282,7 +282,7 @@ impl KvSizeArgs {
             query: KvSizeQuery {
                 dims,
                 heads: self.heads,
-                dtype: self.dtype,
+                precision: self.kv_type,
                 ctx: self.ctx,
                 users: self.users,
                 window: self.window.map(|w| (w, self.sinks)),

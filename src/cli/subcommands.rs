@@ -160,9 +160,10 @@ pub struct KvSizeArgs {
     /// Query heads per layer: shows what GQA saves over full multi-head attention
     #[arg(long)]
     pub heads: Option<usize>,
-    /// The storage mode of the headline figures: f32, f16 (the cache's default), bf16, int8, int4
-    #[arg(long, default_value = "f16", value_parser = precision_parser(false))]
-    pub dtype: crate::kv::Precision,
+    /// The KV precision of the headline figures: f32, f16 (the cache's default), bf16, int8, int4
+    /// (as run's --kv-type; --dtype is kept as another name)
+    #[arg(long = "kv-type", alias = "dtype", value_name = "TYPE", default_value = "f16", value_parser = precision_parser(false))]
+    pub kv_type: crate::kv::Precision,
     /// Context length, in tokens
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,

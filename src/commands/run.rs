@@ -3,7 +3,7 @@
 use super::{Generate, StoreChoice};
 use crate::engine::Engine;
 use crate::kv::KvCache;
-use crate::session::prefix::StoreUse;
+use crate::session::prefix::PrefixReuse;
 use crate::session::{GenStats, Sampler, StopReason};
 use crate::source::human_bytes;
 use crate::template::Message;
@@ -241,16 +241,16 @@ pub fn open_store(
     choice: &StoreChoice,
     engine: &Engine,
     session: &crate::session::Session<'_>,
-) -> StoreUse {
+) -> PrefixReuse {
     match choice {
-        StoreChoice::Off(why) => StoreUse::off(*why),
-        StoreChoice::On { root, budget } => StoreUse::open(engine, session, root, *budget),
+        StoreChoice::Off(why) => PrefixReuse::off(*why),
+        StoreChoice::On { root, budget } => PrefixReuse::open(engine, session, root, *budget),
     }
 }
 
 /// Prints what went wrong with the prefix store since the last call, one line each (the run goes on
 /// without what failed).
-pub fn report_store_problems(store: &mut StoreUse, advice: crate::Advice) {
+pub fn report_store_problems(store: &mut PrefixReuse, advice: crate::Advice) {
     for p in store.take_problems() {
         match p.fix {
             Some(fix) => eprintln!("kvchat: prefix store: {} ({})", p.text, advice(fix)),

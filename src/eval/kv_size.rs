@@ -86,7 +86,7 @@ pub struct KvSizeQuery {
     /// Query heads, to show what GQA saves (default: the model's).
     pub heads: Option<usize>,
     /// The precision of the headline figures.
-    pub dtype: Precision,
+    pub precision: Precision,
     /// Context length in tokens (at least 1).
     pub ctx: usize,
     /// Concurrent sequences (at least 1).
@@ -119,7 +119,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
     if args.ctx == 0 || args.users == 0 {
         bail!("the context and the users must each be at least 1");
     }
-    let headline = args.dtype;
+    let headline = args.precision;
     let mut modes: Vec<ModeRow> = Precision::ALL
         .iter()
         .map(|&m| {

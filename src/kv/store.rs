@@ -9,13 +9,15 @@
 //! running the GPU's path).
 
 use super::qrows::{self, QRows};
-use crate::model::cache::{with_codec, HostRows, OnDevice, Part, Precision, RowFormat, Rows};
+use crate::model::cache::{
+    with_codec, HostRows, OnDevice, Part, Precision, QueryRotation, RowFormat, Rows,
+};
 use crate::model::kernels::kvrows::{self, Codec};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// A layer's rows in one precision.
-pub trait Store: Send {
+pub trait RowStore: Send {
     fn precision(&self) -> Precision;
     /// Slots allocated.
     fn capacity(&self) -> usize;
@@ -25,12 +27,12 @@ pub trait Store: Send {
     /// `slot..slot + t`.
     fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<()>;
     /// Slots `slot..slot + len` as a part of a view.
-    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>>;
+    fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>>;
     /// Slots `slot..slot + len` decoded to f32, `[1, n_kv_heads, len, head_dim]` each, on the CPU.
     fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor)>;
     /// The stored bytes of slots `slot..slot + len`, `[n_kv_heads, len, row bytes]` each (saving).
     fn raw(&self, slot: usize, len: usize) -> Result<(Vec<u8>, Vec<u8>)>;
-    /// Puts bytes from [`Store::raw`] back into slots `slot..slot + len`.
+    /// Puts bytes from [`RowStore::raw`] back into slots `slot..slot + len`.
     fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()>;
     /// Bytes allocated.
     fn bytes(&self) -> usize;
@@ -41,7 +43,7 @@ pub trait Store: Send {
 /// dtype; quantized rows are decoded to f32 on `device`), and quantized rows stay
 /// Hadamard-rotated.
 pub fn stage(
-    store: &dyn Store,
+    store: &dyn RowStore,
     (nkv, hd): (usize, usize),
     slot: usize,
     len: usize,
@@ -71,7 +73,7 @@ pub fn new_store(
     n_kv_heads: usize,
     head_dim: usize,
     on_device: Option<&Device>,
-) -> Box<dyn Store> {
+) -> Box<dyn RowStore> {
     if let Some(dev) = on_device {
         return match precision.on_device() {
             OnDevice::Float(dtype) => Box::new(DeviceStore::new(
@@ -133,7 +135,7 @@ impl<C: RowFormat> HostStore<C> {
     }
 }
 
-impl<C: RowFormat> Store for HostStore<C> {
+impl<C: RowFormat> RowStore for HostStore<C> {
     fn precision(&self) -> Precision {
         C::PRECISION
     }
@@ -195,7 +197,7 @@ impl<C: RowFormat> Store for HostStore<C> {
         Ok(())
     }
 
-    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+    fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>> {
         self.check(slot, len)?;
         let start = self.at(0, slot);
         Ok(Part {
@@ -309,7 +311,7 @@ impl DeviceStore {
     }
 }
 
-impl Store for DeviceStore {
+impl RowStore for DeviceStore {
     fn precision(&self) -> Precision {
         self.precision
     }
@@ -343,7 +345,7 @@ impl Store for DeviceStore {
         Ok(())
     }
 
-    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+    fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>> {
         let (k, v) = self.buffers(slot, len)?;
         Ok(Part {
             rows: Rows::Dense {
@@ -445,7 +447,7 @@ impl QDeviceStore {
     }
 }
 
-impl Store for QDeviceStore {
+impl RowStore for QDeviceStore {
     fn precision(&self) -> Precision {
         self.precision
     }
@@ -487,7 +489,7 @@ impl Store for QDeviceStore {
         self.put(slot, &k, &v)
     }
 
-    fn part(&self, slot: usize, len: usize, query: usize) -> Result<Part<'_>> {
+    fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>> {
         let (k, v) = self.rows(slot, len)?;
         let p = self.precision;
         Ok(Part {
@@ -550,7 +552,11 @@ mod tests {
                 assert_eq!(s.precision(), p);
                 s.grow(n, 0).unwrap();
                 s.write(0, &x, &x).unwrap();
-                assert_eq!(s.part(0, n, 0).unwrap().rows.len(), n, "{p:?}");
+                assert_eq!(
+                    s.part(0, n, QueryRotation::AtPosition).unwrap().rows.len(),
+                    n,
+                    "{p:?}"
+                );
             }
             let (k, v) = host.raw(0, n).unwrap();
             assert_eq!(k.len(), nkv * n * p.row_bytes(hd), "{p:?}");

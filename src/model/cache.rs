@@ -197,11 +197,29 @@ impl Rows<'_> {
     }
 }
 
+/// Which rotation of the step's queries a run of keys pairs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryRotation {
+    /// Rotated at the step's positions (`Attend::q_pos`): every key but a window's dropped-past sinks.
+    AtPosition,
+    /// Rotated where a window's sinks need it (`Attend::sink_q_pos`), once positions were dropped.
+    ForSinks,
+}
+
+impl QueryRotation {
+    /// Its place among the rotated queries attention is given (`qs[0]`, `qs[1]`).
+    pub fn index(self) -> usize {
+        match self {
+            QueryRotation::AtPosition => 0,
+            QueryRotation::ForSinks => 1,
+        }
+    }
+}
+
 /// A run of positions and the rotation of the queries its keys pair with.
 pub struct Part<'a> {
     pub rows: Rows<'a>,
-    /// 0: queries rotated at `Attend::q_pos`; 1: at `Attend::sink_q_pos` (a window's sinks).
-    pub query: usize,
+    pub query: QueryRotation,
 }
 
 /// What a layer's attention attends over for one step, in sequence order; the step's own `t`
@@ -230,7 +248,7 @@ pub struct Attend<'a> {
     pub view: KvView<'a>,
     /// Position at which the step's first query is rotated (its absolute position).
     pub q_pos: usize,
-    /// Where parts with `query: 1` need the first query rotated instead (a window's sinks sit at
+    /// Where parts with `QueryRotation::ForSinks` need the first query rotated instead (a window's sinks sit at
     /// their place in the cache, not at their distance in the sequence); None when no part does.
     pub sink_q_pos: Option<usize>,
 }

@@ -3,7 +3,7 @@
 
 use super::config::Config;
 use super::kernels::quant::{Kernels, Packer, QMatrix};
-use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
+use super::llama::{expect_dims, Block, Embedding, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -382,7 +382,7 @@ impl GgufFile {
             let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
             let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
             let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
-            let mut layer = Layer {
+            let mut layer = Block {
                 qkv: None,
                 gate_up: None,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,

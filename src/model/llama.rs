@@ -52,7 +52,8 @@ impl Linear {
     }
 }
 
-pub struct Layer {
+/// One decoder block's weights: attention (q, k, v, o and their norms) and the feed-forward network.
+pub struct Block {
     /// q, k and v stacked into one matrix (CPU kernels, one format, no biases): one pass instead
     /// of three.
     pub qkv: Option<QMatrix>,
@@ -96,7 +97,7 @@ pub const PREFILL_CHUNK: usize = 512;
 pub struct Llama {
     pub cfg: Config,
     pub embed: Embedding,
-    pub layers: Vec<Layer>,
+    pub layers: Vec<Block>,
     pub norm: Tensor,
     pub output: Linear,
     pub rope: Rope,
@@ -108,7 +109,7 @@ pub struct Llama {
     pub prefill_chunk: usize,
 }
 
-impl Layer {
+impl Block {
     /// Stacks q/k/v and gate/up into one matrix each where all run on our CPU kernels in one
     /// format, without biases; the separate weights become views of the stacked ones (nothing is
     /// stored twice).
@@ -234,7 +235,7 @@ impl Llama {
     fn block(
         &self,
         i: usize,
-        layer: &Layer,
+        layer: &Block,
         x: &Tensor,
         cache: &mut dyn LayerCache,
     ) -> Result<Tensor> {
@@ -272,7 +273,7 @@ impl Llama {
     fn attention(
         &self,
         i: usize,
-        layer: &Layer,
+        layer: &Block,
         h: &Tensor,
         cache: &mut dyn LayerCache,
     ) -> Result<Tensor> {

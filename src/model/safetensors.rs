@@ -7,7 +7,7 @@
 
 use super::config::Config;
 use super::files::HfFiles;
-use super::llama::{expect_dims, Embedding, Layer, Linear, Llama, Weight};
+use super::llama::{expect_dims, Block, Embedding, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -142,7 +142,7 @@ impl HfCheckpoint {
             let p = format!("model.layers.{i}");
             let norm = |n: &str| self.tensor(&format!("{p}.{n}.weight"), &[h], f32, device);
             let lin = |n: &str, want| self.linear(&format!("{p}.{n}"), want, dtype, device);
-            layers.push(Layer {
+            layers.push(Block {
                 qkv: None,
                 gate_up: None,
                 attn_norm: norm("input_layernorm")?,

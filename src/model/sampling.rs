@@ -19,7 +19,26 @@ pub struct SamplingPrefs {
     pub seed: Option<u64>,
 }
 
-/// The settings' names, in the order `Resolved::origins` keeps them (as `/set` takes them).
+/// A sampling setting, by name: its place in [`SETTINGS`] and among a resolved set's origins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    Temperature,
+    TopK,
+    TopP,
+    MinP,
+    RepeatPenalty,
+    RepeatLastN,
+    Seed,
+}
+
+impl Setting {
+    /// As `/set` and the flags name it.
+    pub fn name(self) -> &'static str {
+        SETTINGS[self as usize]
+    }
+}
+
+/// The settings' names, in [`Setting`]'s order (as `/set` takes them).
 pub const SETTINGS: [&str; 7] = [
     "temperature",
     "top-k",

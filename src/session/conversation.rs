@@ -3,7 +3,7 @@
 //! conversation never pays twice for the same tokens, and if a template re-renders earlier turns
 //! differently, the cache goes back to the common prefix instead of attending over stale tokens.
 
-use super::prefix::StoreUse;
+use super::prefix::PrefixReuse;
 use super::{GenStats, Sampler, Session, StopReason};
 use crate::engine::Engine;
 use crate::kv::CacheSpec;
@@ -90,7 +90,7 @@ pub struct Conversation<'e> {
     shifted_out: usize,
     /// The prefix store: looked up when the session holds nothing of the conversation (its
     /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
-    store: StoreUse,
+    store: PrefixReuse,
 }
 
 impl<'e> Conversation<'e> {
@@ -110,7 +110,7 @@ impl<'e> Conversation<'e> {
             on_full,
             last: None,
             shifted_out: 0,
-            store: StoreUse::off("not opened"),
+            store: PrefixReuse::off("not opened"),
         }
     }
 
@@ -158,16 +158,16 @@ impl<'e> Conversation<'e> {
         self.last.as_ref()
     }
 
-    pub fn store(&self) -> &StoreUse {
+    pub fn store(&self) -> &PrefixReuse {
         &self.store
     }
 
-    pub fn store_mut(&mut self) -> &mut StoreUse {
+    pub fn store_mut(&mut self) -> &mut PrefixReuse {
         &mut self.store
     }
 
     /// Uses `store` for the prefix store from now on.
-    pub fn set_store(&mut self, store: StoreUse) {
+    pub fn set_store(&mut self, store: PrefixReuse) {
         self.store = store;
     }
 

@@ -148,10 +148,21 @@ impl Lookup {
     }
 }
 
+/// What a process wrote to the prefix store.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Writes {
+    pub blocks: usize,
+    pub bytes: u64,
+    /// Time copying the rows out of the cache (on the answer's path).
+    pub copying: std::time::Duration,
+    /// Time writing them (on the writer's thread).
+    pub writing: std::time::Duration,
+}
+
 /// A run's or a chat's use of the prefix store: the store (or why there is none), the last lookup,
 /// the thread writing new blocks once an answer is out, and this process's figures, added
-/// to the store's totals by [`StoreUse::finish`].
-pub struct StoreUse {
+/// to the store's totals by [`PrefixReuse::finish`].
+pub struct PrefixReuse {
     store: Option<PrefixStore>,
     /// Why the store is not used, when it is not.
     pub off: Option<String>,
@@ -161,14 +172,13 @@ pub struct StoreUse {
     problems: Vec<Problem>,
     /// Where the last lookup found a damaged block: the blocks from there on are rewritten.
     rewrite_from: usize,
-    /// This process's writes: blocks, bytes, time copying the rows (on the answer's path) and
-    /// time writing them (on the writer's thread).
-    pub wrote: (usize, u64, std::time::Duration, std::time::Duration),
+    /// This process's writes.
+    pub wrote: Writes,
     /// A write failed: this process writes no more (lookups go on).
     write_failed: bool,
 }
 
-impl StoreUse {
+impl PrefixReuse {
     /// No store, for `reason`.
     pub fn off(reason: impl Into<String>) -> Self {
         Self {
@@ -265,7 +275,7 @@ impl StoreUse {
 
     /// After a prompt of `prompt` positions was prefilled (and maybe answered): copies the rows of
     /// its blocks not stored yet and writes them on a thread of their own (joined by the next call
-    /// or [`StoreUse::finish`]).
+    /// or [`PrefixReuse::finish`]).
     pub fn store(
         &mut self,
         session: &Session<'_>,
@@ -280,7 +290,7 @@ impl StoreUse {
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
         let t0 = std::time::Instant::now();
         let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from, prompt);
-        self.wrote.2 += t0.elapsed();
+        self.wrote.copying += t0.elapsed();
         match rows {
             Ok((which, rows)) if !which.is_empty() => {
                 let (store, tokens) = (store.clone(), session.tokens().to_vec());
@@ -299,9 +309,9 @@ impl StoreUse {
         if let Some(w) = self.writer.take() {
             match w.join() {
                 Ok(done) => {
-                    self.wrote.0 += done.blocks;
-                    self.wrote.1 += done.bytes;
-                    self.wrote.3 += done.elapsed;
+                    self.wrote.blocks += done.blocks;
+                    self.wrote.bytes += done.bytes;
+                    self.wrote.writing += done.elapsed;
                     self.run.blocks_written += done.blocks as u64;
                     self.run.bytes_written += done.bytes;
                     self.run.evictions += done.evicted as u64;
@@ -354,7 +364,12 @@ impl StoreUse {
 
     /// "; stored N blocks (X MiB) in T ms, C ms copying", when it stored any.
     fn describe_writes(&self) -> String {
-        let (n, bytes, copy, write) = self.wrote;
+        let Writes {
+            blocks: n,
+            bytes,
+            copying: copy,
+            writing: write,
+        } = self.wrote;
         if n == 0 {
             return String::new();
         }
@@ -368,7 +383,7 @@ impl StoreUse {
     }
 }
 
-impl Drop for StoreUse {
+impl Drop for PrefixReuse {
     /// A run that ends early (an error while decoding) still lets its writer finish, so that no
     /// temporary file is left behind.
     fn drop(&mut self) {

@@ -3,7 +3,7 @@
 //! registry's recommendation, else the model file's, else the built-in default; a random seed unless
 //! one is given).
 
-use crate::model::sampling::{SamplingPrefs, SETTINGS};
+use crate::model::sampling::{SamplingPrefs, Setting, SETTINGS};
 use anyhow::Result;
 use candle_core::Tensor;
 use rand::rngs::StdRng;
@@ -54,8 +54,8 @@ impl SamplingParams {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub params: SamplingParams,
-    /// One origin per entry of [`SETTINGS`], in that order.
-    pub origins: [String; 7],
+    /// One origin per entry of [`SETTINGS`], in that order (read by [`Resolved::origin`]).
+    origins: [String; 7],
 }
 
 impl Resolved {
@@ -69,11 +69,16 @@ impl Resolved {
         for (origin, prefs) in layers.iter().rev() {
             r.apply(prefs, origin);
         }
-        if r.origins[6] == "built-in" {
+        if r.origin(Setting::Seed) == "built-in" {
             r.params.seed = u64::from(rand::random::<u32>());
-            r.origins[6] = "random".into();
+            r.origins[Setting::Seed as usize] = "random".into();
         }
         r
+    }
+
+    /// Where the value in force of `setting` came from.
+    pub fn origin(&self, setting: Setting) -> &str {
+        &self.origins[setting as usize]
     }
 
     /// Overrides what `prefs` states, recording `origin` for each.
@@ -317,9 +322,14 @@ mod tests {
         assert_eq!(r.params.top_p, 0.8);
         assert_eq!(r.params.min_p, 0.05, "nobody said: the built-in default");
         assert_eq!(
-            r.origins[..4],
-            // temperature, top-k, top-p, min-p
-            ["models.toml", "flag", "model file", "built-in"].map(String::from)
+            [
+                Setting::Temperature,
+                Setting::TopK,
+                Setting::TopP,
+                Setting::MinP
+            ]
+            .map(|s| r.origin(s)),
+            ["models.toml", "flag", "model file", "built-in"]
         );
         assert!(r.describe().contains("temperature 0.2 (models.toml)"));
     }
@@ -330,13 +340,13 @@ mod tests {
             .map(|_| Resolved::from_layers(&[]).params.seed)
             .collect();
         assert!(seeds.len() > 1, "eight draws gave one seed");
-        assert_eq!(Resolved::from_layers(&[]).origins[6], "random");
+        assert_eq!(Resolved::from_layers(&[]).origin(Setting::Seed), "random");
         let fixed = SamplingPrefs {
             seed: Some(7),
             ..Default::default()
         };
         let r = Resolved::from_layers(&[("flag", &fixed)]);
-        assert_eq!((r.params.seed, r.origins[6].as_str()), (7, "flag"));
+        assert_eq!((r.params.seed, r.origin(Setting::Seed)), (7, "flag"));
     }
 
     #[test]

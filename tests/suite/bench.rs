@@ -17,7 +17,7 @@ fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeQuery 
             head_dim,
         }),
         heads: None,
-        dtype: Storage::F16,
+        precision: Storage::F16,
         ctx: 4096,
         users: 8,
         window: None,

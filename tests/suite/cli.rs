@@ -440,10 +440,10 @@ fn an_unknown_kv_precision_is_refused_naming_the_flag_and_the_tables_choices() {
                 "2",
                 "--head-dim",
                 "64",
-                "--dtype",
+                "--kv-type",
                 "q8",
             ][..],
-            "--dtype",
+            "--kv-type",
             "f32, f16, bf16, int8, int4",
         ),
     ] {

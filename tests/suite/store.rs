@@ -5,7 +5,7 @@
 
 use crate::common::kvchat_env;
 use kvchat::kv::{CacheSpec, Precision};
-use kvchat::session::prefix::StoreUse;
+use kvchat::session::prefix::PrefixReuse;
 use kvchat::template::Message;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -394,14 +394,14 @@ fn resumed_after(
     let ids_earlier = &ids[..earlier];
     let mut earlier = e.session(spec);
     earlier.feed(ids_earlier).unwrap();
-    let mut store = StoreUse::open(e, &earlier, &root, 1 << 30);
+    let mut store = PrefixReuse::open(e, &earlier, &root, 1 << 30);
     store.store(&earlier, true, &[], ids_earlier.len());
     store.finish();
     assert!(store.take_problems().is_empty());
     let mut whole = e.session(spec);
     let a: Vec<f32> = whole.feed(ids).unwrap().to_vec1().unwrap();
     let mut resumed = e.session(spec);
-    let mut store = StoreUse::open(e, &resumed, &root, 1 << 30);
+    let mut store = PrefixReuse::open(e, &resumed, &root, 1 << 30);
     let n = store.restore(&mut resumed, ids, &[]).unwrap();
     let b: Vec<f32> = resumed.feed(&ids[n..]).unwrap().to_vec1().unwrap();
     (a, b, n)

@@ -21,8 +21,8 @@
 //! positions. When writing the step into the ring would overwrite positions its queries still need,
 //! its rows wait in a store of their own ([`Pending`]) and enter the ring at the next call.
 
-use super::store::{new_store, stage, Store};
-use crate::model::cache::{Attend, KvView, LayerCache, Part, Precision};
+use super::store::{new_store, stage, RowStore};
+use crate::model::cache::{Attend, KvView, LayerCache, Part, Precision, QueryRotation};
 use crate::model::kernels::kvrows;
 use crate::model::rope::Rope;
 use anyhow::{bail, Result};
@@ -52,7 +52,7 @@ pub enum Retention {
 /// The newest positions of a quantized cache in f16 (rotated as the quantized rows are): slot
 /// `p mod r` holds position p, for p in `lo..hi`.
 struct Residual {
-    store: Box<dyn Store>,
+    store: Box<dyn RowStore>,
     r: usize,
     lo: usize,
     hi: usize,
@@ -61,7 +61,7 @@ struct Residual {
 /// A step's rows waiting to enter a window's ring (they would overwrite positions the step's own
 /// queries attend to): slots `0..t` of `store` hold positions `seq..seq + t`.
 struct Pending {
-    store: Box<dyn Store>,
+    store: Box<dyn RowStore>,
     k: Tensor,
     v: Tensor,
     seq: usize,
@@ -86,7 +86,7 @@ pub struct Layer {
     max_positions: usize,
     /// See [`LayerSpec::attend_window`].
     attend_window: Option<usize>,
-    store: Box<dyn Store>,
+    store: Box<dyn RowStore>,
     residual: Option<Residual>,
     pending: Option<Pending>,
     /// Block size of the Hadamard rotation of quantized rows.
@@ -234,7 +234,7 @@ impl Layer {
         out
     }
 
-    fn source(&self, s: Source) -> &dyn Store {
+    fn source(&self, s: Source) -> &dyn RowStore {
         match s {
             Source::Main => self.store.as_ref(),
             Source::Pending => self.pending.as_ref().expect("a pending run").store.as_ref(),
@@ -368,8 +368,8 @@ impl Layer {
         Ok(())
     }
 
-    /// The view of a step over positions `b..e`: sinks `0..sink_end` (pairing with query 1 when
-    /// `dropped`), then `lo..e`.
+    /// The view of a step over positions `b..e`: sinks `0..sink_end` (pairing with the queries
+    /// rotated for sinks when `dropped`), then `lo..e`.
     fn view(
         &self,
         sink_end: usize,
@@ -378,7 +378,13 @@ impl Layer {
         e: usize,
         dropped: bool,
     ) -> Result<KvView<'_>> {
-        let ranges = [(0..sink_end, usize::from(dropped)), (lo..b, 0), (b..e, 0)];
+        use QueryRotation::{AtPosition, ForSinks};
+        let sinks = if dropped { ForSinks } else { AtPosition };
+        let ranges = [
+            (0..sink_end, sinks),
+            (lo..b, AtPosition),
+            (b..e, AtPosition),
+        ];
         let mut parts = Vec::new();
         for (range, query) in ranges.into_iter().filter(|(r, _)| !r.is_empty()) {
             if let Some(dev) = &self.offload_to {

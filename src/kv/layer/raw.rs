@@ -14,7 +14,7 @@ impl Layer {
         for range in [sinks, window] {
             let mut p = range.start;
             while p < range.end {
-                let (store, slot, len): (&dyn Store, usize, usize) = match &self.pending {
+                let (store, slot, len): (&dyn RowStore, usize, usize) = match &self.pending {
                     Some(pd) if p >= pd.seq => (pd.store.as_ref(), p - pd.seq, range.end - p),
                     _ => {
                         let (slot, room) = self.slot_run(p);

@@ -15,7 +15,7 @@ pub fn stats(root: &Path) -> (Totals, usize, u64) {
 
 /// A stored prefix: a chain of blocks that no other stored block extends.
 #[derive(Debug, Clone)]
-pub struct Entry {
+pub struct StoredPrefix {
     pub model: String,
     /// The cache's axes ("all, f16").
     pub axes: String,
@@ -26,7 +26,7 @@ pub struct Entry {
 }
 
 /// The stored prefixes, most recently used first.
-pub fn list(root: &Path) -> Vec<Entry> {
+pub fn list(root: &Path) -> Vec<StoredPrefix> {
     let mut out = Vec::new();
     for dir in model_dirs(root) {
         let model = model_file(&dir);
@@ -57,7 +57,7 @@ pub fn list(root: &Path) -> Vec<Entry> {
                 last = last.max(*w);
                 at = Some(p);
             }
-            out.push(Entry {
+            out.push(StoredPrefix {
                 model: model.clone(),
                 axes: axes.clone(),
                 tokens: *end,

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// A block file read and checked: its bytes, and where its rows start (each layer's keys then
 /// values, `[n_kv_heads, len, row]` each).
-pub(super) struct Rows {
+pub(super) struct BlockFile {
     pub(super) bytes: Vec<u8>,
     pub(super) at: usize,
 }
@@ -29,7 +29,7 @@ impl PrefixStore {
         parent: Option<&[u8; 32]>,
         piece: Piece,
         tokens: &[u32],
-    ) -> std::result::Result<Option<(Rows, std::fs::File)>, BlockError> {
+    ) -> std::result::Result<Option<(BlockFile, std::fs::File)>, BlockError> {
         use BlockError::{Damaged, Unreadable};
         let f = match crate::fsx::open_regular_nofollow(path) {
             Ok(f) => f,
@@ -79,7 +79,7 @@ impl PrefixStore {
             return bad("holds other tokens than its key says".into());
         }
         let at = at + 4 * piece.len;
-        Ok(Some((Rows { bytes, at }, f)))
+        Ok(Some((BlockFile { bytes, at }, f)))
     }
 
     pub(super) fn header(

@@ -42,7 +42,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-pub use admin::{clear, list, stats, Entry};
+pub use admin::{clear, list, stats, StoredPrefix};
 
 use super::layer::RawState;
 use sha2::{Digest, Sha256};

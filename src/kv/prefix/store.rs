@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 use std::path::Path;
 use std::time::Instant;
 
-use super::block::{BlockError, Rows};
+use super::block::{BlockError, BlockFile};
 use super::evict::{add_totals, check_dir, evict, last_use, with_lock, write_atomically};
 
 impl PrefixStore {
@@ -51,10 +51,10 @@ impl PrefixStore {
         let limit = limit.min(tokens.len());
         let full = self.keys(&tokens[..limit]);
         // (piece, path, rows) of each block read, in order.
-        let mut read: Vec<(Piece, PathBuf, Rows)> = Vec::new();
+        let mut read: Vec<(Piece, PathBuf, BlockFile)> = Vec::new();
         let now = SystemTime::now();
         let try_piece =
-            |piece: Piece, read: &mut Vec<(Piece, PathBuf, Rows)>, found: &mut Found| {
+            |piece: Piece, read: &mut Vec<(Piece, PathBuf, BlockFile)>, found: &mut Found| {
                 let (key, parent) = self.key_of(tokens, piece, &full);
                 let path = self.path_of(&key);
                 let range = &tokens[piece.start..piece.end()];

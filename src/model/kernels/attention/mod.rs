@@ -34,9 +34,9 @@ use candle_core::Tensor;
 /// (when a part asks for it) where a window's sinks need it.
 pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
     ensure!(!qs.is_empty(), "attention needs queries");
-    if let Some(p) = view.parts.iter().find(|p| p.query >= qs.len()) {
+    if let Some(p) = view.parts.iter().find(|p| p.query.index() >= qs.len()) {
         bail!(
-            "a part of the KV view pairs with query rotation {} that was not given",
+            "a part of the KV view pairs with query rotation {:?} that was not given",
             p.query
         );
     }
@@ -63,7 +63,7 @@ pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> R
         let Rows::Dense { k, v } = &p.rows else {
             bail!("a KV view mixes host and device rows");
         };
-        let q = &rotated[p.query];
+        let q = &rotated[p.query.index()];
         let k = k.squeeze(0)?.to_dtype(q.dtype())?; // [nkv, len, hd]
         scores.push(q.matmul(&k.t()?)?); // [nkv, g*t, len]
         values.push(v.squeeze(0)?.to_dtype(q.dtype())?);
@@ -127,7 +127,7 @@ fn attend_host_at(
                 rows: &p.rows,
                 start: kv_len,
                 end: kv_len + n,
-                query: p.query,
+                query: p.query.index(),
             });
         }
         kv_len += n;

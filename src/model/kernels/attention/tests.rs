@@ -1,5 +1,5 @@
 use super::*;
-use crate::model::cache::{HostRows, Part};
+use crate::model::cache::{HostRows, Part, QueryRotation};
 use candle_core::{DType, Device};
 
 #[test]
@@ -77,7 +77,7 @@ fn view_of<'a, E>(
                 row_len,
                 len: w[1] - w[0],
             }),
-            query: 0,
+            query: QueryRotation::AtPosition,
         })
         .collect();
     KvView {
@@ -160,7 +160,7 @@ fn a_declared_window_limits_each_query_to_its_last_w_positions() {
                     k: k.unsqueeze(0).unwrap(),
                     v: v.unsqueeze(0).unwrap(),
                 },
-                query: 0,
+                query: QueryRotation::AtPosition,
             }],
             hadamard: None,
             window: Some(w),
@@ -338,7 +338,7 @@ fn a_part_pairs_its_keys_with_the_query_rotation_it_names() {
     let (q0, q1) = (rand((nkv, g * t, hd)), rand((nkv, g * t, hd)));
     let (kr, vr, _, _) = encoded::<kvrows::F32>(&k, &v);
     let mut view = view_of(&kr, &vr, l, hd, &[4], Rows::F32);
-    view.parts[0].query = 1; // the first 4 positions pair with q1
+    view.parts[0].query = QueryRotation::ForSinks; // the first 4 positions pair with q1
     let got = attend_view(&[&q0, &q1], &view, t, 0.125).unwrap();
     let s0 = q1.matmul(&k.narrow(1, 0, 4).unwrap().t().unwrap()).unwrap();
     let s1 = q0

@@ -53,7 +53,7 @@ use half::f16;
 pub use floats::{dot_ref, Floats};
 pub use kquants::{Q2K, Q3K, Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-use tiled::TileStore;
+use tiled::TileArena;
 pub use tiled::{dot_rows_scalar, Tiled, TiledMatrix};
 
 pub use act::*;

@@ -5,11 +5,11 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
-/// Reads a model's matrices for our kernels: those that become tiles into one [`TileStore`]
+/// Reads a model's matrices for our kernels: those that become tiles into one [`TileArena`]
 /// (huge pages, faulted once; q, k, v and gate, up end to end, so stacking them copies nothing),
 /// the others per row. Each matrix is read straight into its layout, a few MiB at a time.
 pub struct Packer {
-    store: TileStore,
+    store: TileArena,
     /// The matrices told of, in order, with where each one's tiles go.
     plan: Vec<Planned>,
     /// How many of them `read` has been given.
@@ -61,7 +61,7 @@ impl Packer {
                 }
             })
             .collect();
-        let store = TileStore::zeroed(end)
+        let store = TileArena::zeroed(end)
             .with_context(|| format!("cannot allocate {end} bytes for the weights"))?;
         Ok(Self {
             store,

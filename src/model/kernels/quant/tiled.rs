@@ -454,11 +454,11 @@ pub(super) mod vnni;
 /// memory that the kernel is asked to back with 2 MiB pages (Linux's transparent huge pages in
 /// their default `madvise` mode): tiles are written once, at load, and faulting them in 4 KiB at
 /// a time was a third of Gemma 3's load time. Zero until written; read-only once shared.
-pub(super) struct TileStore {
+pub(super) struct TileArena {
     map: memmap2::MmapMut,
 }
 
-impl TileStore {
+impl TileArena {
     /// `bytes` zero bytes.
     pub(super) fn zeroed(bytes: usize) -> std::io::Result<Self> {
         // A mapping cannot be empty; one byte stands in for none.
@@ -486,7 +486,7 @@ pub struct TiledMatrix<F: Tiled> {
     pub(super) rows: usize,
     pub(super) cols: usize,
     at: usize,
-    store: std::sync::Arc<TileStore>,
+    store: std::sync::Arc<TileArena>,
     _format: std::marker::PhantomData<fn() -> F>,
 }
 
@@ -535,7 +535,7 @@ impl<F: Tiled> TiledMatrix<F> {
 
     /// The matrix whose tiles are at byte `at` of `store`.
     pub(super) fn view(
-        store: &std::sync::Arc<TileStore>,
+        store: &std::sync::Arc<TileArena>,
         at: usize,
         rows: usize,
         cols: usize,
@@ -554,7 +554,7 @@ impl<F: Tiled> TiledMatrix<F> {
     pub(super) fn from_blocks(rows: usize, cols: usize, blocks: &[F::Block]) -> Result<Self> {
         assert!(rows.is_multiple_of(TR) && blocks.len() == rows * cols / F::N);
         let kb = cols / F::N;
-        let mut store = TileStore::zeroed(Self::bytes(rows, cols))?;
+        let mut store = TileArena::zeroed(Self::bytes(rows, cols))?;
         pack_groups::<F>(kb, blocks, store.tiles_mut(0, rows / TR * kb));
         Ok(Self::view(&std::sync::Arc::new(store), 0, rows, cols))
     }
@@ -564,7 +564,7 @@ impl<F: Tiled> TiledMatrix<F> {
     /// few MiB at a time through one buffer, never the whole matrix (Gemma 3's embedding table is
     /// 178 MB).
     pub(super) fn read_into(
-        store: &mut TileStore,
+        store: &mut TileArena,
         at: usize,
         rows: usize,
         cols: usize,
@@ -624,7 +624,7 @@ impl<F: Tiled> TiledMatrix<F> {
                 views,
             )));
         }
-        let mut store = TileStore::zeroed(Self::bytes(rows, cols))?;
+        let mut store = TileArena::zeroed(Self::bytes(rows, cols))?;
         let mut at = 0;
         let mut views = Vec::new();
         for p in parts {
