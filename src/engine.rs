@@ -12,42 +12,118 @@ use candle_core::{DType, Device};
 use std::path::PathBuf;
 
 pub struct Engine {
-    pub path: PathBuf,
-    pub model: Llama,
-    pub tokenizer: Tokenizer,
-    pub template: Option<ChatTemplate>,
+    path: PathBuf,
+    model: Llama,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
     /// Why the model's own template is not `template`, when it has one that cannot run.
     template_problem: Option<String>,
     /// Ids that end generation: EOS and the template's end-of-turn tokens.
-    pub stop_ids: Vec<u32>,
+    stop_ids: Vec<u32>,
     /// The most positions a sequence may reach (`--ctx`).
-    pub ctx: usize,
-    pub device: Device,
+    ctx: usize,
+    device: Device,
     /// Identifies the model for saved KV state: sha256 of its GGUF header (metadata and tensor
     /// layout; `GgufFile::digest`).
-    pub digest: String,
+    digest: String,
     /// How the weights are stored: "quantized" (GGUF) or the dense dtype (safetensors).
-    pub weights: String,
+    weights: String,
     /// Recommended sampling settings, most important first: the registry entry's ("models.toml"),
     /// then the model file's (GGUF `general.sampling.*` or generation_config.json). Flags go on top
     /// (`Resolved::from_layers`).
-    pub sampling: Vec<(String, SamplingPrefs)>,
+    sampling: Vec<(String, SamplingPrefs)>,
     /// What was wrong with the model's recommendations and was set aside (printed by the
     /// commands that sample).
-    pub sampling_notes: Vec<String>,
+    sampling_notes: Vec<String>,
     /// Number of weights (every tensor's elements).
-    pub params: u64,
+    params: u64,
     /// What else decides the computed values bit for bit: device, SIMD level, quantized kernels
     /// (part of the prefix store's model identity).
-    pub numerics: String,
+    numerics: String,
     /// The tensors' storage types and how many of each, most common first ("q4_1 ×182, f32 ×61").
-    pub tensor_types: String,
+    tensor_types: String,
     /// How long opening the model took: reading its header and weights, building the tokenizer
     /// (from an on-disk copy; a download is not counted).
-    pub load_time: std::time::Duration,
+    load_time: std::time::Duration,
     /// Steps run as on a GPU: KV rows as tensors, attention by candle ops (a CUDA/Metal device,
     /// or `--kernels gpu` on the CPU).
-    pub gpu_path: bool,
+    gpu_path: bool,
+}
+
+/// What a loader (GGUF or safetensors) read: the engine's parts that depend on the format.
+struct Loaded {
+    path: PathBuf,
+    model: Llama,
+    tokenizer: Tokenizer,
+    /// The model's own chat template, when it has one.
+    template_src: Option<String>,
+    ctx: usize,
+    digest: String,
+    weights: String,
+    /// The model file's sampling recommendations, and where they were read.
+    file_sampling: (&'static str, SamplingPrefs),
+    sampling_notes: Vec<String>,
+    params: u64,
+    tensor_types: String,
+}
+
+impl Engine {
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    /// Ids that end generation: EOS and the template's end-of-turn tokens.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+    /// The most positions a sequence may reach.
+    pub fn ctx(&self) -> usize {
+        self.ctx
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// Identifies the model for saved KV state (see the field).
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+    /// How the weights are stored: "quantized" (GGUF) or the dense dtype.
+    pub fn weights(&self) -> &str {
+        &self.weights
+    }
+    /// The model's sampling recommendations, most important first, each with where it was read.
+    pub fn sampling(&self) -> &[(String, SamplingPrefs)] {
+        &self.sampling
+    }
+    /// What was wrong with the model's sampling recommendations and was set aside.
+    pub fn sampling_notes(&self) -> &[String] {
+        &self.sampling_notes
+    }
+    /// Number of weights.
+    pub fn params(&self) -> u64 {
+        self.params
+    }
+    /// What else decides the computed values bit for bit (device, SIMD level, kernels).
+    pub fn numerics(&self) -> &str {
+        &self.numerics
+    }
+    /// The tensors' storage types and how many of each.
+    pub fn tensor_types(&self) -> &str {
+        &self.tensor_types
+    }
+    /// How long opening the model took.
+    pub fn load_time(&self) -> std::time::Duration {
+        self.load_time
+    }
+    /// Steps run as on a GPU (KV rows as tensors, attention by candle ops).
+    pub fn gpu_path(&self) -> bool {
+        self.gpu_path
+    }
 }
 
 /// Where to run: what a front end asks for, before the device is opened.
@@ -246,17 +322,11 @@ impl Engine {
         let (location, registry) =
             crate::source::resolve_model(args.model.as_deref(), args.models_file.as_deref())?;
         let started = std::time::Instant::now();
-        let mut engine = match location {
-            Location::Gguf(path) => Self::load_gguf(path, args, device)?,
-            Location::Safetensors(files) => Self::load_hf(files, args, device)?,
+        let loaded = match location {
+            Location::Gguf(path) => Self::load_gguf(path, args, &device)?,
+            Location::Safetensors(files) => Self::load_hf(files, args, &device)?,
         };
-        engine.load_time = started.elapsed();
-        engine.gpu_path =
-            !engine.device.is_cpu() || args.kernels == crate::model::kernels::quant::Kernels::Gpu;
-        if let Some(r) = registry.filter(|r| !r.is_empty()) {
-            engine.sampling.insert(0, ("models.toml".into(), r));
-        }
-        Ok(engine)
+        Self::assemble(loaded, device, registry, args, started.elapsed())
     }
 
     /// The context size asked for, else the model's trained context. Either must fit in memory
@@ -309,13 +379,13 @@ impl Engine {
         }
     }
 
-    fn load_gguf(path: PathBuf, args: &LoadOptions, device: Device) -> Result<Self> {
+    fn load_gguf(path: PathBuf, args: &LoadOptions, device: &Device) -> Result<Loaded> {
         let mut gguf = GgufFile::open(&path)?;
         gguf.dense = args.dtype;
         gguf.kernels = args.kernels;
         let cfg = gguf.config()?;
         let ctx = Self::ctx_for(args, &cfg)?;
-        let model = gguf.load_llama_with(cfg, &device, ctx)?;
+        let model = gguf.load_llama_with(cfg, device, ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
         let tokenizer = match &args.tokenizer {
@@ -343,30 +413,30 @@ impl Engine {
             }
             None => "quantized".to_string(),
         };
-        let mut e = Self::finish(
+        Ok(Loaded {
             path,
             model,
             tokenizer,
             template_src,
             ctx,
-            device,
             digest,
-            &weights,
-        )?;
-        e.numerics += &format!(", kernels {:?}", args.kernels);
-        if !file_sampling.is_empty() {
-            e.sampling
-                .push(("GGUF general.sampling".into(), file_sampling));
-        }
-        (e.params, e.tensor_types, e.sampling_notes) = (params, tensor_types, notes);
-        Ok(e)
+            weights,
+            file_sampling: ("GGUF general.sampling", file_sampling),
+            sampling_notes: notes,
+            params,
+            tensor_types,
+        })
     }
 
-    fn load_hf(files: crate::source::HfFiles, args: &LoadOptions, device: Device) -> Result<Self> {
+    fn load_hf(
+        files: crate::source::HfFiles,
+        args: &LoadOptions,
+        device: &Device,
+    ) -> Result<Loaded> {
         let dtype = args.dtype.unwrap_or(DType::F32);
         let ckpt = HfCheckpoint::open(&files)?;
         let ctx = Self::ctx_for(args, &ckpt.cfg)?;
-        let model = ckpt.load_llama(&device, dtype, ctx)?;
+        let model = ckpt.load_llama(device, dtype, ctx)?;
         let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
             (Some(tj), _) | (None, Some(tj)) => {
                 Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?
@@ -395,37 +465,43 @@ impl Engine {
             },
             None => SamplingPrefs::default(),
         };
-        let mut e = Self::finish(
-            PathBuf::from(&files.label),
+        Ok(Loaded {
+            path: PathBuf::from(&files.label),
             model,
             tokenizer,
             template_src,
             ctx,
-            device,
             digest,
-            &weights,
-        )?;
-        if !file_sampling.is_empty() {
-            e.sampling
-                .push(("generation_config.json".into(), file_sampling));
-        }
-        e.params = params;
-        e.sampling_notes = notes;
-        e.tensor_types = format!("{tensor_types} in the files, loaded as {weights}");
-        Ok(e)
+            tensor_types: format!("{tensor_types} in the files, loaded as {weights}"),
+            weights,
+            file_sampling: ("generation_config.json", file_sampling),
+            sampling_notes: notes,
+            params,
+        })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn finish(
-        path: PathBuf,
-        model: Llama,
-        tokenizer: Tokenizer,
-        template_src: Option<String>,
-        ctx: usize,
+    /// The engine of what a loader read, on `device`: its chat template and stop tokens, and the
+    /// sampling recommendations of the registry (`registry`) over the model file's.
+    fn assemble(
+        loaded: Loaded,
         device: Device,
-        digest: String,
-        weights: &str,
+        registry: Option<SamplingPrefs>,
+        args: &LoadOptions,
+        load_time: std::time::Duration,
     ) -> Result<Self> {
+        let Loaded {
+            path,
+            model,
+            tokenizer,
+            template_src,
+            ctx,
+            digest,
+            weights,
+            file_sampling,
+            sampling_notes,
+            params,
+            tensor_types,
+        } = loaded;
         // A model whose own template cannot run (it does not parse, or trips a limit) still loads:
         // `--chat-template` or a raw prompt can use it, and asking for its template says why not.
         let (template, template_problem) = match template_src {
@@ -455,10 +531,18 @@ impl Engine {
             }
         }
         let numerics = format!(
-            "device {:?}, simd {:?}",
+            "device {:?}, simd {:?}, kernels {:?}",
             device.location(),
-            crate::model::kernels::quant::level()
+            crate::model::kernels::quant::level(),
+            args.kernels
         );
+        let sampling = [("models.toml", registry.unwrap_or_default()), file_sampling]
+            .into_iter()
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(origin, p)| (origin.to_string(), p))
+            .collect();
+        let gpu_path =
+            !device.is_cpu() || args.kernels == crate::model::kernels::quant::Kernels::Gpu;
         Ok(Self {
             digest,
             path,
@@ -469,15 +553,30 @@ impl Engine {
             stop_ids,
             ctx,
             device,
-            weights: weights.to_string(),
-            sampling: Vec::new(),
-            sampling_notes: Vec::new(),
-            params: 0,
-            tensor_types: String::new(),
+            weights,
+            sampling,
+            sampling_notes,
+            params,
+            tensor_types,
             numerics,
-            load_time: Default::default(),
-            gpu_path: false,
+            load_time,
+            gpu_path,
         })
+    }
+
+    /// Refuses `text` (`what`, for the message) when its bytes alone show it is `limit` tokens
+    /// or more: checked before it is tokenized, which takes ~180 bytes of memory per byte of text
+    /// (n bytes are at least n / the longest token's bytes tokens).
+    pub fn refuse_by_bytes(&self, what: &str, text: &str, limit: usize) -> Result<()> {
+        let at_least = self.tokenizer.min_tokens(text.len());
+        if at_least >= limit {
+            let len = crate::tokenizer::Length::AtLeast(at_least, text.len());
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!("{what} is {len}, more than the context of {limit}"),
+            ));
+        }
+        Ok(())
     }
 
     /// The chat template to use: `--chat-template` (a name or template text) or the model's own.

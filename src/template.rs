@@ -104,11 +104,29 @@ impl std::io::Write for Capped {
     }
 }
 
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+}
+
+/// A render stopped by one of the limits every template runs under (output, instructions,
+/// recursion, memory, time) or by Ctrl-C: a fault of the template (or of the wait), unlike a
+/// conversation the template refuses on purpose (`raise_exception`).
+#[derive(Debug)]
+pub struct OverLimit(pub String);
+
+impl std::fmt::Display for OverLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for OverLimit {}
+
+fn over_limit(why: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(OverLimit(why.into()))
 }
 
 impl ChatTemplate {
@@ -158,14 +176,9 @@ impl ChatTemplate {
         // Fail at load, not mid-chat, on a template that does not parse or runs away.
         t.env(1)?;
         if let Err(e) = t.render(&[Message::new("user", "Hello")], true) {
-            let msg = e.to_string();
             // A template may refuse a conversation shape on purpose (raise_exception); that is
             // not a fault of the template. Running out of a limit is.
-            if msg.contains("limit")
-                || msg.contains("deadline")
-                || msg.contains("interrupted")
-                || msg.contains("memory")
-            {
+            if e.downcast_ref::<OverLimit>().is_some() {
                 return Err(e);
             }
         }
@@ -232,13 +245,23 @@ impl ChatTemplate {
                     );
                     if let Err(e) = rendered.map(drop) {
                         if out.left == 0 {
-                            bail!(
+                            return Err(over_limit(format!(
                                 "chat template output exceeds the limit of {} MiB",
                                 MAX_OUTPUT >> 20
-                            );
+                            )));
                         }
                         if e.kind() == ErrorKind::OutOfFuel {
-                            bail!("chat template exceeded its instruction limit (a runaway loop?)");
+                            return Err(over_limit(
+                                "chat template exceeded its instruction limit (a runaway loop?)",
+                            ));
+                        }
+                        // minijinja's runtime recursion check (`set_recursion_limit`).
+                        if e.kind() == ErrorKind::InvalidOperation
+                            && e.detail() == Some("recursion limit exceeded")
+                        {
+                            return Err(over_limit(format!(
+                                "chat template exceeded its recursion limit of {RECURSION_LIMIT}"
+                            )));
                         }
                         bail!("chat template failed to render: {e}");
                     }
@@ -257,19 +280,19 @@ impl ChatTemplate {
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     if budget.exceeded() {
-                        bail!(
+                        return Err(over_limit(format!(
                             "chat template needs more than its memory limit of {} MiB (a value that grows without bound?)",
                             budget.limit() >> 20
-                        );
+                        )));
                     }
                     if crate::interrupt::stop_requested() {
-                        bail!("chat template rendering interrupted");
+                        return Err(over_limit("chat template rendering interrupted"));
                     }
                     if start.elapsed() > DEADLINE {
-                        bail!(
+                        return Err(over_limit(format!(
                             "chat template exceeded its time limit of {} s (deadline)",
                             DEADLINE.as_secs()
-                        );
+                        )));
                     }
                 }
             }
@@ -314,5 +337,25 @@ mod tests {
              <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(t.end_of_turn_tokens(), vec!["<end_of_turn>"]);
+    }
+
+    #[test]
+    fn a_model_template_that_recurses_without_end_is_refused_as_over_its_limit() {
+        let src = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
+        let e = ChatTemplate::new(src, "<s>", "</s>").unwrap_err();
+        assert!(e.downcast_ref::<OverLimit>().is_some(), "{e:#}");
+        assert_eq!(
+            e.to_string(),
+            format!("chat template exceeded its recursion limit of {RECURSION_LIMIT}")
+        );
+    }
+
+    #[test]
+    fn a_model_template_that_refuses_a_conversation_on_purpose_still_loads() {
+        let src = "{% if messages|length < 2 %}{{ raise_exception('needs two') }}{% endif %}x";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let e = t.render(&[Message::new("user", "Hi")], true).unwrap_err();
+        assert!(e.downcast_ref::<OverLimit>().is_none(), "{e:#}");
+        assert!(e.to_string().contains("needs two"), "{e:#}");
     }
 }

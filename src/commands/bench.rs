@@ -47,7 +47,7 @@ pub fn run(opts: BenchOptions) -> Result<()> {
         .map(|(name, m)| {
             Ok((
                 name.clone(),
-                m.spec(engine.ctx)
+                m.spec(engine.ctx())
                     .with_context(|| format!("cache mode {name}"))?,
             ))
         })
@@ -79,7 +79,7 @@ pub fn run(opts: BenchOptions) -> Result<()> {
             .cloned()
             .unwrap_or((
                 "full".into(),
-                CacheSpec::full(crate::kv::DEFAULT_PRECISION, engine.ctx),
+                CacheSpec::full(crate::kv::DEFAULT_PRECISION, engine.ctx()),
             ));
         bar.set_message(format!("chat-turn summary ({name} vs no-cache)"));
         let t = chat_turn(&engine, &name, &spec)?;
@@ -89,7 +89,7 @@ pub fn run(opts: BenchOptions) -> Result<()> {
     bar.finish_and_clear();
     let report = BenchReport {
         model: engine
-            .path
+            .path()
             .file_name()
             .map_or("model".into(), |f| f.to_string_lossy().into_owned()),
         threads: candle_core::utils::get_num_threads(),

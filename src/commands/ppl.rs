@@ -63,17 +63,17 @@ pub fn run(opts: PplOptions) -> Result<()> {
     }
     let engine = Engine::load(&opts.load)?;
     // The modes must fit the context the chunks need.
-    let spec = opts.mode.spec(engine.ctx.max(opts.chunk))?;
+    let spec = opts.mode.spec(engine.ctx().max(opts.chunk))?;
     if let Some((name, m)) = &opts.against {
-        m.spec(engine.ctx.max(opts.chunk))
+        m.spec(engine.ctx().max(opts.chunk))
             .with_context(|| format!("the cache mode {name} to compare against"))?;
     }
-    let tokens = engine.tokenizer.encode(&text)?;
+    let tokens = engine.tokenizer().encode(&text)?;
     // A bar on stderr (drawn only on a terminal) with the ETA and the running perplexity, as
     // llama-perplexity prints each chunk's; with --against it covers both passes.
     let per_pass = tokens_to_score(
         tokens.len(),
-        engine.tokenizer.add_bos && engine.tokenizer.bos_id.is_some(),
+        engine.tokenizer().add_bos && engine.tokenizer().bos_id.is_some(),
         opts.chunk,
         opts.chunks,
         opts.long,

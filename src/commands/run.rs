@@ -59,30 +59,21 @@ pub fn run(opts: RunOptions) -> Result<()> {
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
     let engine = Engine::load(&g.load)?;
-    let spec = g.mode.spec(engine.ctx)?;
-    // Every text is checked by its bytes before it is tokenized (tokenizing takes ~180 bytes of
-    // memory per byte of text): n bytes are at least n / (the longest token's bytes) tokens.
+    let spec = g.mode.spec(engine.ctx())?;
+    // Every text is checked by its bytes before it is tokenized.
     let fits = |what: &str, text: &str| -> Result<()> {
-        let at_least = engine.tokenizer.min_tokens(text.len());
-        if spec.bounded_by_context() && at_least >= engine.ctx {
-            return Err(crate::fixable(
-                crate::Fix::RaiseContext,
-                format!(
-                    "{what} is {} bytes, at least {at_least} tokens, which cannot fit the context of {}",
-                    text.len(),
-                    engine.ctx
-                ),
-            ));
+        if spec.bounded_by_context() {
+            engine.refuse_by_bytes(what, text, engine.ctx())?;
         }
         // A window takes a sequence of any length; no tokenizer packs more than ~64 bytes into a
         // token of real text, so a text past that is refused as not meant for this context.
-        if !spec.bounded_by_context() && text.len() > engine.ctx.saturating_mul(64) {
+        if !spec.bounded_by_context() && text.len() > engine.ctx().saturating_mul(64) {
             return Err(crate::fixable(
                 crate::Fix::RaiseContext,
                 format!(
                     "{what} is {} bytes, which cannot fit the context of {} tokens",
                     text.len(),
-                    engine.ctx
+                    engine.ctx()
                 ),
             ));
         }
@@ -109,13 +100,13 @@ pub fn run(opts: RunOptions) -> Result<()> {
         boundaries = engine.message_boundaries(&template, &messages, &ids);
         ids
     };
-    if ids.len() >= engine.ctx && spec.bounded_by_context() {
+    if ids.len() >= engine.ctx() && spec.bounded_by_context() {
         // Name the part that does not fit: the system message alone, else the prompt.
         let system = match g.system.as_deref().filter(|_| !opts.raw) {
-            Some(s) => engine.tokenizer.encode_literal(s)?.len(),
+            Some(s) => engine.tokenizer().encode_literal(s)?.len(),
             None => 0,
         };
-        let what = if system >= engine.ctx {
+        let what = if system >= engine.ctx() {
             format!("the system message is {system} tokens")
         } else if system > 0 {
             format!(
@@ -127,12 +118,12 @@ pub fn run(opts: RunOptions) -> Result<()> {
         };
         return Err(crate::fixable(
             crate::Fix::RaiseContext,
-            format!("{what}, which does not fit the context of {}", engine.ctx),
+            format!("{what}, which does not fit the context of {}", engine.ctx()),
         ));
     }
     let mut session = engine.session(&spec);
     let sampling = engine.sampling_for(&g.sampling);
-    for n in &engine.sampling_notes {
+    for n in engine.sampling_notes() {
         eprintln!("note: {n}");
     }
     let mut sampler = Sampler::new(sampling.params.clone());
@@ -141,7 +132,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut store = open_store(&g.store, &engine, &session);
     let t0 = Instant::now();
     let reused = match &g.prompt_cache {
-        Some(p) if p.exists() => match session.reuse_saved_prefix(p, &engine.digest, &ids) {
+        Some(p) if p.exists() => match session.reuse_saved_prefix(p, engine.digest(), &ids) {
             Ok(n) => n,
             Err(e) => {
                 eprintln!(
@@ -158,7 +149,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let prefill = t0.elapsed();
     report_store_problems(&mut store, g.advice);
     if let Some(p) = &g.prompt_cache {
-        if let Err(e) = session.save_state(p, &engine.digest, serde_json::json!({})) {
+        if let Err(e) = session.save_state(p, engine.digest(), serde_json::json!({})) {
             eprintln!(
                 "kvchat: cannot save the prompt cache: {}",
                 crate::describe_with(&e, g.advice)
@@ -177,7 +168,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
         logits,
         &mut sampler,
         g.max_tokens,
-        &engine.stop_ids,
+        engine.stop_ids(),
         opts.ignore_eos,
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
@@ -188,7 +179,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
             if let Some(b) = &bar {
                 b.set_position(generated);
             }
-            if let Some(text) = stream.push(&engine.tokenizer, id)? {
+            if let Some(text) = stream.push(engine.tokenizer(), id)? {
                 stdout.write_all(text.as_bytes())?;
                 stdout.flush()?;
             }
@@ -205,7 +196,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     report_store_problems(&mut store, g.advice);
     stats.prompt_tokens = ids.len() - reused;
     stats.prefill = prefill;
-    if let Some(text) = stream.finish(&engine.tokenizer)? {
+    if let Some(text) = stream.finish(engine.tokenizer())? {
         stdout.write_all(text.as_bytes())?;
     }
     writeln!(stdout)?;
@@ -213,7 +204,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     if reason == StopReason::ContextFull {
         eprintln!(
             "kvchat: stopped: the context of {} tokens is full ({})",
-            engine.ctx,
+            engine.ctx(),
             (g.advice)(crate::Fix::RaiseContext)
         );
     }
@@ -293,23 +284,23 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         cache.seen(),
         human_bytes(cache.bytes_used() as u64),
         human_bytes(cache.bytes() as u64),
-        crate::engine::device_name(&engine.device),
-        engine.weights,
+        crate::engine::device_name(engine.device()),
+        engine.weights(),
     );
     if let Some(line) = window_saving(engine, cache) {
         eprintln!("[stats] {line}");
     }
     eprintln!(
         "[stats] model loaded in {:.0} ms ({} parameters; {})",
-        engine.load_time.as_secs_f64() * 1e3,
-        engine.params,
-        engine.tensor_types
+        engine.load_time().as_secs_f64() * 1e3,
+        engine.params(),
+        engine.tensor_types()
     );
 }
 
 /// For a model whose layers declare sliding windows: what the cache holds against a uniform one.
 pub fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
-    let cfg = &engine.model.cfg;
+    let cfg = &engine.model().cfg;
     let (w, local) = cfg.window_layers()?;
     let uniform = cache.bytes_uniform(cfg);
     let used = cache.bytes_used() as f64;

@@ -86,13 +86,13 @@ pub struct BenchReport {
 
 /// The first `n` tokens of the bench text, repeated as needed.
 pub fn bench_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
-    let ids = engine.tokenizer.encode(BENCH_TEXT)?;
+    let ids = engine.tokenizer().encode(BENCH_TEXT)?;
     let mut out = Vec::with_capacity(n);
     out.extend(
         engine
-            .tokenizer
+            .tokenizer()
             .add_bos
-            .then_some(engine.tokenizer.bos_id)
+            .then_some(engine.tokenizer().bos_id)
             .flatten(),
     );
     out.extend(ids.iter().copied().cycle().take(n - out.len()));
@@ -158,7 +158,7 @@ fn one_run(
         steps,
         kv_positions: s.cache().len(),
         kv_bytes: s.cache().bytes_used(),
-        kv_bytes_uniform: s.cache().bytes_uniform(&engine.model.cfg) as usize,
+        kv_bytes_uniform: s.cache().bytes_uniform(&engine.model().cfg) as usize,
         kv_bytes_allocated: s.cache().bytes(),
     })
 }

@@ -131,11 +131,11 @@ pub fn perplexity_with(
     if chunk < 4 {
         bail!("a chunk of {chunk} tokens is too short (at least 4)");
     }
-    let spec = cache.spec(engine.ctx.max(chunk))?;
+    let spec = cache.spec(engine.ctx().max(chunk))?;
     let bos = engine
-        .tokenizer
+        .tokenizer()
         .add_bos
-        .then_some(engine.tokenizer.bos_id)
+        .then_some(engine.tokenizer().bos_id)
         .flatten();
     let mut nlls = Vec::new();
     let n_chunks;

@@ -8,6 +8,7 @@ use super::{GenStats, Sampler, Session, StopReason};
 use crate::engine::Engine;
 use crate::kv::CacheSpec;
 use crate::template::{ChatTemplate, Message};
+use crate::tokenizer::Length;
 use crate::tokenizer::TextStream;
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -29,31 +30,6 @@ impl std::str::FromStr for OnFull {
             "stop" => Ok(OnFull::Stop),
             "shift" => Ok(OnFull::Shift),
             other => bail!("'{other}' is not stop or shift"),
-        }
-    }
-}
-
-/// How long a text is in tokens: counted, or the fewest it can be from its bytes (not tokenized).
-#[derive(Debug, Clone, Copy)]
-enum Length {
-    Counted(usize),
-    /// (tokens at least, bytes)
-    AtLeast(usize, usize),
-}
-
-impl Length {
-    fn tokens(self) -> usize {
-        match self {
-            Length::Counted(n) | Length::AtLeast(n, _) => n,
-        }
-    }
-}
-
-impl std::fmt::Display for Length {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Length::Counted(n) => write!(f, "{n} tokens"),
-            Length::AtLeast(n, bytes) => write!(f, "{bytes} bytes, at least {n} tokens"),
         }
     }
 }
@@ -203,7 +179,7 @@ impl<'e> Conversation<'e> {
     fn render_within(&self, question: &str, limit: usize) -> Result<Result<Vec<u32>, Length>> {
         let messages = self.messages(Some(question));
         let text = self.template.render(&messages, true)?;
-        let at_least = self.engine.tokenizer.min_tokens(text.len());
+        let at_least = self.engine.tokenizer().min_tokens(text.len());
         if at_least >= limit {
             return Ok(Err(Length::AtLeast(at_least, text.len())));
         }
@@ -214,15 +190,8 @@ impl<'e> Conversation<'e> {
         Ok(Ok(ids))
     }
 
-    /// The length of `text` in tokens, counted only when its bytes do not already show it is
-    /// `limit` or more.
     fn length(&self, text: &str, limit: usize) -> Result<Length> {
-        let tk = &self.engine.tokenizer;
-        let at_least = tk.min_tokens(text.len());
-        if at_least >= limit {
-            return Ok(Length::AtLeast(at_least, text.len()));
-        }
-        Ok(Length::Counted(tk.encode_literal(text)?.len()))
+        self.engine.tokenizer().length_within(text, limit)
     }
 
     /// Why a conversation of no earlier turns (`whole` long) does not fit `limit`: the system
@@ -252,11 +221,6 @@ impl<'e> Conversation<'e> {
             }
         };
         Ok(crate::fixable(crate::Fix::RaiseContext, why))
-    }
-
-    /// The fewest tokens `text` can be, from its bytes.
-    fn length_bound(&self, text: &str) -> Length {
-        Length::AtLeast(self.engine.tokenizer.min_tokens(text.len()), text.len())
     }
 
     /// Refuses a system message that alone fills `limit` positions (before any turn is asked).
@@ -289,14 +253,8 @@ impl<'e> Conversation<'e> {
         }
         let limit = self.session.max_positions();
         // A question whose bytes alone cannot fit is refused before it is rendered or tokenized.
-        if let q @ Length::AtLeast(..) = self.length_bound(question) {
-            if q.tokens() >= limit {
-                return Err(crate::fixable(
-                    crate::Fix::RaiseContext,
-                    format!("the question is {q}, more than the context of {limit}"),
-                ));
-            }
-        }
+        self.engine
+            .refuse_by_bytes("the question", question, limit)?;
         let mut shifted = 0;
         let ids = loop {
             let whole = match self.render_within(question, limit)? {
@@ -351,10 +309,10 @@ impl<'e> Conversation<'e> {
             logits,
             sampler,
             max_tokens.min(room).max(1),
-            &engine.stop_ids,
+            engine.stop_ids(),
             false,
             |id| {
-                if let Some(t) = stream.push(&engine.tokenizer, id)? {
+                if let Some(t) = stream.push(engine.tokenizer(), id)? {
                     on_text(&t)?;
                 }
                 Ok(!interrupt.load(Ordering::SeqCst))
@@ -367,13 +325,13 @@ impl<'e> Conversation<'e> {
         // are after the prompt's: the prompt's rows are as the prefill left them.
         self.store
             .store(&self.session, fresh, &boundaries, ids.len());
-        if let Some(t) = stream.finish(&engine.tokenizer)? {
+        if let Some(t) = stream.finish(engine.tokenizer())? {
             on_text(&t)?;
         }
         if reason == StopReason::MaxTokens && room < max_tokens {
             reason = StopReason::ContextFull;
         }
-        let answer = engine.tokenizer.decode(&out, true)?;
+        let answer = engine.tokenizer().decode(&out, true)?;
         self.turns.push((question.to_string(), answer));
         let stats = TurnStats {
             number: self.shifted_out + self.turns.len(),
@@ -416,7 +374,7 @@ impl<'e> Conversation<'e> {
     /// Saves the conversation and its KV state.
     pub fn save(&self, path: &Path) -> Result<()> {
         let extra = serde_json::json!({ "system": self.system, "turns": self.turns });
-        self.session.save_state(path, &self.engine.digest, extra)
+        self.session.save_state(path, self.engine.digest(), extra)
     }
 
     /// Replaces the conversation and the cache by a saved one (same model and cache configuration).
@@ -424,7 +382,7 @@ impl<'e> Conversation<'e> {
         let key = self.session.cache().persist_key()?;
         let snap = crate::kv::persist::load(
             path,
-            &self.session.persist_expect(&self.engine.digest, &key),
+            &self.session.persist_expect(self.engine.digest(), &key),
         )?;
         let system: Option<String> =
             serde_json::from_value(snap.extra["system"].clone()).unwrap_or(None);

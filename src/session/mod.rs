@@ -60,21 +60,21 @@ impl crate::engine::Engine {
     /// A fresh sequence over this model with a cache of the given strategy. (Defined here, not in
     /// engine.rs, so that the session depends on the engine and never the reverse.)
     pub fn session(&self, spec: &crate::kv::CacheSpec) -> Session<'_> {
-        let cache = spec.build(&self.model.cfg, self.kv_device());
+        let cache = spec.build(&self.model().cfg, self.kv_device());
         // A window holds a bounded number of positions whatever the length of the sequence.
         let max = if spec.bounded_by_context() {
-            self.ctx
+            self.ctx()
         } else {
             usize::MAX
         };
-        Session::new(&self.model, cache, max)
+        Session::new(self.model(), cache, max)
     }
 
     /// The sampling settings in force: `flags` over the model's recommendations (`sampling`)
     /// over the built-in defaults; a random seed unless one is given.
     pub fn sampling_for(&self, flags: &SamplingPrefs) -> Resolved {
         let mut layers: Vec<(&str, &SamplingPrefs)> = vec![("flag", flags)];
-        layers.extend(self.sampling.iter().map(|(o, p)| (o.as_str(), p)));
+        layers.extend(self.sampling().iter().map(|(o, p)| (o.as_str(), p)));
         Resolved::from_layers(&layers)
     }
 }

@@ -205,7 +205,7 @@ impl PrefixReuse {
         if let Some(why) = session.store_refusal() {
             return Self::off(why);
         }
-        if engine.gpu_path {
+        if engine.gpu_path() {
             return Self::off(
                 "on a GPU's path a resumed prefill is not promised the bits of a whole one (CPU only)",
             );
@@ -213,11 +213,11 @@ impl PrefixReuse {
         let ident = crate::kv::prefix::Identity {
             model: format!(
                 "{} weights {} {}",
-                engine.digest,
-                crate::source::local::weights_sample(&engine.path),
-                engine.numerics
+                engine.digest(),
+                crate::source::local::weights_sample(engine.path()),
+                engine.numerics()
             ),
-            file: engine.path.display().to_string(),
+            file: engine.path().display().to_string(),
             axes: match session.cache().persist_key() {
                 Ok(k) => k,
                 Err(e) => return Self::off(crate::first_line(e)),

@@ -398,6 +398,16 @@ impl Tokenizer {
         bytes.div_ceil(self.max_token_bytes())
     }
 
+    /// The length of `text` in tokens, counted only when its bytes do not already show it is
+    /// `limit` or more.
+    pub fn length_within(&self, text: &str, limit: usize) -> Result<Length> {
+        let at_least = self.min_tokens(text.len());
+        if at_least >= limit {
+            return Ok(Length::AtLeast(at_least, text.len()));
+        }
+        Ok(Length::Counted(self.encode_literal(text)?.len()))
+    }
+
     pub fn vocab_size(&self) -> usize {
         match &self.backend {
             Backend::Hf { inner, .. } => inner.get_vocab_size(true),
@@ -566,5 +576,30 @@ impl TextStream {
 impl Default for TextStream {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// How long a text is in tokens: counted, or the fewest it can be from its bytes (not tokenized).
+#[derive(Debug, Clone, Copy)]
+pub enum Length {
+    Counted(usize),
+    /// (tokens at least, bytes)
+    AtLeast(usize, usize),
+}
+
+impl Length {
+    pub fn tokens(self) -> usize {
+        match self {
+            Length::Counted(n) | Length::AtLeast(n, _) => n,
+        }
+    }
+}
+
+impl std::fmt::Display for Length {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Length::Counted(n) => write!(f, "{n} tokens"),
+            Length::AtLeast(n, bytes) => write!(f, "{bytes} bytes, at least {n} tokens"),
+        }
     }
 }

@@ -99,7 +99,7 @@ fn mode(name: &str) -> CacheMode {
 #[test]
 fn cached_cells_decode_every_token_and_hold_context_plus_gen_minus_one() {
     let e = tiny_engine("cell");
-    let spec = mode("full").spec(e.ctx).unwrap();
+    let spec = mode("full").spec(e.ctx()).unwrap();
     let c = measure_cell(&e, "full", &spec, 40, &bench_args(60.0)).unwrap();
     assert!(!c.capped);
     assert_eq!((c.decode_tokens, c.runs), (8, 2));
@@ -111,7 +111,7 @@ fn cached_cells_decode_every_token_and_hold_context_plus_gen_minus_one() {
 #[test]
 fn a_cell_over_its_time_budget_stops_early_and_says_so() {
     let e = tiny_engine("budget");
-    let spec = mode("none").spec(e.ctx).unwrap();
+    let spec = mode("none").spec(e.ctx()).unwrap();
     let c = measure_cell(&e, "none", &spec, 200, &bench_args(0.0)).unwrap();
     assert!(c.capped);
     assert!(c.decode_tokens < 8);
@@ -148,7 +148,16 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
     let e = tiny_engine("table");
     let cells = ["full", "window:16+2", "window:16+2+bf16+offload"]
         .iter()
-        .map(|m| measure_cell(&e, m, &mode(m).spec(e.ctx).unwrap(), 32, &bench_args(60.0)).unwrap())
+        .map(|m| {
+            measure_cell(
+                &e,
+                m,
+                &mode(m).spec(e.ctx()).unwrap(),
+                32,
+                &bench_args(60.0),
+            )
+            .unwrap()
+        })
         .collect();
     let mut report = BenchReport {
         model: "tiny".into(),
@@ -208,7 +217,7 @@ fn measured_kv_bytes_equal_kv_size_prediction_on_the_real_model() {
         ("window:64+4", 300),
         ("full", 40),
     ] {
-        let spec = mode(name).spec(e.ctx).unwrap();
+        let spec = mode(name).spec(e.ctx()).unwrap();
         let c = measure_cell(
             e,
             name,

@@ -230,7 +230,7 @@ fn truncated_wrong_model_and_wrong_configuration_caches_are_reported_and_ignored
         &other_config,
         s.tokens(),
         s.cache(),
-        &e.digest,
+        e.digest(),
         "int8",
         serde_json::json!({}),
     )

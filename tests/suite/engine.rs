@@ -78,14 +78,14 @@ fn prefill_longer_than_one_chunk_equals_token_by_token() {
 #[test]
 fn tokenizer_encodes_hello_world_as_reference_ids() {
     assert_eq!(
-        engine().tokenizer.encode("Hello, world!").unwrap(),
+        engine().tokenizer().encode("Hello, world!").unwrap(),
         vec![19556, 28, 905, 17]
     );
 }
 
 #[test]
 fn tokenizer_round_trips_mixed_text() {
-    let tk = &engine().tokenizer;
+    let tk = &engine().tokenizer();
     for text in [
         "fn main() {\n    println!(\"{}\", 1 + 2);\n}\n",
         "東京は日本の首都です。中文也可以。",
@@ -100,7 +100,7 @@ fn tokenizer_round_trips_mixed_text() {
 
 #[test]
 fn tokenizer_splits_digits_one_by_one_as_smollm_does() {
-    let tk = &engine().tokenizer;
+    let tk = &engine().tokenizer();
     let ids = tk.encode("2024").unwrap();
     assert_eq!(ids.len(), 4, "{ids:?}");
 }
@@ -110,7 +110,7 @@ fn chat_prompt_uses_the_models_template_and_specials() {
     let ids = chat_ids("What is the capital of France?");
     assert_eq!(ids.len(), 37, "{ids:?}");
     assert_eq!(&ids[..4], &[1, 9690, 198, 2683]);
-    let text = engine().tokenizer.decode(&ids, false).unwrap();
+    let text = engine().tokenizer().decode(&ids, false).unwrap();
     assert!(
         text.ends_with("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
         "{text:?}"
@@ -120,9 +120,9 @@ fn chat_prompt_uses_the_models_template_and_specials() {
 #[test]
 fn end_of_turn_token_stops_generation() {
     let e = engine();
-    let im_end = e.tokenizer.token_id("<|im_end|>").unwrap();
-    assert!(e.stop_ids.contains(&im_end), "{:?}", e.stop_ids);
-    assert!(e.stop_ids.contains(&2), "EOS missing: {:?}", e.stop_ids);
+    let im_end = e.tokenizer().token_id("<|im_end|>").unwrap();
+    assert!(e.stop_ids().contains(&im_end), "{:?}", e.stop_ids());
+    assert!(e.stop_ids().contains(&2), "EOS missing: {:?}", e.stop_ids());
 }
 
 #[test]
@@ -130,14 +130,14 @@ fn raw_greedy_completion_of_capital_of_france_begins_paris() {
     let e = engine();
     let prompt = e.raw_prompt("The capital of France is").unwrap();
     let (out, _) = greedy(&full(), &prompt, 8);
-    let text = e.tokenizer.decode(&out, true).unwrap();
+    let text = e.tokenizer().decode(&out, true).unwrap();
     assert!(text.starts_with(" Paris."), "got {text:?}");
 }
 
 #[test]
 fn full_cache_reports_its_bytes_exactly() {
     let e = engine();
-    let cfg = &e.model.cfg;
+    let cfg = &e.model().cfg;
     let mut s = e.session(&full());
     let prompt = e.raw_prompt("Counting the bytes of a cache").unwrap();
     s.feed(&prompt).unwrap();
@@ -181,8 +181,8 @@ fn sampling_with_a_seed_is_reproducible_and_differs_from_greedy_sometimes() {
 fn tokenizer_json_override_gives_the_same_ids_as_the_gguf_tokenizer() {
     let e = engine();
     let path = std::env::temp_dir().join(format!("kvchat-tokenizer-{}.json", std::process::id()));
-    e.tokenizer.to_hf().unwrap().save(&path, false).unwrap();
-    let tk = kvchat::tokenizer::Tokenizer::from_file(&path, Some(&e.tokenizer)).unwrap();
+    e.tokenizer().to_hf().unwrap().save(&path, false).unwrap();
+    let tk = kvchat::tokenizer::Tokenizer::from_file(&path, Some(e.tokenizer())).unwrap();
     for text in [
         "Hello, world!",
         "<|im_start|>user\nhi 123<|im_end|>",
@@ -190,9 +190,9 @@ fn tokenizer_json_override_gives_the_same_ids_as_the_gguf_tokenizer() {
     ] {
         assert_eq!(
             tk.encode(text).unwrap(),
-            e.tokenizer.encode(text).unwrap(),
+            e.tokenizer().encode(text).unwrap(),
             "{text:?}"
         );
     }
-    assert_eq!(tk.eos_id, e.tokenizer.eos_id);
+    assert_eq!(tk.eos_id, e.tokenizer().eos_id);
 }

@@ -107,7 +107,7 @@ fn gemma3_token_ids_equal_llama_tokenize_on_varied_text() {
             ],
         ),
     ];
-    let tk = &gemma().tokenizer;
+    let tk = &gemma().tokenizer();
     for (text, want) in cases {
         assert_eq!(tk.encode(text).unwrap(), *want, "{text:?}");
     }
@@ -120,7 +120,7 @@ fn gemma3_token_ids_equal_llama_tokenize_on_varied_text() {
 #[test]
 fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out() {
     // "\n", "\n\n" and tab runs are user-defined tokens: text, not control tokens.
-    let tk = &gemma().tokenizer;
+    let tk = &gemma().tokenizer();
     let text = "Steps:\n\n1. one\n\t2. two";
     let ids = tk.encode(text).unwrap();
     assert!(ids.contains(&108), "\\n\\n is one token: {ids:?}");
@@ -132,7 +132,10 @@ fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out(
 /// kvchat's perplexity of the bundled bench text in chunks of `chunk`.
 fn ppl(chunk: usize) -> f64 {
     let e = gemma();
-    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
     kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), &ids, chunk, 0, false)
         .unwrap()
         .ppl
@@ -168,7 +171,7 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
 ) {
     let e = gemma();
     let prompt = kvchat::eval::bench::bench_tokens(e, 700).unwrap();
-    let cached = CacheSpec::full(Precision::F16, e.ctx);
+    let cached = CacheSpec::full(Precision::F16, e.ctx());
     let (tokens, _) = crate::common::greedy_with(e, &cached, &prompt, 8);
     // --no-cache keeps no rows: every step recomputes all positions, each sliding-window layer
     // masking per query row what the cache drops.
@@ -181,10 +184,10 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
     let held = s.cache().bytes_used() as f64;
     assert_eq!(
         held,
-        KvDims::bytes_for_spec(&cached, &e.model.cfg, prompt.len())
+        KvDims::bytes_for_spec(&cached, &e.model().cfg, prompt.len())
     );
-    assert!(held < s.cache().bytes_uniform(&e.model.cfg));
-    let at_8192 = KvDims::bytes_for_spec(&cached, &e.model.cfg, 8192)
-        / KvDims::of(&e.model.cfg).bytes_for_mode(&cached.mode, 8192);
+    assert!(held < s.cache().bytes_uniform(&e.model().cfg));
+    let at_8192 = KvDims::bytes_for_spec(&cached, &e.model().cfg, 8192)
+        / KvDims::of(&e.model().cfg).bytes_for_mode(&cached.mode, 8192);
     assert!(at_8192 <= 0.25, "{at_8192}");
 }

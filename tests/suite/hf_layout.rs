@@ -50,9 +50,9 @@ fn gguf_f32_engine() -> &'static Engine {
 
 #[test]
 fn a_dequantized_gguf_says_so_and_has_its_own_digest() {
-    assert_eq!(gguf_f32_engine().weights, "f32 (dequantized at load)");
-    assert_eq!(engine().weights, "quantized");
-    assert_ne!(gguf_f32_engine().digest, engine().digest);
+    assert_eq!(gguf_f32_engine().weights(), "f32 (dequantized at load)");
+    assert_eq!(engine().weights(), "quantized");
+    assert_ne!(gguf_f32_engine().digest(), engine().digest());
 }
 
 fn full() -> CacheSpec {
@@ -104,8 +104,8 @@ fn safetensors_and_gguf_dequantized_give_the_same_16_greedy_tokens_on_two_prompt
         let (gguf, _) = greedy(gguf_f32_engine(), &p, 16);
         let (hf, _) = greedy(hf_engine(), &p, 16);
         assert_eq!(
-            engine().tokenizer.decode(&hf, false).unwrap(),
-            engine().tokenizer.decode(&gguf, false).unwrap()
+            engine().tokenizer().decode(&hf, false).unwrap(),
+            engine().tokenizer().decode(&gguf, false).unwrap()
         );
     }
 }
@@ -131,12 +131,12 @@ fn tokenizer_json_gives_the_same_ids_as_the_gguf_tokenizer() {
         "Ünïcödé, emoji 🦀 and numbers 12345 and   spaces\tand\ttabs",
     ] {
         assert_eq!(
-            hf_engine().tokenizer.encode(text).unwrap(),
-            engine().tokenizer.encode(text).unwrap(),
+            hf_engine().tokenizer().encode(text).unwrap(),
+            engine().tokenizer().encode(text).unwrap(),
             "{text}"
         );
     }
-    assert_eq!(hf_engine().stop_ids, engine().stop_ids);
+    assert_eq!(hf_engine().stop_ids(), engine().stop_ids());
 }
 
 #[test]
@@ -155,7 +155,7 @@ fn bf16_weights_keep_the_logits_close() {
         ..LoadOptions::for_path(fixture_dir())
     })
     .unwrap();
-    assert_eq!(e.weights, "bf16");
+    assert_eq!(e.weights(), "bf16");
     let p = &prompts()[0];
     let (_, bf16) = greedy(&e, p, 0);
     let (_, f32) = greedy(hf_engine(), p, 0);

@@ -32,7 +32,10 @@ fn qwen3_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fil
         ..LoadOptions::for_path(&path)
     })
     .unwrap();
-    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
     let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
         .unwrap()
         .ppl;

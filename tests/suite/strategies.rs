@@ -86,7 +86,10 @@ fn window_refuses_to_truncate_to_a_position_it_no_longer_holds() {
 fn bytes_per_token(mode: &str) -> f64 {
     let e = engine();
     let mut s = e.session(&spec(mode));
-    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
     s.feed(&ids[..100]).unwrap();
     let (n1, b1) = (s.cache().len(), s.cache().bytes_used());
     s.feed(&ids[100..400]).unwrap();
@@ -110,7 +113,7 @@ fn int8_holds_at_most_0_27_and_int4_0_15_of_f32_per_token() {
 fn int8_next_token_logits_stay_close_to_full() {
     let e = engine();
     let text = kvchat::eval::bench::BENCH_TEXT.to_string();
-    let ids = e.tokenizer.encode(&text).unwrap();
+    let ids = e.tokenizer().encode(&text).unwrap();
     let prompt = &ids[..700];
     let last = |spec: &CacheSpec| -> Vec<f32> {
         let mut s = e.session(spec);
@@ -134,7 +137,7 @@ fn int8_next_token_logits_stay_close_to_full() {
 fn perplexity_of_each_strategy_is_reported_and_int8_costs_little() {
     let e = engine();
     let text = kvchat::eval::bench::BENCH_TEXT.to_string();
-    let ids = e.tokenizer.encode(&text).unwrap();
+    let ids = e.tokenizer().encode(&text).unwrap();
     let ppl = |mode: &str| perplexity(e, mode.parse().unwrap(), &ids, 512, 1, false).unwrap();
     let full = ppl("full+f32");
     let int8 = ppl("int8");
@@ -216,7 +219,10 @@ fn every_precision_with_offload_or_a_wide_window_gives_its_bits() {
 #[test]
 fn a_window_that_has_dropped_positions_still_answers_with_every_precision() {
     let e = engine();
-    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
     for p in ["f16", "int8", "int4"] {
         let mut s = e.session(&spec(&format!("window:64+4+{p}")));
         s.feed(&ids[..300]).unwrap();
@@ -314,19 +320,19 @@ fn a_saved_and_reloaded_state_continues_with_the_same_greedy_tokens_in_every_com
         let mut a = e.session(&spec);
         let logits = a.feed(&prompt).unwrap();
         let file = dir.join(format!("{}.kvc", mode.replace(':', "_")));
-        a.save_state(&file, &e.digest, serde_json::json!({}))
+        a.save_state(&file, e.digest(), serde_json::json!({}))
             .unwrap();
         let held = a.cache().len();
         let uninterrupted = greedy_from(&mut a, logits.clone());
         let mut b = e.session(&spec);
-        b.load_state(&file, &e.digest).unwrap();
+        b.load_state(&file, e.digest()).unwrap();
         assert_eq!(b.tokens(), &prompt[..], "{mode}");
         assert_eq!(b.cache().len(), held, "{mode}");
         let resumed = greedy_from(&mut b, logits);
         assert_eq!(uninterrupted, resumed, "{mode}");
         // Another combination refuses the file in one line that names both.
         let mut other = e.session(&spec_other(mode));
-        let err = other.load_state(&file, &e.digest).unwrap_err().to_string();
+        let err = other.load_state(&file, e.digest()).unwrap_err().to_string();
         assert!(err.contains("another cache configuration"), "{mode}: {err}");
     }
 }

@@ -75,7 +75,10 @@ fn load(path: &Path, kernels: Kernels, dense: bool) -> Engine {
 
 /// Perplexity of the first 512 tokens of bench-text, in chunks of 256 (254 tokens scored).
 fn ppl(e: &Engine) -> Perplexity {
-    let ids = e.tokenizer.encode(kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
     let ids = &ids[..ids.len().min(512)];
     kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), ids, 256, 0, false).unwrap()
 }
@@ -170,7 +173,7 @@ fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
     let reference = 18.3459;
     let e = Engine::load(&LoadOptions::for_path(crate::common::model_path())).unwrap();
     let ids = e
-        .tokenizer
+        .tokenizer()
         .encode(include_str!("../../assets/gpl-3.txt"))
         .unwrap();
     let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)

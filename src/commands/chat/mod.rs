@@ -81,7 +81,7 @@ impl Chat<'_> {
 
     fn stats_text(&self) -> String {
         let c = &self.conv;
-        let cfg = &c.engine().model.cfg;
+        let cfg = &c.engine().model().cfg;
         let cache = &c.session().cache();
         let mut s = format!(
             "cache: {} positions held ({} seen), {} used of {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
@@ -94,7 +94,7 @@ impl Chat<'_> {
             cache.len(),
             cfg.head_dim,
             cache.spec().precision().name(),
-            crate::engine::device_name(&c.engine().device),
+            crate::engine::device_name(c.engine().device()),
             candle_core::utils::get_num_threads()
         );
         if let Some(t) = c.last() {
@@ -180,7 +180,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let on_full = opts.on_full;
     let interrupt = crate::interrupt::install()?;
     let engine = Engine::load(&g.load)?;
-    let spec = g.mode.spec(engine.ctx)?;
+    let spec = g.mode.spec(engine.ctx())?;
     let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
     let sampling = engine.sampling_for(&g.sampling);
     let mut chat = Chat {
@@ -201,7 +201,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let store = open_store(&g.store, &engine, chat.conv.session());
     chat.conv.set_store(store);
     report_store_problems(chat.conv.store_mut(), g.advice);
-    for n in &engine.sampling_notes {
+    for n in engine.sampling_notes() {
         eprintln!("note: {n}");
     }
     chat.print_sampling();
@@ -241,7 +241,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         let _ = ed.load_history(&hist);
         eprintln!(
             "kvchat chat — {} ({}); /help for commands",
-            engine.path.display(),
+            engine.path().display(),
             spec.describe()
         );
         Some((ed, hist))
