@@ -35,7 +35,8 @@ fn remove_temp_files_and_exit() -> ! {
     for f in files.drain(..) {
         let _ = std::fs::remove_file(f);
     }
-    eprintln!();
+    // The line the ^C was typed on ends (through the front end's sink).
+    crate::notes::note("");
     std::process::exit(130)
 }
 

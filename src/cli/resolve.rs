@@ -34,6 +34,23 @@ struct GenerateFlags<'a> {
     prompt_cache: Option<PathBuf>,
 }
 
+/// The shared flags of `run`'s or `chat`'s args (the same fields in both).
+macro_rules! generate_flags {
+    ($args:expr) => {
+        GenerateFlags {
+            model: &$args.model,
+            cache: &$args.cache,
+            sampling: &$args.sampling,
+            store: &$args.store,
+            system: $args.system.clone(),
+            chat_template: $args.chat_template.clone(),
+            max_tokens: $args.max_tokens,
+            stats: $args.stats,
+            prompt_cache: $args.prompt_cache.clone(),
+        }
+    };
+}
+
 impl GenerateFlags<'_> {
     fn resolve(self) -> Result<Generate> {
         if self.max_tokens == 0 {
@@ -115,18 +132,7 @@ fn bar_after() -> Duration {
 
 impl RunArgs {
     pub fn resolve(self) -> Result<RunOptions> {
-        let generate = GenerateFlags {
-            model: &self.model,
-            cache: &self.cache,
-            sampling: &self.sampling,
-            store: &self.store,
-            system: self.system.clone(),
-            chat_template: self.chat_template.clone(),
-            max_tokens: self.max_tokens,
-            stats: self.stats,
-            prompt_cache: self.prompt_cache.clone(),
-        }
-        .resolve()?;
+        let generate = generate_flags!(self).resolve()?;
         Ok(RunOptions {
             generate,
             prompt: self.prompt,
@@ -139,18 +145,7 @@ impl RunArgs {
 
 impl ChatArgs {
     pub fn resolve(self) -> Result<ChatOptions> {
-        let generate = GenerateFlags {
-            model: &self.model,
-            cache: &self.cache,
-            sampling: &self.sampling,
-            store: &self.store,
-            system: self.system.clone(),
-            chat_template: self.chat_template.clone(),
-            max_tokens: self.max_tokens,
-            stats: self.stats,
-            prompt_cache: self.prompt_cache.clone(),
-        }
-        .resolve()?;
+        let generate = generate_flags!(self).resolve()?;
         Ok(ChatOptions {
             generate,
             on_full: self.on_full.parse().context("--on-full")?,
