@@ -130,11 +130,12 @@ pub struct PplArgs {
     /// Score the whole text as one sequence (after a warm-up of chunk/2 tokens) instead of chunks
     #[arg(long)]
     pub long: bool,
-    /// Also score the text through another cache (a mode name: full+f32, window:256+4, …) and
-    /// report the difference with its paired standard error
+    /// Also score the text through another cache (a mode name: full+f32, window:256+4, …), in
+    /// lockstep, and report the difference with its paired standard error, the KL divergence of
+    /// this cache's next-token distributions from that one's, and how often their top tokens agree
     #[arg(long, value_name = "MODE")]
     pub against: Option<String>,
-    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks", "against"?} as JSON
+    /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks", "against"?, "divergence"?} as JSON
     #[arg(long)]
     pub json: bool,
 }

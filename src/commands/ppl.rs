@@ -70,7 +70,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
     }
     let tokens = engine.tokenizer().encode(&text)?;
     // A bar on stderr (drawn only on a terminal) with the ETA and the running perplexity, as
-    // llama-perplexity prints each chunk's; with --against it covers both passes.
+    // llama-perplexity prints each chunk's (with --against, of this cache).
     let per_pass = tokens_to_score(
         tokens.len(),
         engine.tokenizer().add_bos && engine.tokenizer().bos_id.is_some(),
@@ -78,8 +78,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
         opts.chunks,
         opts.long,
     );
-    let passes = 1 + usize::from(opts.against.is_some());
-    let bar = indicatif::ProgressBar::new((per_pass * passes) as u64)
+    let bar = indicatif::ProgressBar::new(per_pass as u64)
         .with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -87,36 +86,43 @@ pub fn run(opts: PplOptions) -> Result<()> {
         )
         .expect("valid template"),
     );
-    let p = perplexity_with(
-        &engine,
-        opts.mode,
-        &tokens,
-        opts.chunk,
-        opts.chunks,
-        opts.long,
-        &mut tick(&bar, String::new()),
-    )?;
-    let vs = match opts.against.clone() {
-        Some((name, m)) => {
-            let b = perplexity_with(
+    // With --against, both caches score in lockstep (one pass over the text), so that each
+    // token's two distributions can be compared.
+    let (p, vs) = match opts.against.clone() {
+        None => {
+            let p = perplexity_with(
                 &engine,
+                opts.mode,
+                &tokens,
+                opts.chunk,
+                opts.chunks,
+                opts.long,
+                &mut tick(&bar, String::new()),
+            )?;
+            (p, None)
+        }
+        Some((name, m)) => {
+            let (a, b, d) = compare(
+                &engine,
+                opts.mode,
                 m,
                 &tokens,
                 opts.chunk,
                 opts.chunks,
                 opts.long,
-                &mut tick(&bar, format!("against {name}: ")),
+                &mut tick(&bar, String::new()),
             )?;
-            Some(paired(&p, &b, &name)?)
+            let v = paired(&a, &b, &name)?;
+            (a, Some((v, d)))
         }
-        None => None,
     };
     bar.finish_and_clear();
     let mut out = std::io::stdout().lock();
     if opts.json {
         let mut j = serde_json::to_value(&p)?;
-        if let Some(v) = &vs {
+        if let Some((v, d)) = &vs {
             j["against"] = serde_json::to_value(v)?;
+            j["divergence"] = serde_json::to_value(d)?;
         }
         writeln!(out, "{j}")?;
     } else {
@@ -130,11 +136,16 @@ pub fn run(opts: PplOptions) -> Result<()> {
             opts.chunk,
             spec.describe()
         )?;
-        if let Some(v) = &vs {
+        if let Some((v, d)) = &vs {
             writeln!(
                 out,
                 "against {}: ppl {:.4}; this cache {:+.3}% ± {:.3}% (paired over the same tokens)",
                 v.against, v.against_ppl, v.diff_pct, v.diff_stderr_pct
+            )?;
+            writeln!(
+                out,
+                "KL divergence from {}: mean {:.6} ± {:.6}, 99% {:.6}, max {:.6} nats; same top token {:.2}%",
+                v.against, d.kl_mean, d.kl_stderr, d.kl_p99, d.kl_max, d.same_top_pct
             )?;
         }
     }

@@ -58,29 +58,79 @@ pub fn paired(a: &Perplexity, b: &Perplexity, against: &str) -> Result<Paired> {
     })
 }
 
-/// −log p(target) under `logits` [vocab].
-fn nll(logits: &Tensor, target: u32) -> Result<f64> {
+/// log p of every token under `logits` [vocab] (a log-softmax, in f64).
+fn log_probs(logits: &Tensor) -> Result<Vec<f64>> {
     let l: Vec<f32> = logits.to_vec1()?;
     let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
     let lse = l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
-    Ok(lse - l[target as usize] as f64)
+    Ok(l.iter().map(|&x| x as f64 - lse).collect())
 }
 
-/// Prefills `seq[..warm]`, then feeds the rest token by token, appending to `out` the NLL of every
-/// token after the warm-up (each predicted from the logits of the one before); `tick` sees `out`
-/// after each.
+/// KL(P ‖ Q) = Σ p (log p − log q), from log-probabilities (terms where p underflows add 0).
+pub fn kl_divergence(log_p: &[f64], log_q: &[f64]) -> f64 {
+    log_p
+        .iter()
+        .zip(log_q)
+        .map(|(&lp, &lq)| {
+            let p = lp.exp();
+            if p > 0.0 {
+                p * (lp - lq)
+            } else {
+                0.0
+            }
+        })
+        .sum::<f64>()
+        .max(0.0)
+}
+
+fn argmax(x: &[f64]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f64::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0
+}
+
+/// What one scored token gave each cache: its NLL under each, and — for a second cache — the
+/// KL divergence of the first's distribution from the second's and whether their top tokens agree.
+#[derive(Default)]
+struct Scores {
+    nll: Vec<Vec<f64>>,
+    kl: Vec<f64>,
+    same_top: usize,
+}
+
+/// Prefills `seq[..warm]` into every session, then feeds the rest token by token to all of them,
+/// recording for every token after the warm-up (each predicted from the logits of the one before)
+/// what [`Scores`] holds; `tick` sees the first session's NLLs after each.
 fn score(
-    session: &mut Session<'_>,
+    sessions: &mut [Session<'_>],
     seq: &[u32],
     warm: usize,
-    out: &mut Vec<f64>,
+    out: &mut Scores,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<()> {
-    let mut logits = session.feed(&seq[..warm])?;
+    let mut logits: Vec<Tensor> = sessions
+        .iter_mut()
+        .map(|s| s.feed(&seq[..warm]))
+        .collect::<Result<_>>()?;
+    out.nll.resize(sessions.len(), Vec::new());
     for &tok in &seq[warm..] {
-        out.push(nll(&logits, tok)?);
-        tick(out);
-        logits = session.feed(&[tok])?;
+        let lp: Vec<Vec<f64>> = logits.iter().map(log_probs).collect::<Result<_>>()?;
+        for (i, l) in lp.iter().enumerate() {
+            out.nll[i].push(-l[tok as usize]);
+        }
+        if let [this, against, ..] = &lp[..] {
+            out.kl.push(kl_divergence(against, this));
+            out.same_top += usize::from(argmax(this) == argmax(against));
+        }
+        tick(&out.nll[0]);
+        logits = sessions
+            .iter_mut()
+            .map(|s| s.feed(&[tok]))
+            .collect::<Result<_>>()?;
     }
     Ok(())
 }
@@ -128,16 +178,90 @@ pub fn perplexity_with(
     long: bool,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<Perplexity> {
+    let (mut p, _) = run(engine, &[cache], tokens, chunk, max_chunks, long, tick)?;
+    Ok(p.remove(0))
+}
+
+/// How far one cache's next-token distributions are from another's over the same tokens
+/// (llama-perplexity's `--kl-divergence` figures).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Divergence {
+    /// Mean KL(P_against ‖ P_this) per token, in nats, with its standard error.
+    pub kl_mean: f64,
+    pub kl_stderr: f64,
+    /// Its 99th percentile and maximum over the tokens.
+    pub kl_p99: f64,
+    pub kl_max: f64,
+    /// Tokens whose most likely next token is the same under both, in percent.
+    pub same_top_pct: f64,
+}
+
+/// `this` and `against` scored in lockstep over the same tokens: each one's perplexity, and the
+/// divergence of `this` from `against` (two caches of one engine, side by side).
+#[allow(clippy::too_many_arguments)]
+pub fn compare(
+    engine: &Engine,
+    this: CacheMode,
+    against: CacheMode,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+    long: bool,
+    tick: &mut dyn FnMut(&[f64]),
+) -> Result<(Perplexity, Perplexity, Divergence)> {
+    let (mut p, s) = run(
+        engine,
+        &[this, against],
+        tokens,
+        chunk,
+        max_chunks,
+        long,
+        tick,
+    )?;
+    let b = p.pop().expect("two runs");
+    let a = p.pop().expect("two runs");
+    let n = s.kl.len() as f64;
+    let mean = s.kl.iter().sum::<f64>() / n;
+    let var = s.kl.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let mut sorted = s.kl.clone();
+    sorted.sort_by(f64::total_cmp);
+    // The nearest-rank percentile.
+    let p99 = sorted[((0.99 * n).ceil() as usize).clamp(1, sorted.len()) - 1];
+    let d = Divergence {
+        kl_mean: mean,
+        kl_stderr: (var / n).sqrt(),
+        kl_p99: p99,
+        kl_max: *sorted.last().expect("tokens were scored"),
+        same_top_pct: 100.0 * s.same_top as f64 / n,
+    };
+    Ok((a, b, d))
+}
+
+/// Scores `tokens` through each of `caches` in lockstep (llama-perplexity's chunks, or one long
+/// sequence).
+fn run(
+    engine: &Engine,
+    caches: &[CacheMode],
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+    long: bool,
+    tick: &mut dyn FnMut(&[f64]),
+) -> Result<(Vec<Perplexity>, Scores)> {
     if chunk < 4 {
         bail!("a chunk of {chunk} tokens is too short (at least 4)");
     }
-    let spec = cache.spec(engine.ctx().max(chunk))?;
+    let specs: Vec<_> = caches
+        .iter()
+        .map(|c| c.spec(engine.ctx().max(chunk)))
+        .collect::<Result<_>>()?;
+    let sessions = || specs.iter().map(|s| engine.session(s)).collect::<Vec<_>>();
     let bos = engine
         .tokenizer()
         .add_bos
         .then_some(engine.tokenizer().bos_id)
         .flatten();
-    let mut nlls = Vec::new();
+    let mut scores = Scores::default();
     let n_chunks;
     if long {
         if tokens.len() <= chunk / 2 + 1 {
@@ -150,8 +274,7 @@ pub fn perplexity_with(
         let mut seq = Vec::with_capacity(tokens.len() + 1);
         seq.extend(bos);
         seq.extend_from_slice(tokens);
-        let mut s = engine.session(&spec);
-        score(&mut s, &seq, chunk / 2, &mut nlls, tick)?;
+        score(&mut sessions(), &seq, chunk / 2, &mut scores, tick)?;
         n_chunks = 1;
     } else {
         let available = tokens.len() / chunk;
@@ -171,23 +294,28 @@ pub fn perplexity_with(
             if let Some(b) = bos {
                 seq[0] = b; // as llama-perplexity does
             }
-            let mut s = engine.session(&spec);
             // Positions chunk/2 .. chunk-1 predict tokens chunk/2+1 .. chunk-1.
-            score(&mut s, &seq, chunk / 2 + 1, &mut nlls, tick)?;
+            score(&mut sessions(), &seq, chunk / 2 + 1, &mut scores, tick)?;
         }
     }
-    let n = nlls.len() as f64;
-    let mean = nlls.iter().sum::<f64>() / n;
-    let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    let ppl = mean.exp();
-    Ok(Perplexity {
-        ppl,
-        // Delta method: stderr(exp(mean)) = exp(mean) · stderr(mean).
-        ppl_stderr: ppl * (var / n).sqrt(),
-        tokens_scored: nlls.len(),
-        chunks: n_chunks,
-        nll: nlls,
-    })
+    let ppl = std::mem::take(&mut scores.nll)
+        .into_iter()
+        .map(|nlls| {
+            let n = nlls.len() as f64;
+            let mean = nlls.iter().sum::<f64>() / n;
+            let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+            let ppl = mean.exp();
+            Perplexity {
+                ppl,
+                // Delta method: stderr(exp(mean)) = exp(mean) · stderr(mean).
+                ppl_stderr: ppl * (var / n).sqrt(),
+                tokens_scored: nlls.len(),
+                chunks: n_chunks,
+                nll: nlls,
+            }
+        })
+        .collect();
+    Ok((ppl, scores))
 }
 
 #[cfg(test)]
@@ -201,5 +329,14 @@ mod tests {
         assert_eq!(tokens_to_score(1030, true, 512, 1, false), 255);
         // One sequence after a warm-up of 256, the BOS included.
         assert_eq!(tokens_to_score(1000, true, 512, 0, true), 745);
+    }
+
+    #[test]
+    fn kl_divergence_is_zero_for_equal_distributions_and_known_for_two_coins() {
+        let p = [0.5f64.ln(), 0.5f64.ln()];
+        assert_eq!(kl_divergence(&p, &p), 0.0);
+        // KL((½, ½) ‖ (¾, ¼)) = ½ ln(2/3) + ½ ln 2 = ½ ln(4/3).
+        let q = [0.75f64.ln(), 0.25f64.ln()];
+        assert!((kl_divergence(&p, &q) - 0.5 * (4.0f64 / 3.0).ln()).abs() < 1e-15);
     }
 }

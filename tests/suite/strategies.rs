@@ -460,3 +460,58 @@ fn the_gpus_path_run_on_the_cpu_picks_the_cpus_greedy_tokens_in_every_cache_comb
         eprintln!("{what}: worst logit difference {worst:.2e} relative");
     }
 }
+
+#[test]
+fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
+    let e = engine();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
+    let mode = |m: &str| m.parse::<kvchat::kv::CacheMode>().unwrap();
+    let (a, b, d) = kvchat::eval::ppl::compare(
+        &e,
+        mode("window:64+4"),
+        mode("full"),
+        &ids,
+        256,
+        2,
+        false,
+        &mut |_| {},
+    )
+    .unwrap();
+    // Lockstep changes nothing about either run: the NLLs of each alone, to the bit.
+    assert_eq!(
+        a.nll,
+        perplexity(&e, mode("window:64+4"), &ids, 256, 2, false)
+            .unwrap()
+            .nll
+    );
+    assert_eq!(
+        b.nll,
+        perplexity(&e, mode("full"), &ids, 256, 2, false)
+            .unwrap()
+            .nll
+    );
+    assert_eq!(a.tokens_scored, 2 * 127);
+    // A window of 64 forgets most of a 256-token chunk: it diverges, and more at the tail.
+    assert!(d.kl_mean > 0.01 && d.kl_mean < 2.0, "{d:?}");
+    assert!(d.kl_p99 >= d.kl_mean && d.kl_max >= d.kl_p99, "{d:?}");
+    assert!(d.same_top_pct > 30.0 && d.same_top_pct < 100.0, "{d:?}");
+    // A cache against itself does not diverge at all.
+    let (_, _, same) = kvchat::eval::ppl::compare(
+        &e,
+        mode("full"),
+        mode("full"),
+        &ids,
+        256,
+        1,
+        false,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        (same.kl_mean, same.kl_max, same.same_top_pct),
+        (0.0, 0.0, 100.0)
+    );
+}
