@@ -470,7 +470,7 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
         .unwrap();
     let mode = |m: &str| m.parse::<kvchat::kv::CacheMode>().unwrap();
     let (a, b, d) = kvchat::eval::ppl::compare(
-        &e,
+        e,
         mode("window:64+4"),
         mode("full"),
         &ids,
@@ -483,13 +483,13 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
     // Lockstep changes nothing about either run: the NLLs of each alone, to the bit.
     assert_eq!(
         a.nll,
-        perplexity(&e, mode("window:64+4"), &ids, 256, 2, false)
+        perplexity(e, mode("window:64+4"), &ids, 256, 2, false)
             .unwrap()
             .nll
     );
     assert_eq!(
         b.nll,
-        perplexity(&e, mode("full"), &ids, 256, 2, false)
+        perplexity(e, mode("full"), &ids, 256, 2, false)
             .unwrap()
             .nll
     );
@@ -500,7 +500,7 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
     assert!(d.same_top_pct > 30.0 && d.same_top_pct < 100.0, "{d:?}");
     // A cache against itself does not diverge at all.
     let (_, _, same) = kvchat::eval::ppl::compare(
-        &e,
+        e,
         mode("full"),
         mode("full"),
         &ids,
