@@ -70,6 +70,7 @@ fn main() {
         Command::Chat(args) => args.resolve().and_then(commands::chat::run),
         Command::Tokenize(args) => args.resolve().and_then(commands::tokenize::run),
         Command::Ppl(args) => args.resolve().and_then(commands::ppl::run),
+        Command::Needle(args) => args.resolve().and_then(commands::needle::run),
         Command::KvSize(args) => args.resolve().and_then(commands::kv_size::run),
         Command::Bench(args) => args.resolve().and_then(commands::bench::run),
         Command::Models(args) => args.resolve().and_then(commands::models::run),

@@ -41,6 +41,8 @@ pub enum Command {
     KvSize(KvSizeArgs),
     /// Perplexity of a text file through the chosen cache strategy (llama-perplexity's method).
     Ppl(PplArgs),
+    /// Pass-key retrieval through the chosen cache: a key hidden at depths in filler text, found or not.
+    Needle(NeedleArgs),
     /// Print the token ids of TEXT as a JSON array.
     Tokenize(TokenizeArgs),
     /// The model registry (models.toml): list entries and what is on disk, pull a model.
@@ -63,6 +65,7 @@ impl Command {
             Command::Chat(a) => a.model.threads(),
             Command::Bench(a) => a.model.threads(),
             Command::Ppl(a) => a.model.threads(),
+            Command::Needle(a) => a.model.threads(),
             _ => None,
         }
     }

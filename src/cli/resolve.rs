@@ -9,12 +9,14 @@ use crate::commands::cache::{CacheOptions, CacheTask};
 use crate::commands::chat::ChatOptions;
 use crate::commands::kv_size::KvSizeOptions;
 use crate::commands::models::{ModelsOptions, ModelsTask};
+use crate::commands::needle::NeedleOptions;
 use crate::commands::ppl::PplOptions;
 use crate::commands::run::RunOptions;
 use crate::commands::tokenize::TokenizeOptions;
 use crate::commands::{Generate, StoreChoice, TemplateChoice};
 use crate::eval::bench::Runs;
 use crate::eval::kv_size::{DimsFrom, KvSizeQuery};
+use crate::eval::needle::NeedleGrid;
 use crate::kv::size::KvDims;
 use crate::kv::{CacheMode, Retention};
 use anyhow::{bail, Context, Result};
@@ -162,11 +164,7 @@ impl BenchArgs {
         if self.contexts.is_empty() || self.contexts.contains(&0) {
             bail!("--contexts must be a list of positive token counts");
         }
-        if let Some(p) = &self.plot {
-            if p.extension().and_then(|e| e.to_str()) != Some("svg") {
-                bail!("--plot {}: only .svg is supported", p.display());
-            }
-        }
+        check_svg(&self.plot)?;
         // (Duration::from_secs_f64 panics on a negative or endless one.)
         if !(self.budget_s >= 0.0 && self.budget_s < 1e9) {
             bail!("--budget-s must be a number of seconds from 0 to 1e9");
@@ -197,13 +195,75 @@ impl BenchArgs {
                 budget_s: self.budget_s,
             },
             summary: !self.no_summary,
-            json: self.json.map(|p| {
-                if p.as_os_str() == "-" {
-                    JsonOut::Stdout
-                } else {
-                    JsonOut::File(p)
-                }
-            }),
+            json: json_out(self.json),
+            plot: self.plot,
+        })
+    }
+}
+
+/// `--json FILE`, or `-` for stdout.
+fn json_out(p: Option<PathBuf>) -> Option<JsonOut> {
+    p.map(|p| {
+        if p.as_os_str() == "-" {
+            JsonOut::Stdout
+        } else {
+            JsonOut::File(p)
+        }
+    })
+}
+
+/// `--plot FILE`: an .svg file.
+fn check_svg(plot: &Option<PathBuf>) -> Result<()> {
+    if let Some(p) = plot {
+        if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+            bail!("--plot {}: only .svg is supported", p.display());
+        }
+    }
+    Ok(())
+}
+
+impl NeedleArgs {
+    pub fn resolve(self) -> Result<NeedleOptions> {
+        if self.contexts.is_empty() || self.contexts.contains(&0) {
+            bail!("--contexts must be a list of positive token counts");
+        }
+        if self.depths.is_empty() {
+            bail!("--depths must list at least one depth");
+        }
+        if let Some(d) = self.depths.iter().find(|&&d| d > 100) {
+            bail!("--depths {d}: a depth is a percentage, 0 to 100");
+        }
+        if self.keys == 0 {
+            bail!("--keys must be at least 1");
+        }
+        check_svg(&self.plot)?;
+        let mut load = self.model.options()?;
+        let longest = self.contexts.iter().max().copied().unwrap_or(0);
+        // Room for the longest prompt (rendered within a few tokens of it) and its answer.
+        let needed = longest + 64;
+        let mode = self.cache.mode_for(Some(load.ctx.unwrap_or(needed)))?;
+        match load.ctx {
+            Some(c) if c < needed && mode.spec(c)?.bounded_by_context() => bail!(
+                "--ctx {c} cannot hold --contexts {longest} and the answer (at least {needed})"
+            ),
+            Some(_) => {}
+            None => load.ctx = Some(needed),
+        }
+        load.kv_precisions = vec![mode.precision];
+        if let Some(t) = &self.chat_template {
+            crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
+        }
+        Ok(NeedleOptions {
+            load,
+            mode,
+            chat_template: self.chat_template,
+            grid: NeedleGrid {
+                contexts: self.contexts,
+                depths: self.depths,
+                keys: self.keys,
+                seed: self.seed,
+            },
+            json: json_out(self.json),
             plot: self.plot,
         })
     }

@@ -114,6 +114,35 @@ pub struct BenchArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct NeedleArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Prompt lengths in tokens
+    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    pub contexts: Vec<usize>,
+    /// Depths of the key in the filler, in percent (0 = its start, 100 = its end)
+    #[arg(long, value_delimiter = ',', default_value = "5,25,50,75,95")]
+    pub depths: Vec<u32>,
+    /// Keys per cell (each a different 5-digit number)
+    #[arg(long, default_value_t = 3)]
+    pub keys: usize,
+    /// Seed of the keys: the same seed gives every cache the same keys
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write the results as JSON to this file (`-`: to stdout, the table then goes to stderr)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw the grid as a heat map to this .svg file
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
 pub struct PplArgs {
     /// Text file to score
     pub file: PathBuf,

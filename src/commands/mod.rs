@@ -7,6 +7,7 @@ pub mod cache;
 pub mod chat;
 pub mod kv_size;
 pub mod models;
+pub mod needle;
 pub mod ppl;
 pub mod run;
 pub mod style;

@@ -4,4 +4,5 @@
 
 pub mod bench;
 pub mod kv_size;
+pub mod needle;
 pub mod ppl;

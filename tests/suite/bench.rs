@@ -260,3 +260,56 @@ fn the_bench_bar_on_a_terminal_has_an_eta_and_covers_the_chat_turn_summary() {
         "{shown}"
     );
 }
+
+#[test]
+fn a_needle_grid_runs_every_cell_at_its_length_and_draws_it() {
+    use kvchat::eval::needle::{heat_map_svg, render_table, run_grid, NeedleGrid};
+    let e = Engine::load(&LoadOptions {
+        ctx: Some(1024),
+        ..LoadOptions::for_path(crate::common::tiny::write_tiny_with_tokenizer("needle"))
+    })
+    .unwrap();
+    let template = kvchat::template::ChatTemplate::from_spec("chatml", "", "").unwrap();
+    let grid = NeedleGrid {
+        contexts: vec![600, 900],
+        depths: vec![0, 50, 100],
+        keys: 2,
+        seed: 1,
+    };
+    let sentence = e
+        .tokenizer()
+        .encode_literal(kvchat::eval::needle::FILLER)
+        .unwrap()
+        .len();
+    let mut ticks = 0;
+    let r = run_grid(
+        &e,
+        &template,
+        &mode("full").spec(e.ctx()).unwrap(),
+        &grid,
+        &mut |_| ticks += 1,
+    )
+    .unwrap();
+    assert_eq!((r.cells.len(), ticks, r.keys()), (6, 6, 12));
+    for c in &r.cells {
+        // The prompt is sized to its context, to within one filler sentence.
+        assert!(
+            c.prompt_tokens <= c.context && c.prompt_tokens + sentence + 2 > c.context,
+            "{} tokens for {}",
+            c.prompt_tokens,
+            c.context
+        );
+        assert_eq!(c.found + c.misses.len(), c.keys);
+    }
+    let table = render_table(&r);
+    assert!(
+        table.contains("600 tok") && table.contains("900 tok") && table.contains("100%"),
+        "{table}"
+    );
+    assert!(
+        table.contains(&format!("found {} of 12 keys", r.found())),
+        "{table}"
+    );
+    let svg = heat_map_svg(&r);
+    assert_eq!(svg.matches("<rect").count(), 6);
+}

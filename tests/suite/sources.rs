@@ -719,6 +719,13 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
         (&["bench", "-m", m, "--modes", "full,sideways"], "--modes"),
         (&["bench", "-m", m, "--contexts", "0"], "--contexts"),
         (&["bench", "-m", m, "--budget-s=-1"], "--budget-s"),
+        (&["needle", "-m", m, "--depths", "5,101"], "--depths 101"),
+        (&["needle", "-m", m, "--keys", "0"], "--keys"),
+        (
+            &["needle", "-m", m, "--ctx", "256", "--contexts", "1024"],
+            "--ctx 256",
+        ),
+        (&["needle", "-m", m, "--plot", "grid.png"], "--plot"),
     ];
     for (args, needle) in cases {
         let out = kvchat_at(&hub, &home, args, &[]);
