@@ -120,6 +120,45 @@ pub struct CacheArgs {
     pub kv_offload: bool,
 }
 
+/// Speculative decoding: how the next tokens are guessed, and how many a forward verifies.
+#[derive(Args, Debug, Clone)]
+pub struct DraftArgs {
+    /// Guess the next tokens and verify them in one forward (the same tokens as without):
+    /// `ngram` = prompt lookup, the continuation of the latest earlier match of the last tokens
+    /// in the prompt and answer (pays where the answer copies). Needs a full cache in f32, f16 or bf16
+    #[arg(long, value_name = "HOW", value_parser = ["ngram"])]
+    pub draft: Option<String>,
+    /// The most tokens one draft guesses (1 to 32)
+    #[arg(long, value_name = "K", default_value_t = 8, requires = "draft")]
+    pub draft_max: usize,
+}
+
+impl DraftArgs {
+    /// The most tokens a draft guesses, when drafting; checked against the cache mode.
+    pub fn max(&self, mode: &CacheMode) -> Result<Option<usize>> {
+        if self.draft.is_none() {
+            return Ok(None);
+        }
+        if !(1..=32).contains(&self.draft_max) {
+            bail!("--draft-max must be from 1 to 32, not {}", self.draft_max);
+        }
+        match mode.retention {
+            Retention::None => bail!("--draft needs a KV cache to verify drafts on (drop --no-cache)"),
+            Retention::Window { .. } => bail!(
+                "--draft cannot verify drafts exactly on a --kv-window cache yet (a step's queries see the window as it was before the step)"
+            ),
+            Retention::All => {}
+        }
+        if mode.precision.quantized() {
+            bail!(
+                "--draft cannot verify drafts exactly on an {} cache yet (a batched step reads more positions from their f16 copies than single steps do); use --kv-type f16, bf16 or f32",
+                mode.precision.name()
+            );
+        }
+        Ok(Some(self.draft_max))
+    }
+}
+
 /// clap's parser of a KV precision: the precision table's names (`model::cache`), the quantized
 /// ones alone when `quantized_only`.
 pub(crate) fn precision_parser(

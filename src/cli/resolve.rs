@@ -2,7 +2,7 @@
 //! `HiArgs` idea): every value checked here, before anything is read, fetched or loaded, and every
 //! error naming its flag. A command parses nothing after this.
 
-use super::options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
+use super::options::{CacheArgs, DraftArgs, ModelArgs, SamplingArgs, StoreArgs};
 use super::subcommands::*;
 use crate::commands::bench::{BenchOptions, JsonOut};
 use crate::commands::cache::{CacheOptions, CacheTask};
@@ -34,6 +34,8 @@ struct GenerateFlags<'a> {
     max_tokens: usize,
     stats: bool,
     prompt_cache: Option<PathBuf>,
+    /// `run` only, for now.
+    draft: Option<&'a DraftArgs>,
 }
 
 /// The shared flags of `run`'s or `chat`'s args (the same fields in both).
@@ -49,6 +51,7 @@ macro_rules! generate_flags {
             max_tokens: $args.max_tokens,
             stats: $args.stats,
             prompt_cache: $args.prompt_cache.clone(),
+            draft: None,
         }
     };
 }
@@ -92,6 +95,10 @@ impl GenerateFlags<'_> {
             max_tokens: self.max_tokens,
             stats: self.stats,
             prompt_cache: self.prompt_cache,
+            draft: match self.draft {
+                Some(d) => d.max(&mode)?,
+                None => None,
+            },
             advice: super::report::advice,
         })
     }
@@ -134,7 +141,11 @@ fn bar_after() -> Duration {
 
 impl RunArgs {
     pub fn resolve(self) -> Result<RunOptions> {
-        let generate = generate_flags!(self).resolve()?;
+        let generate = GenerateFlags {
+            draft: Some(&self.draft),
+            ..generate_flags!(self)
+        }
+        .resolve()?;
         Ok(RunOptions {
             generate,
             prompt: self.prompt,

@@ -1,7 +1,7 @@
 //! Each subcommand's flags. The shared groups (model, cache, sampling) are in `options.rs`, with
 //! their conversion into library options.
 
-use super::options::{precision_parser, CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
+use super::options::{precision_parser, CacheArgs, DraftArgs, ModelArgs, SamplingArgs, StoreArgs};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 
@@ -17,6 +17,8 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub store: StoreArgs,
+    #[command(flatten)]
+    pub draft: DraftArgs,
     /// Complete the text as-is, without the chat template; special-token text in it (<|im_start|>)
     /// is parsed as control tokens, whereas a chat message's text never is
     #[arg(long)]

@@ -51,6 +51,9 @@ pub struct Generate {
     pub stats: bool,
     /// The file the KV state is reused from and saved to (checked: a kvchat KV file or nothing).
     pub prompt_cache: Option<PathBuf>,
+    /// Speculative decoding by prompt lookup, at most this many guessed tokens a forward (the
+    /// cache verified able to: `Session::can_verify_drafts`).
+    pub draft: Option<usize>,
     /// The front end's words for each fix.
     pub advice: crate::Advice,
 }

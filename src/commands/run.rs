@@ -164,12 +164,14 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut generated = 0u64;
     let recomputes = spec.recomputes();
-    let (_, reason, mut stats) = session.decode(
+    let mut drafter = g.draft.map(crate::session::draft::Ngram::new);
+    let (_, reason, mut stats) = session.decode_drafted(
         logits,
         &mut sampler,
         g.max_tokens,
         engine.stop_ids(),
         opts.ignore_eos,
+        drafter.as_mut(),
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
             generated += 1;
@@ -223,6 +225,15 @@ pub fn run(opts: RunOptions) -> Result<()> {
             first_token.unwrap_or(prefill).as_secs_f64() * 1e3
         );
         eprintln!("[stats] sampling: {}", sampling.describe());
+        if g.draft.is_some() {
+            eprintln!(
+                "[stats] draft (prompt lookup): {} tokens drafted, {} accepted ({:.0} %); {:.2} tokens per decode forward",
+                stats.drafted,
+                stats.accepted,
+                100.0 * stats.accepted as f64 / stats.drafted.max(1) as f64,
+                stats.decode_steps as f64 / stats.forwards.max(1) as f64
+            );
+        }
     }
     Ok(())
 }

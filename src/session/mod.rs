@@ -3,6 +3,7 @@
 //! saving and restoring a session's state ([`persist`]).
 
 pub mod conversation;
+pub mod draft;
 pub mod persist;
 pub mod prefix;
 pub mod sampler;
@@ -44,7 +45,13 @@ pub struct GenStats {
     pub generated: usize,
     /// Time of the decode forwards (the generated tokens after the first).
     pub decode: Duration,
+    /// Tokens the decode forwards gave logits for (a verified draft counts each accepted token).
     pub decode_steps: usize,
+    /// Decode forwards run (fewer than `decode_steps` when drafts were accepted).
+    pub forwards: usize,
+    /// Tokens drafted and, of those, accepted (speculative decoding).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl GenStats {
@@ -207,35 +214,136 @@ impl<'m> Session<'m> {
     /// sampled token back, up to `max_tokens` tokens (see `generate`).
     pub fn decode(
         &mut self,
+        logits: Tensor,
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        stop_ids: &[u32],
+        ignore_eos: bool,
+        on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<(Vec<u32>, StopReason, GenStats)> {
+        self.decode_drafted(
+            logits, sampler, max_tokens, stop_ids, ignore_eos, None, on_token,
+        )
+    }
+
+    /// Whether a draft can be verified exactly on this cache: one batched step must give the
+    /// logits of single steps, and its rejected positions must go back. True for a cache of every
+    /// position in a float precision (any placement). Not yet for a quantized cache (a batched
+    /// step reads more positions from their f16 copies than single steps do), a window (a step's
+    /// queries see the window as it was before the step) or no cache.
+    pub fn can_verify_drafts(&self) -> bool {
+        let spec = self.cache.spec();
+        spec.retention() == crate::kv::Retention::All && !spec.precision().quantized()
+    }
+
+    /// As [`Session::decode`], with speculative decoding when `drafter` is given and the cache
+    /// allows it ([`Session::can_verify_drafts`]): the drafter's guesses after each sampled token
+    /// are fed with it in one forward, and each row's logits are sampled in turn — a guess is
+    /// accepted when it is the token sampled there. The sampler sees the same logits and history,
+    /// in the same order, as without drafts, so the tokens are the same ones (greedy or sampled,
+    /// with the same seed); the rejected positions are truncated away.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_drafted(
+        &mut self,
         mut logits: Tensor,
         sampler: &mut Sampler,
         max_tokens: usize,
         stop_ids: &[u32],
         ignore_eos: bool,
+        mut drafter: Option<&mut draft::Ngram>,
         mut on_token: impl FnMut(u32) -> Result<bool>,
     ) -> Result<(Vec<u32>, StopReason, GenStats)> {
+        if !self.can_verify_drafts() {
+            drafter = None;
+        }
         let mut stats = GenStats::default();
         let mut out = Vec::new();
-        let reason = loop {
-            let next = sampler.sample(&logits, &self.tokens)?;
+        // A token already sampled from the row of a rejected guess (sampling it again would draw
+        // the random generator twice).
+        let mut pending: Option<u32> = None;
+        let max_positions = self.max_positions;
+        // What each sampled token does: Some(reason) ends the generation.
+        let mut take = |next: u32, out: &mut Vec<u32>, stats: &mut GenStats, len: usize| {
             if !ignore_eos && stop_ids.contains(&next) {
-                break StopReason::EndOfText;
+                return Ok(Some(StopReason::EndOfText));
             }
             out.push(next);
             stats.generated += 1;
             if !on_token(next)? {
-                break StopReason::Interrupted;
+                return Ok(Some(StopReason::Interrupted));
             }
             if out.len() >= max_tokens {
-                break StopReason::MaxTokens;
+                return Ok(Some(StopReason::MaxTokens));
             }
-            if self.tokens.len() + 1 > self.max_positions {
-                break StopReason::ContextFull;
+            if len + 1 > max_positions {
+                return Ok(Some(StopReason::ContextFull));
             }
+            anyhow::Ok(None)
+        };
+        let reason = 'gen: loop {
+            let next = match pending.take() {
+                Some(t) => t,
+                None => sampler.sample(&logits, &self.tokens)?,
+            };
+            if let Some(r) = take(next, &mut out, &mut stats, self.tokens.len())? {
+                break r;
+            }
+            // The guesses: within the answer's and the context's room left after `next`.
+            let room = (max_tokens - out.len()).min(self.max_positions - self.tokens.len() - 1);
+            let guess = match drafter.as_deref_mut() {
+                Some(d) => {
+                    let mut seq = self.tokens.clone();
+                    seq.push(next);
+                    d.propose(&seq, room)
+                }
+                None => Vec::new(),
+            };
             let t = Instant::now();
-            logits = self.feed(&[next])?;
+            if guess.is_empty() {
+                logits = self.feed(&[next])?;
+                stats.decode += t.elapsed();
+                stats.decode_steps += 1;
+                stats.forwards += 1;
+                continue;
+            }
+            // Rows [k + 1, vocab]: row j follows `next` and the first j guesses.
+            let base = self.tokens.len();
+            let mut step = vec![next];
+            step.extend_from_slice(&guess);
+            let rows = self.feed_with(&step, Logits::All)?;
             stats.decode += t.elapsed();
-            stats.decode_steps += 1;
+            stats.forwards += 1;
+            stats.drafted += guess.len();
+            let mut accepted = 0;
+            for (j, &g) in guess.iter().enumerate() {
+                stats.decode_steps += 1;
+                let row = rows.get(j)?;
+                let s = sampler.sample(&row, &self.tokens[..base + 1 + j])?;
+                if s != g {
+                    // The positions of the rejected guesses go; `s` is the next token.
+                    self.truncate(base + 1 + j)?;
+                    pending = Some(s);
+                    break;
+                }
+                accepted += 1;
+                if let Some(r) = take(s, &mut out, &mut stats, base + 1 + j)? {
+                    // As without drafts: a token that ends the generation is not kept.
+                    self.truncate(base + 1 + j)?;
+                    if let Some(d) = drafter.as_deref_mut() {
+                        d.accepted(accepted, guess.len());
+                    }
+                    stats.accepted += accepted;
+                    break 'gen r;
+                }
+            }
+            stats.accepted += accepted;
+            if let Some(d) = drafter.as_deref_mut() {
+                d.accepted(accepted, guess.len());
+            }
+            if accepted == guess.len() {
+                stats.decode_steps += 1;
+                logits = rows.get(guess.len())?;
+            }
         };
         Ok((out, reason, stats))
     }

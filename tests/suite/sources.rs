@@ -719,6 +719,53 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
         (&["bench", "-m", m, "--modes", "full,sideways"], "--modes"),
         (&["bench", "-m", m, "--contexts", "0"], "--contexts"),
         (&["bench", "-m", m, "--budget-s=-1"], "--budget-s"),
+        (
+            &["run", "-m", m, "--draft", "ngram", "--no-cache", "hi"],
+            "--draft needs a KV cache",
+        ),
+        (
+            &[
+                "run",
+                "-m",
+                m,
+                "--draft",
+                "ngram",
+                "--kv-type",
+                "int8",
+                "hi",
+            ],
+            "--draft cannot verify drafts exactly on an int8 cache",
+        ),
+        (
+            &[
+                "run",
+                "-m",
+                m,
+                "--draft",
+                "ngram",
+                "--kv-window",
+                "64",
+                "hi",
+            ],
+            "--draft cannot verify drafts exactly on a --kv-window cache",
+        ),
+        (
+            &["run", "-m", m, "--draft", "ngram", "--draft-max", "0", "hi"],
+            "--draft-max must be from 1 to 32, not 0",
+        ),
+        (
+            &[
+                "run",
+                "-m",
+                m,
+                "--draft",
+                "ngram",
+                "--draft-max",
+                "33",
+                "hi",
+            ],
+            "--draft-max must be from 1 to 32, not 33",
+        ),
         (&["needle", "-m", m, "--depths", "5,101"], "--depths 101"),
         (&["needle", "-m", m, "--keys", "0"], "--keys"),
         (

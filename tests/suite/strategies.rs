@@ -515,3 +515,75 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
         (0.0, 0.0, 100.0)
     );
 }
+
+/// The tokens, the session's sequence after it and the drafting figures of a generation with or
+/// without drafts.
+fn drafted(
+    spec: &CacheSpec,
+    prompt: &[u32],
+    params: kvchat::session::SamplingParams,
+    draft: Option<usize>,
+    n: usize,
+) -> (Vec<u32>, Vec<u32>, kvchat::session::GenStats) {
+    let e = engine();
+    let mut s = e.session(spec);
+    let logits = s.feed(prompt).unwrap();
+    let mut sampler = kvchat::session::Sampler::new(params);
+    let mut d = draft.map(kvchat::session::draft::Ngram::new);
+    let (out, _, stats) = s
+        .decode_drafted(
+            logits,
+            &mut sampler,
+            n,
+            e.stop_ids(),
+            false,
+            d.as_mut(),
+            |_| Ok(true),
+        )
+        .unwrap();
+    assert_eq!(s.cache().seen(), s.tokens().len());
+    (out, s.tokens().to_vec(), stats)
+}
+
+#[test]
+fn drafted_decoding_gives_the_tokens_of_plain_decoding_in_every_float_cache() {
+    let doc = &include_str!("../../assets/gpl-3.txt")[..2500];
+    let prompts = [
+        chat_ids(&format!(
+            "Repeat the following text exactly, word for word:\n\n{doc}"
+        )),
+        chat_ids("Count from one to forty in words, separated by commas."),
+        chat_ids("Write a short story about a dragon who learns to cook."),
+    ];
+    let greedy = kvchat::session::SamplingParams::greedy;
+    for p in &prompts {
+        for mode in ["full+f32", "full", "full+bf16", "full+offload"] {
+            let spec = spec(mode);
+            let plain = drafted(&spec, p, greedy(), None, 120);
+            let fast = drafted(&spec, p, greedy(), Some(8), 120);
+            assert_eq!(plain.0, fast.0, "{mode}");
+            // The session holds the same sequence: no rejected guess is left in the cache.
+            assert_eq!(plain.1, fast.1, "{mode}: the sequence held");
+        }
+    }
+    // The copy prompt: most guesses are taken, several tokens a forward.
+    let (_, _, s) = drafted(&spec("full"), &prompts[0], greedy(), Some(8), 120);
+    assert!(s.accepted * 2 > s.drafted, "{s:?}");
+    assert!(s.decode_steps as f64 / s.forwards as f64 > 2.0, "{s:?}");
+}
+
+#[test]
+fn drafted_sampling_with_a_seed_gives_the_tokens_of_plain_sampling() {
+    let doc = &kvchat::eval::bench::BENCH_TEXT[..1200];
+    let p = chat_ids(&format!("Repeat this text word for word:\n\n{doc}"));
+    let params = kvchat::session::SamplingParams {
+        temperature: 0.7,
+        repeat_penalty: 1.1,
+        seed: 7,
+        ..Default::default()
+    };
+    let plain = drafted(&spec("full"), &p, params.clone(), None, 120);
+    let fast = drafted(&spec("full"), &p, params, Some(8), 120);
+    assert_eq!((plain.0, plain.1), (fast.0, fast.1));
+    assert!(fast.2.accepted > 0, "{:?}", fast.2);
+}
