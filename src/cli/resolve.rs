@@ -34,8 +34,7 @@ struct GenerateFlags<'a> {
     max_tokens: usize,
     stats: bool,
     prompt_cache: Option<PathBuf>,
-    /// `run` only, for now.
-    draft: Option<&'a DraftArgs>,
+    draft: &'a DraftArgs,
 }
 
 /// The shared flags of `run`'s or `chat`'s args (the same fields in both).
@@ -51,7 +50,7 @@ macro_rules! generate_flags {
             max_tokens: $args.max_tokens,
             stats: $args.stats,
             prompt_cache: $args.prompt_cache.clone(),
-            draft: None,
+            draft: &$args.draft,
         }
     };
 }
@@ -95,10 +94,7 @@ impl GenerateFlags<'_> {
             max_tokens: self.max_tokens,
             stats: self.stats,
             prompt_cache: self.prompt_cache,
-            draft: match self.draft {
-                Some(d) => d.max(&mode)?,
-                None => None,
-            },
+            draft: self.draft.max(&mode)?,
             advice: super::report::advice,
         })
     }
@@ -141,11 +137,7 @@ fn bar_after() -> Duration {
 
 impl RunArgs {
     pub fn resolve(self) -> Result<RunOptions> {
-        let generate = GenerateFlags {
-            draft: Some(&self.draft),
-            ..generate_flags!(self)
-        }
-        .resolve()?;
+        let generate = generate_flags!(self).resolve()?;
         Ok(RunOptions {
             generate,
             prompt: self.prompt,

@@ -54,6 +54,8 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub store: StoreArgs,
+    #[command(flatten)]
+    pub draft: DraftArgs,
     /// System message
     #[arg(long)]
     pub system: Option<String>,

@@ -226,13 +226,10 @@ pub fn run(opts: RunOptions) -> Result<()> {
         );
         eprintln!("[stats] sampling: {}", sampling.describe());
         if g.draft.is_some() {
-            eprintln!(
-                "[stats] draft (prompt lookup): {} tokens drafted, {} accepted ({:.0} %); {:.2} tokens per decode forward",
-                stats.drafted,
-                stats.accepted,
-                100.0 * stats.accepted as f64 / stats.drafted.max(1) as f64,
-                stats.decode_steps as f64 / stats.forwards.max(1) as f64
-            );
+            let line = stats
+                .describe_drafts()
+                .unwrap_or_else(|| "draft (prompt lookup): nothing drafted".into());
+            eprintln!("[stats] {line}");
         }
     }
     Ok(())

@@ -67,6 +67,8 @@ pub struct Conversation<'e> {
     /// The prefix store: looked up when the session holds nothing of the conversation (its
     /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
     store: PrefixReuse,
+    /// Speculative decoding of the answers, when asked for (see `Session::decode_drafted`).
+    drafter: Option<super::draft::Ngram>,
 }
 
 impl<'e> Conversation<'e> {
@@ -87,7 +89,13 @@ impl<'e> Conversation<'e> {
             last: None,
             shifted_out: 0,
             store: PrefixReuse::off("not opened"),
+            drafter: None,
         }
+    }
+
+    /// Drafts up to `max` tokens a forward by prompt lookup from now on (None: no drafting).
+    pub fn set_draft(&mut self, max: Option<usize>) {
+        self.drafter = max.map(super::draft::Ngram::new);
     }
 
     pub fn engine(&self) -> &'e Engine {
@@ -305,12 +313,13 @@ impl<'e> Conversation<'e> {
         let t0 = std::time::Instant::now();
         let logits = self.session.feed(&new)?;
         let prefill = t0.elapsed();
-        let (out, mut reason, mut gen) = self.session.decode(
+        let (out, mut reason, mut gen) = self.session.decode_drafted(
             logits,
             sampler,
             max_tokens.min(room).max(1),
             engine.stop_ids(),
             false,
+            self.drafter.as_mut(),
             |id| {
                 if let Some(t) = stream.push(engine.tokenizer(), id)? {
                     on_text(&t)?;

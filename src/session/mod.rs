@@ -61,6 +61,18 @@ impl GenStats {
     pub fn decode_tok_s(&self) -> f64 {
         self.decode_steps as f64 / self.decode.as_secs_f64().max(1e-9)
     }
+    /// What drafting did, in words; None when nothing was drafted.
+    pub fn describe_drafts(&self) -> Option<String> {
+        (self.drafted > 0).then(|| {
+            format!(
+                "draft (prompt lookup): {} tokens drafted, {} accepted ({:.0} %); {:.2} tokens per decode forward",
+                self.drafted,
+                self.accepted,
+                100.0 * self.accepted as f64 / self.drafted as f64,
+                self.decode_steps as f64 / self.forwards.max(1) as f64
+            )
+        })
+    }
 }
 
 impl crate::engine::Engine {

@@ -624,3 +624,23 @@ fn a_file_command_without_its_file_is_an_error_that_says_how_to_use_it() {
     assert!(text.contains("error: usage: /load FILE"), "{text}");
     assert_eq!(out.status.code(), Some(1), "errors in a piped chat fail it");
 }
+
+#[test]
+fn a_chat_with_drafts_answers_as_one_without_and_holds_the_same_cache() {
+    let questions = [
+        "Repeat word for word: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
+        "Now say it once more, exactly.",
+    ];
+    let mut plain = conversation();
+    let mut fast = conversation();
+    fast.set_draft(Some(8));
+    for q in questions {
+        assert_eq!(ask(&mut plain, q), ask(&mut fast, q), "{q}");
+        assert_eq!(plain.session().tokens(), fast.session().tokens());
+    }
+    let drafted = fast.last().unwrap().gen.drafted;
+    assert!(
+        drafted > 0,
+        "the second answer repeats the first: something to draft from"
+    );
+}

@@ -68,6 +68,10 @@ impl Chat<'_> {
             t.reason
         );
         eprintln!("{}", style::paint(self.colour, style::DIM, &line));
+        if let Some(d) = t.gen.describe_drafts() {
+            let line = format!("[stats] {d}");
+            eprintln!("{}", style::paint(self.colour, style::DIM, &line));
+        }
         let store = match (&t.store, &c.store().off) {
             (Some(l), _) => Some(l.describe()),
             (None, Some(why)) if t.number == 1 => Some(format!("not used: {why}")),
@@ -196,6 +200,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         colour: style::stderr(),
         stats: g.stats,
     };
+    chat.conv.set_draft(g.draft);
     // A system message that alone fills the context is refused before the first turn.
     chat.conv.check_system()?;
     let store = open_store(&g.store, &engine, chat.conv.session());
