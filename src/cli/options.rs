@@ -125,8 +125,9 @@ pub struct CacheArgs {
 pub struct DraftArgs {
     /// Guess the next tokens and verify them in one forward (the same tokens as without):
     /// `ngram` = prompt lookup, the continuation of the latest earlier match of the last tokens
-    /// in the prompt and answer (pays where the answer copies). Needs a full cache in f32, f16 or bf16
-    #[arg(long, value_name = "HOW", value_parser = ["ngram"])]
+    /// in the prompt and answer (pays where the answer copies); or a draft model with the same
+    /// tokenizer, named as for -m (run only). Needs a full cache in f32, f16 or bf16
+    #[arg(long, value_name = "ngram|MODEL")]
     pub draft: Option<String>,
     /// The most tokens one draft guesses (1 to 32)
     #[arg(long, value_name = "K", default_value_t = 8, requires = "draft")]
@@ -134,10 +135,19 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
-    /// The most tokens a draft guesses, when drafting; checked against the cache mode.
-    pub fn max(&self, mode: &CacheMode) -> Result<Option<usize>> {
-        if self.draft.is_none() {
+    /// How drafts are guessed, when they are; checked against the cache mode. A draft model
+    /// loads as the model does (`model`: the target's load options) but for its name.
+    pub fn choice(
+        &self,
+        mode: &CacheMode,
+        model: &crate::engine::LoadOptions,
+        chat: bool,
+    ) -> Result<Option<crate::commands::DraftChoice>> {
+        let Some(how) = &self.draft else {
             return Ok(None);
+        };
+        if how.is_empty() {
+            bail!("--draft needs ngram or a model");
         }
         if !(1..=32).contains(&self.draft_max) {
             bail!("--draft-max must be from 1 to 32, not {}", self.draft_max);
@@ -155,7 +165,21 @@ impl DraftArgs {
                 mode.precision.name()
             );
         }
-        Ok(Some(self.draft_max))
+        let max = self.draft_max;
+        Ok(Some(if how == "ngram" {
+            crate::commands::DraftChoice::Ngram { max }
+        } else {
+            if chat {
+                bail!("--draft {how}: chat drafts by prompt lookup only for now (--draft ngram)");
+            }
+            let load = crate::engine::LoadOptions {
+                model: Some(how.clone()),
+                tokenizer: None,
+                kv_precisions: vec![crate::kv::DEFAULT_PRECISION],
+                ..model.clone()
+            };
+            crate::commands::DraftChoice::Model { load, max }
+        }))
     }
 }
 

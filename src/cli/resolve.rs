@@ -35,6 +35,8 @@ struct GenerateFlags<'a> {
     stats: bool,
     prompt_cache: Option<PathBuf>,
     draft: &'a DraftArgs,
+    /// For `chat` (which drafts by prompt lookup only).
+    chat: bool,
 }
 
 /// The shared flags of `run`'s or `chat`'s args (the same fields in both).
@@ -51,6 +53,7 @@ macro_rules! generate_flags {
             stats: $args.stats,
             prompt_cache: $args.prompt_cache.clone(),
             draft: &$args.draft,
+            chat: false,
         }
     };
 }
@@ -84,6 +87,7 @@ impl GenerateFlags<'_> {
             }
             None => None,
         };
+        let draft = self.draft.choice(&mode, &load, self.chat)?;
         Ok(Generate {
             load,
             mode,
@@ -94,7 +98,7 @@ impl GenerateFlags<'_> {
             max_tokens: self.max_tokens,
             stats: self.stats,
             prompt_cache: self.prompt_cache,
-            draft: self.draft.max(&mode)?,
+            draft,
             advice: super::report::advice,
         })
     }
@@ -150,7 +154,11 @@ impl RunArgs {
 
 impl ChatArgs {
     pub fn resolve(self) -> Result<ChatOptions> {
-        let generate = generate_flags!(self).resolve()?;
+        let generate = GenerateFlags {
+            chat: true,
+            ..generate_flags!(self)
+        }
+        .resolve()?;
         Ok(ChatOptions {
             generate,
             on_full: self.on_full.parse().context("--on-full")?,

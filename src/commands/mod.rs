@@ -36,6 +36,15 @@ pub struct TemplateChoice {
     pub label: String,
 }
 
+/// How drafts are guessed.
+#[derive(Debug, Clone)]
+pub enum DraftChoice {
+    /// Prompt lookup, at most `max` tokens a draft.
+    Ngram { max: usize },
+    /// A small model with the same vocabulary, `max` tokens a draft (run only).
+    Model { load: LoadOptions, max: usize },
+}
+
 /// What `run` and `chat` share.
 #[derive(Debug, Clone)]
 pub struct Generate {
@@ -51,9 +60,9 @@ pub struct Generate {
     pub stats: bool,
     /// The file the KV state is reused from and saved to (checked: a kvchat KV file or nothing).
     pub prompt_cache: Option<PathBuf>,
-    /// Speculative decoding by prompt lookup, at most this many guessed tokens a forward (the
-    /// cache verified able to: `Session::can_verify_drafts`).
-    pub draft: Option<usize>,
+    /// Speculative decoding (the cache checked able to verify drafts:
+    /// `Session::can_verify_drafts`).
+    pub draft: Option<DraftChoice>,
     /// The front end's words for each fix.
     pub advice: crate::Advice,
 }

@@ -1,14 +1,15 @@
 //! `kvchat run`: one prompt in (argument or stdin), one streamed answer out.
 
-use super::{Generate, StoreChoice};
+use super::{DraftChoice, Generate, StoreChoice};
 use crate::engine::Engine;
 use crate::kv::KvCache;
+use crate::session::draft::{Drafter, ModelDraft, Ngram};
 use crate::session::prefix::PrefixReuse;
 use crate::session::{GenStats, Sampler, StopReason};
 use crate::source::human_bytes;
 use crate::template::Message;
 use crate::tokenizer::TextStream;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -164,14 +165,30 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut generated = 0u64;
     let recomputes = spec.recomputes();
-    let mut drafter = g.draft.map(crate::session::draft::Ngram::new);
+    // The draft model, when one drafts: loaded beside the target, checked to share its vocabulary.
+    let draft_engine = match &g.draft {
+        Some(DraftChoice::Model { load, .. }) => {
+            let d = Engine::load(load).context("the draft model")?;
+            same_vocabulary(&engine, &d)?;
+            Some(d)
+        }
+        _ => None,
+    };
+    let mut drafter: Option<Box<dyn Drafter + '_>> = match (&g.draft, &draft_engine) {
+        (Some(DraftChoice::Ngram { max }), _) => Some(Box::new(Ngram::new(*max))),
+        (Some(DraftChoice::Model { max, .. }), Some(d)) => {
+            let spec = crate::kv::CacheSpec::full(crate::kv::DEFAULT_PRECISION, d.ctx());
+            Some(Box::new(ModelDraft::new(d.session(&spec), *max)))
+        }
+        _ => None,
+    };
     let (_, reason, mut stats) = session.decode_drafted(
         logits,
         &mut sampler,
         g.max_tokens,
         engine.stop_ids(),
         opts.ignore_eos,
-        drafter.as_mut(),
+        drafter.as_deref_mut(),
         |id| {
             first_token.get_or_insert_with(|| t0.elapsed());
             generated += 1;
@@ -228,9 +245,33 @@ pub fn run(opts: RunOptions) -> Result<()> {
         if g.draft.is_some() {
             let line = stats
                 .describe_drafts()
-                .unwrap_or_else(|| "draft (prompt lookup): nothing drafted".into());
+                .unwrap_or_else(|| "draft: nothing drafted".into());
             eprintln!("[stats] {line}");
         }
+    }
+    Ok(())
+}
+
+/// Refuses a draft model whose vocabulary is not the target's: the same size, and the same ids for
+/// a probe text (its guesses are token ids of the target's vocabulary).
+fn same_vocabulary(target: &Engine, draft: &Engine) -> Result<()> {
+    let (a, b) = (target.tokenizer(), draft.tokenizer());
+    if a.vocab_size() != b.vocab_size() {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens, the model {} of {}: a draft model needs the same tokenizer",
+            draft.path().display(),
+            b.vocab_size(),
+            target.path().display(),
+            a.vocab_size()
+        );
+    }
+    let probe = &crate::eval::bench::BENCH_TEXT[..2000];
+    if a.encode(probe)? != b.encode(probe)? {
+        bail!(
+            "the draft model {} tokenizes text differently from {}: a draft model needs the same tokenizer",
+            draft.path().display(),
+            target.path().display()
+        );
     }
     Ok(())
 }

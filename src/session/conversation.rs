@@ -319,7 +319,9 @@ impl<'e> Conversation<'e> {
             max_tokens.min(room).max(1),
             engine.stop_ids(),
             false,
-            self.drafter.as_mut(),
+            self.drafter
+                .as_mut()
+                .map(|d| d as &mut dyn super::draft::Drafter),
             |id| {
                 if let Some(t) = stream.push(engine.tokenizer(), id)? {
                     on_text(&t)?;

@@ -1,5 +1,6 @@
 //! Drafting for speculative decoding: guesses of the next tokens that one batched forward then
-//! verifies (`Session::decode_drafted`).
+//! verifies (`Session::decode_drafted`). A [`Drafter`] guesses; two do: [`Ngram`] (prompt lookup)
+//! and [`ModelDraft`] (a small model with the same vocabulary decodes the guess greedily).
 //!
 //! `Ngram` is prompt-lookup decoding (Saxena 2023; llama.cpp's `lookup`): the sequence's last n
 //! tokens (n from `MAX_NGRAM` down to `MIN_NGRAM`) are looked for earlier in the sequence — the
@@ -8,6 +9,20 @@
 //! guesses keep failing it backs off: each wholly rejected draft doubles the number of plain
 //! steps before the next try (up to `MAX_COOLDOWN`), and each accepted one shortens the wait; a
 //! draft's length starts at 2 and doubles while drafts are accepted whole (up to `--draft-max`).
+
+use super::Session;
+use anyhow::Result;
+
+/// What guesses the next tokens.
+pub trait Drafter {
+    /// Up to `limit` tokens guessed to follow `tokens` (the whole sequence: prompt, answer so far
+    /// and the token just sampled); empty for no guess.
+    fn propose(&mut self, tokens: &[u32], limit: usize) -> Result<Vec<u32>>;
+    /// How many of the last guess's `drafted` tokens were accepted.
+    fn accepted(&mut self, accepted: usize, drafted: usize);
+    /// How it guesses, for a person.
+    fn name(&self) -> &'static str;
+}
 
 /// The longest and shortest runs of tokens matched.
 const MAX_NGRAM: usize = 4;
@@ -39,19 +54,24 @@ impl Ngram {
             len: 2.min(max.max(1)),
         }
     }
+}
 
-    /// Up to `limit` (and the drafter's most) tokens guessed to follow `tokens`; none when it waits
-    /// after failures or finds no match.
-    pub fn propose(&mut self, tokens: &[u32], limit: usize) -> Vec<u32> {
+impl Drafter for Ngram {
+    /// Up to `limit` (and the draft's length) tokens guessed to follow `tokens`; none when it
+    /// waits after failures or finds no match.
+    fn propose(&mut self, tokens: &[u32], limit: usize) -> Result<Vec<u32>> {
         if self.cooldown > 0 {
             self.cooldown -= 1;
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        lookup(tokens, self.len.min(limit))
+        Ok(lookup(tokens, self.len.min(limit)))
     }
 
-    /// Tells the drafter how many of a draft's `drafted` tokens were accepted.
-    pub fn accepted(&mut self, accepted: usize, drafted: usize) {
+    fn name(&self) -> &'static str {
+        "prompt lookup"
+    }
+
+    fn accepted(&mut self, accepted: usize, drafted: usize) {
         if drafted == 0 {
             return;
         }
@@ -66,6 +86,54 @@ impl Ngram {
         } else {
             (accepted + 1).min(self.max)
         };
+    }
+}
+
+/// A small model with the target's vocabulary, drafting greedily: its own session follows the
+/// target's sequence (keeping what they share, feeding the rest), decodes `max` tokens, and keeps
+/// them for the next call, which keeps whatever of them the target accepted.
+pub struct ModelDraft<'d> {
+    session: Session<'d>,
+    max: usize,
+}
+
+impl<'d> ModelDraft<'d> {
+    /// Drafts of `max` tokens from `session` (a fresh session of the draft model).
+    pub fn new(session: Session<'d>, max: usize) -> Self {
+        Self {
+            session,
+            max: max.max(1),
+        }
+    }
+}
+
+impl Drafter for ModelDraft<'_> {
+    fn propose(&mut self, tokens: &[u32], limit: usize) -> Result<Vec<u32>> {
+        let n = self.max.min(limit);
+        if n == 0 || tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        // The draft's context ends where the target's would: no guess past it.
+        if tokens.len() + n > self.session.max_positions() {
+            return Ok(Vec::new());
+        }
+        let kept = self.session.keep_prefix_of(tokens)?;
+        let mut logits = self.session.feed(&tokens[kept..])?;
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let next = super::argmax(&logits.to_vec1::<f32>()?);
+            out.push(next);
+            if i + 1 < n {
+                logits = self.session.feed(&[next])?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn accepted(&mut self, _accepted: usize, _drafted: usize) {}
+
+    fn name(&self) -> &'static str {
+        "draft model"
     }
 }
 
@@ -99,6 +167,7 @@ mod tests {
 
     #[test]
     fn the_continuation_of_the_latest_earlier_match_is_proposed() {
+        let _: &dyn Drafter = &Ngram::new(1);
         // "1 2 3 4 5 ... 1 2 3 9 ... 1 2 3": the latest earlier "1 2 3" was followed by 9.
         let t = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 8, 7, 1, 2, 3];
         assert_eq!(lookup(&t, 3), vec![9, 8, 7]);
@@ -114,21 +183,25 @@ mod tests {
     fn rejected_drafts_make_the_drafter_wait_longer_each_time() {
         let t = [0, 1, 2, 3, 0, 1, 2];
         let mut d = Ngram::new(4);
-        assert_eq!(d.propose(&t, 8), vec![3, 0], "a first draft is short");
+        assert_eq!(
+            d.propose(&t, 8).unwrap(),
+            vec![3, 0],
+            "a first draft is short"
+        );
         d.accepted(0, 2);
-        assert!(d.propose(&t, 8).is_empty());
-        assert_eq!(d.propose(&t, 8), vec![3]);
+        assert!(d.propose(&t, 8).unwrap().is_empty());
+        assert_eq!(d.propose(&t, 8).unwrap(), vec![3]);
         d.accepted(0, 1);
-        assert!(d.propose(&t, 8).is_empty() && d.propose(&t, 8).is_empty());
-        assert_eq!(d.propose(&t, 8), vec![3]);
+        assert!(d.propose(&t, 8).unwrap().is_empty() && d.propose(&t, 8).unwrap().is_empty());
+        assert_eq!(d.propose(&t, 8).unwrap(), vec![3]);
         d.accepted(1, 1);
         assert_eq!(
-            d.propose(&t, 8),
+            d.propose(&t, 8).unwrap(),
             vec![3, 0],
             "a whole accepted draft doubles the next"
         );
         d.accepted(2, 2);
-        assert_eq!(d.propose(&t, 8), vec![3, 0, 1, 2]);
-        assert_eq!(d.propose(&t, 1), vec![3], "the limit caps a draft");
+        assert_eq!(d.propose(&t, 8).unwrap(), vec![3, 0, 1, 2]);
+        assert_eq!(d.propose(&t, 1).unwrap(), vec![3], "the limit caps a draft");
     }
 }

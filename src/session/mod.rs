@@ -65,7 +65,7 @@ impl GenStats {
     pub fn describe_drafts(&self) -> Option<String> {
         (self.drafted > 0).then(|| {
             format!(
-                "draft (prompt lookup): {} tokens drafted, {} accepted ({:.0} %); {:.2} tokens per decode forward",
+                "draft: {} tokens drafted, {} accepted ({:.0} %); {:.2} tokens per decode forward",
                 self.drafted,
                 self.accepted,
                 100.0 * self.accepted as f64 / self.drafted as f64,
@@ -262,7 +262,7 @@ impl<'m> Session<'m> {
         max_tokens: usize,
         stop_ids: &[u32],
         ignore_eos: bool,
-        mut drafter: Option<&mut draft::Ngram>,
+        mut drafter: Option<&mut (dyn draft::Drafter + '_)>,
         mut on_token: impl FnMut(u32) -> Result<bool>,
     ) -> Result<(Vec<u32>, StopReason, GenStats)> {
         if !self.can_verify_drafts() {
@@ -300,17 +300,18 @@ impl<'m> Session<'m> {
             if let Some(r) = take(next, &mut out, &mut stats, self.tokens.len())? {
                 break r;
             }
-            // The guesses: within the answer's and the context's room left after `next`.
+            // The guesses (their time is the decode's): within the answer's and the context's
+            // room left after `next`.
+            let t = Instant::now();
             let room = (max_tokens - out.len()).min(self.max_positions - self.tokens.len() - 1);
             let guess = match drafter.as_deref_mut() {
-                Some(d) => {
+                Some(d) if room > 0 => {
                     let mut seq = self.tokens.clone();
                     seq.push(next);
-                    d.propose(&seq, room)
+                    d.propose(&seq, room)?
                 }
-                None => Vec::new(),
+                _ => Vec::new(),
             };
-            let t = Instant::now();
             if guess.is_empty() {
                 logits = self.feed(&[next])?;
                 stats.decode += t.elapsed();

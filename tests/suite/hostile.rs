@@ -1253,3 +1253,29 @@ fn an_unknown_kvchat_simd_value_is_a_one_line_error_naming_the_variable() {
     assert!(err.contains("KVCHAT_SIMD") && err.contains("avx9"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused_naming_both() {
+    let home = temp("draft-vocab");
+    let tiny = tiny_model("draft-vocab");
+    let real = crate::common::model_path();
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "run",
+            "-m",
+            real.to_str().unwrap(),
+            "--draft",
+            tiny.to_str().unwrap(),
+            "hi",
+        ],
+        b"",
+    );
+    assert_refused(&o, "a draft model needs the same tokenizer");
+    let err = stderr(&o);
+    assert!(
+        err.contains(tiny.to_str().unwrap()) && err.contains("49152"),
+        "{err}"
+    );
+}

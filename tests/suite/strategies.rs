@@ -537,7 +537,8 @@ fn drafted(
             n,
             e.stop_ids(),
             false,
-            d.as_mut(),
+            d.as_mut()
+                .map(|d| d as &mut dyn kvchat::session::draft::Drafter),
             |_| Ok(true),
         )
         .unwrap();
@@ -586,4 +587,36 @@ fn drafted_sampling_with_a_seed_gives_the_tokens_of_plain_sampling() {
     let fast = drafted(&spec("full"), &p, params, Some(8), 120);
     assert_eq!((plain.0, plain.1), (fast.0, fast.1));
     assert!(fast.2.accepted > 0, "{:?}", fast.2);
+}
+
+#[test]
+fn the_model_drafting_for_itself_is_always_right_and_verifies_k_plus_one_tokens_a_forward() {
+    let e = engine();
+    let p = chat_ids("Write a short story about a dragon who learns to cook.");
+    let spec = spec("full");
+    let run = |draft: bool| {
+        let mut s = e.session(&spec);
+        let logits = s.feed(&p).unwrap();
+        let mut sampler = kvchat::session::Sampler::new(kvchat::session::SamplingParams::greedy());
+        let mut d = kvchat::session::draft::ModelDraft::new(e.session(&spec), 4);
+        let drafter = draft.then_some(&mut d as &mut dyn kvchat::session::draft::Drafter);
+        let (out, _, stats) = s
+            .decode_drafted(
+                logits,
+                &mut sampler,
+                81,
+                e.stop_ids(),
+                true,
+                drafter,
+                |_| Ok(true),
+            )
+            .unwrap();
+        (out, s.tokens().to_vec(), stats)
+    };
+    let (plain, plain_seq, _) = run(false);
+    let (fast, fast_seq, stats) = run(true);
+    assert_eq!((plain, plain_seq), (fast, fast_seq));
+    assert_eq!(stats.accepted, stats.drafted, "{stats:?}");
+    // 80 tokens after the first: 16 forwards of a token and its 4 guesses.
+    assert_eq!((stats.forwards, stats.decode_steps), (16, 80), "{stats:?}");
 }

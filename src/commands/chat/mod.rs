@@ -200,7 +200,10 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         colour: style::stderr(),
         stats: g.stats,
     };
-    chat.conv.set_draft(g.draft);
+    chat.conv.set_draft(match &g.draft {
+        Some(super::DraftChoice::Ngram { max }) => Some(*max),
+        _ => None,
+    });
     // A system message that alone fills the context is refused before the first turn.
     chat.conv.check_system()?;
     let store = open_store(&g.store, &engine, chat.conv.session());
