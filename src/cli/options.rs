@@ -130,7 +130,7 @@ pub struct DraftArgs {
     #[arg(long, value_name = "ngram|MODEL")]
     pub draft: Option<String>,
     /// The most tokens one draft guesses (1 to 32)
-    #[arg(long, value_name = "K", default_value_t = 8, requires = "draft")]
+    #[arg(long, value_name = "K", default_value_t = 16, requires = "draft")]
     pub draft_max: usize,
 }
 
