@@ -195,7 +195,26 @@ impl BenchArgs {
             m.spec(load.ctx.unwrap_or(0))
                 .with_context(|| format!("--modes {name}"))?;
         }
+        let draft = match self.draft.as_deref() {
+            None => None,
+            Some("ngram") => {
+                if !(1..=32).contains(&self.draft_max) {
+                    bail!("--draft-max must be from 1 to 32, not {}", self.draft_max);
+                }
+                let at = modes
+                    .iter()
+                    .position(|(_, m)| m.retention == Retention::All && !m.precision.quantized())
+                    .context(
+                        "--draft: none of --modes can verify drafts exactly (add full, full+f32 or full+bf16)",
+                    )?;
+                Some((at, self.draft_max))
+            }
+            Some(other) => {
+                bail!("--draft {other}: bench measures prompt lookup only (--draft ngram)")
+            }
+        };
         Ok(BenchOptions {
+            draft,
             load,
             modes,
             contexts: self.contexts,

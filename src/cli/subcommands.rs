@@ -106,6 +106,13 @@ pub struct BenchArgs {
     /// context it stops early and the table says so (cached cells always run in full)
     #[arg(long, default_value_t = 60.0)]
     pub budget_s: f64,
+    /// Also measure speculative decoding by prompt lookup against plain decoding (`ngram`), on
+    /// the first of --modes that can verify drafts (a full cache in f32, f16 or bf16)
+    #[arg(long, value_name = "ngram")]
+    pub draft: Option<String>,
+    /// The most tokens one draft guesses (1 to 32)
+    #[arg(long, value_name = "K", default_value_t = 16, requires = "draft")]
+    pub draft_max: usize,
     /// Skip the chat-turn summary (512 + 256 tokens, cached vs no-cache)
     #[arg(long)]
     pub no_summary: bool,

@@ -34,6 +34,9 @@ pub struct BenchOptions {
     pub runs: Runs,
     /// Measure the chat-turn summary.
     pub summary: bool,
+    /// Measure drafting by prompt lookup (at most this many tokens a guess) on the mode of
+    /// `modes` at this index (one that can verify drafts).
+    pub draft: Option<(usize, usize)>,
     pub json: Option<JsonOut>,
     /// An .svg file to draw decode ms/token against context into.
     pub plot: Option<PathBuf>,
@@ -55,8 +58,10 @@ pub fn run(opts: BenchOptions) -> Result<()> {
 
     let n_cells = specs.len() * opts.contexts.len();
     // One step per cell, and one for the chat-turn summary (two forwards and a full turn).
-    let bar = ProgressBar::new((n_cells + usize::from(opts.summary)) as u64)
-        .with_finish(indicatif::ProgressFinish::AndClear);
+    let bar = ProgressBar::new(
+        (n_cells + usize::from(opts.summary) + usize::from(opts.draft.is_some())) as u64,
+    )
+    .with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps, {elapsed} (ETA {eta}) {msg}")
             .expect("valid template"),
@@ -86,6 +91,16 @@ pub fn run(opts: BenchOptions) -> Result<()> {
         bar.inc(1);
         Some(t)
     };
+    let draft = match opts.draft {
+        Some((i, max)) => {
+            let (name, spec) = &specs[i];
+            bar.set_message(format!("draft summary ({name})"));
+            let d = draft_summary(&engine, name, spec, max)?;
+            bar.inc(1);
+            Some(d)
+        }
+        None => None,
+    };
     bar.finish_and_clear();
     let report = BenchReport {
         model: engine
@@ -97,6 +112,7 @@ pub fn run(opts: BenchOptions) -> Result<()> {
         repeat: opts.runs.repeat,
         cells,
         chat_turn,
+        draft,
         peak_rss_bytes: rss().1,
     };
     match &opts.json {

@@ -73,6 +73,27 @@ pub struct ChatTurn {
     pub no_cache_method: String,
 }
 
+/// Speculative decoding by prompt lookup against plain decoding, on a text the answer copies and
+/// on one it does not (`draft_summary`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DraftSummary {
+    pub mode: String,
+    pub max: usize,
+    pub generated_tokens: usize,
+    /// (plain tok/s, drafted tok/s, guesses kept in percent, tokens a forward), per text.
+    pub copy: DraftFigures,
+    pub novel: DraftFigures,
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct DraftFigures {
+    pub plain_tok_s: f64,
+    pub drafted_tok_s: f64,
+    pub speedup: f64,
+    pub kept_pct: f64,
+    pub tokens_per_forward: f64,
+}
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchReport {
     pub model: String,
@@ -81,6 +102,9 @@ pub struct BenchReport {
     pub repeat: usize,
     pub cells: Vec<Cell>,
     pub chat_turn: Option<ChatTurn>,
+    /// With `--draft ngram`: drafting against plain decoding.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftSummary>,
     pub peak_rss_bytes: Option<u64>,
 }
 
@@ -277,6 +301,87 @@ pub fn chat_turn(engine: &Engine, cached_mode: &str, cached: &CacheSpec) -> Resu
     })
 }
 
+/// Greedy decoding of `gen` tokens after `prompt`, plain and drafted (plain first, then drafted,
+/// then each again; the better of each pair): the decode speeds, the guesses kept, the tokens a
+/// forward. The two give the same tokens (checked).
+fn draft_figures(
+    engine: &Engine,
+    spec: &CacheSpec,
+    prompt: &[u32],
+    gen: usize,
+    max: usize,
+) -> Result<DraftFigures> {
+    let run = |draft: bool| -> Result<(Vec<u32>, crate::session::GenStats)> {
+        let mut s = engine.session(spec);
+        let logits = s.feed(prompt)?;
+        let mut sampler = crate::session::Sampler::new(crate::session::SamplingParams::greedy());
+        let mut d = crate::session::draft::Ngram::new(max);
+        let drafter = draft.then_some(&mut d as &mut dyn crate::session::draft::Drafter);
+        let (out, _, stats) =
+            s.decode_drafted(logits, &mut sampler, gen, &[], true, drafter, |_| Ok(true))?;
+        Ok((out, stats))
+    };
+    let (mut plain, mut drafted) = (0f64, 0f64);
+    let mut last = None;
+    for _ in 0..2 {
+        let (a, pa) = run(false)?;
+        let (b, pb) = run(true)?;
+        if a != b {
+            anyhow::bail!("drafted decoding gave other tokens than plain decoding");
+        }
+        plain = plain.max(pa.decode_tok_s());
+        drafted = drafted.max(pb.decode_tok_s());
+        last = Some(pb);
+    }
+    let s = last.expect("two rounds");
+    Ok(DraftFigures {
+        plain_tok_s: plain,
+        drafted_tok_s: drafted,
+        speedup: drafted / plain.max(1e-9),
+        kept_pct: 100.0 * s.accepted as f64 / s.drafted.max(1) as f64,
+        tokens_per_forward: s.decode_steps as f64 / s.forwards.max(1) as f64,
+    })
+}
+
+/// Drafting by prompt lookup (at most `max` tokens a guess) against plain decoding with `spec`,
+/// 128 greedy tokens after two prompts: one whose answer copies (in the model's chat template,
+/// "Repeat the following text exactly, word for word:" and 256 tokens of the bench text; without
+/// a template, those tokens and then their first 16 again), and one with nothing to copy (a story
+/// asked for; without a template, 272 fresh tokens of the text).
+pub fn draft_summary(
+    engine: &Engine,
+    mode: &str,
+    spec: &CacheSpec,
+    max: usize,
+) -> Result<DraftSummary> {
+    let gen = 128;
+    let text = bench_tokens(engine, 272 + 256)?;
+    let (copy, novel) = match engine.chat_template(None) {
+        Ok(t) => {
+            let doc = engine.tokenizer().decode(&text[..256], true)?;
+            let ask = |q: &str| engine.chat_prompt(&t, &[crate::template::Message::new("user", q)]);
+            (
+                ask(&format!(
+                    "Repeat the following text exactly, word for word:\n\n{doc}"
+                ))?,
+                ask("Write a long story about a dragon who learns to cook.")?,
+            )
+        }
+        Err(_) => {
+            let mut copy = text[..256].to_vec();
+            copy.extend_from_slice(&text[..16]);
+            (copy, text[256..256 + 272].to_vec())
+        }
+    };
+    Ok(DraftSummary {
+        mode: mode.to_string(),
+        max,
+        generated_tokens: gen,
+        copy: draft_figures(engine, spec, &copy, gen, max)?,
+        novel: draft_figures(engine, spec, &novel, gen, max)?,
+    })
+}
+
 /// The table a person reads: at most 100 columns for the usual mode names (notes are numbered
 /// footnotes under it), byte counts in KiB/MiB. The JSON keeps the exact integers.
 pub fn render_table(r: &BenchReport) -> String {
@@ -360,6 +465,21 @@ pub fn render_table(r: &BenchReport) -> String {
             "\nchat turn ({} prompt + {} generated tokens): {} {:.2} s vs no-cache {:.2} s,\n  the cache is {:.1}× faster end to end (no-cache: {})\n",
             t.prompt_tokens, t.generated_tokens, t.cached_mode, t.cached_s, t.no_cache_s, t.speedup, t.no_cache_method
         );
+    }
+    if let Some(d) = &r.draft {
+        s += &format!(
+            "\ndraft (prompt lookup, at most {} tokens a guess), {} greedy tokens with {}, decode tok/s plain → drafted:\n",
+            d.max, d.generated_tokens, d.mode
+        );
+        for (what, f) in [
+            ("a text it copies", &d.copy),
+            ("a text it does not", &d.novel),
+        ] {
+            s += &format!(
+                "  {what:<19} {:>7.1} → {:>7.1} ({:.2}×), {:.0} % of guesses kept, {:.2} tokens a forward\n",
+                f.plain_tok_s, f.drafted_tok_s, f.speedup, f.kept_pct, f.tokens_per_forward
+            );
+        }
     }
     s
 }

@@ -122,6 +122,7 @@ fn a_cell_over_its_time_budget_stops_early_and_says_so() {
         repeat: 2,
         cells: vec![c],
         chat_turn: None,
+        draft: None,
         peak_rss_bytes: None,
     };
     let table = render_table(&report);
@@ -166,6 +167,7 @@ fn table_has_one_aligned_row_per_cell_and_plot_is_svg() {
         repeat: 2,
         cells,
         chat_turn: None,
+        draft: None,
         peak_rss_bytes: None,
     };
     // A slow cell (a recompute at long context) with a big cache must not widen its columns.
@@ -312,4 +314,17 @@ fn a_needle_grid_runs_every_cell_at_its_length_and_draws_it() {
     );
     let svg = heat_map_svg(&r);
     assert_eq!(svg.matches("<rect").count(), 6);
+}
+
+#[test]
+fn the_draft_summary_measures_both_texts_and_drafting_changes_no_token() {
+    let e = tiny_engine("draft-summary");
+    let spec = mode("full").spec(e.ctx()).unwrap();
+    // (draft_summary fails if drafted decoding gives another token than plain decoding.)
+    let d = kvchat::eval::bench::draft_summary(&e, "full", &spec, 8).unwrap();
+    for f in [d.copy, d.novel] {
+        assert!(f.plain_tok_s > 0.0 && f.drafted_tok_s > 0.0, "{f:?}");
+        assert!(f.tokens_per_forward >= 1.0, "{f:?}");
+    }
+    assert_eq!((d.max, d.generated_tokens), (8, 128));
 }

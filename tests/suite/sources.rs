@@ -766,6 +766,22 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
             ],
             "--draft-max must be from 1 to 32, not 33",
         ),
+        (
+            &[
+                "bench",
+                "-m",
+                m,
+                "--modes",
+                "int8,window:64",
+                "--draft",
+                "ngram",
+            ],
+            "--draft: none of --modes can verify drafts",
+        ),
+        (
+            &["bench", "-m", m, "--draft", "small.gguf"],
+            "--draft small.gguf: bench measures prompt lookup only",
+        ),
         (&["needle", "-m", m, "--depths", "5,101"], "--depths 101"),
         (&["needle", "-m", m, "--keys", "0"], "--keys"),
         (
