@@ -174,6 +174,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
         }
         _ => None,
     };
+    if g.draft.is_some() && !session.can_verify_drafts() {
+        eprintln!("note: {DRAFTS_OFF}");
+    }
     let mut drafter: Option<Box<dyn Drafter + '_>> = match (&g.draft, &draft_engine) {
         (Some(DraftChoice::Ngram { max }), _) => Some(Box::new(Ngram::new(*max))),
         (Some(DraftChoice::Model { max, .. }), Some(d)) => {
@@ -251,6 +254,10 @@ pub fn run(opts: RunOptions) -> Result<()> {
     }
     Ok(())
 }
+
+/// Why a run or chat asked to draft decodes without drafts.
+pub const DRAFTS_OFF: &str =
+    "drafting is off: this model's sliding-window layers cannot verify drafts exactly yet";
 
 /// Refuses a draft model whose vocabulary is not the target's: the same size, and the same ids for
 /// a probe text (its guesses are token ids of the target's vocabulary).

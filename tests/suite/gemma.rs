@@ -191,3 +191,28 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
         / KvDims::of(&e.model().cfg).bytes_for_mode(&cached.mode, 8192);
     assert!(at_8192 <= 0.25, "{at_8192}");
 }
+
+#[test]
+fn gemma3_sliding_window_layers_do_not_draft_yet_and_decode_as_plainly() {
+    // Drafted decoding on the sliding-window layers parted from plain decoding (600-token prompt,
+    // 29th token, guesses of 2+): until that is found, a model with them does not draft.
+    let e = gemma();
+    let text = kvchat::eval::bench::bench_tokens(e, 600).unwrap();
+    let spec = CacheSpec::full(Precision::F16, e.ctx());
+    let run = |draft: bool| {
+        let mut s = e.session(&spec);
+        assert!(!s.can_verify_drafts());
+        let logits = s.feed(&text).unwrap();
+        let mut sampler = kvchat::session::Sampler::new(kvchat::session::SamplingParams::greedy());
+        let mut d = kvchat::session::draft::Ngram::new(16);
+        let drafter = draft.then_some(&mut d as &mut dyn kvchat::session::draft::Drafter);
+        let (out, _, stats) = s
+            .decode_drafted(logits, &mut sampler, 60, &[], true, drafter, |_| Ok(true))
+            .unwrap();
+        (out, stats)
+    };
+    let (plain, _) = run(false);
+    let (drafted, stats) = run(true);
+    assert_eq!(plain, drafted);
+    assert_eq!((stats.drafted, stats.forwards), (0, 59), "{stats:?}");
+}

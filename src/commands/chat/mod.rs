@@ -200,6 +200,9 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         colour: style::stderr(),
         stats: g.stats,
     };
+    if g.draft.is_some() && !chat.conv.session().can_verify_drafts() {
+        eprintln!("note: {}", super::run::DRAFTS_OFF);
+    }
     chat.conv.set_draft(match &g.draft {
         Some(super::DraftChoice::Ngram { max }) => Some(*max),
         _ => None,
