@@ -11,6 +11,7 @@
 
 use crate::engine::Engine;
 use crate::kv::CacheMode;
+use crate::model::Logits;
 use crate::session::Session;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -180,6 +181,63 @@ pub fn perplexity_with(
 ) -> Result<Perplexity> {
     let (mut p, _) = run(engine, &[cache], tokens, chunk, max_chunks, long, tick)?;
     Ok(p.remove(0))
+}
+
+/// As [`perplexity`] in chunks (not `long`) with a full cache, each chunk in one forward that
+/// returns every position's logits — llama-perplexity's own batching, and the fast way to a
+/// reference figure (the scored tokens are the same; the values are those of a prefill, which on
+/// the CPU kernels equal token-by-token decoding's, and with candle's dense matmuls differ by
+/// rounding).
+pub fn perplexity_prefilled(
+    engine: &Engine,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+) -> Result<Perplexity> {
+    if chunk < 4 {
+        bail!("a chunk of {chunk} tokens is too short (at least 4)");
+    }
+    let spec = CacheMode::default().spec(engine.ctx().max(chunk))?;
+    let bos = engine
+        .tokenizer()
+        .add_bos
+        .then_some(engine.tokenizer().bos_id)
+        .flatten();
+    let available = tokens.len() / chunk;
+    if available == 0 {
+        bail!(
+            "the text has {} tokens, fewer than one chunk of {chunk}",
+            tokens.len()
+        );
+    }
+    let n_chunks = if max_chunks == 0 {
+        available
+    } else {
+        available.min(max_chunks)
+    };
+    let mut nlls = Vec::new();
+    for c in 0..n_chunks {
+        let mut seq = tokens[c * chunk..(c + 1) * chunk].to_vec();
+        if let Some(b) = bos {
+            seq[0] = b;
+        }
+        let rows = engine.session(&spec).feed_with(&seq, Logits::All)?; // [chunk, vocab]
+                                                                        // Rows chunk/2 .. chunk-2 predict tokens chunk/2+1 .. chunk-1, as `score` does.
+        for j in chunk / 2..chunk - 1 {
+            nlls.push(-log_probs(&rows.get(j)?)?[seq[j + 1] as usize]);
+        }
+    }
+    let n = nlls.len() as f64;
+    let mean = nlls.iter().sum::<f64>() / n;
+    let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let ppl = mean.exp();
+    Ok(Perplexity {
+        ppl,
+        ppl_stderr: ppl * (var / n).sqrt(),
+        tokens_scored: nlls.len(),
+        chunks: n_chunks,
+        nll: nlls,
+    })
 }
 
 /// How far one cache's next-token distributions are from another's over the same tokens

@@ -626,3 +626,16 @@ fn the_model_drafting_for_itself_is_always_right_and_verifies_k_plus_one_tokens_
     // 80 tokens after the first: 16 forwards of a token and its 4 guesses.
     assert_eq!((stats.forwards, stats.decode_steps), (16, 80), "{stats:?}");
 }
+
+#[test]
+fn perplexity_of_prefilled_chunks_scores_the_tokens_of_token_by_token_scoring_to_the_bit() {
+    let e = engine();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
+    let one_by_one = perplexity(e, "full".parse().unwrap(), &ids, 256, 2, false).unwrap();
+    let batched = kvchat::eval::ppl::perplexity_prefilled(e, &ids, 256, 2).unwrap();
+    assert_eq!(batched.tokens_scored, 2 * 127);
+    assert_eq!(batched.nll, one_by_one.nll);
+}

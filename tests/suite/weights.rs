@@ -87,7 +87,16 @@ fn check(dtype: GgmlDType) {
     let path = requantized(dtype);
     let ours = ppl(&load(&path, Kernels::Ours, false));
     let candle = ppl(&load(&path, Kernels::Candle, false));
-    let dense = ppl(&load(&path, Kernels::Candle, true));
+    // The reference scores each chunk in one forward: dense f32 weights decoded token by token
+    // took 13 of this test's ~21 s per type.
+    let dense = {
+        let e = load(&path, Kernels::Candle, true);
+        let ids = e
+            .tokenizer()
+            .encode(kvchat::eval::bench::BENCH_TEXT)
+            .unwrap();
+        kvchat::eval::ppl::perplexity_prefilled(&e, &ids[..ids.len().min(512)], 256, 0).unwrap()
+    };
     let vs_dense = paired(&ours, &dense, "f32").unwrap();
     let vs_candle = paired(&ours, &candle, "candle").unwrap();
     let figures = format!(
