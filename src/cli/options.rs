@@ -152,7 +152,9 @@ impl DraftArgs {
         if !(1..=32).contains(&self.draft_max) {
             bail!("--draft-max must be from 1 to 32, not {}", self.draft_max);
         }
+        // Why not, in the flags' words, where the mode cannot verify drafts.
         match mode.retention {
+            _ if mode.verifies_drafts() => {}
             Retention::None => bail!("--draft needs a KV cache to verify drafts on (drop --no-cache)"),
             Retention::Window { .. } => bail!(
                 "--draft cannot verify drafts exactly on a --kv-window cache yet (a step's queries see the window as it was before the step)"

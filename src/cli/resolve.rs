@@ -4,7 +4,7 @@
 
 use super::options::{CacheArgs, DraftArgs, ModelArgs, SamplingArgs, StoreArgs};
 use super::subcommands::*;
-use crate::commands::bench::{BenchOptions, JsonOut};
+use crate::commands::bench::BenchOptions;
 use crate::commands::cache::{CacheOptions, CacheTask};
 use crate::commands::chat::ChatOptions;
 use crate::commands::kv_size::KvSizeOptions;
@@ -13,6 +13,7 @@ use crate::commands::needle::NeedleOptions;
 use crate::commands::ppl::PplOptions;
 use crate::commands::run::RunOptions;
 use crate::commands::tokenize::TokenizeOptions;
+use crate::commands::JsonOut;
 use crate::commands::{Generate, StoreChoice, TemplateChoice};
 use crate::eval::bench::Runs;
 use crate::eval::kv_size::{DimsFrom, KvSizeQuery};
@@ -203,7 +204,7 @@ impl BenchArgs {
                 }
                 let at = modes
                     .iter()
-                    .position(|(_, m)| m.retention == Retention::All && !m.precision.quantized())
+                    .position(|(_, m)| m.verifies_drafts())
                     .context(
                         "--draft: none of --modes can verify drafts exactly (add full, full+f32 or full+bf16)",
                     )?;

@@ -5,6 +5,7 @@
 //! caps it, and the table says so. A summary states the cache's end-to-end speed-up for a typical
 //! chat turn (512-token prompt + 256 generated tokens).
 
+use super::{write_report, JsonOut};
 use crate::engine::{Engine, LoadOptions};
 use crate::eval::bench::*;
 use crate::kv::{CacheMode, CacheSpec};
@@ -12,14 +13,6 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::time::Duration;
-
-/// Where the JSON report goes.
-#[derive(Debug, Clone, PartialEq)]
-pub enum JsonOut {
-    /// To stdout (the table then goes to stderr).
-    Stdout,
-    File(PathBuf),
-}
 
 /// `kvchat bench`, resolved.
 #[derive(Debug, Clone)]
@@ -115,19 +108,7 @@ pub fn run(opts: BenchOptions) -> Result<()> {
         draft,
         peak_rss_bytes: rss().1,
     };
-    match &opts.json {
-        Some(JsonOut::Stdout) => {
-            eprint!("{}", render_table(&report));
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        }
-        other => {
-            print!("{}", render_table(&report));
-            if let Some(JsonOut::File(p)) = other {
-                std::fs::write(p, serde_json::to_string_pretty(&report)?)
-                    .with_context(|| format!("cannot write {}", p.display()))?;
-            }
-        }
-    }
+    write_report(&opts.json, &render_table(&report), &report)?;
     if let Some(p) = &opts.plot {
         std::fs::write(p, plot_svg(&report))
             .with_context(|| format!("cannot write {}", p.display()))?;

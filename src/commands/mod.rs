@@ -18,6 +18,38 @@ use crate::kv::CacheMode;
 use crate::model::sampling::SamplingPrefs;
 use std::path::PathBuf;
 
+/// Where the JSON report goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JsonOut {
+    /// To stdout (the table then goes to stderr).
+    Stdout,
+    File(PathBuf),
+}
+
+/// A report as its table on stdout, and as JSON where `json` says (on stdout, the table then going
+/// to stderr; or to a file).
+pub fn write_report(
+    json: &Option<JsonOut>,
+    table: &str,
+    report: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    match json {
+        Some(JsonOut::Stdout) => {
+            eprint!("{table}");
+            println!("{}", serde_json::to_string_pretty(report)?);
+        }
+        other => {
+            print!("{table}");
+            if let Some(JsonOut::File(p)) = other {
+                std::fs::write(p, serde_json::to_string_pretty(report)?)
+                    .with_context(|| format!("cannot write {}", p.display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The prefix store as a run or chat uses it.
 #[derive(Debug, Clone)]
 pub enum StoreChoice {

@@ -1,7 +1,7 @@
 //! `kvchat needle`: pass-key retrieval through a cache (`eval::needle`), as a table, JSON and an
 //! SVG heat map.
 
-use crate::commands::bench::JsonOut;
+use super::{write_report, JsonOut};
 use crate::engine::{Engine, LoadOptions};
 use crate::eval::needle::{heat_map_svg, render_table, run_grid, NeedleGrid};
 use crate::kv::CacheMode;
@@ -43,19 +43,7 @@ pub fn run(opts: NeedleOptions) -> Result<()> {
         ));
     })?;
     bar.finish_and_clear();
-    match &opts.json {
-        Some(JsonOut::Stdout) => {
-            eprint!("{}", render_table(&report));
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        }
-        other => {
-            print!("{}", render_table(&report));
-            if let Some(JsonOut::File(p)) = other {
-                std::fs::write(p, serde_json::to_string_pretty(&report)?)
-                    .with_context(|| format!("cannot write {}", p.display()))?;
-            }
-        }
-    }
+    write_report(&opts.json, &render_table(&report), &report)?;
     if let Some(p) = &opts.plot {
         std::fs::write(p, heat_map_svg(&report))
             .with_context(|| format!("cannot write {}", p.display()))?;

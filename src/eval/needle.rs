@@ -71,6 +71,15 @@ impl NeedleReport {
     pub fn keys(&self) -> usize {
         self.cells.iter().map(|c| c.keys).sum()
     }
+    /// The grid's contexts (in run order) and depths (ascending).
+    fn axes(&self) -> (Vec<usize>, Vec<u32>) {
+        let mut contexts: Vec<usize> = self.cells.iter().map(|c| c.context).collect();
+        contexts.dedup();
+        let mut depths: Vec<u32> = self.cells.iter().map(|c| c.depth).collect();
+        depths.sort_unstable();
+        depths.dedup();
+        (contexts, depths)
+    }
 }
 
 /// The prompt's user message: the key at `depth` percent of `repeats` filler sentences.
@@ -196,11 +205,7 @@ fn answer(engine: &Engine, spec: &CacheSpec, prompt: &[u32]) -> Result<String> {
 
 /// The grid as a table: a row per depth, a column per context, "found/keys" in each cell.
 pub fn render_table(r: &NeedleReport) -> String {
-    let mut contexts: Vec<usize> = r.cells.iter().map(|c| c.context).collect();
-    contexts.dedup();
-    let mut depths: Vec<u32> = r.cells.iter().map(|c| c.depth).collect();
-    depths.sort_unstable();
-    depths.dedup();
+    let (contexts, depths) = r.axes();
     let mut s = format!("pass-key retrieval: {} | cache: {}\n", r.model, r.cache);
     s += &format!("{:>7}", "depth");
     for c in &contexts {
@@ -224,11 +229,7 @@ pub fn render_table(r: &NeedleReport) -> String {
 
 /// The grid as an SVG heat map (depth down, context across; green = every key found).
 pub fn heat_map_svg(r: &NeedleReport) -> String {
-    let mut contexts: Vec<usize> = r.cells.iter().map(|c| c.context).collect();
-    contexts.dedup();
-    let mut depths: Vec<u32> = r.cells.iter().map(|c| c.depth).collect();
-    depths.sort_unstable();
-    depths.dedup();
+    let (contexts, depths) = r.axes();
     let (cw, ch, left, top) = (90.0, 28.0, 70.0, 50.0);
     let w = left + cw * contexts.len() as f64 + 20.0;
     let h = top + ch * depths.len() as f64 + 40.0;

@@ -28,6 +28,66 @@ pub struct Perplexity {
     pub nll: Vec<f64>,
 }
 
+impl Perplexity {
+    /// The perplexity of these NLLs, with its standard error (delta method: stderr(exp(mean)) =
+    /// exp(mean) · stderr(mean)).
+    fn of(nll: Vec<f64>, chunks: usize) -> Self {
+        let n = nll.len() as f64;
+        let mean = nll.iter().sum::<f64>() / n;
+        let var = nll.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        let ppl = mean.exp();
+        Self {
+            ppl,
+            ppl_stderr: ppl * (var / n).sqrt(),
+            tokens_scored: nll.len(),
+            chunks,
+            nll,
+        }
+    }
+}
+
+/// llama-perplexity's chunks of `tokens`: at most `max_chunks` (0 = all) of `chunk` tokens, each
+/// starting with BOS when the model adds one.
+fn chunks(
+    engine: &Engine,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunks: usize,
+) -> Result<Vec<Vec<u32>>> {
+    if chunk < 4 {
+        bail!("a chunk of {chunk} tokens is too short (at least 4)");
+    }
+    let available = tokens.len() / chunk;
+    if available == 0 {
+        bail!(
+            "the text has {} tokens, fewer than one chunk of {chunk}",
+            tokens.len()
+        );
+    }
+    let n = if max_chunks == 0 {
+        available
+    } else {
+        available.min(max_chunks)
+    };
+    Ok(tokens
+        .chunks_exact(chunk)
+        .take(n)
+        .map(|c| {
+            let mut seq = c.to_vec();
+            if let Some(b) = bos(engine) {
+                seq[0] = b; // as llama-perplexity does
+            }
+            seq
+        })
+        .collect())
+}
+
+/// The BOS token the model adds, if it adds one.
+fn bos(engine: &Engine) -> Option<u32> {
+    let tk = engine.tokenizer();
+    tk.add_bos.then_some(tk.bos_id).flatten()
+}
+
 /// One cache against another on the same tokens: how much its perplexity differs, with the
 /// standard error of the paired per-token differences (the two runs score the same tokens, so
 /// their common difficulty cancels and a small difference can be told from noise).
@@ -194,50 +254,17 @@ pub fn perplexity_prefilled(
     chunk: usize,
     max_chunks: usize,
 ) -> Result<Perplexity> {
-    if chunk < 4 {
-        bail!("a chunk of {chunk} tokens is too short (at least 4)");
-    }
     let spec = CacheMode::default().spec(engine.ctx().max(chunk))?;
-    let bos = engine
-        .tokenizer()
-        .add_bos
-        .then_some(engine.tokenizer().bos_id)
-        .flatten();
-    let available = tokens.len() / chunk;
-    if available == 0 {
-        bail!(
-            "the text has {} tokens, fewer than one chunk of {chunk}",
-            tokens.len()
-        );
-    }
-    let n_chunks = if max_chunks == 0 {
-        available
-    } else {
-        available.min(max_chunks)
-    };
+    let seqs = chunks(engine, tokens, chunk, max_chunks)?;
     let mut nlls = Vec::new();
-    for c in 0..n_chunks {
-        let mut seq = tokens[c * chunk..(c + 1) * chunk].to_vec();
-        if let Some(b) = bos {
-            seq[0] = b;
-        }
-        let rows = engine.session(&spec).feed_with(&seq, Logits::All)?; // [chunk, vocab]
-                                                                        // Rows chunk/2 .. chunk-2 predict tokens chunk/2+1 .. chunk-1, as `score` does.
+    for seq in &seqs {
+        let rows = engine.session(&spec).feed_with(seq, Logits::All)?; // [chunk, vocab]
+                                                                       // Rows chunk/2 .. chunk-2 predict tokens chunk/2+1 .. chunk-1, as `score` does.
         for j in chunk / 2..chunk - 1 {
             nlls.push(-log_probs(&rows.get(j)?)?[seq[j + 1] as usize]);
         }
     }
-    let n = nlls.len() as f64;
-    let mean = nlls.iter().sum::<f64>() / n;
-    let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    let ppl = mean.exp();
-    Ok(Perplexity {
-        ppl,
-        ppl_stderr: ppl * (var / n).sqrt(),
-        tokens_scored: nlls.len(),
-        chunks: n_chunks,
-        nll: nlls,
-    })
+    Ok(Perplexity::of(nlls, seqs.len()))
 }
 
 /// How far one cache's next-token distributions are from another's over the same tokens
@@ -306,22 +333,16 @@ fn run(
     long: bool,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<(Vec<Perplexity>, Scores)> {
-    if chunk < 4 {
-        bail!("a chunk of {chunk} tokens is too short (at least 4)");
-    }
     let specs: Vec<_> = caches
         .iter()
         .map(|c| c.spec(engine.ctx().max(chunk)))
         .collect::<Result<_>>()?;
     let sessions = || specs.iter().map(|s| engine.session(s)).collect::<Vec<_>>();
-    let bos = engine
-        .tokenizer()
-        .add_bos
-        .then_some(engine.tokenizer().bos_id)
-        .flatten();
     let mut scores = Scores::default();
-    let n_chunks;
-    if long {
+    let n_chunks = if long {
+        if chunk < 4 {
+            bail!("a chunk of {chunk} tokens is too short (at least 4)");
+        }
         if tokens.len() <= chunk / 2 + 1 {
             bail!(
                 "the text has {} tokens, too few to score after a warm-up of {}",
@@ -330,48 +351,21 @@ fn run(
             );
         }
         let mut seq = Vec::with_capacity(tokens.len() + 1);
-        seq.extend(bos);
+        seq.extend(bos(engine));
         seq.extend_from_slice(tokens);
         score(&mut sessions(), &seq, chunk / 2, &mut scores, tick)?;
-        n_chunks = 1;
+        1
     } else {
-        let available = tokens.len() / chunk;
-        if available == 0 {
-            bail!(
-                "the text has {} tokens, fewer than one chunk of {chunk}",
-                tokens.len()
-            );
-        }
-        n_chunks = if max_chunks == 0 {
-            available
-        } else {
-            available.min(max_chunks)
-        };
-        for c in 0..n_chunks {
-            let mut seq = tokens[c * chunk..(c + 1) * chunk].to_vec();
-            if let Some(b) = bos {
-                seq[0] = b; // as llama-perplexity does
-            }
+        let seqs = chunks(engine, tokens, chunk, max_chunks)?;
+        for seq in &seqs {
             // Positions chunk/2 .. chunk-1 predict tokens chunk/2+1 .. chunk-1.
-            score(&mut sessions(), &seq, chunk / 2 + 1, &mut scores, tick)?;
+            score(&mut sessions(), seq, chunk / 2 + 1, &mut scores, tick)?;
         }
-    }
+        seqs.len()
+    };
     let ppl = std::mem::take(&mut scores.nll)
         .into_iter()
-        .map(|nlls| {
-            let n = nlls.len() as f64;
-            let mean = nlls.iter().sum::<f64>() / n;
-            let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-            let ppl = mean.exp();
-            Perplexity {
-                ppl,
-                // Delta method: stderr(exp(mean)) = exp(mean) · stderr(mean).
-                ppl_stderr: ppl * (var / n).sqrt(),
-                tokens_scored: nlls.len(),
-                chunks: n_chunks,
-                nll: nlls,
-            }
-        })
+        .map(|nlls| Perplexity::of(nlls, n_chunks))
         .collect();
     Ok((ppl, scores))
 }

@@ -47,6 +47,17 @@ pub struct CacheMode {
     pub residual: usize,
 }
 
+impl CacheMode {
+    /// Whether a batched step over this cache gives every row the bits of single steps and its
+    /// last positions can be taken back: what verifying drafts needs. Every position in a float
+    /// precision (any placement); not a quantized cache (a batched step reads more positions from
+    /// their f16 copies than single steps do), a window (a step's queries see the window as it
+    /// was before the step) or no cache.
+    pub fn verifies_drafts(&self) -> bool {
+        self.retention == Retention::All && !self.precision.quantized()
+    }
+}
+
 impl Default for CacheMode {
     fn default() -> Self {
         Self {

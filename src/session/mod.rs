@@ -238,19 +238,13 @@ impl<'m> Session<'m> {
         )
     }
 
-    /// Whether a draft can be verified exactly on this cache: one batched step must give the
-    /// logits of single steps, and its rejected positions must go back. True for a cache of every
-    /// position in a float precision (any placement). Not yet for a quantized cache (a batched
-    /// step reads more positions from their f16 copies than single steps do), a window (a step's
-    /// queries see the window as it was before the step) or no cache.
+    /// Whether a draft can be verified exactly on this cache ([`crate::kv::CacheMode::verifies_drafts`]).
     ///
-    /// Nor yet a model's declared sliding-window layers (Gemma 3): there, drafted decoding was
-    /// measured to part from plain decoding (after a 600-token prompt, at the 29th token, with
-    /// guesses of 2 or more) — not found yet, so not allowed.
+    /// Nor yet a model's declared sliding-window layers (Gemma 3): the attention kernel counts its
+    /// key chunks from a view's first position, which a wide step moves, so later rows round
+    /// differently from their single steps (DEVELOPERS.md).
     pub fn can_verify_drafts(&self) -> bool {
-        let spec = self.cache.spec();
-        spec.retention() == crate::kv::Retention::All
-            && !spec.precision().quantized()
+        self.cache.spec().mode.verifies_drafts()
             && self
                 .cache
                 .layers()

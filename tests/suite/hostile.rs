@@ -1279,3 +1279,28 @@ fn a_draft_model_with_another_vocabulary_is_refused_naming_both() {
         "{err}"
     );
 }
+
+#[test]
+fn a_draft_model_that_is_not_there_is_refused_in_one_line_naming_it() {
+    let home = temp("draft-missing");
+    let real = crate::common::model_path();
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "run",
+            "-m",
+            real.to_str().unwrap(),
+            "--draft",
+            "/nonexistent/draft.gguf",
+            "hi",
+        ],
+        b"",
+    );
+    assert_refused(&o, "the draft model");
+    assert!(
+        stderr(&o).contains("/nonexistent/draft.gguf"),
+        "{}",
+        stderr(&o)
+    );
+}

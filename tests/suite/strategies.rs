@@ -516,29 +516,28 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
     );
 }
 
-/// The tokens, the session's sequence after it and the drafting figures of a generation with or
-/// without drafts.
+/// The tokens, the session's sequence after it and the drafting figures of a generation of `n`
+/// tokens (past end-of-text when `ignore_eos`) with or without a drafter.
 fn drafted(
     spec: &CacheSpec,
     prompt: &[u32],
     params: kvchat::session::SamplingParams,
-    draft: Option<usize>,
+    draft: Option<&mut dyn kvchat::session::draft::Drafter>,
     n: usize,
+    ignore_eos: bool,
 ) -> (Vec<u32>, Vec<u32>, kvchat::session::GenStats) {
     let e = engine();
     let mut s = e.session(spec);
     let logits = s.feed(prompt).unwrap();
     let mut sampler = kvchat::session::Sampler::new(params);
-    let mut d = draft.map(kvchat::session::draft::Ngram::new);
     let (out, _, stats) = s
         .decode_drafted(
             logits,
             &mut sampler,
             n,
             e.stop_ids(),
-            false,
-            d.as_mut()
-                .map(|d| d as &mut dyn kvchat::session::draft::Drafter),
+            ignore_eos,
+            draft,
             |_| Ok(true),
         )
         .unwrap();
@@ -563,8 +562,15 @@ fn drafted_decoding_gives_the_tokens_of_plain_decoding_in_every_float_cache() {
         let n = if i == 0 { 120 } else { 64 };
         for mode in ["full+f32", "full", "full+bf16", "full+offload"] {
             let spec = spec(mode);
-            let plain = drafted(&spec, p, greedy(), None, n);
-            let fast = drafted(&spec, p, greedy(), Some(8), n);
+            let plain = drafted(&spec, p, greedy(), None, n, false);
+            let fast = drafted(
+                &spec,
+                p,
+                greedy(),
+                Some(&mut kvchat::session::draft::Ngram::new(8)),
+                n,
+                false,
+            );
             assert_eq!(plain.0, fast.0, "{mode}");
             // The session holds the same sequence: no rejected guess is left in the cache.
             assert_eq!(plain.1, fast.1, "{mode}: the sequence held");
@@ -589,8 +595,15 @@ fn drafted_sampling_with_a_seed_gives_the_tokens_of_plain_sampling() {
         seed: 7,
         ..Default::default()
     };
-    let plain = drafted(&spec("full"), &p, params.clone(), None, 120);
-    let fast = drafted(&spec("full"), &p, params, Some(8), 120);
+    let plain = drafted(&spec("full"), &p, params.clone(), None, 120, false);
+    let fast = drafted(
+        &spec("full"),
+        &p,
+        params,
+        Some(&mut kvchat::session::draft::Ngram::new(8)),
+        120,
+        false,
+    );
     assert_eq!((plain.0, plain.1), (fast.0, fast.1));
     assert!(fast.2.accepted > 0, "{:?}", fast.2);
 }
@@ -600,27 +613,10 @@ fn the_model_drafting_for_itself_is_always_right_and_verifies_k_plus_one_tokens_
     let e = engine();
     let p = chat_ids("Write a short story about a dragon who learns to cook.");
     let spec = spec("full");
-    let run = |draft: bool| {
-        let mut s = e.session(&spec);
-        let logits = s.feed(&p).unwrap();
-        let mut sampler = kvchat::session::Sampler::new(kvchat::session::SamplingParams::greedy());
-        let mut d = kvchat::session::draft::ModelDraft::new(e.session(&spec), 4);
-        let drafter = draft.then_some(&mut d as &mut dyn kvchat::session::draft::Drafter);
-        let (out, _, stats) = s
-            .decode_drafted(
-                logits,
-                &mut sampler,
-                81,
-                e.stop_ids(),
-                true,
-                drafter,
-                |_| Ok(true),
-            )
-            .unwrap();
-        (out, s.tokens().to_vec(), stats)
-    };
-    let (plain, plain_seq, _) = run(false);
-    let (fast, fast_seq, stats) = run(true);
+    let greedy = kvchat::session::SamplingParams::greedy;
+    let (plain, plain_seq, _) = drafted(&spec, &p, greedy(), None, 81, true);
+    let mut d = kvchat::session::draft::ModelDraft::new(e.session(&spec), 4);
+    let (fast, fast_seq, stats) = drafted(&spec, &p, greedy(), Some(&mut d), 81, true);
     assert_eq!((plain, plain_seq), (fast, fast_seq));
     assert_eq!(stats.accepted, stats.drafted, "{stats:?}");
     // 80 tokens after the first: 16 forwards of a token and its 4 guesses.
