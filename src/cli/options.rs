@@ -4,7 +4,7 @@
 
 use crate::engine::{max_threads, DeviceChoice, LoadOptions};
 use crate::kv::{
-    CacheMode, Precision, Retention, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS,
+    CacheMode, Evict, Precision, Retention, DEFAULT_PRECISION, DEFAULT_RESIDUAL, DEFAULT_SINKS,
 };
 use crate::model::sampling::SamplingPrefs;
 use anyhow::{bail, Context, Result};
@@ -102,9 +102,24 @@ pub struct CacheArgs {
     /// Keep only the last N positions (plus --kv-sinks): bounded memory, unbounded length
     #[arg(long, value_name = "N")]
     pub kv_window: Option<usize>,
-    /// With --kv-window: how many first positions to keep as attention sinks (0 = plain window)
-    #[arg(long, value_name = "S", default_value_t = DEFAULT_SINKS, requires = "kv_window")]
+    /// With --kv-window or --kv-budget: how many first positions to keep as attention sinks
+    /// (0 = none)
+    #[arg(long, value_name = "S", default_value_t = DEFAULT_SINKS)]
     pub kv_sinks: usize,
+    /// Keep N positions per layer, chosen by the attention they receive (--kv-evict); the sinks
+    /// and the newest 32 always among them. Bounded memory like a window, but old positions
+    /// that matter stay
+    #[arg(long, value_name = "N", conflicts_with = "kv_window")]
+    pub kv_budget: Option<usize>,
+    /// With --kv-budget: how positions are ranked. snapkv: the attention of a prompt's last 32
+    /// queries (in a decode, those since the last eviction), per KV head, pooled; tova: the newest
+    /// query's, all heads together; h2o: every query's, accumulated [default: snapkv]
+    #[arg(long, value_name = "POLICY", requires = "kv_budget")]
+    pub kv_evict: Option<String>,
+    /// With --kv-budget: flat (every layer N) or pyramid (lower layers more, upper fewer; N on
+    /// average, as PyramidKV)
+    #[arg(long, value_name = "SHAPE", value_parser = ["flat", "pyramid"], requires = "kv_budget")]
+    pub kv_budget_shape: Option<String>,
     /// How the cache stores keys and values: f32, f16, bf16, int8 or int4 (8/4 bits, a f16 scale
     /// per 32 values), all read in place by attention [default: f16]
     #[arg(long, value_name = "TYPE", value_parser = precision_parser(false))]
@@ -159,6 +174,9 @@ impl DraftArgs {
             Retention::Window { .. } => bail!(
                 "--draft cannot verify drafts exactly on a --kv-window cache yet (a step's queries see the window as it was before the step)"
             ),
+            Retention::Budget { .. } => bail!(
+                "--draft cannot verify drafts on a --kv-budget cache yet (an eviction cannot be taken back)"
+            ),
             Retention::All => {}
         }
         if mode.precision.quantized() {
@@ -210,6 +228,12 @@ impl CacheArgs {
         if self.no_cache && self.kv_window.is_some() {
             bail!("--no-cache and --kv-window cannot be combined: with no cache nothing is kept to window");
         }
+        if self.no_cache && self.kv_budget.is_some() {
+            bail!("--no-cache and --kv-budget cannot be combined: with no cache nothing is kept to choose from");
+        }
+        if self.kv_sinks != DEFAULT_SINKS && self.kv_window.is_none() && self.kv_budget.is_none() {
+            bail!("--kv-sinks applies to --kv-window or --kv-budget (add one of them)");
+        }
         if self.no_cache && self.kv_offload {
             bail!("--no-cache and --kv-offload cannot be combined: with no cache nothing is kept to offload");
         }
@@ -228,6 +252,30 @@ impl CacheArgs {
             Retention::Window {
                 window,
                 sinks: self.kv_sinks,
+            }
+        } else if let Some(budget) = self.kv_budget {
+            let evict = match self.kv_evict.as_deref() {
+                None => Evict::SnapKv,
+                Some(name) => Evict::parse(name).ok_or_else(|| {
+                    let names = Evict::ALL.map(Evict::name);
+                    anyhow::anyhow!(
+                        "--kv-evict '{name}' is not a policy (choose {}){}",
+                        names.join(", "),
+                        crate::did_you_mean(name, names)
+                    )
+                })?,
+            };
+            if budget == 0 {
+                bail!("--kv-budget must be at least 1 position");
+            }
+            if let Some(why) = crate::kv::budget_unfit(budget, self.kv_sinks) {
+                bail!("--kv-budget {budget} with --kv-sinks {}: {why}", self.kv_sinks);
+            }
+            Retention::Budget {
+                budget,
+                sinks: self.kv_sinks,
+                evict,
+                pyramid: self.kv_budget_shape.as_deref() == Some("pyramid"),
             }
         } else {
             Retention::All
@@ -256,6 +304,7 @@ impl CacheArgs {
             Retention::Window { window, sinks } => {
                 format!("--kv-window {window} with --kv-sinks {sinks} and --ctx {ctx}")
             }
+            Retention::Budget { budget, .. } => format!("--kv-budget {budget} and --ctx {ctx}"),
             _ => format!("--ctx {ctx}"),
         })
     }

@@ -23,7 +23,7 @@ use anyhow::Result;
 #[cfg(test)]
 use candle_core::DType;
 use candle_core::Device;
-pub use layer::{Layer, LayerSpec, Retention};
+pub use layer::{Evict, Layer, LayerSpec, Retention, OBSERVE_WINDOW, SLACK};
 
 /// Attention sinks kept by a window unless told otherwise.
 pub const DEFAULT_SINKS: usize = 4;
@@ -89,7 +89,7 @@ impl std::str::FromStr for CacheMode {
             };
             let set_retention = |r: &mut Option<Retention>, new: Retention| -> Result<()> {
                 if r.replace(new).is_some() {
-                    anyhow::bail!("cache mode '{s}' names two retentions (choose one of full, none, window:N)");
+                    anyhow::bail!("cache mode '{s}' names two retentions (choose one of full, none, window:N, budget:N)");
                 }
                 Ok(())
             };
@@ -116,6 +116,42 @@ impl std::str::FromStr for CacheMode {
                     }
                     set_retention(&mut retention, Retention::Window { window, sinks })?
                 }
+                ("budget", Some(arg)) => {
+                    let mut fields = arg.split(':');
+                    let budget = num("budget", fields.next().unwrap_or(""))?;
+                    let (mut evict, mut pyramid) = (Evict::SnapKv, false);
+                    for f in fields {
+                        match f {
+                            "pyramid" => pyramid = true,
+                            "flat" => pyramid = false,
+                            name => {
+                                evict = Evict::parse(name).ok_or_else(|| {
+                                    anyhow::anyhow!(
+                                        "cache mode '{s}': unknown eviction policy '{name}' ({}, and flat or pyramid)",
+                                        Evict::ALL.map(Evict::name).join(", ")
+                                    )
+                                })?
+                            }
+                        }
+                    }
+                    let sinks = match parts.get(i + 1) {
+                        Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                            i += 1;
+                            num("sink count", n)?
+                        }
+                        _ => DEFAULT_SINKS,
+                    };
+                    let r = Retention::Budget {
+                        budget,
+                        sinks,
+                        evict,
+                        pyramid,
+                    };
+                    if let Some(why) = budget_unfit(budget, sinks) {
+                        anyhow::bail!("cache mode '{s}': {why}");
+                    }
+                    set_retention(&mut retention, r)?
+                }
                 ("offload", None) => {
                     if std::mem::replace(&mut offload, true) {
                         anyhow::bail!("cache mode '{s}' names offload twice");
@@ -134,7 +170,7 @@ impl std::str::FromStr for CacheMode {
                     }
                 }
                 _ => anyhow::bail!(
-                    "cache mode '{s}': unknown part '{part}' (full, none, window:N[+S], f32, f16, bf16, int8[:R], int4[:R], offload)"
+                    "cache mode '{s}': unknown part '{part}' (full, none, window:N[+S], budget:N[:POLICY][:pyramid][+S], f32, f16, bf16, int8[:R], int4[:R], offload)"
                 ),
             }
             i += 1;
@@ -157,6 +193,18 @@ impl std::fmt::Display for CacheMode {
             Retention::None => write!(f, "none")?,
             Retention::All => write!(f, "full")?,
             Retention::Window { window, sinks } => write!(f, "window:{window}+{sinks}")?,
+            Retention::Budget {
+                budget,
+                sinks,
+                evict,
+                pyramid,
+            } => {
+                write!(f, "budget:{budget}:{}", evict.name())?;
+                if pyramid {
+                    write!(f, ":pyramid")?;
+                }
+                write!(f, "+{sinks}")?;
+            }
         }
         if self.precision != DEFAULT_PRECISION {
             write!(f, "+{}", self.precision.name())?;
@@ -194,11 +242,34 @@ impl CacheMode {
                 ));
             }
         }
+        if let Retention::Budget { budget, sinks, .. } = self.retention {
+            if let Some(why) = budget_unfit(budget, sinks) {
+                anyhow::bail!(why);
+            }
+            if budget > ctx {
+                return Err(crate::fixable(
+                    crate::Fix::WindowOverContext,
+                    format!("a budget of {budget} positions is larger than the context of {ctx}"),
+                ));
+            }
+        }
         Ok(CacheSpec {
             mode: *self,
             max_positions: ctx,
         })
     }
+}
+
+/// Why a budget of `budget` positions with `sinks` sinks cannot work, if it cannot: it must
+/// hold the sinks, the newest [`OBSERVE_WINDOW`] positions (which always stay) and at least as
+/// many chosen by score.
+pub fn budget_unfit(budget: usize, sinks: usize) -> Option<String> {
+    let least = sinks + 2 * OBSERVE_WINDOW;
+    (budget < least).then(|| {
+        format!(
+            "a budget of {budget} positions is too small: it keeps {sinks} sinks and the newest {OBSERVE_WINDOW} positions, and needs as many again to choose by score ({least} at least)"
+        )
+    })
 }
 
 /// A cache configuration with its context: what a session's cache is built from.
@@ -286,6 +357,22 @@ impl CacheSpec {
             Retention::Window { window, sinks } => {
                 format!("window of {window} positions + {sinks} attention sinks")
             }
+            Retention::Budget {
+                budget,
+                sinks,
+                evict,
+                pyramid,
+            } => format!(
+                "budget of {budget} positions{} chosen by {} ({}), {sinks} attention sinks and the newest {} always kept, up to {SLACK} more between evictions",
+                if pyramid {
+                    " per layer on average (pyramid: lower layers more)"
+                } else {
+                    " per layer"
+                },
+                evict.name(),
+                evict.what(),
+                OBSERVE_WINDOW.max(if m.precision.quantized() { m.residual } else { 0 }),
+            ),
         };
         let placement = if m.offload {
             "host memory (offload)"
@@ -308,7 +395,10 @@ impl CacheSpec {
     /// Whether the sequence may not outgrow the context (a window holds a bounded number of
     /// positions however long the sequence runs).
     pub fn bounded_by_context(&self) -> bool {
-        !matches!(self.mode.retention, Retention::Window { .. })
+        !matches!(
+            self.mode.retention,
+            Retention::Window { .. } | Retention::Budget { .. }
+        )
     }
 
     /// Why this cache cannot hold rows of this model, if it cannot.
@@ -330,7 +420,24 @@ impl CacheSpec {
             sinks: 0,
         };
         let (retention, attend_window) = match (m.retention, cfg.layer_window(i)) {
-            (Retention::All, Some(w)) => (declared, Some(w)),
+            (Retention::All | Retention::Budget { .. }, Some(w)) => (declared, Some(w)),
+            (
+                Retention::Budget {
+                    budget,
+                    sinks,
+                    evict,
+                    pyramid: true,
+                },
+                None,
+            ) => (
+                Retention::Budget {
+                    budget: pyramid_budget(budget, sinks, i, cfg),
+                    sinks,
+                    evict,
+                    pyramid: true,
+                },
+                None,
+            ),
             (Retention::Window { window, .. }, Some(w)) if w <= window => (declared, Some(w)),
             (Retention::None, Some(w)) => (Retention::None, Some(w)),
             (r, _) => (r, None),
@@ -366,6 +473,24 @@ impl CacheSpec {
     }
 }
 
+/// Layer i's share of a pyramid budget (PyramidKV): from 1.5 × `budget` at the first layer that
+/// takes a budget down to 0.5 × at the last, in a straight line, so the layers hold `budget` on
+/// average; never below what a budget needs ([`budget_unfit`]). Layers with a declared window
+/// keep their window and take no share.
+pub fn pyramid_budget(budget: usize, sinks: usize, i: usize, cfg: &Config) -> usize {
+    let budgeted: Vec<usize> = (0..cfg.n_layer)
+        .filter(|&l| cfg.layer_window(l).is_none())
+        .collect();
+    let n = budgeted.len();
+    let rank = budgeted.iter().position(|&l| l == i).unwrap_or(0);
+    let share = if n > 1 {
+        1.5 - rank as f64 / (n - 1) as f64
+    } else {
+        1.0
+    };
+    ((budget as f64 * share).round() as usize).max(sinks + 2 * OBSERVE_WINDOW)
+}
+
 /// All layers' caches for one sequence.
 pub struct KvCache {
     spec: CacheSpec,
@@ -388,6 +513,11 @@ impl DecoderCache for KvCache {
     fn step_done(&mut self) {
         for l in &mut self.layers {
             l.step_done();
+        }
+    }
+    fn forward_begins(&mut self, positions: usize) {
+        for l in &mut self.layers {
+            l.forward_begins(positions);
         }
     }
 }

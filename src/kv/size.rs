@@ -61,6 +61,8 @@ impl KvDims {
             Retention::None => 0,
             Retention::All => n,
             Retention::Window { window, sinks } => n.min(window + sinks),
+            // Between evictions up to `SLACK` more: what it holds after each.
+            Retention::Budget { budget, .. } => n.min(budget),
         };
         self.bytes_for(mode.precision, held, mode.residual.min(n))
     }

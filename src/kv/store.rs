@@ -36,6 +36,27 @@ pub trait RowStore: Send {
     fn write_raw(&mut self, slot: usize, len: usize, k: &[u8], v: &[u8]) -> Result<()>;
     /// Bytes allocated.
     fn bytes(&self) -> usize;
+    /// Keeps, for each head h, the rows of slots `keep[h]` (ascending; as many for every head) in
+    /// slots `0..keep[h].len()`, in that order: a cache that evicts by score compacting what it
+    /// keeps. Other slots' contents are left unspecified.
+    fn retain(&mut self, keep: &[Vec<usize>]) -> Result<()> {
+        let Some(n) = keep.iter().flatten().max().map(|m| m + 1) else {
+            return Ok(());
+        };
+        let len = keep[0].len();
+        let (k, v) = self.raw(0, n)?;
+        let row = k.len() / (keep.len() * n);
+        let pick = |bytes: &[u8]| -> Vec<u8> {
+            let mut out = Vec::with_capacity(keep.len() * len * row);
+            for (h, slots) in keep.iter().enumerate() {
+                for &s in slots {
+                    out.extend_from_slice(&bytes[(h * n + s) * row..][..row]);
+                }
+            }
+            out
+        };
+        self.write_raw(0, len, &pick(&k), &pick(&v))
+    }
 }
 
 /// Slots `slot..slot + len` of `store` (rows of `nkv` heads × `hd`) as `[1, nkv, len, hd]`
@@ -138,6 +159,30 @@ impl<C: RowFormat> HostStore<C> {
 impl<C: RowFormat> RowStore for HostStore<C> {
     fn precision(&self) -> Precision {
         C::PRECISION
+    }
+
+    fn retain(&mut self, keep: &[Vec<usize>]) -> Result<()> {
+        if keep.len() != self.nkv || keep.iter().any(|s| s.len() != keep[0].len()) {
+            bail!("retaining KV rows: one slot list of equal length per head is needed");
+        }
+        if keep.iter().any(|s| s.windows(2).any(|w| w[0] >= w[1])) {
+            bail!("retaining KV rows: the slots kept must ascend");
+        }
+        for (h, slots) in keep.iter().enumerate() {
+            if let Some(&last) = slots.last() {
+                self.check(last, 1)?;
+            }
+            // In place: slot slots[i] ≥ i (ascending), so a row moves only down, over rows
+            // already moved or dropped.
+            for (i, &s) in slots.iter().enumerate() {
+                if s != i {
+                    let (from, to) = (self.at(h, s), self.at(h, i));
+                    self.k.copy_within(from..from + self.row, to);
+                    self.v.copy_within(from..from + self.row, to);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn capacity(&self) -> usize {

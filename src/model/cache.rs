@@ -251,6 +251,9 @@ pub struct Attend<'a> {
     /// Where parts with `QueryRotation::ForSinks` need the first query rotated instead (a window's sinks sit at
     /// their place in the cache, not at their distance in the sequence); None when no part does.
     pub sink_q_pos: Option<usize>,
+    /// How many of the step's last queries' attention weights the cache wants back
+    /// ([`LayerCache::observed`]): a cache that evicts by score ranks positions by them. 0: none.
+    pub observe: usize,
 }
 
 /// One layer's cache.
@@ -268,6 +271,12 @@ pub trait LayerCache: Send {
     /// Drops every position of the sequence from `len` on, so the next append continues at `len`.
     /// Truncating to `len >= seen()` does nothing.
     fn truncate(&mut self, len: usize) -> Result<()>;
+    /// The attention the step's last [`Attend::observe`] queries paid each position of the view
+    /// (`kernels::attention::attend_view_observed`: `[n_kv_heads, L]`), once the step's attention
+    /// is done; called only when the cache asked.
+    fn observed(&mut self, _weights: &[f32]) -> Result<()> {
+        Ok(())
+    }
     /// Starts moving this layer's storage to the compute device ahead of its `append` (offload).
     fn prefetch(&mut self) -> Result<()> {
         Ok(())
@@ -288,4 +297,7 @@ pub trait DecoderCache {
     fn max_step(&self) -> Option<usize>;
     /// The forward is over: what only it needed (a recompute's rows) may go.
     fn step_done(&mut self) {}
+    /// A forward of `positions` positions begins (in one step or several): a cache that evicts
+    /// by score does so when the forward's last step is attended.
+    fn forward_begins(&mut self, _positions: usize) {}
 }

@@ -173,6 +173,7 @@ impl Llama {
             0
         };
         let first = chunk - seen % chunk;
+        cache.forward_begins(tokens.len());
         if cache.recomputes() || tokens.len() <= first {
             return self.forward_chunk(tokens, cache, which);
         }
@@ -327,7 +328,17 @@ impl Llama {
         let q_main = rotated(att.q_pos)?;
         let q_sink = att.sink_q_pos.map(rotated).transpose()?;
         let qs: Vec<&Tensor> = std::iter::once(&q_main).chain(q_sink.as_ref()).collect();
-        let out = super::kernels::attention::attend_view(&qs, &att.view, t, cfg.attn_scale)?; // [nkv, g*t, hd]
+        let (out, weights) = super::kernels::attention::attend_view_observed(
+            &qs,
+            &att.view,
+            t,
+            cfg.attn_scale,
+            att.observe,
+        )?; // [nkv, g*t, hd]; weights [nkv, L] when the cache asked
+        if att.observe > 0 {
+            drop(att);
+            cache.observed(&weights)?;
+        }
         let out = out
             .reshape((1, nh, t, hd))?
             .transpose(1, 2)? // [1, t, nh, hd]

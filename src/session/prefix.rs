@@ -27,6 +27,9 @@ impl Session<'_> {
         match self.cache.spec().retention() {
             Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
+            Retention::Budget { .. } => {
+                Some("a KV budget evicts as each prompt ends, so it holds no whole blocks to store")
+            }
             Retention::All if self.model.cfg.window_layers().is_some() => {
                 Some("this model's sliding-window layers keep only their window")
             }

@@ -6,7 +6,8 @@
 //! - **Retention** ([`Retention`]): which positions are kept and in which slot. `All`: position p in
 //!   slot p (the store grows by doubling up to the context). `Window { window: N, sinks: S }`: the
 //!   first S positions in slots 0..S, every later position p in ring slot S + (p − S) mod N, so
-//!   memory is bounded by S + N. `None`: nothing kept; every step is the whole sequence.
+//!   memory is bounded by S + N. `Budget`: a number of positions chosen by the attention they get
+//!   (`budget.rs`). `None`: nothing kept; every step is the whole sequence.
 //! - **Placement**: rows on the compute device, or (`offload`) in host memory and brought to a
 //!   CUDA/Metal device for each layer's attention, the next layer's copy started first. On the CPU
 //!   the two coincide: the same rows are read in place, bit for bit.
@@ -28,10 +29,12 @@ use crate::model::rope::Rope;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 
+mod budget;
 mod raw;
 #[cfg(test)]
 mod tests;
 
+pub use budget::{Evict, OBSERVE_WINDOW, SLACK};
 pub use raw::RawState;
 
 /// The first allocation of a growing store, in positions.
@@ -47,6 +50,15 @@ pub enum Retention {
     All,
     /// The first `sinks` positions and the last `window`.
     Window { window: usize, sinks: usize },
+    /// `budget` positions per layer, chosen by attention score (`evict`), the first `sinks` and
+    /// the newest always among them; with `pyramid`, lower layers keep more and upper layers
+    /// fewer, the same in all (PyramidKV).
+    Budget {
+        budget: usize,
+        sinks: usize,
+        evict: Evict,
+        pyramid: bool,
+    },
 }
 
 /// The newest positions of a quantized cache in f16 (rotated as the quantized rows are): slot
@@ -102,6 +114,8 @@ pub struct Layer {
     seen: usize,
     /// The oldest window position still held (positions before it, sinks aside, were dropped).
     win_lo: usize,
+    /// A budget's bookkeeping (`Retention::Budget`).
+    budget: Option<budget::Budgeted>,
 }
 
 pub struct LayerSpec {
@@ -157,6 +171,21 @@ impl Layer {
             staged: None,
             seen: 0,
             win_lo: 0,
+            budget: match spec.retention {
+                Retention::Budget {
+                    budget,
+                    sinks,
+                    evict,
+                    ..
+                } => Some(budget::Budgeted::new(
+                    nkv,
+                    budget,
+                    sinks,
+                    budget::OBSERVE_WINDOW.max(spec.residual),
+                    evict,
+                )),
+                _ => None,
+            },
         }
     }
 
@@ -422,6 +451,14 @@ impl Layer {
         if self.retention == Retention::None || len >= self.seen || len == 0 {
             return None;
         }
+        if let Some(bg) = &self.budget {
+            return (len < bg.evicted_before).then(|| {
+                format!(
+                    "the KV budget evicted positions before {}: going back to position {len} needs them",
+                    bg.evicted_before
+                )
+            });
+        }
         let (sinks, window) = self.held();
         let dropped = window.start > sinks.end;
         if dropped && len < window.start {
@@ -471,6 +508,9 @@ impl Layer {
     fn reset(&mut self) {
         self.seen = 0;
         self.win_lo = 0;
+        if let Some(bg) = self.budget.as_mut() {
+            bg.hold_all(0);
+        }
         self.pending = None;
         self.staged = None;
         if let Some(r) = self.residual.as_mut() {
@@ -481,6 +521,9 @@ impl Layer {
 
 impl LayerCache for Layer {
     fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>> {
+        if self.budget.is_some() {
+            return self.append_budgeted(k, v, rope);
+        }
         self.commit()?;
         self.staged = self.staged.take().filter(|_| self.offload_to.is_some());
         let t = k.dim(2)?;
@@ -534,12 +577,23 @@ impl LayerCache for Layer {
             view: self.view(sink_end, lo, b, e, dropped)?,
             q_pos,
             sink_q_pos,
+            observe: 0,
         })
+    }
+
+    fn observed(&mut self, weights: &[f32]) -> Result<()> {
+        match self.budget {
+            Some(_) => self.observed_budgeted(weights),
+            None => Ok(()),
+        }
     }
 
     fn len(&self) -> usize {
         if self.retention == Retention::None {
             return 0;
+        }
+        if let Some(bg) = &self.budget {
+            return bg.held();
         }
         let (a, b) = self.held();
         a.len() + b.len()
@@ -564,6 +618,9 @@ impl LayerCache for Layer {
         if len == 0 {
             self.reset();
             return Ok(());
+        }
+        if let Some(bg) = self.budget.as_mut() {
+            bg.drop_last(self.seen - len);
         }
         self.seen = len;
         self.win_lo = self.win_lo.min(len);

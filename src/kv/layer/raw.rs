@@ -7,6 +7,13 @@ impl Layer {
     /// Every held position's stored bytes, oldest first (`[nkv, held, row bytes]` each), and the
     /// residual's rows with the first position it holds.
     pub fn raw_state(&self) -> Result<RawState> {
+        if let Some(bg) = self.budget.as_ref().filter(|b| b.evicted_before > 0) {
+            bail!(
+                "a KV budget that has evicted positions cannot be saved yet (it evicted {} positions before {})",
+                bg.dropped,
+                bg.evicted_before
+            );
+        }
         let (sinks, window) = self.held();
         let mut k = Vec::new();
         let mut v = Vec::new();
@@ -72,6 +79,9 @@ impl Layer {
         self.reset();
         let (s, n) = self.shape();
         self.seen = seen;
+        if let Some(bg) = self.budget.as_mut() {
+            bg.hold_all(seen);
+        }
         self.win_lo = seen.saturating_sub(n).max(s.min(seen));
         if self.retention == Retention::All && seen > self.max_positions {
             bail!(

@@ -1,6 +1,7 @@
 use super::*;
+use super::budget::Budgeted;
 use crate::kv::test_rope;
-use crate::model::kernels::attention::attend_view;
+use crate::model::kernels::attention::attend_view_observed;
 
 const NKV: usize = 2;
 const HD: usize = 64;
@@ -52,7 +53,13 @@ fn step(c: &mut Layer, rope: &Rope, from: usize, t: usize) -> Vec<u32> {
     let q0 = rot(att.q_pos);
     let q1 = att.sink_q_pos.map(rot);
     let qs: Vec<&Tensor> = std::iter::once(&q0).chain(q1.as_ref()).collect();
-    let out = attend_view(&qs, &att.view, t, 0.125).unwrap();
+    let observe = att.observe;
+    let (out, weights) = attend_view_observed(&qs, &att.view, t, 0.125, observe).unwrap();
+    drop(att);
+    // As the decoder does: the scores to a cache that asked for them.
+    if observe > 0 {
+        c.observed(&weights).unwrap();
+    }
     let xs: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
     // As the decoder does before the layer's next step (a no-op but with offload).
     c.prefetch().unwrap();
@@ -440,4 +447,131 @@ fn a_declared_windows_wide_step_attends_each_row_as_its_single_step_does() {
 #[ignore = "parts today: the kernel's key chunks start at the view's first position, which a wide step moves (see DEVELOPERS.md)"]
 fn a_declared_window_wider_than_a_key_chunk_attends_a_wide_steps_rows_as_single_steps() {
     assert_eq!(wide_step_row_that_differs(300, 364, 400, 4), None);
+}
+
+fn budget(budget: usize, evict: Evict) -> Retention {
+    Retention::Budget {
+        budget,
+        sinks: 4,
+        evict,
+        pyramid: false,
+    }
+}
+
+/// The positions head h holds, in slot order.
+fn held_positions(c: &Layer, h: usize) -> Vec<u32> {
+    c.budget.as_ref().expect("a budget layer").positions[h].clone()
+}
+
+#[test]
+fn a_budget_is_the_full_cache_bit_for_bit_until_it_evicts() {
+    for p in Precision::ALL {
+        for evict in Evict::ALL {
+            let mut full = layer(p, Retention::All);
+            let mut b = layer(p, budget(100, evict));
+            assert!(run(&mut full, &STEPS) == run(&mut b, &STEPS), "{p:?} {evict:?}");
+            assert_eq!((b.len(), b.seen(), b.evicted()), (65, 65, Some(0)));
+        }
+    }
+}
+
+#[test]
+fn a_budget_holds_its_budget_after_a_prompt_and_at_most_slack_more_while_decoding() {
+    for evict in Evict::ALL {
+        let mut c = layer(Precision::F16, budget(80, evict));
+        c.forward_begins(300);
+        run(&mut c, &[100, 100, 100]);
+        assert_eq!((c.len(), c.seen()), (80, 300), "{evict:?} after the prompt");
+        let row = Precision::F16.row_bytes(HD);
+        assert_eq!(c.bytes_used(), 2 * NKV * 80 * row);
+        for i in 0..100 {
+            c.forward_begins(1);
+            run(&mut c, &[1]);
+            assert!((80..=80 + SLACK).contains(&c.len()), "{evict:?} step {i}: {}", c.len());
+        }
+        assert_eq!(c.seen(), 400);
+        assert_eq!(c.evicted(), Some(400 - c.len()));
+    }
+}
+
+#[test]
+fn a_budget_keeps_the_sinks_and_the_newest_positions_in_order() {
+    for evict in Evict::ALL {
+        let mut c = layer(Precision::Int8, budget(80, evict));
+        c.forward_begins(300);
+        run(&mut c, &[300]);
+        for h in 0..NKV {
+            let ps = held_positions(&c, h);
+            assert_eq!(ps.len(), 80);
+            assert!(ps.windows(2).all(|w| w[0] < w[1]), "{evict:?} ascending");
+            assert_eq!(&ps[..4], &[0, 1, 2, 3], "{evict:?} sinks");
+            let newest: Vec<u32> = (300 - OBSERVE_WINDOW as u32..300).collect();
+            assert_eq!(&ps[80 - OBSERVE_WINDOW..], &newest[..], "{evict:?} newest");
+        }
+    }
+}
+
+#[test]
+fn a_prompt_evicts_only_once_its_last_step_is_attended() {
+    let mut c = layer(Precision::F16, budget(80, Evict::SnapKv));
+    c.forward_begins(300);
+    run(&mut c, &[100, 100]);
+    assert_eq!((c.len(), c.evicted()), (200, Some(0)));
+    run(&mut c, &[100]);
+    assert_eq!((c.len(), c.evicted()), (80, Some(220)));
+}
+
+#[test]
+fn an_evicted_budget_goes_back_to_positions_after_its_last_eviction_only() {
+    let mut c = layer(Precision::F16, budget(80, Evict::Tova));
+    c.forward_begins(300);
+    run(&mut c, &[300]);
+    c.forward_begins(10);
+    run(&mut c, &[10]);
+    let why = c.truncate_refusal(299).expect("refused");
+    assert!(why.contains("evicted positions before 300"), "{why}");
+    assert!(c.truncate(299).is_err());
+    // From 300 on every position is held: going back there drops the last 10 slots.
+    c.truncate(300).unwrap();
+    assert_eq!((c.len(), c.seen()), (80, 300));
+    assert_eq!(*held_positions(&c, 0).last().unwrap(), 299);
+    // And a step from there attends as it did the first time.
+    let mut again = layer(Precision::F16, budget(80, Evict::Tova));
+    again.forward_begins(300);
+    run(&mut again, &[300]);
+    assert!(run(&mut c, &[10]) == run(&mut again, &[10]));
+}
+
+#[test]
+fn snapkv_keeps_the_best_scored_positions_and_their_neighbours_per_head() {
+    let mut bg = Budgeted::new(2, 70, 4, 32, Evict::SnapKv);
+    bg.hold_all(200);
+    // Head 0 attends to position 100, head 1 to position 150; everything else a little.
+    for (h, p) in [(0, 100), (1, 150)] {
+        bg.scores[h].fill(0.001);
+        bg.scores[h][p] = 1.0;
+    }
+    let keep = bg.choose(200);
+    for (h, p) in [(0usize, 100usize), (1, 150)] {
+        assert_eq!(keep[h].len(), 70);
+        // Pooling keeps the 3 on either side along with the position itself.
+        for q in p - 3..=p + 3 {
+            assert!(keep[h].contains(&q), "head {h} keeps {q}");
+        }
+    }
+    assert!(!keep[0].contains(&96) && !keep[1].contains(&100));
+    assert_ne!(keep[0], keep[1], "heads choose apart");
+}
+
+#[test]
+fn tova_makes_one_choice_for_every_head_from_their_summed_attention() {
+    let mut bg = Budgeted::new(2, 70, 4, 32, Evict::Tova);
+    bg.hold_all(200);
+    bg.scores[0][100] = 1.0;
+    bg.scores[1][150] = 1.0;
+    let keep = bg.choose(200);
+    assert_eq!(keep[0], keep[1]);
+    assert!(keep[0].contains(&100) && keep[0].contains(&150));
+    // No pooling: the neighbours of a chosen position are not kept for it.
+    assert!(!keep[0].contains(&99));
 }

@@ -25,6 +25,7 @@ pub use ops::{attend_candle_ops, causal_mask, hadamard_product, hadamard_rows};
 pub(crate) use tile::exp_nonpositive;
 use tile::*;
 
+use super::disjoint::DisjointOut;
 use super::kvrows::{self, Codec};
 use crate::model::cache::{with_host_rows, KvView, Rows};
 use anyhow::{bail, ensure, Result};
@@ -33,7 +34,25 @@ use candle_core::Tensor;
 /// Attention of the queries over a layer's view. `qs[0]` is rotated at the step's position, `qs[1]`
 /// (when a part asks for it) where a window's sinks need it.
 pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
+    Ok(attend_view_observed(qs, view, t, scale, 0)?.0)
+}
+
+/// [`attend_view`], and the attention the step's last `observe` queries pay each key: their
+/// softmax weights summed over those queries and the g query heads of each KV head, `[nkv, L]`
+/// (empty when `observe` is 0). What a cache that evicts by score (`Retention::Budget`) ranks
+/// positions by; the weights are the ones the softmax computes anyway, not a second pass.
+pub fn attend_view_observed(
+    qs: &[&Tensor],
+    view: &KvView<'_>,
+    t: usize,
+    scale: f32,
+    observe: usize,
+) -> Result<(Tensor, Vec<f32>)> {
     ensure!(!qs.is_empty(), "attention needs queries");
+    ensure!(
+        observe <= t,
+        "attention: {observe} observed queries of a step of {t}"
+    );
     if let Some(p) = view.parts.iter().find(|p| p.query.index() >= qs.len()) {
         bail!(
             "a part of the KV view pairs with query rotation {:?} that was not given",
@@ -45,7 +64,7 @@ pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> R
         .iter()
         .all(|p| !matches!(p.rows, Rows::Dense { .. }));
     if host && qs[0].device().is_cpu() {
-        return attend_host(qs, view, t, scale);
+        return attend_host_at(qs, view, t, scale, observe, false);
     }
     // Device: scores per part with its queries, then one softmax over them all. Rows stored
     // Hadamard-rotated (quantized caches) meet rotated queries, and the output is rotated back:
@@ -70,27 +89,38 @@ pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> R
     }
     let scores = Tensor::cat(&scores, 2)?;
     let values = Tensor::cat(&values, 1)?.contiguous()?;
-    let out = softmax_weighted(scores, &values, t, scale, view.window)?; // [nkv, g*t, hd]
-    match view.hadamard {
-        Some(b) => hadamard_rows(&out, b),
-        None => Ok(out),
-    }
+    let probs = softmax_probs(scores, t, scale, view.window)?; // [nkv, g*t, L]
+    let observed = if observe > 0 {
+        let (nkv, gt, l) = probs.dims3()?;
+        probs
+            .reshape((nkv, gt / t, t, l))?
+            .narrow(2, t - observe, observe)?
+            .sum((1, 2))? // [nkv, L]
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?
+    } else {
+        Vec::new()
+    };
+    let out = probs.matmul(&values)?; // [nkv, g*t, hd]
+    let out = match view.hadamard {
+        Some(b) => hadamard_rows(&out, b)?,
+        None => out,
+    };
+    Ok((out, observed))
 }
 
-/// The fused CPU kernel over host rows.
-fn attend_host(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
-    attend_host_at(qs, view, t, scale, false)
-}
-
-/// [`attend_host`], its tile loops built portably where `portable` (the reference the SIMD build
-/// is tested against) or as this CPU runs them best.
+/// The fused CPU kernel over host rows, with the observed queries' weights as
+/// [`attend_view_observed`] gives them; its tile loops built portably where `portable` (the
+/// reference the SIMD build is tested against) or as this CPU runs them best.
 fn attend_host_at(
     qs: &[&Tensor],
     view: &KvView<'_>,
     t: usize,
     scale: f32,
+    observe: usize,
     portable: bool,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Vec<f32>)> {
     let (nkv, gt, hd) = qs[0].dims3()?;
     let mut q: Vec<Vec<f32>> = Vec::with_capacity(qs.len());
     for x in qs {
@@ -136,7 +166,21 @@ fn attend_host_at(
         bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
     }
     let offset = kv_len - t;
+    // Observed rows: each one's numerators exp(x − m_c) over all keys and its chunks' [m_c, s_c],
+    // written by the work items (disjoint: one (row, chunk) each), normalized below.
+    let g = gt / t;
+    let n_chunks = kv_len.div_ceil(CHUNK);
+    let mut nums = vec![0f32; nkv * g * observe * kv_len];
+    let mut ms = vec![0f32; nkv * g * observe * n_chunks * 2];
+    let obs = Observe {
+        rows: observe,
+        nums: DisjointOut::new(&mut nums),
+        ms: DisjointOut::new(&mut ms),
+        kv_len,
+        n_chunks,
+    };
     let cx = Ctx {
+        obs: (observe > 0).then_some(&obs),
         segs: &segs,
         q: &q,
         gt,
@@ -154,8 +198,57 @@ fn attend_host_at(
             run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
         };
     let mut out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
+    drop(obs);
     if let Some(b) = view.hadamard {
         kvrows::hadamard(&mut out, b);
     }
-    Ok(Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?)
+    let observed = observed_weights(&nums, &ms, (nkv, g * observe, kv_len, n_chunks));
+    Ok((
+        Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?,
+        observed,
+    ))
+}
+
+/// `[nkv, L]`: per KV head, the softmax weights of its `rows` observed rows summed, from each
+/// row's numerators exp(x − m_c) (`nums`, `[nkv, rows, L]`) and its chunks' `[m_c, s_c]` (`ms`,
+/// `[nkv, rows, n_chunks, 2]`): weight = exp(x − m_c) · exp(m_c − M) / Σ_c s_c · exp(m_c − M),
+/// M the row's largest m_c, as [`combine`] weighs the chunks.
+fn observed_weights(
+    nums: &[f32],
+    ms: &[f32],
+    (nkv, rows, kv_len, n_chunks): (usize, usize, usize, usize),
+) -> Vec<f32> {
+    if rows == 0 {
+        return Vec::new();
+    }
+    let mut out = vec![0f32; nkv * kv_len];
+    for h in 0..nkv {
+        let acc = &mut out[h * kv_len..][..kv_len];
+        for r in 0..rows {
+            let row = h * rows + r;
+            let chunks = &ms[row * n_chunks * 2..][..n_chunks * 2];
+            let seen = || chunks.chunks_exact(2).filter(|c| c[1] > 0.0);
+            let m = seen().fold(f32::NEG_INFINITY, |m, c| m.max(c[0]));
+            let s: f32 = seen().map(|c| c[1] * exp_nonpositive(c[0] - m)).sum();
+            if s <= 0.0 {
+                continue;
+            }
+            let num = &nums[row * kv_len..][..kv_len];
+            for (c, (a, x)) in acc
+                .chunks_mut(CHUNK)
+                .zip(num.chunks(CHUNK))
+                .enumerate()
+            {
+                let [mc, sc] = [chunks[2 * c], chunks[2 * c + 1]];
+                if sc <= 0.0 {
+                    continue;
+                }
+                let w = exp_nonpositive(mc - m) / s;
+                for (a, x) in a.iter_mut().zip(x) {
+                    *a += x * w;
+                }
+            }
+        }
+    }
+    out
 }

@@ -82,6 +82,17 @@ pub(super) fn softmax_weighted(
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    Ok(softmax_probs(scores, t, scale, window)?.matmul(v)?)
+}
+
+/// softmax(scale · scores + causal mask), scores `[nkv, g*t, L]`: the weights of
+/// [`softmax_weighted`].
+pub(super) fn softmax_probs(
+    scores: Tensor,
+    t: usize,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let (nkv, gt, kv_len) = scores.dims3()?;
     let scores = (scores * scale as f64)?;
     let scores = if t > 1 || window.is_some_and(|w| w < kv_len) {
@@ -93,8 +104,7 @@ pub(super) fn softmax_weighted(
     } else {
         scores
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    Ok(probs.matmul(v)?)
+    Ok(candle_nn::ops::softmax_last_dim(&scores)?)
 }
 
 /// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future

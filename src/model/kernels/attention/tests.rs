@@ -199,16 +199,16 @@ fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
         let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
         let mut view = view_of(&kr, &vr, l, hd, &[l / 3], Rows::F16);
         view.window = w;
-        let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
-        let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
+        let simd = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
+        let portable = attend_host_at(&[&q], &view, t, 0.125, 0, true).unwrap().0;
         assert_eq!(bits(&simd), bits(&portable), "f16 t={t} L={l} hd={hd}");
         if hd % kvrows::QK != 0 {
             continue;
         }
         let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
         let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Int8);
-        let simd = attend_host_at(&[&q], &view, t, 0.125, false).unwrap();
-        let portable = attend_host_at(&[&q], &view, t, 0.125, true).unwrap();
+        let simd = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
+        let portable = attend_host_at(&[&q], &view, t, 0.125, 0, true).unwrap().0;
         assert_eq!(bits(&simd), bits(&portable), "int8 t={t} L={l} hd={hd}");
     }
 }
@@ -412,5 +412,68 @@ fn a_query_row_gives_the_same_bits_in_a_prefill_as_alone_under_a_window() {
             .reshape((nkv, g, hd))
             .unwrap();
         assert_eq!(max_diff(&want, &one), 0.0, "position {pos}");
+    }
+}
+
+#[test]
+fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_head() {
+    // Several key chunks, grouped heads, a cut view, a declared window; observe 1, some or all rows.
+    for (nkv, g, t, l, w, observe) in [
+        (2, 3, 1, 700, None, 1),
+        (2, 2, 9, 600, None, 4),
+        (1, 3, 6, 300, Some(40), 6),
+        (3, 1, 5, 5, None, 2),
+    ] {
+        let hd = 32;
+        let (k, v, q) = (
+            rand((nkv, l, hd)),
+            rand((nkv, l, hd)),
+            rand((nkv, g * t, hd)),
+        );
+        let (kr, vr, kd, vd) = encoded::<kvrows::F32>(&k, &v);
+        let mut view = view_of(&kr, &vr, l, hd, &[l / 2], Rows::F32);
+        view.window = w;
+        let (out, got) = attend_host_at(&[&q], &view, t, 0.125, observe, false).unwrap();
+        // The reference: candle's softmax over the masked scores, rows summed.
+        let scores = q.matmul(&kd.t().unwrap()).unwrap();
+        let probs = softmax_probs(scores, t, 0.125, w).unwrap(); // [nkv, g*t, L]
+        let want: Vec<f32> = probs
+            .reshape((nkv, g, t, l))
+            .unwrap()
+            .narrow(2, t - observe, observe)
+            .unwrap()
+            .sum((1, 2))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(got.len(), nkv * l);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() < 1e-5, "t={t} L={l} key {i}: {a} vs {b}");
+        }
+        // Each observed row's weights sum to 1: g · observe per KV head.
+        for h in 0..nkv {
+            let total: f32 = got[h * l..(h + 1) * l].iter().sum();
+            assert!((total - (g * observe) as f32).abs() < 1e-3, "head {h}: {total}");
+        }
+        // Observing changes no output bit, and the device path reports the same weights.
+        let plain = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
+        assert_eq!(bits(&out), bits(&plain));
+        let dense = KvView {
+            parts: vec![Part {
+                rows: Rows::Dense {
+                    k: kd.unsqueeze(0).unwrap(),
+                    v: vd.unsqueeze(0).unwrap(),
+                },
+                query: QueryRotation::AtPosition,
+            }],
+            hadamard: None,
+            window: w,
+        };
+        let (_, dev) = attend_view_observed(&[&q], &dense, t, 0.125, observe).unwrap();
+        for (a, b) in dev.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "device path t={t}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The fused CPU kernel's inner loops: a tile of query rows scored against keys decoded from
 //! their stored format, an online softmax, and the weighted values.
 
+use super::super::disjoint::DisjointOut;
 use super::super::kvrows::{Codec, Decoder};
 use super::*;
 use crate::model::cache::{with_host_rows, HostRows, Rows};
@@ -90,6 +91,19 @@ pub(super) struct Ctx<'a, 'b> {
     pub(super) offset: usize,
     pub(super) window: Option<usize>,
     pub(super) scale: f32,
+    /// Where the step's last queries' softmax numerators go, when a cache asks for them.
+    pub(super) obs: Option<&'b Observe<'b>>,
+}
+
+/// The outputs of observed query rows (the step's last `rows` rows of each query head): each
+/// row's numerators exp(x − m_c) over the view's keys, `nums [nkv, g·rows, kv_len]`, and its
+/// chunks' `[m_c, s_c]`, `ms [nkv, g·rows, n_chunks, 2]`.
+pub(super) struct Observe<'a> {
+    pub(super) rows: usize,
+    pub(super) nums: DisjointOut<'a, f32>,
+    pub(super) ms: DisjointOut<'a, f32>,
+    pub(super) kv_len: usize,
+    pub(super) n_chunks: usize,
 }
 
 /// `KB` keys' rows decoded (`n` of them; the rest repeat the first, so the loops run whole).
@@ -375,6 +389,9 @@ pub(super) fn tile_chunk(
         ));
     }
     let (m, sum) = tile_softmax(scores, (least, most, j0), (&starts, &ends));
+    if let Some(obs) = cx.obs {
+        observe_rows(cx, obs, (h, r0, rows, c), scores, (least, most, j0), (&m, &sum));
+    }
     acc.fill(0.0);
     for s in overlapping() {
         let span = (s.start, s.start.max(least), s.end.min(most), j0);
@@ -396,6 +413,39 @@ pub(super) fn tile_chunk(
         for (e, o) in p[2..].iter_mut().enumerate() {
             *o = acc[e * TILE + r];
         }
+    }
+}
+
+/// Copies the numerators and `[m, s]` of the tile's observed rows (see [`Observe`]) for chunk
+/// `c`: keys `lo..hi` from `scores`, the chunk's other keys (unseen) left at 0.
+#[inline(always)]
+fn observe_rows(
+    cx: &Ctx<'_, '_>,
+    obs: &Observe<'_>,
+    (h, r0, rows, c): (usize, usize, usize, usize),
+    scores: &[f32],
+    (lo, hi, j0): (usize, usize, usize),
+    (m, sum): (&[f32; TILE], &[f32; TILE]),
+) {
+    let per_head = (cx.gt / cx.t) * obs.rows;
+    for r in 0..rows {
+        let (head, at) = ((r0 + r) / cx.t, (r0 + r) % cx.t);
+        if at + obs.rows < cx.t {
+            continue;
+        }
+        let row = h * per_head + head * obs.rows + (at + obs.rows - cx.t);
+        if hi > lo {
+            // SAFETY (DisjointOut's contract): keys lo..hi of chunk c of this row belong to this
+            // (tile, chunk) item alone.
+            let out = unsafe { obs.nums.slice(row * obs.kv_len + lo, hi - lo) };
+            for (j, o) in (lo..hi).zip(out) {
+                *o = scores[(j - j0) * TILE + r];
+            }
+        }
+        // SAFETY: as above, chunk c's [m, s] of this row.
+        let out = unsafe { obs.ms.slice((row * obs.n_chunks + c) * 2, 2) };
+        out[0] = m[r];
+        out[1] = sum[r];
     }
 }
 

@@ -1,0 +1,319 @@
+//! Retention by score ([`Retention::Budget`]): a layer keeps `budget` positions, chosen by the
+//! attention they receive, plus the newer positions that arrive until the next eviction (at most
+//! [`SLACK`] in a decode; a prompt's positions until its last step is attended).
+//!
+//! Layout: slot i of head h holds position `positions[h][i]`, ascending. Heads may hold different
+//! positions (SnapKV ranks per KV head) but always as many, so the store keeps its `[nkv, slots,
+//! row]` layout. A step's rows go to the slots after the held ones, so the view is the slots in
+//! order with the step's own positions last, which is all the causal mask needs: keys are stored
+//! rotated at their absolute positions, so nothing is re-rotated after an eviction.
+//!
+//! Scores come from the attention kernel (`attend_view_observed`): the softmax weights the step's
+//! last queries gave each slot, summed over the query heads of a KV head. When a forward's last
+//! step has been attended and more than `budget + SLACK` positions are held, the layer keeps the
+//! sinks, the `recent` newest positions and the best scored of the rest, `budget` in all, and
+//! compacts them into the first slots ([`RowStore::retain`]).
+
+use super::*;
+use anyhow::ensure;
+
+/// How many of a prompt's last queries score its positions (SnapKV's observation window).
+pub const OBSERVE_WINDOW: usize = 32;
+/// Positions a budget layer takes on past its budget before it evicts again: evicting in
+/// batches keeps the compaction's copies off every decode step.
+pub const SLACK: usize = 32;
+/// SnapKV's pooling: a slot's score is the largest of its neighbours' within this many slots
+/// (so a kept position keeps the few around it: a number's digits, a word's pieces).
+const POOL: usize = 7;
+
+/// How a budget cache ranks the positions it may evict: the table of policies.
+macro_rules! policies {
+    ($( $(#[$doc:meta])* $v:ident = $name:literal, $what:literal; )*) => {
+        /// The eviction policy of a budget cache.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+        #[serde(rename_all = "lowercase")]
+        pub enum Evict {
+            $( $(#[$doc])* $v, )*
+        }
+
+        impl Evict {
+            pub const ALL: [Evict; [$($name),*].len()] = [$(Evict::$v),*];
+            pub fn name(self) -> &'static str {
+                match self { $( Evict::$v => $name, )* }
+            }
+            /// What the policy scores by, in a few words.
+            pub fn what(self) -> &'static str {
+                match self { $( Evict::$v => $what, )* }
+            }
+            pub fn parse(s: &str) -> Option<Self> {
+                Self::ALL.into_iter().find(|e| e.name() == s)
+            }
+        }
+    };
+}
+
+policies! {
+    /// SnapKV: the attention of the last [`OBSERVE_WINDOW`] queries of a prompt (in a decode,
+    /// of the queries since the last eviction), per KV head, pooled over neighbouring slots.
+    SnapKv = "snapkv", "attention of the last 32 queries, per KV head, pooled over 7 slots";
+    /// TOVA: the attention of the newest query alone, summed over every head (one choice for
+    /// the layer).
+    Tova = "tova", "attention of the newest query, all heads together";
+    /// H2O: the attention every query has paid a position since it arrived, per KV head.
+    H2o = "h2o", "attention accumulated over every query, per KV head";
+}
+
+/// A budget layer's bookkeeping.
+pub(super) struct Budgeted {
+    pub(super) budget: usize,
+    pub(super) sinks: usize,
+    /// The newest positions that always stay (the observation window, and a quantized cache's
+    /// f16 residual, which attention reads by position).
+    pub(super) recent: usize,
+    pub(super) evict: Evict,
+    /// `positions[h][slot]`, ascending.
+    pub(super) positions: Vec<Vec<u32>>,
+    /// `scores[h][slot]`: the attention observed since the policy last reset it.
+    pub(super) scores: Vec<Vec<f32>>,
+    /// Every position from here on is held by every head; some before it were evicted (0: none).
+    pub(super) evicted_before: usize,
+    /// Where the forward under way ends (`DecoderCache::forward_begins`); None: every step is
+    /// a forward of its own.
+    pub(super) forward_end: Option<usize>,
+    /// Positions evicted so far (per head).
+    pub(super) dropped: usize,
+    /// Whether the step under way may evict once attended.
+    pub(super) last_step: bool,
+}
+
+impl Budgeted {
+    pub(super) fn new(nkv: usize, budget: usize, sinks: usize, recent: usize, evict: Evict) -> Self {
+        Self {
+            budget,
+            sinks,
+            recent,
+            evict,
+            positions: vec![Vec::new(); nkv],
+            scores: vec![Vec::new(); nkv],
+            evicted_before: 0,
+            forward_end: None,
+            dropped: 0,
+            last_step: false,
+        }
+    }
+
+    pub(super) fn held(&self) -> usize {
+        self.positions[0].len()
+    }
+
+    /// How many of a step's last `t` queries score positions; `last`: the step ends its forward.
+    pub(super) fn observe(&self, t: usize, last: bool) -> usize {
+        match self.evict {
+            Evict::H2o => t,
+            Evict::SnapKv if last => t.min(OBSERVE_WINDOW),
+            Evict::Tova if last => 1,
+            _ => 0,
+        }
+    }
+
+    /// Adds a step's observed weights `[nkv, held]` (slot order) to the scores.
+    pub(super) fn add(&mut self, weights: &[f32]) -> Result<()> {
+        let n = self.held();
+        ensure!(
+            weights.len() == self.positions.len() * n,
+            "observed attention over {} keys, the layer holds {n} positions per head",
+            weights.len() / self.positions.len().max(1)
+        );
+        for (s, w) in self.scores.iter_mut().zip(weights.chunks_exact(n.max(1))) {
+            if self.evict == Evict::Tova {
+                s.fill(0.0);
+            }
+            for (a, b) in s.iter_mut().zip(w) {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the step just attended ends a forward (or a prompt's piece, see `append_budgeted`)
+    /// after which too much is held.
+    pub(super) fn due(&self) -> bool {
+        self.last_step && self.held() > self.budget + SLACK
+    }
+
+    /// The slots each head keeps (ascending): the sinks, the `recent` newest positions, and the
+    /// best scored of the others, `budget` in all.
+    pub(super) fn choose(&self, seen: usize) -> Vec<Vec<usize>> {
+        let protected = |p: u32| (p as usize) < self.sinks || p as usize + self.recent >= seen;
+        let rank = |scores: &[f32], positions: &[u32]| -> Vec<usize> {
+            let scored: Vec<f32> = match self.evict {
+                Evict::SnapKv => pooled(scores),
+                _ => scores.to_vec(),
+            };
+            let (mut keep, mut rest): (Vec<usize>, Vec<usize>) =
+                (0..positions.len()).partition(|&i| protected(positions[i]));
+            let room = self.budget.saturating_sub(keep.len());
+            // Highest score first; among equals, the newer position.
+            rest.sort_by(|&a, &b| scored[b].total_cmp(&scored[a]).then(b.cmp(&a)));
+            keep.extend(rest.into_iter().take(room));
+            keep.sort_unstable();
+            keep
+        };
+        match self.evict {
+            // One choice for the layer, by the attention of all heads (their positions agree:
+            // every eviction so far chose the same slots for each).
+            Evict::Tova => {
+                let n = self.held();
+                let total: Vec<f32> = (0..n)
+                    .map(|i| self.scores.iter().map(|s| s[i]).sum())
+                    .collect();
+                let keep = rank(&total, &self.positions[0]);
+                vec![keep; self.positions.len()]
+            }
+            _ => self
+                .scores
+                .iter()
+                .zip(&self.positions)
+                .map(|(s, p)| rank(s, p))
+                .collect(),
+        }
+    }
+
+    /// Keeps `keep[h]` of each head's bookkeeping, in order, after an eviction at `seen`.
+    pub(super) fn evicted(&mut self, keep: &[Vec<usize>], seen: usize) {
+        let before = self.held();
+        for ((ps, ss), k) in self.positions.iter_mut().zip(&mut self.scores).zip(keep) {
+            *ps = k.iter().map(|&i| ps[i]).collect();
+            *ss = k.iter().map(|&i| ss[i]).collect();
+            if self.evict != Evict::H2o {
+                ss.fill(0.0);
+            }
+        }
+        self.dropped += before - self.held();
+        self.evicted_before = seen;
+    }
+
+    /// The last `n` positions go (a truncation that the evictions allow).
+    pub(super) fn drop_last(&mut self, n: usize) {
+        for (ps, ss) in self.positions.iter_mut().zip(&mut self.scores) {
+            let keep = ps.len().saturating_sub(n);
+            ps.truncate(keep);
+            ss.truncate(keep);
+        }
+    }
+
+    /// Positions `0..seen`, every one held (a reset, or a restored state that evicted nothing).
+    pub(super) fn hold_all(&mut self, seen: usize) {
+        for (ps, ss) in self.positions.iter_mut().zip(&mut self.scores) {
+            *ps = (0..seen as u32).collect();
+            *ss = vec![0.0; seen];
+        }
+        self.evicted_before = 0;
+    }
+}
+
+/// Each slot's score raised to the largest within [`POOL`] / 2 slots either side.
+fn pooled(scores: &[f32]) -> Vec<f32> {
+    let r = POOL / 2;
+    (0..scores.len())
+        .map(|i| {
+            let lo = i.saturating_sub(r);
+            let hi = (i + r + 1).min(scores.len());
+            scores[lo..hi].iter().copied().fold(f32::MIN, f32::max)
+        })
+        .collect()
+}
+
+impl Layer {
+    /// [`LayerCache::append`] for a budget layer: the step's rows after the held ones, the view of
+    /// them all in slot order.
+    pub(super) fn append_budgeted(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+    ) -> Result<Attend<'_>> {
+        if self.store_on.is_some() || self.offload_to.is_some() {
+            bail!("a KV budget runs on the CPU for now (its attention hands scores to the cache there)");
+        }
+        let t = k.dim(2)?;
+        let (b, e) = (self.seen, self.seen + t);
+        let k = rope.apply(k, b)?; // [1, nkv, t, hd], rotated at absolute positions
+        let (k, v) = match self.hadamard {
+            Some(blk) => (self.rotate(&k, blk)?, self.rotate(v, blk)?),
+            None => (k, v.clone()),
+        };
+        let n = self.budget.as_ref().expect("a budget layer").held();
+        if n + t > self.store.capacity() {
+            let cap = (n + t).next_power_of_two().max(MIN_CAPACITY);
+            self.store.grow(cap, n)?;
+        }
+        self.store.write(n, &k, &v)?;
+        self.write_residual(b, &k, &v)?;
+        self.seen = e;
+        let bg = self.budget.as_mut().expect("a budget layer");
+        for (ps, ss) in bg.positions.iter_mut().zip(&mut bg.scores) {
+            ps.extend(b as u32..e as u32);
+            ss.resize(n + t, 0.0);
+        }
+        // A step ends its forward, or leaves so much held that a step as long again would pass
+        // the context: either way the held positions are scored and cut back now.
+        let last = bg.forward_end.is_none_or(|end| e >= end) || n + 2 * t > self.max_positions;
+        bg.last_step = last;
+        let observe = bg.observe(t, last);
+        // The residual's positions are the newest (always held: `recent` covers them), so they
+        // are the last slots; attention reads them from their f16 copies.
+        let (res_lo, res_hi) = match &self.residual {
+            Some(r) if r.lo < r.hi => (r.lo, r.hi),
+            _ => (e, e),
+        };
+        let main = n + t - (res_hi - res_lo);
+        let mut parts = Vec::new();
+        if main > 0 {
+            parts.push(self.store.part(0, main, QueryRotation::AtPosition)?);
+        }
+        for (src, slot, len) in self.runs(res_lo, res_hi) {
+            parts.push(self.source(src).part(slot, len, QueryRotation::AtPosition)?);
+        }
+        Ok(Attend {
+            view: KvView {
+                parts,
+                hadamard: self.hadamard,
+                window: None,
+            },
+            q_pos: b,
+            sink_q_pos: None,
+            observe,
+        })
+    }
+
+    /// [`LayerCache::observed`] for a budget layer: the scores, then an eviction when one is due.
+    pub(super) fn observed_budgeted(&mut self, weights: &[f32]) -> Result<()> {
+        let seen = self.seen;
+        let bg = self.budget.as_mut().expect("a budget layer");
+        bg.add(weights)?;
+        if !bg.due() {
+            return Ok(());
+        }
+        let keep = bg.choose(seen);
+        self.store.retain(&keep)?;
+        self.budget
+            .as_mut()
+            .expect("a budget layer")
+            .evicted(&keep, seen);
+        Ok(())
+    }
+
+    /// A forward of `positions` begins: a budget evicts when its last step has been attended.
+    pub fn forward_begins(&mut self, positions: usize) {
+        let end = self.seen + positions;
+        if let Some(bg) = self.budget.as_mut() {
+            bg.forward_end = Some(end);
+        }
+    }
+
+    /// Positions evicted by this layer's budget so far (per head), if it has one.
+    pub fn evicted(&self) -> Option<usize> {
+        self.budget.as_ref().map(|b| b.dropped)
+    }
+}
