@@ -269,7 +269,10 @@ impl CacheArgs {
                 bail!("--kv-budget must be at least 1 position");
             }
             if let Some(why) = crate::kv::budget_unfit(budget, self.kv_sinks) {
-                bail!("--kv-budget {budget} with --kv-sinks {}: {why}", self.kv_sinks);
+                bail!(
+                    "--kv-budget {budget} with --kv-sinks {}: {why}",
+                    self.kv_sinks
+                );
             }
             Retention::Budget {
                 budget,

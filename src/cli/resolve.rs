@@ -293,6 +293,7 @@ impl NeedleArgs {
                 depths: self.depths,
                 keys: self.keys,
                 seed: self.seed,
+                ask_later: self.ask_later,
             },
             json: json_out(self.json),
             plot: self.plot,

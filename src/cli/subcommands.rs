@@ -145,6 +145,10 @@ pub struct NeedleArgs {
     /// Seed of the keys: the same seed gives every cache the same keys
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Ask in the next turn: the text with the key is one user turn (fed, and so compressed by a
+    /// budget, on its own), the question a second one
+    #[arg(long)]
+    pub ask_later: bool,
     /// Write the results as JSON to this file (`-`: to stdout, the table then goes to stderr)
     #[arg(long)]
     pub json: Option<PathBuf>,

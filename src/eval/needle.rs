@@ -23,6 +23,8 @@ Find it and memorize it. I will quiz you about the important information there.\
 pub const FILLER: &str =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
 const QUESTION: &str = "\n\nWhat is the pass key?";
+/// The model's reply to the text when the question comes in the next turn.
+const ACK: &str = "I have memorized the important information.";
 /// The start of the assistant's answer, given with the prompt (so the next tokens are the key).
 const ANSWER_PREFIX: &str = "The pass key is";
 
@@ -40,6 +42,10 @@ pub struct NeedleGrid {
     pub keys: usize,
     /// Seeds the keys (the same seed, the same keys: modes compare on equal footing).
     pub seed: u64,
+    /// The question in a turn of its own after the text (and the model's short reply), fed as
+    /// a second forward: a cache that compresses after each prompt has compressed the text
+    /// before it knows the question.
+    pub ask_later: bool,
 }
 
 /// One cell: how many of its keys the answer stated.
@@ -61,6 +67,8 @@ pub struct NeedleReport {
     pub model: String,
     /// The cache, in words (`CacheSpec::describe`).
     pub cache: String,
+    /// Whether the question came in a turn of its own ([`NeedleGrid::ask_later`]).
+    pub ask_later: bool,
     pub cells: Vec<NeedleCell>,
 }
 
@@ -82,8 +90,14 @@ impl NeedleReport {
     }
 }
 
-/// The prompt's user message: the key at `depth` percent of `repeats` filler sentences.
+/// The prompt's user message: the key at `depth` percent of `repeats` filler sentences, then the
+/// question.
 pub fn haystack(key: u32, depth: u32, repeats: usize) -> String {
+    text(key, depth, repeats) + QUESTION
+}
+
+/// The instruction and the filler with the key at `depth` percent of `repeats` sentences.
+fn text(key: u32, depth: u32, repeats: usize) -> String {
     let before = (repeats * depth.min(100) as usize).div_ceil(100);
     let mut s = String::from(INSTRUCTION);
     for _ in 0..before {
@@ -93,7 +107,7 @@ pub fn haystack(key: u32, depth: u32, repeats: usize) -> String {
     for _ in before..repeats {
         s += FILLER;
     }
-    s + QUESTION
+    s
 }
 
 /// The prompt's ids: the haystack as the user's message, then the start of the answer.
@@ -104,10 +118,37 @@ pub fn prompt_ids(
     depth: u32,
     repeats: usize,
 ) -> Result<Vec<u32>> {
-    let m = [Message::new("user", &haystack(key, depth, repeats))];
+    Ok(prompt_turns(engine, template, (key, depth, repeats), false)?.0)
+}
+
+/// The prompt's ids and where its first forward ends: all of it, or (`ask_later`) the text as a
+/// turn of its own, the model's [`ACK`], then the question in the next turn.
+fn prompt_turns(
+    engine: &Engine,
+    template: &ChatTemplate,
+    (key, depth, repeats): (u32, u32, usize),
+    ask_later: bool,
+) -> Result<(Vec<u32>, usize)> {
+    let m = if ask_later {
+        vec![
+            Message::new("user", &text(key, depth, repeats)),
+            Message::new("assistant", ACK),
+            Message::new("user", QUESTION.trim_start()),
+        ]
+    } else {
+        vec![Message::new("user", &haystack(key, depth, repeats))]
+    };
     let mut ids = engine.chat_prompt(template, &m)?;
+    let split = if ask_later {
+        match engine.message_boundaries(template, &m, &ids).get(1) {
+            Some(&at) => at,
+            None => bail!("the chat template does not render the first turn as a prefix of the second, so the question cannot come later"),
+        }
+    } else {
+        ids.len()
+    };
     ids.extend(engine.tokenizer().encode_literal(ANSWER_PREFIX)?);
-    Ok(ids)
+    Ok((ids, split))
 }
 
 /// The most filler sentences whose prompt is at most `tokens` tokens in `template` (found by
@@ -157,7 +198,8 @@ pub fn run_grid(
             };
             for _ in 0..grid.keys {
                 let key: u32 = rng.random_range(10000..100000);
-                let ids = prompt_ids(engine, template, key, depth, repeats)?;
+                let (ids, split) =
+                    prompt_turns(engine, template, (key, depth, repeats), grid.ask_later)?;
                 if spec.bounded_by_context() && ids.len() + ANSWER_TOKENS > engine.ctx() {
                     bail!(
                         "the pass-key prompt of {} tokens and its answer do not fit the context of {}",
@@ -166,7 +208,7 @@ pub fn run_grid(
                     );
                 }
                 cell.prompt_tokens = ids.len();
-                let answer = answer(engine, spec, &ids)?;
+                let answer = answer(engine, spec, &ids, split)?;
                 if answer.contains(&key.to_string()) {
                     cell.found += 1;
                 } else {
@@ -183,14 +225,20 @@ pub fn run_grid(
             .file_name()
             .map_or("model".into(), |f| f.to_string_lossy().into_owned()),
         cache: spec.describe(),
+        ask_later: grid.ask_later,
         cells,
     })
 }
 
-/// The model's greedy answer to `prompt`, as text.
-fn answer(engine: &Engine, spec: &CacheSpec, prompt: &[u32]) -> Result<String> {
+/// The model's greedy answer to `prompt`, fed in two forwards split at `split`, as text.
+fn answer(engine: &Engine, spec: &CacheSpec, prompt: &[u32], split: usize) -> Result<String> {
     let mut session = engine.session(spec);
-    let logits = session.feed(prompt)?;
+    let logits = if split > 0 && split < prompt.len() {
+        session.feed(&prompt[..split])?;
+        session.feed(&prompt[split..])?
+    } else {
+        session.feed(prompt)?
+    };
     let mut sampler = Sampler::new(SamplingParams::greedy());
     let (ids, _, _) = session.decode(
         logits,
@@ -206,7 +254,16 @@ fn answer(engine: &Engine, spec: &CacheSpec, prompt: &[u32]) -> Result<String> {
 /// The grid as a table: a row per depth, a column per context, "found/keys" in each cell.
 pub fn render_table(r: &NeedleReport) -> String {
     let (contexts, depths) = r.axes();
-    let mut s = format!("pass-key retrieval: {} | cache: {}\n", r.model, r.cache);
+    let mut s = format!(
+        "pass-key retrieval{}: {} | cache: {}\n",
+        if r.ask_later {
+            " (question in the next turn)"
+        } else {
+            ""
+        },
+        r.model,
+        r.cache
+    );
     s += &format!("{:>7}", "depth");
     for c in &contexts {
         s += &format!(" {:>9}", format!("{c} tok"));

@@ -38,8 +38,9 @@ pub trait RowStore: Send {
     fn bytes(&self) -> usize;
     /// Keeps, for each head h, the rows of slots `keep[h]` (ascending; as many for every head) in
     /// slots `0..keep[h].len()`, in that order: a cache that evicts by score compacting what it
-    /// keeps. Other slots' contents are left unspecified.
-    fn retain(&mut self, keep: &[Vec<usize>]) -> Result<()> {
+    /// keeps. Other slots' contents are left unspecified. A store that can then holds `cap`
+    /// slots (at least those kept), giving back what an evicted prompt took.
+    fn retain(&mut self, keep: &[Vec<usize>], _cap: usize) -> Result<()> {
         let Some(n) = keep.iter().flatten().max().map(|m| m + 1) else {
             return Ok(());
         };
@@ -161,27 +162,29 @@ impl<C: RowFormat> RowStore for HostStore<C> {
         C::PRECISION
     }
 
-    fn retain(&mut self, keep: &[Vec<usize>]) -> Result<()> {
+    fn retain(&mut self, keep: &[Vec<usize>], cap: usize) -> Result<()> {
         if keep.len() != self.nkv || keep.iter().any(|s| s.len() != keep[0].len()) {
             bail!("retaining KV rows: one slot list of equal length per head is needed");
         }
         if keep.iter().any(|s| s.windows(2).any(|w| w[0] >= w[1])) {
             bail!("retaining KV rows: the slots kept must ascend");
         }
-        for (h, slots) in keep.iter().enumerate() {
+        for slots in keep {
             if let Some(&last) = slots.last() {
                 self.check(last, 1)?;
             }
-            // In place: slot slots[i] ≥ i (ascending), so a row moves only down, over rows
-            // already moved or dropped.
+        }
+        let cap = cap.max(keep[0].len());
+        let n = self.nkv * cap * self.row;
+        let (mut k, mut v) = (vec![C::E::default(); n], vec![C::E::default(); n]);
+        for (h, slots) in keep.iter().enumerate() {
             for (i, &s) in slots.iter().enumerate() {
-                if s != i {
-                    let (from, to) = (self.at(h, s), self.at(h, i));
-                    self.k.copy_within(from..from + self.row, to);
-                    self.v.copy_within(from..from + self.row, to);
-                }
+                let (from, to) = (self.at(h, s), (h * cap + i) * self.row);
+                k[to..to + self.row].copy_from_slice(&self.k[from..from + self.row]);
+                v[to..to + self.row].copy_from_slice(&self.v[from..from + self.row]);
             }
         }
+        (self.k, self.v, self.cap) = (k, v, cap);
         Ok(())
     }
 

@@ -277,6 +277,7 @@ fn a_needle_grid_runs_every_cell_at_its_length_and_draws_it() {
         depths: vec![0, 50, 100],
         keys: 2,
         seed: 1,
+        ask_later: false,
     };
     let sentence = e
         .tokenizer()

@@ -291,6 +291,117 @@ fn the_cache_flags_combine_freely_and_name_the_axes() {
 }
 
 #[test]
+fn a_budget_is_named_by_its_flags_and_its_mode_string_alike() {
+    use clap::Parser;
+    let mode = |flags: &[&str]| {
+        let mut args = vec!["kvchat", "run"];
+        args.extend_from_slice(flags);
+        args.push("hi");
+        let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
+        else {
+            unreachable!()
+        };
+        r.cache.mode().map(|m| m.to_string())
+    };
+    assert_eq!(
+        mode(&["--kv-budget", "512"]).unwrap(),
+        "budget:512:snapkv+4"
+    );
+    let named = mode(&[
+        "--kv-budget",
+        "512",
+        "--kv-evict",
+        "tova",
+        "--kv-budget-shape",
+        "pyramid",
+        "--kv-sinks",
+        "8",
+        "--kv-type",
+        "int8",
+    ])
+    .unwrap();
+    assert_eq!(named, "budget:512:tova:pyramid+8+int8");
+    let parsed: kvchat::kv::CacheMode = named.parse().unwrap();
+    assert_eq!(parsed.to_string(), named);
+    for (flags, says) in [
+        (&["--kv-budget", "0"][..], "--kv-budget must be at least 1"),
+        (
+            &["--kv-budget", "40"],
+            "--kv-budget 40 with --kv-sinks 4: a budget of 40 positions is too small",
+        ),
+        (
+            &["--kv-budget", "512", "--kv-evict", "snapk"],
+            "--kv-evict 'snapk' is not a policy (choose snapkv, tova, h2o); did you mean 'snapkv'?",
+        ),
+        (
+            &["--no-cache", "--kv-budget", "512"],
+            "--no-cache and --kv-budget cannot be combined",
+        ),
+        (
+            &["--kv-sinks", "8"],
+            "--kv-sinks applies to --kv-window or --kv-budget",
+        ),
+    ] {
+        let err = mode(flags).unwrap_err().to_string();
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
+}
+
+fn budget(budget: usize, evict: kvchat::kv::Evict) -> CacheSpec {
+    CacheSpec::full(kvchat::kv::Precision::F32, 4096).with(|m| {
+        m.retention = kvchat::kv::Retention::Budget {
+            budget,
+            sinks: 4,
+            evict,
+            pyramid: false,
+        }
+    })
+}
+
+#[test]
+fn a_budget_wider_than_the_sequence_gives_full_cache_output() {
+    let prompt = chat_ids("Tell me about caches");
+    let (a, la) = greedy(&full(), &prompt, 48);
+    for evict in kvchat::kv::Evict::ALL {
+        let (b, lb) = greedy(&budget(256, evict), &prompt, 48);
+        assert_eq!(a, b, "{evict:?}");
+        assert_eq!(la, lb, "{evict:?}: logits differ");
+    }
+}
+
+#[test]
+fn a_budget_holds_its_budget_after_a_long_prompt_and_stays_flat_while_decoding() {
+    let e = engine();
+    for evict in kvchat::kv::Evict::ALL {
+        let mut s = e.session(&budget(128, evict));
+        let prompt = e
+            .raw_prompt(&"the cache keeps what attention needs ".repeat(80))
+            .unwrap();
+        assert!(prompt.len() > 256);
+        s.feed(&prompt).unwrap();
+        assert_eq!(s.cache().len(), 128, "{evict:?}");
+        assert_eq!(s.cache().bytes_used(), 128 * F32_PER_TOKEN);
+        let after_prompt = s.cache().bytes();
+        for i in 0..100u32 {
+            s.feed(&[100 + i]).unwrap();
+            assert!(s.cache().len() <= 128 + kvchat::kv::SLACK, "{evict:?}");
+        }
+        assert_eq!(s.cache().seen(), prompt.len() + 100);
+        assert_eq!(
+            s.cache().bytes(),
+            after_prompt,
+            "{evict:?}: a budget must not grow"
+        );
+        // Positions before the last eviction are gone for good: going back there is refused.
+        let err = s.truncate(10).unwrap_err().to_string();
+        assert!(
+            err.contains("the KV budget evicted positions before"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn a_saved_and_reloaded_state_continues_with_the_same_greedy_tokens_in_every_combination() {
     use kvchat::session::{Sampler, SamplingParams};
     let e = engine();

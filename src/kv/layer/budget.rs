@@ -87,7 +87,13 @@ pub(super) struct Budgeted {
 }
 
 impl Budgeted {
-    pub(super) fn new(nkv: usize, budget: usize, sinks: usize, recent: usize, evict: Evict) -> Self {
+    pub(super) fn new(
+        nkv: usize,
+        budget: usize,
+        sinks: usize,
+        recent: usize,
+        evict: Evict,
+    ) -> Self {
         Self {
             budget,
             sinks,
@@ -243,10 +249,14 @@ impl Layer {
             Some(blk) => (self.rotate(&k, blk)?, self.rotate(v, blk)?),
             None => (k, v.clone()),
         };
-        let n = self.budget.as_ref().expect("a budget layer").held();
+        let (n, room) = {
+            let bg = self.budget.as_ref().expect("a budget layer");
+            (bg.held(), bg.budget + SLACK + 1)
+        };
         if n + t > self.store.capacity() {
-            let cap = (n + t).next_power_of_two().max(MIN_CAPACITY);
-            self.store.grow(cap, n)?;
+            // Exactly what is needed: a decode stays within the room an eviction leaves, and a
+            // prompt's positions go at its end.
+            self.store.grow((n + t).max(room), n)?;
         }
         self.store.write(n, &k, &v)?;
         self.write_residual(b, &k, &v)?;
@@ -273,7 +283,10 @@ impl Layer {
             parts.push(self.store.part(0, main, QueryRotation::AtPosition)?);
         }
         for (src, slot, len) in self.runs(res_lo, res_hi) {
-            parts.push(self.source(src).part(slot, len, QueryRotation::AtPosition)?);
+            parts.push(
+                self.source(src)
+                    .part(slot, len, QueryRotation::AtPosition)?,
+            );
         }
         Ok(Attend {
             view: KvView {
@@ -296,7 +309,8 @@ impl Layer {
             return Ok(());
         }
         let keep = bg.choose(seen);
-        self.store.retain(&keep)?;
+        let room = bg.budget + SLACK + 1;
+        self.store.retain(&keep, room)?;
         self.budget
             .as_mut()
             .expect("a budget layer")

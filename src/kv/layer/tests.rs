@@ -1,5 +1,5 @@
-use super::*;
 use super::budget::Budgeted;
+use super::*;
 use crate::kv::test_rope;
 use crate::model::kernels::attention::attend_view_observed;
 
@@ -469,7 +469,10 @@ fn a_budget_is_the_full_cache_bit_for_bit_until_it_evicts() {
         for evict in Evict::ALL {
             let mut full = layer(p, Retention::All);
             let mut b = layer(p, budget(100, evict));
-            assert!(run(&mut full, &STEPS) == run(&mut b, &STEPS), "{p:?} {evict:?}");
+            assert!(
+                run(&mut full, &STEPS) == run(&mut b, &STEPS),
+                "{p:?} {evict:?}"
+            );
             assert_eq!((b.len(), b.seen(), b.evicted()), (65, 65, Some(0)));
         }
     }
@@ -487,7 +490,11 @@ fn a_budget_holds_its_budget_after_a_prompt_and_at_most_slack_more_while_decodin
         for i in 0..100 {
             c.forward_begins(1);
             run(&mut c, &[1]);
-            assert!((80..=80 + SLACK).contains(&c.len()), "{evict:?} step {i}: {}", c.len());
+            assert!(
+                (80..=80 + SLACK).contains(&c.len()),
+                "{evict:?} step {i}: {}",
+                c.len()
+            );
         }
         assert_eq!(c.seen(), 400);
         assert_eq!(c.evicted(), Some(400 - c.len()));

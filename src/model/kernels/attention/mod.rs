@@ -234,11 +234,7 @@ fn observed_weights(
                 continue;
             }
             let num = &nums[row * kv_len..][..kv_len];
-            for (c, (a, x)) in acc
-                .chunks_mut(CHUNK)
-                .zip(num.chunks(CHUNK))
-                .enumerate()
-            {
+            for (c, (a, x)) in acc.chunks_mut(CHUNK).zip(num.chunks(CHUNK)).enumerate() {
                 let [mc, sc] = [chunks[2 * c], chunks[2 * c + 1]];
                 if sc <= 0.0 {
                     continue;

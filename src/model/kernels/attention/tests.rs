@@ -455,7 +455,10 @@ fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_he
         // Each observed row's weights sum to 1: g · observe per KV head.
         for h in 0..nkv {
             let total: f32 = got[h * l..(h + 1) * l].iter().sum();
-            assert!((total - (g * observe) as f32).abs() < 1e-3, "head {h}: {total}");
+            assert!(
+                (total - (g * observe) as f32).abs() < 1e-3,
+                "head {h}: {total}"
+            );
         }
         // Observing changes no output bit, and the device path reports the same weights.
         let plain = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;

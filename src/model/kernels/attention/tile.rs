@@ -390,7 +390,14 @@ pub(super) fn tile_chunk(
     }
     let (m, sum) = tile_softmax(scores, (least, most, j0), (&starts, &ends));
     if let Some(obs) = cx.obs {
-        observe_rows(cx, obs, (h, r0, rows, c), scores, (least, most, j0), (&m, &sum));
+        observe_rows(
+            cx,
+            obs,
+            (h, r0, rows, c),
+            scores,
+            (least, most, j0),
+            (&m, &sum),
+        );
     }
     acc.fill(0.0);
     for s in overlapping() {
