@@ -365,6 +365,11 @@ impl KvSizeArgs {
                 bail!("--window must be at least 1");
             }
         }
+        if let Some(b) = self.budget {
+            if let Some(why) = crate::kv::budget_unfit(b, self.sinks) {
+                bail!("--budget {b} with --sinks {}: {why}", self.sinks);
+            }
+        }
         Ok(KvSizeOptions {
             query: KvSizeQuery {
                 dims,
@@ -373,6 +378,7 @@ impl KvSizeArgs {
                 ctx: self.ctx,
                 users: self.users,
                 window: self.window.map(|w| (w, self.sinks)),
+                budget: self.budget,
                 residual: self.residual,
             },
             json: self.json,

@@ -218,6 +218,9 @@ pub struct KvSizeArgs {
     /// Also show a sliding window of N positions (+ --sinks)
     #[arg(long)]
     pub window: Option<usize>,
+    /// Also show a KV budget of N positions per layer (--kv-budget; sinks among them)
+    #[arg(long, value_name = "N")]
+    pub budget: Option<usize>,
     #[arg(long, default_value_t = 4)]
     pub sinks: usize,
     /// Recent positions a quantized cache also keeps in f16, as --kv-residual

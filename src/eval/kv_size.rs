@@ -93,6 +93,8 @@ pub struct KvSizeQuery {
     pub users: usize,
     /// Also a window of `(window, sinks)` positions.
     pub window: Option<(usize, usize)>,
+    /// Also a budget of this many positions per layer (what it holds after each eviction).
+    pub budget: Option<usize>,
     /// Recent positions a quantized cache also keeps in f16.
     pub residual: usize,
 }
@@ -137,6 +139,20 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         let per_ctx = dims.bytes_for(headline, held, args.residual);
         modes.push(ModeRow {
             mode: format!("window:{w}+{sinks} ({})", headline.name()),
+            bytes_per_token: dims.bytes_per_token(headline),
+            bytes_per_context: per_ctx,
+            bytes_all_users: per_ctx * args.users as f64,
+        });
+    }
+    if let Some(b) = args.budget {
+        let held = args.ctx.min(b);
+        let per_ctx = dims.bytes_for(headline, held, args.residual);
+        modes.push(ModeRow {
+            mode: format!(
+                "budget:{b} ({}; up to {} more between evictions)",
+                headline.name(),
+                crate::kv::SLACK
+            ),
             bytes_per_token: dims.bytes_per_token(headline),
             bytes_per_context: per_ctx,
             bytes_all_users: per_ctx * args.users as f64,

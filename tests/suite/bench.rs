@@ -21,8 +21,26 @@ fn kv_size_args(layers: usize, kv_heads: usize, head_dim: usize) -> KvSizeQuery 
         ctx: 4096,
         users: 8,
         window: None,
+        budget: None,
         residual: 32,
     }
+}
+
+#[test]
+fn a_budget_of_a_quarter_of_the_context_holds_a_quarter_of_its_bytes() {
+    let r = report(&KvSizeQuery {
+        budget: Some(1024),
+        ..kv_size_args(80, 8, 128)
+    })
+    .unwrap();
+    let row = r
+        .modes
+        .iter()
+        .find(|m| m.mode.starts_with("budget:1024"))
+        .unwrap();
+    let full = r.modes.iter().find(|m| m.mode == "f16").unwrap();
+    assert_eq!(row.bytes_per_context * 4.0, full.bytes_per_context);
+    assert_eq!(row.bytes_all_users, 8.0 * row.bytes_per_context);
 }
 
 #[test]

@@ -198,7 +198,6 @@ fn attend_host_at(
             run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
         };
     let mut out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
-    drop(obs);
     if let Some(b) = view.hadamard {
         kvrows::hadamard(&mut out, b);
     }
