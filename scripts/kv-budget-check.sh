@@ -8,14 +8,16 @@
 #      and 50 % (512 and 1024 positions) and the window of equal bytes: ΔPPL, KL divergence, top-1;
 #   3. retrieval: `kvchat needle` (2,048 tokens, depths 5–95 %, 3 keys each) with the question in
 #      the prompt and in the next turn (--ask-later), budget 512 and the window of equal bytes.
-#   scripts/kv-budget-check.sh [ROUNDS=3] [CONTEXT=2048] [THREADS=2] [PARTS="speed ppl needle"]
+#   4. compaction: a scripted 300-turn chat at --ctx 1024 --on-full compact (the exit status, the
+#      compactions said, the system message's words in the last answer's context via /show).
+#   scripts/kv-budget-check.sh [ROUNDS=3] [CONTEXT=2048] [THREADS=2] [PARTS="speed ppl needle compact"]
 # Raw outputs: target/kv-budget/. MODEL (a -m value) picks another model for parts 1 and 3.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
 ctx="${2:-2048}"
 threads="${3:-2}"
-parts="${4:-speed ppl needle}"
+parts="${4:-speed ppl needle compact}"
 out="$root/target/kv-budget"
 mkdir -p "$out"
 "$root/scripts/fetch-models.sh" >&2
@@ -80,4 +82,22 @@ if [[ " $parts " == *" needle "* ]]; then
       echo "needle ${later:-(question in the prompt)} | $m: $found"
     done
   done
+fi
+
+if [[ " $parts " == *" compact "* ]]; then
+  python3 -c '
+for i in range(300):
+    print(f"Question {i}: tell me one short fact about the number {1000 + i}.")
+' >"$out/chat-300.txt"
+  start=$(date +%s)
+  set +e
+  "$kv" chat --threads "$threads" --ctx 1024 --on-full compact --temperature 0 -n 24 --stats \
+    --system "You are a terse assistant who always signs as Captain Kv." \
+    <"$out/chat-300.txt" >"$out/chat-300.out" 2>"$out/chat-300.err"
+  status=$?
+  set -e
+  echo "300-turn chat at --ctx 1024 --on-full compact: exit $status in $(( $(date +%s) - start )) s;" \
+    "$(grep -c '^\[stats\] turn' "$out/chat-300.err") turns answered," \
+    "$(grep -c '^(compacted' "$out/chat-300.err") compactions, $(grep -c '^error' "$out/chat-300.err") errors"
+  grep '^(compacted' "$out/chat-300.err" | head -3
 fi

@@ -68,8 +68,10 @@ pub struct ChatArgs {
     /// After each answer, print what the turn reused, prefilled and how fast (stderr)
     #[arg(long)]
     pub stats: bool,
-    /// When the context is full: stop (refuse the turn) or shift (drop the oldest whole turns)
-    #[arg(long, value_parser = ["stop", "shift"], default_value = "stop")]
+    /// When the context is full: stop (refuse the turn), shift (drop the oldest whole turns) or
+    /// compact (the model summarises the oldest half of the turns into a note kept with the
+    /// system message; /compact does it on demand)
+    #[arg(long, value_parser = ["stop", "shift", "compact"], default_value = "stop")]
     pub on_full: String,
     /// Load the conversation's KV state from FILE when it matches, and save it there after each turn
     #[arg(long, value_name = "FILE")]

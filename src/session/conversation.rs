@@ -21,6 +21,9 @@ pub enum OnFull {
     Stop,
     /// Drop the oldest whole turns (the system prompt stays) and re-prefill what remains.
     Shift,
+    /// Have the model summarise the oldest turns into a note that joins the system message
+    /// ([`Conversation::compact`]), and re-prefill what remains.
+    Compact,
 }
 
 impl std::str::FromStr for OnFull {
@@ -29,7 +32,8 @@ impl std::str::FromStr for OnFull {
         match s {
             "stop" => Ok(OnFull::Stop),
             "shift" => Ok(OnFull::Shift),
-            other => bail!("'{other}' is not stop or shift"),
+            "compact" => Ok(OnFull::Compact),
+            other => bail!("'{other}' is not stop, shift or compact"),
         }
     }
 }
@@ -49,7 +53,42 @@ pub struct TurnStats {
     pub reason: StopReason,
     /// The prefix store's lookup, when this turn made one.
     pub store: Option<super::prefix::Lookup>,
+    /// Compactions made to fit this turn ([`OnFull::Compact`]).
+    pub compacted: Vec<Compaction>,
 }
+
+/// What one compaction did: `turns` of the oldest exchanges summarised into the note, and the
+/// conversation's length as rendered before and after, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compaction {
+    pub turns: usize,
+    pub tokens_before: usize,
+    pub tokens_after: usize,
+    pub note_tokens: usize,
+}
+
+impl std::fmt::Display for Compaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "compacted {} turn{} into a note of {} tokens: the conversation went from {} to {} tokens",
+            self.turns,
+            if self.turns == 1 { "" } else { "s" },
+            self.note_tokens,
+            self.tokens_before,
+            self.tokens_after
+        )
+    }
+}
+
+/// The most tokens a compaction's note may take (a quarter of a smaller context).
+pub const NOTE_TOKENS: usize = 160;
+/// What the model is asked when it compacts turns.
+const SUMMARY_ASK: &str =
+    "Summarize the conversation below in a few sentences, for your own later \
+reference. Keep every name, number, fact, request and decision; leave out greetings.";
+/// How the note joins the system message.
+const NOTE_HEAD: &str = "Summary of the earlier conversation: ";
 
 /// A conversation: its messages and the session whose cache holds them, changed together (asking,
 /// undoing, resetting, loading), so the cache never holds tokens the messages no longer render.
@@ -62,8 +101,10 @@ pub struct Conversation<'e> {
     session: Session<'e>,
     on_full: OnFull,
     last: Option<TurnStats>,
-    /// Turns shifted out by [`OnFull::Shift`] so far (turn numbers keep counting them).
+    /// Turns shifted out by [`OnFull::Shift`] or compacted so far (turn numbers keep counting them).
     shifted_out: usize,
+    /// The model's summary of the turns compacted so far, part of the system message.
+    note: Option<String>,
     /// The prefix store: looked up when the session holds nothing of the conversation (its
     /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
     store: PrefixReuse,
@@ -88,6 +129,7 @@ impl<'e> Conversation<'e> {
             on_full,
             last: None,
             shifted_out: 0,
+            note: None,
             store: PrefixReuse::off("not opened"),
             drafter: None,
         }
@@ -155,9 +197,19 @@ impl<'e> Conversation<'e> {
         self.store = store;
     }
 
+    /// The note that summarises the compacted turns, if any were.
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
     pub fn messages(&self, pending: Option<&str>) -> Vec<Message> {
         let mut m = Vec::new();
-        if let Some(s) = &self.system {
+        let system = match (&self.system, &self.note) {
+            (Some(s), Some(n)) => Some(format!("{s}\n\n{NOTE_HEAD}{n}")),
+            (None, Some(n)) => Some(format!("{NOTE_HEAD}{n}")),
+            (s, None) => s.clone(),
+        };
+        if let Some(s) = &system {
             m.push(Message::new("system", s));
         }
         for (u, a) in &self.turns {
@@ -264,12 +316,17 @@ impl<'e> Conversation<'e> {
         self.engine
             .refuse_by_bytes("the question", question, limit)?;
         let mut shifted = 0;
+        let mut compacted = Vec::new();
         let ids = loop {
             let whole = match self.render_within(question, limit)? {
                 Ok(ids) => break ids,
                 Err(whole) => whole,
             };
             if self.turns.is_empty() {
+                // A note that no longer leaves room goes before the question is refused.
+                if self.on_full == OnFull::Compact && self.note.take().is_some() {
+                    continue;
+                }
                 return Err(self.does_not_fit(question, whole, limit)?);
             }
             match self.on_full {
@@ -286,6 +343,7 @@ impl<'e> Conversation<'e> {
                     self.shifted_out += 1;
                     shifted += 1;
                 }
+                OnFull::Compact => compacted.push(self.compact()?),
             }
         };
         let mut reused = self.session.keep_prefix_of(&ids)?;
@@ -352,6 +410,7 @@ impl<'e> Conversation<'e> {
             gen,
             reason,
             store: lookup,
+            compacted,
         };
         self.last = Some(stats.clone());
         Ok(stats)
@@ -369,6 +428,84 @@ impl<'e> Conversation<'e> {
         Ok(true)
     }
 
+    /// Has the model summarise the oldest half of the exchanges (at least one), with the note of
+    /// earlier compactions, into a new note that joins the system message; the conversation goes
+    /// on from the system message, the note and the recent turns. The summary is generated
+    /// greedily in this session's cache, which is then emptied (the next turn prefills what
+    /// remains; the prefix store, when on, gives back the system message's blocks).
+    pub fn compact(&mut self) -> Result<Compaction> {
+        if self.turns.is_empty() {
+            bail!("there is nothing to compact yet: the conversation has no turns");
+        }
+        let n = self.turns.len().div_ceil(2);
+        let before = self.render_ids(None, false)?.len();
+        let mut transcript = String::new();
+        if let Some(note) = &self.note {
+            transcript += &format!("(Earlier: {note})\n\n");
+        }
+        for (u, a) in &self.turns[..n] {
+            transcript += &format!("User: {u}\nAssistant: {a}\n\n");
+        }
+        let note = self.summarize(transcript.trim_end())?;
+        let note_tokens = self.engine.tokenizer().encode(&note)?.len();
+        self.turns.drain(..n);
+        self.shifted_out += n;
+        self.note = (!note.is_empty()).then_some(note);
+        let after = self.render_ids(None, false)?.len();
+        Ok(Compaction {
+            turns: n,
+            tokens_before: before,
+            tokens_after: after,
+            note_tokens,
+        })
+    }
+
+    /// The model's greedy summary of `transcript` (its newest part, if the whole does not fit
+    /// the context with room for the note), at most [`NOTE_TOKENS`] tokens.
+    fn summarize(&mut self, transcript: &str) -> Result<String> {
+        // A small context gives the note a quarter of it.
+        let note_max = NOTE_TOKENS.min(self.engine.ctx() / 4).max(1);
+        let room = self.engine.ctx().saturating_sub(note_max + 1);
+        let mut text = transcript;
+        let ids = loop {
+            let m = [Message::new("user", &format!("{SUMMARY_ASK}\n\n{text}"))];
+            let ids = self.engine.chat_prompt(&self.template, &m)?;
+            if ids.len() <= room {
+                break ids;
+            }
+            if text.len() < 64 {
+                bail!(
+                    "the request to summarise the conversation does not fit the context of {}",
+                    self.engine.ctx()
+                );
+            }
+            // Keep the newer half.
+            let mut at = text.len() / 2;
+            while !text.is_char_boundary(at) {
+                at += 1;
+            }
+            text = &text[at..];
+        };
+        self.session.reset()?;
+        let logits = self.session.feed(&ids)?;
+        let mut sampler = super::Sampler::new(super::SamplingParams::greedy());
+        let (out, _, _) = self.session.decode(
+            logits,
+            &mut sampler,
+            note_max,
+            self.engine.stop_ids(),
+            false,
+            |_| Ok(true),
+        )?;
+        self.session.reset()?;
+        Ok(self
+            .engine
+            .tokenizer()
+            .decode(&out, true)?
+            .trim()
+            .to_string())
+    }
+
     /// The number the next turn will have.
     pub fn next_turn(&self) -> usize {
         self.shifted_out + self.turns.len() + 1
@@ -379,12 +516,14 @@ impl<'e> Conversation<'e> {
         self.session.reset()?;
         self.last = None;
         self.shifted_out = 0;
+        self.note = None;
         Ok(())
     }
 
     /// Saves the conversation and its KV state.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let extra = serde_json::json!({ "system": self.system, "turns": self.turns });
+        let extra =
+            serde_json::json!({ "system": self.system, "turns": self.turns, "note": self.note });
         self.session.save_state(path, self.engine.digest(), extra)
     }
 
@@ -399,9 +538,12 @@ impl<'e> Conversation<'e> {
             serde_json::from_value(snap.extra["system"].clone()).unwrap_or(None);
         let turns: Vec<(String, String)> = serde_json::from_value(snap.extra["turns"].clone())
             .map_err(|_| anyhow::anyhow!("{} holds no conversation", path.display()))?;
+        let note: Option<String> =
+            serde_json::from_value(snap.extra["note"].clone()).unwrap_or(None);
         self.session.restore(&snap)?;
         self.system = system;
         self.turns = turns;
+        self.note = note;
         self.last = None;
         self.shifted_out = 0;
         Ok(())

@@ -441,6 +441,66 @@ fn a_full_context_stops_with_a_message_or_shifts_out_old_turns() {
 }
 
 #[test]
+fn a_chat_that_compacts_when_full_never_errors_and_keeps_its_system_message() {
+    let e = kvchat::engine::Engine::load(&kvchat::engine::LoadOptions {
+        ctx: Some(384),
+        ..crate::common::model_args()
+    })
+    .unwrap();
+    let system = "You are a pirate named Jack.";
+    let mut c = Conversation::new(
+        &e,
+        &CacheSpec::full(kvchat::kv::Precision::F16, 384),
+        e.chat_template(None).unwrap(),
+        Some(system.to_string()),
+        OnFull::Compact,
+    );
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut compactions = Vec::new();
+    for i in 0..30 {
+        let q = format!(
+            "Question {i}: tell me one thing about the number {}.",
+            100 + i
+        );
+        let t = c
+            .ask(&q, &mut sampler, 24, &AtomicBool::new(false), |_| Ok(()))
+            .unwrap_or_else(|err| panic!("turn {i}: {err}"));
+        assert_eq!(t.number, i + 1, "turns keep counting the compacted ones");
+        compactions.extend(t.compacted);
+    }
+    assert!(compactions.len() >= 2, "{compactions:?}");
+    for k in &compactions {
+        assert!(k.tokens_after < k.tokens_before, "{k}");
+        assert!(k.turns >= 1);
+    }
+    // The system message stays first, the note with it, the recent turns after.
+    let m = c.messages(None);
+    assert_eq!(m[0].role, "system");
+    assert!(m[0].content.starts_with(system), "{}", m[0].content);
+    assert!(m[0]
+        .content
+        .contains("Summary of the earlier conversation: "));
+    assert!(c.note().is_some_and(|n| !n.is_empty()));
+    assert!(c.render_ids(None, false).unwrap().len() < 384);
+}
+
+#[test]
+fn compact_on_demand_says_what_it_did_and_the_chat_goes_on() {
+    let out = kvchat(
+        &["chat", "--temperature", "0", "-n", "16"],
+        "My name is Ada.\nWhat is a cache?\n/compact\nWhat is my name?\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{err}");
+    assert!(said.contains("(compacted 1 turn into a note of"), "{said}");
+    let empty = kvchat(&["chat", "-n", "8"], "/compact\n");
+    let said = String::from_utf8_lossy(&empty.stdout);
+    assert!(said.contains("nothing to compact yet"), "{said}");
+    assert_eq!(empty.status.code(), Some(1));
+}
+
+#[test]
 fn set_changes_sampling_mid_chat_and_show_says_where_each_setting_came_from() {
     let out = kvchat(
         &["chat", "-n", "4", "--top-k", "5"],
@@ -599,14 +659,15 @@ fn help_lists_every_slash_command_and_each_one_is_understood() {
     assert_eq!(
         names,
         [
-            "/help", "/reset", "/system", "/set", "/show", "/stats", "/cache", "/save", "/load",
-            "/undo", "/exit"
+            "/help", "/reset", "/compact", "/system", "/set", "/show", "/stats", "/cache", "/save",
+            "/load", "/undo", "/exit"
         ]
     );
     // Each listed command (and /exit's aliases) is dispatched: none is "unknown".
     let script: String = names
         .iter()
-        .filter(|n| !["/exit", "/save", "/load"].contains(n))
+        // (/save and /load need a file, /compact a turn: their errors are tested on their own.)
+        .filter(|n| !["/exit", "/save", "/load", "/compact"].contains(n))
         .chain(["/quit"].iter())
         .map(|n| format!("{n}\n"))
         .collect();

@@ -324,15 +324,18 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         report_store_problems(chat.conv.store_mut(), g.advice);
         match result {
             Ok(t) => {
+                for c in &t.compacted {
+                    eprintln!("({c})");
+                }
                 match t.reason {
                     StopReason::Interrupted => eprintln!("(interrupted)"),
                     StopReason::ContextFull => eprintln!(
                         "(the answer was cut: the context of {} tokens is full; {})",
                         chat.conv.session().max_positions(),
-                        if on_full == OnFull::Stop {
-                            (g.advice)(crate::Fix::ChatFull)
-                        } else {
-                            "the next turn drops the oldest turns"
+                        match on_full {
+                            OnFull::Stop => (g.advice)(crate::Fix::ChatFull),
+                            OnFull::Shift => "the next turn drops the oldest turns",
+                            OnFull::Compact => "the next turn compacts the oldest turns",
                         }
                     ),
                     _ => {}

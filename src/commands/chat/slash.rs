@@ -41,6 +41,17 @@ pub(super) const SLASH: &[Slash] = &[
         },
     },
     Slash {
+        names: &["/compact"],
+        args: "",
+        help: "have the model summarise the oldest half of the turns into a note kept with\n\
+               the system message (frees context; --on-full compact does it when full)",
+        run: |chat, _, out| {
+            let c = chat.conv.compact()?;
+            writeln!(out, "({c})")?;
+            Ok(Flow::Continue)
+        },
+    },
+    Slash {
         names: &["/system"],
         args: "TEXT",
         help: "set the system message (/system alone shows it)",
