@@ -485,6 +485,38 @@ fn a_chat_that_compacts_when_full_never_errors_and_keeps_its_system_message() {
 }
 
 #[test]
+fn cache_shows_what_a_budget_holds_and_dropped_and_what_the_turn_reused() {
+    let long = "Remember this list of fruits: apple, pear, plum, fig, kiwi, lime. ".repeat(20);
+    let out = kvchat(
+        &["chat", "--temperature", "0", "-n", "8", "--kv-budget", "96"],
+        &format!("{long}\n/cache\nAnd one more?\n/cache\n"),
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    let holds: Vec<usize> = said
+        .lines()
+        .filter_map(|l| l.strip_prefix("holds "))
+        .map(|l| l.split_whitespace().next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(holds.len(), 2, "{said}");
+    assert!(holds.iter().all(|&n| n <= 96 + kvchat::kv::SLACK), "{said}");
+    assert!(said.contains("retention budget of 96 positions"), "{said}");
+    let evicted = said
+        .lines()
+        .find_map(|l| l.strip_prefix("kv budget: "))
+        .and_then(|l| l.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(evicted > 200, "{said}");
+    assert!(
+        said.contains("last turn (#1): reused 0 positions"),
+        "{said}"
+    );
+    // The second turn reuses what the budget kept of the first (its rendered prefix).
+    assert!(said.contains("last turn (#2): reused "), "{said}");
+    assert!(!said.contains("last turn (#2): reused 0 "), "{said}");
+}
+
+#[test]
 fn compact_on_demand_says_what_it_did_and_the_chat_goes_on() {
     let out = kvchat(
         &["chat", "--temperature", "0", "-n", "16"],

@@ -115,6 +115,55 @@ impl Chat<'_> {
         s
     }
 
+    /// `/cache`: the axes, what the cache holds now and what it would hold keeping every
+    /// position, what a budget or a model's windows dropped, what the last turn reused, and the
+    /// prefix store.
+    fn cache_text(&self) -> String {
+        let c = &self.conv;
+        let engine = c.engine();
+        let cache = c.session().cache();
+        let spec = cache.spec();
+        let per_position = |p: crate::kv::Precision| {
+            crate::kv::size::KvDims::of(&engine.model().cfg).bytes_per_token(p)
+        };
+        let mut s = format!(
+            "axes: {}
+holds {} positions of the {} seen: {} used, {} allocated ({} a position in {} over all layers)",
+            spec.describe(),
+            cache.len(),
+            cache.seen(),
+            human_bytes(cache.bytes_used() as u64),
+            human_bytes(cache.bytes() as u64),
+            human_bytes(per_position(spec.precision()) as u64),
+            spec.precision().name(),
+        );
+        for line in [
+            super::run::budget_saving(engine, cache),
+            super::run::window_saving(engine, cache),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            s += &format!("\n{line}");
+        }
+        if let Some(t) = c.last() {
+            s += &format!(
+                "\nlast turn (#{}): reused {} positions from the turns before, prefilled {}",
+                t.number, t.reused, t.prefilled
+            );
+            if t.shifted > 0 {
+                s += &format!(", dropped {} old turns to fit", t.shifted);
+            }
+            for k in &t.compacted {
+                s += &format!("; {k}");
+            }
+        }
+        if let Some(note) = c.note() {
+            s += &format!("\nnote of compacted turns: {note}");
+        }
+        s + &format!("\nprefix store: {}", c.store().describe())
+    }
+
     fn show_text(&self) -> String {
         let mut lines: Vec<(&str, String)> = self.conv.engine().facts();
         lines.push(("template", self.template.clone()));

@@ -108,15 +108,10 @@ pub(super) const SLASH: &[Slash] = &[
     Slash {
         names: &["/cache"],
         args: "",
-        help: "the cache's precision, retention and placement",
+        help: "the cache: its axes, what it holds now, what a budget dropped, what the last\n\
+               turn reused, the prefix store",
         run: |chat, _, out| {
-            let c = &chat.conv;
-            writeln!(
-                out,
-                "{}\nprefix store: {}",
-                c.session().cache().spec().describe(),
-                c.store().describe()
-            )?;
+            writeln!(out, "{}", chat.cache_text())?;
             Ok(Flow::Continue)
         },
     },
