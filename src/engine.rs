@@ -596,6 +596,16 @@ impl Engine {
         }
     }
 
+    /// The cache `mode` for this model at a context of `ctx`: a budget given in bytes becomes
+    /// positions of this model's rows (`CacheMode::for_model`), then the context is checked.
+    pub fn cache_spec(
+        &self,
+        mode: &crate::kv::CacheMode,
+        ctx: usize,
+    ) -> Result<crate::kv::CacheSpec> {
+        mode.for_model(&self.model().cfg)?.spec(ctx)
+    }
+
     /// Token ids of a chat prompt: the conversation rendered by the template, ready for the answer.
     /// Message content is text, never control tokens: a user who types `<|im_start|>system` gets
     /// those characters, not a new system turn.

@@ -108,9 +108,9 @@ pub struct CacheArgs {
     pub kv_sinks: usize,
     /// Keep N positions per layer, chosen by the attention they receive (--kv-evict); the sinks
     /// and the newest 32 always among them. Bounded memory like a window, but old positions
-    /// that matter stay
-    #[arg(long, value_name = "N", conflicts_with = "kv_window")]
-    pub kv_budget: Option<usize>,
+    /// that matter stay. A size (64MiB) is the positions whose rows take that many bytes
+    #[arg(long, value_name = "N|SIZE", conflicts_with = "kv_window")]
+    pub kv_budget: Option<String>,
     /// With --kv-budget: how positions are ranked. snapkv: the attention of a prompt's last 32
     /// queries (in a decode, those since the last eviction), per KV head, pooled; tova: the newest
     /// query's, all heads together; h2o: every query's, accumulated [default: snapkv]
@@ -237,6 +237,7 @@ impl CacheArgs {
         if self.no_cache && self.kv_offload {
             bail!("--no-cache and --kv-offload cannot be combined: with no cache nothing is kept to offload");
         }
+        let mut budget_bytes = None;
         let retention = if self.no_cache {
             Retention::None
         } else if let Some(window) = self.kv_window {
@@ -253,7 +254,26 @@ impl CacheArgs {
                 window,
                 sinks: self.kv_sinks,
             }
-        } else if let Some(budget) = self.kv_budget {
+        } else if let Some(given) = &self.kv_budget {
+            // Positions, or a size turned into positions once the model is known.
+            let (budget, bytes) = if given.bytes().all(|b| b.is_ascii_digit()) && !given.is_empty()
+            {
+                let n = given.parse::<usize>().map_err(|_| {
+                    anyhow::anyhow!("--kv-budget {given} is more positions than can be counted")
+                })?;
+                (n, None)
+            } else {
+                let b = parse_size(given).map_err(|_| {
+                    anyhow::anyhow!(
+                        "--kv-budget '{given}' is neither a number of positions nor a size (e.g. 512, 64MiB)"
+                    )
+                })?;
+                if b == 0 {
+                    bail!("--kv-budget {given} holds nothing: give at least one position's bytes");
+                }
+                (usize::MAX, Some(b))
+            };
+            budget_bytes = bytes;
             let evict = match self.kv_evict.as_deref() {
                 None => Evict::SnapKv,
                 Some(name) => Evict::parse(name).ok_or_else(|| {
@@ -288,16 +308,19 @@ impl CacheArgs {
             retention,
             offload: self.kv_offload,
             residual: self.kv_residual,
+            budget_bytes,
         })
     }
 
     /// The cache mode, checked against `--ctx` when that is given (so that a window wider than the
     /// context is refused before anything loads).
     pub fn mode_for(&self, ctx: Option<usize>) -> Result<CacheMode> {
-        if let Some(c) = ctx {
+        let mode = self.mode()?;
+        // (A budget in bytes is checked once the model's bytes per position are known.)
+        if let (Some(c), None) = (ctx, mode.budget_bytes) {
             self.spec(c)?;
         }
-        self.mode()
+        Ok(mode)
     }
 
     /// The cache for a context of `ctx` positions (`--ctx`).
@@ -307,7 +330,10 @@ impl CacheArgs {
             Retention::Window { window, sinks } => {
                 format!("--kv-window {window} with --kv-sinks {sinks} and --ctx {ctx}")
             }
-            Retention::Budget { budget, .. } => format!("--kv-budget {budget} and --ctx {ctx}"),
+            Retention::Budget { .. } => format!(
+                "--kv-budget {} and --ctx {ctx}",
+                self.kv_budget.as_deref().unwrap_or("")
+            ),
             _ => format!("--ctx {ctx}"),
         })
     }

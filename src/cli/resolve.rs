@@ -274,7 +274,7 @@ impl NeedleArgs {
         let needed = longest + 64;
         let mode = self.cache.mode_for(Some(load.ctx.unwrap_or(needed)))?;
         match load.ctx {
-            Some(c) if c < needed && mode.spec(c)?.bounded_by_context() => bail!(
+            Some(c) if c < needed && mode.bounded_by_context() => bail!(
                 "--ctx {c} cannot hold --contexts {longest} and the answer (at least {needed})"
             ),
             Some(_) => {}

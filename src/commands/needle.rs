@@ -24,7 +24,7 @@ pub struct NeedleOptions {
 
 pub fn run(opts: NeedleOptions) -> Result<()> {
     let engine = Engine::load(&opts.load)?;
-    let spec = opts.mode.spec(engine.ctx())?;
+    let spec = engine.cache_spec(&opts.mode, engine.ctx())?;
     let template = engine.chat_template(opts.chat_template.as_deref())?;
     let cells = opts.grid.contexts.len() * opts.grid.depths.len();
     let bar =

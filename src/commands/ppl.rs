@@ -63,7 +63,8 @@ pub fn run(opts: PplOptions) -> Result<()> {
     }
     let engine = Engine::load(&opts.load)?;
     // The modes must fit the context the chunks need.
-    let spec = opts.mode.spec(engine.ctx().max(opts.chunk))?;
+    let mode = opts.mode.for_model(&engine.model().cfg)?;
+    let spec = mode.spec(engine.ctx().max(opts.chunk))?;
     if let Some((name, m)) = &opts.against {
         m.spec(engine.ctx().max(opts.chunk))
             .with_context(|| format!("the cache mode {name} to compare against"))?;
@@ -92,7 +93,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
         None => {
             let p = perplexity_with(
                 &engine,
-                opts.mode,
+                mode,
                 &tokens,
                 opts.chunk,
                 opts.chunks,
@@ -104,7 +105,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
         Some((name, m)) => {
             let (a, b, d) = compare(
                 &engine,
-                opts.mode,
+                mode,
                 m,
                 &tokens,
                 opts.chunk,

@@ -60,7 +60,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     // Ctrl-C or SIGTERM while the state is being saved removes the temporary file.
     crate::interrupt::install()?;
     let engine = Engine::load(&g.load)?;
-    let spec = g.mode.spec(engine.ctx())?;
+    let spec = engine.cache_spec(&g.mode, engine.ctx())?;
     // Every text is checked by its bytes before it is tokenized.
     let fits = |what: &str, text: &str| -> Result<()> {
         if spec.bounded_by_context() {

@@ -45,9 +45,49 @@ pub struct CacheMode {
     pub offload: bool,
     /// Recent positions a quantized cache also keeps in f16.
     pub residual: usize,
+    /// A budget given in bytes (`--kv-budget 64MiB`), not yet turned into positions: what
+    /// [`CacheMode::for_model`] does, before [`CacheMode::spec`].
+    pub budget_bytes: Option<u64>,
 }
 
 impl CacheMode {
+    /// This mode for a model of `cfg`: a budget given in bytes becomes the positions whose rows
+    /// take that many bytes over all layers (`KvDims::bytes_per_token` at the mode's precision;
+    /// a quantized cache's f16 residual is on top).
+    pub fn for_model(&self, cfg: &Config) -> Result<CacheMode> {
+        let Some(bytes) = self.budget_bytes else {
+            return Ok(*self);
+        };
+        let Retention::Budget {
+            sinks,
+            evict,
+            pyramid,
+            ..
+        } = self.retention
+        else {
+            anyhow::bail!("a budget in bytes needs a budget retention");
+        };
+        let per = size::KvDims::of(cfg).bytes_per_token(self.precision);
+        let budget = (bytes as f64 / per).floor() as usize;
+        if let Some(why) = budget_unfit(budget, sinks) {
+            anyhow::bail!(
+                "a budget of {} holds {budget} positions of this model ({} each in {}): {why}",
+                crate::source::human_bytes(bytes),
+                crate::source::human_bytes(per as u64),
+                self.precision.name()
+            );
+        }
+        Ok(CacheMode {
+            retention: Retention::Budget {
+                budget,
+                sinks,
+                evict,
+                pyramid,
+            },
+            budget_bytes: None,
+            ..*self
+        })
+    }
     /// Whether a batched step over this cache gives every row the bits of single steps and its
     /// last positions can be taken back: what verifying drafts needs. Every position in a float
     /// precision (any placement); not a quantized cache (a batched step reads more positions from
@@ -58,6 +98,17 @@ impl CacheMode {
     }
 }
 
+impl CacheMode {
+    /// Whether the sequence may not outgrow the context (a window or a budget holds a bounded
+    /// number of positions however long the sequence runs).
+    pub fn bounded_by_context(&self) -> bool {
+        !matches!(
+            self.retention,
+            Retention::Window { .. } | Retention::Budget { .. }
+        )
+    }
+}
+
 impl Default for CacheMode {
     fn default() -> Self {
         Self {
@@ -65,6 +116,7 @@ impl Default for CacheMode {
             retention: Retention::All,
             offload: false,
             residual: DEFAULT_RESIDUAL,
+            budget_bytes: None,
         }
     }
 }
@@ -199,7 +251,11 @@ impl std::fmt::Display for CacheMode {
                 evict,
                 pyramid,
             } => {
-                write!(f, "budget:{budget}:{}", evict.name())?;
+                match self.budget_bytes {
+                    Some(b) => write!(f, "budget:{}", crate::source::human_bytes(b))?,
+                    None => write!(f, "budget:{budget}")?,
+                }
+                write!(f, ":{}", evict.name())?;
                 if pyramid {
                     write!(f, ":pyramid")?;
                 }
@@ -223,6 +279,11 @@ impl CacheMode {
     /// The configuration for a context of `ctx` positions; impossible settings are refused here,
     /// in words that name the values.
     pub fn spec(&self, ctx: usize) -> Result<CacheSpec> {
+        if let Some(bytes) = self.budget_bytes {
+            anyhow::bail!(
+                "a budget of {bytes} bytes must be turned into positions for the model first (CacheMode::for_model)"
+            );
+        }
         if let Retention::Window { window, sinks } = self.retention {
             if window == 0 {
                 anyhow::bail!("a window must hold at least 1 position");
@@ -302,6 +363,7 @@ impl CacheSpec {
                 retention: Retention::All,
                 offload: false,
                 residual: DEFAULT_RESIDUAL,
+                budget_bytes: None,
             },
             max_positions: ctx,
         }
@@ -395,10 +457,7 @@ impl CacheSpec {
     /// Whether the sequence may not outgrow the context (a window holds a bounded number of
     /// positions however long the sequence runs).
     pub fn bounded_by_context(&self) -> bool {
-        !matches!(
-            self.mode.retention,
-            Retention::Window { .. } | Retention::Budget { .. }
-        )
+        self.mode.bounded_by_context()
     }
 
     /// Why this cache cannot hold rows of this model, if it cannot.

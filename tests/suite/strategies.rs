@@ -746,3 +746,42 @@ fn perplexity_of_prefilled_chunks_scores_the_tokens_of_token_by_token_scoring_to
     assert_eq!(batched.tokens_scored, 2 * 127);
     assert_eq!(batched.nll, one_by_one.nll);
 }
+
+#[test]
+fn a_budget_in_bytes_is_the_positions_whose_rows_take_them() {
+    use clap::Parser;
+    let mode = |flags: &[&str]| {
+        let mut args = vec!["kvchat", "run"];
+        args.extend_from_slice(flags);
+        args.push("hi");
+        let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
+        else {
+            unreachable!()
+        };
+        r.cache.mode()
+    };
+    let cfg = &engine().model().cfg;
+    // SmolLM2 in f16: 23,040 bytes a position over all layers; 11.25 MiB is 512 of them.
+    let m = mode(&["--kv-budget", "11.25MiB"]).unwrap();
+    let resolved = m.for_model(cfg).unwrap();
+    assert_eq!(resolved.to_string(), "budget:512:snapkv+4");
+    let m = mode(&["--kv-budget", "11.25MiB", "--kv-type", "int8"]).unwrap();
+    let kvchat::kv::Retention::Budget { budget, .. } = m.for_model(cfg).unwrap().retention else {
+        unreachable!()
+    };
+    assert_eq!(budget, 11_796_480 / 12_240);
+    let err = mode(&["--kv-budget", "1MiB"])
+        .unwrap()
+        .for_model(cfg)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("a budget of 1.00 MiB holds 45 positions of this model"),
+        "{err}"
+    );
+    let err = mode(&["--kv-budget", "64XB"]).unwrap_err().to_string();
+    assert!(
+        err.contains("--kv-budget '64XB' is neither a number of positions nor a size"),
+        "{err}"
+    );
+}

@@ -233,7 +233,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let on_full = opts.on_full;
     let interrupt = crate::interrupt::install()?;
     let engine = Engine::load(&g.load)?;
-    let spec = g.mode.spec(engine.ctx())?;
+    let spec = engine.cache_spec(&g.mode, engine.ctx())?;
     let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
     let sampling = engine.sampling_for(&g.sampling);
     let mut chat = Chat {

@@ -330,6 +330,7 @@ fn bytes_used_is_what_the_size_arithmetic_predicts() {
                 retention: r,
                 offload: false,
                 residual: 8,
+                budget_bytes: None,
             };
             assert_eq!(
                 c.bytes_used() as f64,
