@@ -709,6 +709,8 @@ mod tests {
             "window:64+0+bf16",
             "window:512+4+int8+offload",
             "window:512+4+int4:0",
+            "budget:512:snapkv+4",
+            "budget:300:h2o:pyramid+0+int4+offload",
         ] {
             let m: CacheMode = name.parse().unwrap();
             assert_eq!(m.to_string(), name);
@@ -794,5 +796,38 @@ mod tests {
             (none.retention, none.attend_window),
             (Retention::None, Some(16))
         );
+    }
+
+    #[test]
+    fn a_pyramid_budget_gives_lower_layers_more_and_keeps_the_total() {
+        let mut cfg = test_config(1, 8);
+        cfg.n_layer = 30;
+        let spec = CacheSpec::full(Precision::F16, 4096).with(|m| {
+            m.retention = Retention::Budget {
+                budget: 512,
+                sinks: 4,
+                evict: Evict::SnapKv,
+                pyramid: true,
+            }
+        });
+        let budgets: Vec<usize> = (0..30)
+            .map(|i| match spec.layer_spec(&cfg, i).retention {
+                Retention::Budget { budget, .. } => budget,
+                r => panic!("{r:?}"),
+            })
+            .collect();
+        assert_eq!((budgets[0], budgets[29]), (768, 256));
+        assert!(budgets.windows(2).all(|w| w[0] >= w[1]));
+        let total: usize = budgets.iter().sum();
+        assert!(total.abs_diff(30 * 512) <= 15, "{total}");
+        // A model's declared-window layers keep their window; the budget is the others'.
+        cfg.sliding_window = Some((64, (0..30).map(|i| i % 6 != 5).collect()));
+        let global: Vec<usize> = (0..30)
+            .filter_map(|i| match spec.layer_spec(&cfg, i).retention {
+                Retention::Budget { budget, .. } => Some(budget),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(global, [768, 640, 512, 384, 256]);
     }
 }
