@@ -146,6 +146,10 @@ pub fn run(opts: RunOptions) -> Result<()> {
         Some(_) => 0,
         None => store.restore(&mut session, &ids, &boundaries)?,
     };
+    // A budget compresses the prompt once it is prefilled: its whole rows are saved and stored
+    // first, and a resumed prompt is compressed the same way after its prefill.
+    let hold = session.evicts_by_score() && (store.is_on() || g.prompt_cache.is_some());
+    session.hold_evictions(hold);
     let logits = session.feed(&ids[reused..])?;
     let prefill = t0.elapsed();
     report_store_problems(&mut store, g.advice);
@@ -156,6 +160,10 @@ pub fn run(opts: RunOptions) -> Result<()> {
                 crate::describe_with(&e, g.advice)
             );
         }
+    }
+    if hold {
+        store.store(&session, true, &boundaries, ids.len());
+        session.evict_held()?;
     }
     let mut first_token: Option<Duration> = None;
     // A generation whose answer goes to a file or a pipe shows a bar on stderr (a terminal only)
@@ -213,7 +221,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
     }
     // The prompt's new blocks are written once the answer is out: a writer beside the decode
     // would take a core from its threads (measured: +5 % on a 2-core machine).
-    store.store(&session, true, &boundaries, ids.len());
+    if !hold {
+        store.store(&session, true, &boundaries, ids.len());
+    }
     store.finish();
     report_store_problems(&mut store, g.advice);
     stats.prompt_tokens = ids.len() - reused;

@@ -591,6 +591,23 @@ impl KvCache {
     pub fn layers_mut(&mut self) -> &mut [Layer] {
         &mut self.layers
     }
+    /// While `on`, a budget's evictions wait (see [`Layer::hold_evictions`]).
+    pub fn hold_evictions(&mut self, on: bool) {
+        for l in &mut self.layers {
+            l.hold_evictions(on);
+        }
+    }
+    /// Makes the evictions that waited and stops holding them.
+    pub fn evict_held(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            l.evict_held()?;
+        }
+        Ok(())
+    }
+    /// Whether every layer holds every position it has seen in slot order (no budget evicted).
+    pub fn by_position(&self) -> bool {
+        self.layers.iter().all(|l| l.by_position())
+    }
     /// Positions held (the most any layer holds).
     pub fn len(&self) -> usize {
         self.layers.iter().map(|l| l.len()).max().unwrap_or(0)

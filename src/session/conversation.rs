@@ -369,8 +369,16 @@ impl<'e> Conversation<'e> {
         // The answer may take what is left of the context, if that is less than max_tokens.
         let room = limit.saturating_sub(ids.len());
         let t0 = std::time::Instant::now();
+        // A budget compresses the prompt once it is prefilled: its whole rows are stored first.
+        let hold = self.session.evicts_by_score() && self.store.is_on();
+        self.session.hold_evictions(hold);
         let logits = self.session.feed(&new)?;
         let prefill = t0.elapsed();
+        if hold {
+            self.store
+                .store(&self.session, fresh, &boundaries, ids.len());
+            self.session.evict_held()?;
+        }
         let (out, mut reason, mut gen) = self.session.decode_drafted(
             logits,
             sampler,
@@ -392,8 +400,10 @@ impl<'e> Conversation<'e> {
         // The prompt's new blocks go to the store while the person reads the answer (not beside
         // the decode, whose threads would lose a core to the writer). Positions the answer added
         // are after the prompt's: the prompt's rows are as the prefill left them.
-        self.store
-            .store(&self.session, fresh, &boundaries, ids.len());
+        if !hold {
+            self.store
+                .store(&self.session, fresh, &boundaries, ids.len());
+        }
         if let Some(t) = stream.finish(engine.tokenizer())? {
             on_text(&t)?;
         }

@@ -380,6 +380,36 @@ impl<'m> Session<'m> {
         self.keep(keep)
     }
 
+    /// While `on`, a KV budget's evictions wait (`KvCache::hold_evictions`): a prompt's whole
+    /// rows can then be saved or stored before the budget compresses them.
+    pub fn hold_evictions(&mut self, on: bool) {
+        self.cache.hold_evictions(on);
+    }
+
+    /// Makes the evictions that waited and stops holding them.
+    pub fn evict_held(&mut self) -> Result<()> {
+        self.cache.evict_held()
+    }
+
+    /// Whether the cache evicts by score (a KV budget).
+    pub fn evicts_by_score(&self) -> bool {
+        matches!(
+            self.cache.spec().retention(),
+            crate::kv::Retention::Budget { .. }
+        )
+    }
+
+    /// The fewest positions of a prompt a resumed state must leave to prefill, so that the
+    /// prompt's last step is the one a whole prefill ends with: 1, or for a budget its
+    /// observation window (the queries that score what it keeps).
+    pub fn resume_margin(&self) -> usize {
+        if self.evicts_by_score() {
+            crate::kv::OBSERVE_WINDOW
+        } else {
+            1
+        }
+    }
+
     fn common_prefix(&self, ids: &[u32]) -> usize {
         self.tokens
             .iter()

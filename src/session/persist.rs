@@ -81,6 +81,14 @@ impl Session<'_> {
             self.reset()?;
             return Err(e);
         }
+        if self.resume_margin() > 1 {
+            // A budget scores by the prompt's last queries: they are prefilled again.
+            let keep = self
+                .keep_prefix_of(ids)?
+                .min(ids.len().saturating_sub(self.resume_margin()));
+            self.truncate(keep)?;
+            return Ok(self.tokens.len());
+        }
         self.keep_prefix_of(ids)
     }
 }

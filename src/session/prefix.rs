@@ -27,12 +27,18 @@ impl Session<'_> {
         match self.cache.spec().retention() {
             Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
-            Retention::Budget { .. } => {
-                Some("a KV budget evicts as each prompt ends, so it holds no whole blocks to store")
-            }
-            Retention::All if self.model.cfg.window_layers().is_some() => {
+            Retention::Budget {
+                evict: crate::kv::Evict::H2o,
+                ..
+            } => Some(
+                "h2o scores every query of a prompt, and a restored prefix's are not run again",
+            ),
+            Retention::All | Retention::Budget { .. }
+                if self.model.cfg.window_layers().is_some() =>
+            {
                 Some("this model's sliding-window layers keep only their window")
             }
+            Retention::Budget { .. } => None,
             Retention::All => None,
         }
     }
@@ -73,7 +79,7 @@ impl Session<'_> {
             self.reset()?;
         }
         let r = self.residual();
-        let limit = ids.len().saturating_sub(r.max(1));
+        let limit = ids.len().saturating_sub(r.max(self.resume_margin()));
         let chunk = self.model.prefill_chunk;
         // Where a quantized cache may resume: not inside the last r positions of a chunk.
         let ok = |t: usize| r == 0 || t.is_multiple_of(chunk) || t % chunk + r <= chunk;
@@ -108,7 +114,11 @@ impl Session<'_> {
         prompt: usize,
     ) -> Result<(Vec<Piece>, Vec<BlockRows>)> {
         let quantized = self.cache.spec().precision().quantized();
-        if self.store_refusal().is_some() || (quantized && !one_prefill) {
+        // (A budget that has evicted no longer holds positions in order: nothing to store.)
+        if self.store_refusal().is_some()
+            || (quantized && !one_prefill)
+            || !self.cache.by_position()
+        {
             return Ok((Vec::new(), Vec::new()));
         }
         let tokens = &self.tokens[..prompt.min(self.tokens.len())];

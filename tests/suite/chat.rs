@@ -157,24 +157,28 @@ fn loading_a_conversation_into_another_cache_configuration_is_refused() {
 }
 
 fn run_with_cache(file: &str, question: &str) -> Output {
+    run_with_cache_and(file, question, &[])
+}
+
+/// [`run_with_cache`] with more flags.
+fn run_with_cache_and(file: &str, question: &str, flags: &[&str]) -> Output {
     let system = kvchat::eval::bench::BENCH_TEXT.to_string();
     let system: String = system.chars().take(1500).collect();
-    kvchat(
-        &[
-            "run",
-            "--temperature",
-            "0",
-            "-n",
-            "16",
-            "--stats",
-            "--prompt-cache",
-            file,
-            "--system",
-            &system,
-            question,
-        ],
-        "",
-    )
+    let mut args = vec![
+        "run",
+        "--temperature",
+        "0",
+        "-n",
+        "16",
+        "--stats",
+        "--prompt-cache",
+        file,
+        "--system",
+        &system,
+    ];
+    args.extend_from_slice(flags);
+    args.push(question);
+    kvchat(&args, "")
 }
 
 fn reused(o: &Output) -> usize {
@@ -200,6 +204,23 @@ fn warm_prompt_cache_gives_the_cold_answer_and_prefills_only_the_new_part() {
     let other = run_with_cache(f, "question 2: who wrote it?");
     assert!(other.status.success());
     assert!(reused(&other) > 300);
+}
+
+#[test]
+fn a_budget_saves_its_prompt_whole_and_a_warm_run_compresses_it_to_the_cold_answer() {
+    let file = temp("budget.kvc");
+    let f = file.to_str().unwrap();
+    let budget = ["--kv-budget", "128"];
+    let cold = run_with_cache_and(f, "question 1: what is this text?", &budget);
+    let err = String::from_utf8_lossy(&cold.stderr);
+    assert!(cold.status.success(), "{err}");
+    assert!(!err.contains("cannot save"), "{err}");
+    assert!(err.contains("positions evicted per layer"), "{err}");
+    let warm = run_with_cache_and(f, "question 1: what is this text?", &budget);
+    assert_eq!(warm.stdout, cold.stdout);
+    // The prompt's last 32 positions (the queries that score it) are prefilled again.
+    let n = reused(&warm);
+    assert!(n > 250, "{n}");
 }
 
 #[test]

@@ -450,3 +450,53 @@ fn a_quantized_cache_never_resumes_among_the_positions_a_step_reads_in_f16() {
     assert_eq!(n, 384, "restored {n} of {}", ids.len());
     assert!(a == b, "the logits differ");
 }
+
+#[test]
+fn a_budget_resumed_from_the_store_compresses_and_answers_as_one_prefill() {
+    use kvchat::session::{Sampler, SamplingParams};
+    let e = crate::common::engine();
+    let ids = long_prompt();
+    for evict in [kvchat::kv::Evict::SnapKv, kvchat::kv::Evict::Tova] {
+        let spec = CacheSpec::full(Precision::F16, 4096).with(|m| {
+            m.retention = kvchat::kv::Retention::Budget {
+                budget: 128,
+                sinks: 4,
+                evict,
+                pyramid: false,
+            }
+        });
+        // An earlier prompt's whole rows go to the store before its budget compresses them.
+        let root = fresh_store(&format!("budget-{}", evict.name()));
+        let mut earlier = e.session(&spec);
+        earlier.hold_evictions(true);
+        earlier.feed(&ids[..480]).unwrap();
+        let mut store = PrefixReuse::open(e, &earlier, &root, 1 << 30);
+        store.store(&earlier, true, &[], 480);
+        earlier.evict_held().unwrap();
+        assert!(earlier.cache().len() <= 128 + kvchat::kv::SLACK);
+        store.finish();
+        assert!(store.take_problems().is_empty());
+        let answer = |s: &mut kvchat::session::Session<'_>, logits| {
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let (out, _, _) = s
+                .decode(logits, &mut sampler, 24, &[], true, |_| Ok(true))
+                .unwrap();
+            out
+        };
+        let mut whole = e.session(&spec);
+        let logits = whole.feed(&ids).unwrap();
+        let a = answer(&mut whole, logits);
+        let mut resumed = e.session(&spec);
+        let mut store = PrefixReuse::open(e, &resumed, &root, 1 << 30);
+        let n = store.restore(&mut resumed, &ids, &[]).unwrap();
+        assert_eq!(n, 448, "{evict:?}");
+        let logits = resumed.feed(&ids[n..]).unwrap();
+        assert!(
+            resumed.cache().len() <= 128 + kvchat::kv::SLACK,
+            "compressed after the restore"
+        );
+        let b = answer(&mut resumed, logits);
+        assert_eq!(a, b, "{evict:?}");
+        assert_eq!(whole.cache().len(), resumed.cache().len());
+    }
+}

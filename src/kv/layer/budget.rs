@@ -84,6 +84,9 @@ pub(super) struct Budgeted {
     pub(super) dropped: usize,
     /// Whether the step under way may evict once attended.
     pub(super) last_step: bool,
+    /// Evictions wait ([`Layer::hold_evictions`]): one that falls due is left `pending`.
+    pub(super) hold: bool,
+    pub(super) pending: bool,
 }
 
 impl Budgeted {
@@ -105,6 +108,8 @@ impl Budgeted {
             forward_end: None,
             dropped: 0,
             last_step: false,
+            hold: false,
+            pending: false,
         }
     }
 
@@ -308,6 +313,17 @@ impl Layer {
         if !bg.due() {
             return Ok(());
         }
+        if bg.hold {
+            bg.pending = true;
+            return Ok(());
+        }
+        self.evict(seen)
+    }
+
+    /// Evicts down to the budget by the scores observed.
+    fn evict(&mut self, seen: usize) -> Result<()> {
+        let bg = self.budget.as_mut().expect("a budget layer");
+        bg.pending = false;
         let keep = bg.choose(seen);
         let room = bg.budget + SLACK + 1;
         self.store.retain(&keep, room)?;
@@ -316,6 +332,35 @@ impl Layer {
             .expect("a budget layer")
             .evicted(&keep, seen);
         Ok(())
+    }
+
+    /// While `on`, an eviction that falls due waits (its scores kept) until
+    /// [`Layer::evict_held`]: what lets a prompt's whole rows be saved or stored first.
+    pub fn hold_evictions(&mut self, on: bool) {
+        if let Some(bg) = self.budget.as_mut() {
+            bg.hold = on;
+        }
+    }
+
+    /// Makes the eviction that waited, if one did, and stops holding them.
+    pub fn evict_held(&mut self) -> Result<()> {
+        let seen = self.seen;
+        match self.budget.as_mut() {
+            Some(bg) => {
+                bg.hold = false;
+                if bg.pending {
+                    self.evict(seen)?;
+                }
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Whether slot p holds position p in every head (nothing evicted yet): what reading rows by
+    /// position (saving, the prefix store) needs.
+    pub fn by_position(&self) -> bool {
+        self.budget.as_ref().is_none_or(|b| b.evicted_before == 0)
     }
 
     /// A forward of `positions` begins: a budget evicts when its last step has been attended.

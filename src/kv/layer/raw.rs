@@ -62,7 +62,12 @@ impl Layer {
     /// store's blocks), `[nkv, b − a, row bytes]` each; the residual's f16 copies are not part of
     /// them.
     pub fn raw_range(&self, a: usize, b: usize) -> Result<(Vec<u8>, Vec<u8>)> {
-        if self.retention != Retention::All || self.pending.is_some() {
+        let every = match self.retention {
+            Retention::All => true,
+            Retention::Budget { .. } => self.by_position(),
+            _ => false,
+        };
+        if !every || self.pending.is_some() {
             bail!("only a cache that keeps every position gives rows by position");
         }
         if a > b || b > self.seen {
