@@ -60,6 +60,8 @@ pub enum Fix {
     CudaLibraries,
     /// A window (with its sinks) no wider than the context, or a wider context.
     WindowOverContext,
+    /// A KV budget larger than the context.
+    BudgetOverContext,
     /// A larger time budget would let a benchmark cell run in full.
     BenchTimeBudget,
 }

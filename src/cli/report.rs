@@ -22,6 +22,7 @@ pub fn advice(fix: Fix) -> &'static str {
             "install the NVIDIA driver and CUDA 13's cuBLAS and cuRAND (pip install nvidia-cublas nvidia-curand) and put their lib folders on LD_LIBRARY_PATH, or use --device cpu"
         }
         Fix::WindowOverContext => "lower --kv-window or --kv-sinks, or raise --ctx",
+        Fix::BudgetOverContext => "lower --kv-budget or raise --ctx",
         Fix::BenchTimeBudget => "raise --budget-s",
     }
 }

@@ -309,7 +309,7 @@ impl CacheMode {
             }
             if budget > ctx {
                 return Err(crate::fixable(
-                    crate::Fix::WindowOverContext,
+                    crate::Fix::BudgetOverContext,
                     format!("a budget of {budget} positions is larger than the context of {ctx}"),
                 ));
             }

@@ -739,6 +739,31 @@ fn impossible_sizes_on_the_command_line_are_refused_in_one_line() {
 }
 
 #[test]
+fn a_bad_kv_budget_is_refused_in_one_line_before_the_model_loads() {
+    let home = temp("kv-budget");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--kv-budget", "0"], "--kv-budget must be at least 1 position"),
+        (
+            &["--kv-budget", "99999", "--ctx", "2048"],
+            "--kv-budget 99999 and --ctx 2048: a budget of 99999 positions is larger than the context of 2048 (lower --kv-budget or raise --ctx)",
+        ),
+        (&["--kv-budget", "64XB"], "--kv-budget '64XB' is neither a number of positions nor a size"),
+        (&["--kv-budget", "99999999999999999999999"], "--kv-budget 99999999999999999999999 is more positions than can be counted"),
+        (&["--kv-budget", "512", "--kv-evict", "tov"], "did you mean 'tova'?"),
+        (&["--kv-budget", "50"], "--kv-budget 50 with --kv-sinks 4: a budget of 50 positions is too small"),
+        (&["--kv-budget", "512", "--no-cache"], "--no-cache and --kv-budget cannot be combined"),
+    ];
+    for (flags, needle) in cases {
+        // The model does not exist: the flag's error must come first.
+        let mut args = vec!["run", "-m", "/nonexistent.gguf"];
+        args.extend_from_slice(flags);
+        args.push("hi");
+        let o = kvchat(&home, None, &args, b"");
+        assert_refused(&o, needle);
+    }
+}
+
+#[test]
 fn a_bad_bench_mode_is_refused_before_the_model_loads() {
     let home = temp("bench-modes");
     for (mode, needle) in [
