@@ -164,8 +164,12 @@ impl DraftArgs {
         if how.is_empty() {
             bail!("--draft needs ngram or a model");
         }
-        if !(1..=32).contains(&self.draft_max) {
-            bail!("--draft-max must be from 1 to 32, not {}", self.draft_max);
+        let most = crate::session::draft::MAX_DRAFT;
+        if !(1..=most).contains(&self.draft_max) {
+            bail!(
+                "--draft-max must be from 1 to {most}, not {}",
+                self.draft_max
+            );
         }
         // Why not, in the flags' words, where the mode cannot verify drafts.
         match mode.retention {

@@ -677,7 +677,8 @@ pub(crate) fn test_rope(max_positions: usize, hd: usize) -> Rope {
     Rope::new(&cfg, max_positions, None, DType::F32, &Device::Cpu).unwrap()
 }
 
-/// Positions a layer with a model-declared window keeps beyond it (see `CacheSpec::layer_spec`).
+/// Positions a layer with a model-declared window keeps beyond it (see `CacheSpec::layer_spec`):
+/// more than a verified draft takes back (at most 32 guesses and the token before them).
 pub const DECLARED_WINDOW_SPARE: usize = 64;
 
 /// A config with `nkv` KV heads of `hd` values, for unit tests.

@@ -233,6 +233,10 @@ pub struct KvView<'a> {
     /// positions up to its own (itself included). Set only where the view's positions are
     /// consecutive (no sinks), so view index and position differ by a constant.
     pub window: Option<usize>,
+    /// The absolute position of the view's first key where its positions are consecutive (0
+    /// otherwise): the CPU kernel's key chunks then sit at fixed absolute positions, so a row
+    /// sums its keys in the same order whichever step it is in and wherever the view starts.
+    pub first: usize,
 }
 
 impl KvView<'_> {

@@ -24,6 +24,11 @@ pub trait Drafter {
     fn name(&self) -> &'static str;
 }
 
+/// The most tokens one draft guesses (`--draft-max`'s bound). A declared sliding-window layer
+/// keeps more spare positions than a draft and the token before it take back.
+pub const MAX_DRAFT: usize = 32;
+const _: () = assert!(crate::kv::DECLARED_WINDOW_SPARE > MAX_DRAFT + 1);
+
 /// The longest and shortest runs of tokens matched.
 const MAX_NGRAM: usize = 4;
 const MIN_NGRAM: usize = 3;

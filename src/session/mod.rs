@@ -238,18 +238,19 @@ impl<'m> Session<'m> {
         )
     }
 
-    /// Whether a draft can be verified exactly on this cache ([`crate::kv::CacheMode::verifies_drafts`]).
-    ///
-    /// Nor yet a model's declared sliding-window layers (Gemma 3): the attention kernel counts its
-    /// key chunks from a view's first position, which a wide step moves, so later rows round
-    /// differently from their single steps (DEVELOPERS.md).
+    /// Whether a draft can be verified exactly on this cache ([`crate::kv::CacheMode::verifies_drafts`]),
+    /// a model's declared sliding-window layers (Gemma 3) included: each row sees its own window
+    /// (a per-row bound), the kernel's key chunks sit at absolute positions (so the older keys a
+    /// wide step's view also holds change no bit), and the layers keep
+    /// [`crate::kv::DECLARED_WINDOW_SPARE`] positions more than the window, more than a draft
+    /// takes back.
     pub fn can_verify_drafts(&self) -> bool {
         self.cache.spec().mode.verifies_drafts()
             && self
                 .cache
                 .layers()
                 .iter()
-                .all(|l| l.retention() == crate::kv::Retention::All)
+                .all(|l| l.retention() == crate::kv::Retention::All || l.attend_window().is_some())
     }
 
     /// As [`Session::decode`], with speculative decoding when `drafter` is given and the cache
@@ -307,7 +308,9 @@ impl<'m> Session<'m> {
             // The guesses (their time is the decode's): within the answer's and the context's
             // room left after `next`.
             let t = Instant::now();
-            let room = (max_tokens - out.len()).min(self.max_positions - self.tokens.len() - 1);
+            let room = (max_tokens - out.len())
+                .min(self.max_positions - self.tokens.len() - 1)
+                .min(draft::MAX_DRAFT);
             let guess = match drafter.as_deref_mut() {
                 Some(d) if room > 0 => {
                     let mut seq = self.tokens.clone();

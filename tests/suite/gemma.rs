@@ -193,26 +193,28 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
 }
 
 #[test]
-fn gemma3_sliding_window_layers_do_not_draft_yet_and_decode_as_plainly() {
-    // Drafted decoding on the sliding-window layers parted from plain decoding (600-token prompt,
-    // 29th token, guesses of 2+): until that is found, a model with them does not draft.
+fn gemma3_drafted_decoding_gives_the_tokens_of_plain_decoding_past_the_window() {
+    // Drafted decoding once parted from plain decoding here (600-token prompt, 29th token,
+    // guesses of 2+) while the kernel's key chunks started at a view's first position. A prompt
+    // past the 512-position window, so that the sliding-window layers have dropped positions
+    // and a draft's rows are verified in one wide step over them.
     let e = gemma();
     let text = kvchat::eval::bench::bench_tokens(e, 600).unwrap();
     let spec = CacheSpec::full(Precision::F16, e.ctx());
     let run = |draft: bool| {
         let mut s = e.session(&spec);
-        assert!(!s.can_verify_drafts());
+        assert!(s.can_verify_drafts());
         let logits = s.feed(&text).unwrap();
         let mut sampler = kvchat::session::Sampler::new(kvchat::session::SamplingParams::greedy());
         let mut d = kvchat::session::draft::Ngram::new(16);
         let drafter = draft.then_some(&mut d as &mut dyn kvchat::session::draft::Drafter);
         let (out, _, stats) = s
-            .decode_drafted(logits, &mut sampler, 60, &[], true, drafter, |_| Ok(true))
+            .decode_drafted(logits, &mut sampler, 200, &[], true, drafter, |_| Ok(true))
             .unwrap();
         (out, stats)
     };
     let (plain, _) = run(false);
     let (drafted, stats) = run(true);
     assert_eq!(plain, drafted);
-    assert_eq!((stats.drafted, stats.forwards), (0, 59), "{stats:?}");
+    assert!(stats.drafted > 0 && stats.forwards < 199, "{stats:?}");
 }

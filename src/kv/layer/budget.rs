@@ -298,6 +298,7 @@ impl Layer {
                 parts,
                 hadamard: self.hadamard,
                 window: None,
+                first: 0,
             },
             q_pos: b,
             sink_q_pos: None,

@@ -201,6 +201,11 @@ impl Layer {
         self.retention
     }
 
+    /// The window the model declares for this layer, which attention enforces per query row.
+    pub fn attend_window(&self) -> Option<usize> {
+        self.attend_window
+    }
+
     /// (sinks, window) of the retention; a full cache is a window that never drops.
     fn shape(&self) -> (usize, usize) {
         match self.retention {
@@ -441,6 +446,8 @@ impl Layer {
             parts,
             hadamard: self.hadamard,
             window: self.attend_window.filter(|_| sink_end == 0),
+            // Consecutive positions from `lo`, or from 0 while nothing was dropped.
+            first: if sink_end == 0 { lo } else { 0 },
         })
     }
 

@@ -445,7 +445,6 @@ fn a_declared_windows_wide_step_attends_each_row_as_its_single_step_does() {
 }
 
 #[test]
-#[ignore = "parts today: the kernel's key chunks start at the view's first position, which a wide step moves (see DEVELOPERS.md)"]
 fn a_declared_window_wider_than_a_key_chunk_attends_a_wide_steps_rows_as_single_steps() {
     assert_eq!(wide_step_row_that_differs(300, 364, 400, 4), None);
 }

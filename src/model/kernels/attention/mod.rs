@@ -143,6 +143,10 @@ fn attend_host_at(
             kvrows::hadamard(x, b);
         }
     }
+    // Key chunks sit at multiples of CHUNK in absolute positions where the view's positions are
+    // consecutive (`KvView::first`): view index j is virtual index j + shift, and the virtual keys
+    // before `shift` are seen by no row.
+    let shift = view.first % CHUNK;
     let mut segs = Vec::with_capacity(view.parts.len());
     let mut kv_len = 0;
     for p in &view.parts {
@@ -155,8 +159,8 @@ fn attend_host_at(
         if n > 0 {
             segs.push(Seg {
                 rows: &p.rows,
-                start: kv_len,
-                end: kv_len + n,
+                start: shift + kv_len,
+                end: shift + kv_len + n,
                 query: p.query.index(),
             });
         }
@@ -165,11 +169,11 @@ fn attend_host_at(
     if t == 0 || gt % t != 0 || t > kv_len {
         bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
     }
-    let offset = kv_len - t;
+    let offset = shift + kv_len - t;
     // Observed rows: each one's numerators exp(x − m_c) over all keys and its chunks' [m_c, s_c],
     // written by the work items (disjoint: one (row, chunk) each), normalized below.
     let g = gt / t;
-    let n_chunks = kv_len.div_ceil(CHUNK);
+    let n_chunks = (shift + kv_len).div_ceil(CHUNK);
     let mut nums = vec![0f32; nkv * g * observe * kv_len];
     let mut ms = vec![0f32; nkv * g * observe * n_chunks * 2];
     let obs = Observe {
@@ -180,6 +184,7 @@ fn attend_host_at(
         n_chunks,
     };
     let cx = Ctx {
+        shift,
         obs: (observe > 0).then_some(&obs),
         segs: &segs,
         q: &q,
@@ -197,11 +202,11 @@ fn attend_host_at(
         |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
             run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
         };
-    let mut out = chunked_attention(nkv, gt, hd, kv_len, &chunk);
+    let mut out = chunked_attention(nkv, gt, hd, shift + kv_len, &chunk);
     if let Some(b) = view.hadamard {
         kvrows::hadamard(&mut out, b);
     }
-    let observed = observed_weights(&nums, &ms, (nkv, g * observe, kv_len, n_chunks));
+    let observed = observed_weights(&nums, &ms, (nkv, g * observe, kv_len, n_chunks), shift);
     Ok((
         Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?,
         observed,
@@ -211,11 +216,12 @@ fn attend_host_at(
 /// `[nkv, L]`: per KV head, the softmax weights of its `rows` observed rows summed, from each
 /// row's numerators exp(x − m_c) (`nums`, `[nkv, rows, L]`) and its chunks' `[m_c, s_c]` (`ms`,
 /// `[nkv, rows, n_chunks, 2]`): weight = exp(x − m_c) · exp(m_c − M) / Σ_c s_c · exp(m_c − M),
-/// M the row's largest m_c, as [`combine`] weighs the chunks.
+/// M the row's largest m_c, as [`combine`] weighs the chunks; key j is in chunk (j + shift) / CHUNK.
 fn observed_weights(
     nums: &[f32],
     ms: &[f32],
     (nkv, rows, kv_len, n_chunks): (usize, usize, usize, usize),
+    shift: usize,
 ) -> Vec<f32> {
     if rows == 0 {
         return Vec::new();
@@ -233,13 +239,15 @@ fn observed_weights(
                 continue;
             }
             let num = &nums[row * kv_len..][..kv_len];
-            for (c, (a, x)) in acc.chunks_mut(CHUNK).zip(num.chunks(CHUNK)).enumerate() {
+            for c in 0..n_chunks {
                 let [mc, sc] = [chunks[2 * c], chunks[2 * c + 1]];
                 if sc <= 0.0 {
                     continue;
                 }
                 let w = exp_nonpositive(mc - m) / s;
-                for (a, x) in a.iter_mut().zip(x) {
+                let lo = (c * CHUNK).saturating_sub(shift);
+                let hi = ((c + 1) * CHUNK - shift).min(kv_len);
+                for (a, x) in acc[lo..hi].iter_mut().zip(&num[lo..hi]) {
                     *a += x * w;
                 }
             }

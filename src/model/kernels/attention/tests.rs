@@ -84,6 +84,7 @@ fn view_of<'a, E>(
         parts,
         hadamard: None,
         window: None,
+        first: 0,
     }
 }
 
@@ -164,6 +165,7 @@ fn a_declared_window_limits_each_query_to_its_last_w_positions() {
             }],
             hadamard: None,
             window: Some(w),
+            first: 0,
         };
         let masked = attend_view(&[&q.to_dtype(DType::F32).unwrap()], &dense, t, 0.125);
         assert!(
@@ -473,10 +475,65 @@ fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_he
             }],
             hadamard: None,
             window: w,
+            first: 0,
         };
         let (_, dev) = attend_view_observed(&[&q], &dense, t, 0.125, observe).unwrap();
         for (a, b) in dev.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "device path t={t}");
+        }
+    }
+}
+
+#[test]
+fn key_chunks_sit_at_absolute_positions_so_a_row_has_its_bits_wherever_its_view_starts() {
+    // Positions 100..700 of a sequence, a declared window of 300: the step's rows against the
+    // whole view, and each row alone against a view that starts at its window's first key.
+    let (nkv, g, hd, w, first, l, t) = (1, 2, 64, 300, 100, 600, 8);
+    let (k, v, q) = (
+        rand((nkv, l, hd)),
+        rand((nkv, l, hd)),
+        rand((nkv, g * t, hd)),
+    );
+    let (kr, vr, kd, vd) = encoded::<kvrows::F16>(&k, &v);
+    let rows_from = |a: usize, len: usize| Part {
+        rows: Rows::F16(HostRows {
+            k: &kr[a * hd..],
+            v: &vr[a * hd..],
+            head_stride: l * hd,
+            row_len: hd,
+            len,
+        }),
+        query: QueryRotation::AtPosition,
+    };
+    let whole = KvView {
+        parts: vec![rows_from(0, l)],
+        hadamard: None,
+        window: Some(w),
+        first,
+    };
+    let all = attend_host_at(&[&q], &whole, t, 0.125, 0, false).unwrap().0;
+    // Against candle's ops over the same keys.
+    let qs: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+    let scores = q.matmul(&kd.t().unwrap()).unwrap();
+    let want = softmax_weighted(scores, &vd, t, 0.125, Some(w)).unwrap();
+    assert!(max_diff(&all, &want) < 1e-5);
+    for r in 0..t {
+        let own = l - t + r;
+        let start = own + 1 - w;
+        let alone = KvView {
+            parts: vec![rows_from(start, own + 1 - start)],
+            hadamard: None,
+            window: Some(w),
+            first: first + start,
+        };
+        for gi in 0..g {
+            let row = &qs[(gi * t + r) * hd..][..hd];
+            let q1 = Tensor::from_vec(row.to_vec(), (nkv, 1, hd), &Device::Cpu).unwrap();
+            let one = attend_host_at(&[&q1], &alone, 1, 0.125, 0, false)
+                .unwrap()
+                .0;
+            let got = all.narrow(1, gi * t + r, 1).unwrap();
+            assert_eq!(bits(&one), bits(&got), "row {r} head {gi}");
         }
     }
 }

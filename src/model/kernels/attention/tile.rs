@@ -81,6 +81,8 @@ pub(super) fn scratch_len(hd: usize) -> usize {
 
 /// What every (tile, chunk) of one attention call shares.
 pub(super) struct Ctx<'a, 'b> {
+    /// Virtual keys before the view's first (see `attend_host_at`): seen by no row.
+    pub(super) shift: usize,
     pub(super) segs: &'b [Seg<'a, 'b>],
     /// Each query rotation `[nkv, gt, hd]`, flat.
     pub(super) q: &'b [Vec<f32>],
@@ -358,7 +360,10 @@ pub(super) fn tile_chunk(
     for r in 0..rows {
         let own = cx.offset + (r0 + r) % cx.t; // the row's own position in the view
         ends[r] = (own + 1).min(j0 + CHUNK) as u32;
-        starts[r] = cx.window.map_or(0, |w| (own + 1).saturating_sub(w)) as u32;
+        starts[r] = cx
+            .window
+            .map_or(0, |w| (own + 1).saturating_sub(w))
+            .max(cx.shift) as u32;
     }
     let most = (0..rows).map(|r| ends[r] as usize).max().unwrap_or(0);
     let least = (0..rows)
@@ -444,7 +449,7 @@ fn observe_rows(
         if hi > lo {
             // SAFETY (DisjointOut's contract): keys lo..hi of chunk c of this row belong to this
             // (tile, chunk) item alone.
-            let out = unsafe { obs.nums.slice(row * obs.kv_len + lo, hi - lo) };
+            let out = unsafe { obs.nums.slice(row * obs.kv_len + lo - cx.shift, hi - lo) };
             for (j, o) in (lo..hi).zip(out) {
                 *o = scores[(j - j0) * TILE + r];
             }
