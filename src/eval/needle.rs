@@ -123,7 +123,7 @@ pub fn prompt_ids(
 
 /// The prompt's ids and where its first forward ends: all of it, or (`ask_later`) the text as a
 /// turn of its own, the model's [`ACK`], then the question in the next turn.
-fn prompt_turns(
+pub fn prompt_turns(
     engine: &Engine,
     template: &ChatTemplate,
     (key, depth, repeats): (u32, u32, usize),
@@ -139,15 +139,14 @@ fn prompt_turns(
         vec![Message::new("user", &haystack(key, depth, repeats))]
     };
     let mut ids = engine.chat_prompt(template, &m)?;
-    let split = if ask_later {
-        match engine.message_boundaries(template, &m, &ids).get(1) {
-            Some(&at) => at,
-            None => bail!("the chat template does not render the first turn as a prefix of the second, so the question cannot come later"),
-        }
-    } else {
-        ids.len()
+    let split = match engine.message_boundaries(template, &m, &ids).get(1) {
+        _ if !ask_later => None,
+        Some(&at) => Some(at),
+        None => bail!("the chat template does not render the first turn as a prefix of the second, so the question cannot come later"),
     };
     ids.extend(engine.tokenizer().encode_literal(ANSWER_PREFIX)?);
+    // One forward (the question in the prompt), or two split after the first turn.
+    let split = split.unwrap_or(ids.len());
     Ok((ids, split))
 }
 

@@ -347,3 +347,25 @@ fn the_draft_summary_measures_both_texts_and_drafting_changes_no_token() {
     }
     assert_eq!((d.max, d.generated_tokens), (8, 128));
 }
+
+#[test]
+fn a_needle_prompt_is_one_forward_unless_the_question_comes_in_the_next_turn() {
+    use kvchat::eval::needle::prompt_turns;
+    let e = crate::common::engine();
+    let t = e.chat_template(None).unwrap();
+    let (ids, split) = prompt_turns(e, &t, (12345, 50, 20), false).unwrap();
+    assert_eq!(
+        split,
+        ids.len(),
+        "the question and the answer's start in one forward"
+    );
+    let (later, split) = prompt_turns(e, &t, (12345, 50, 20), true).unwrap();
+    let second = e.tokenizer().decode(&later[split..], false).unwrap();
+    assert!(second.contains("What is the pass key?"), "{second}");
+    assert!(second.ends_with("The pass key is"), "{second}");
+    let first = e.tokenizer().decode(&later[..split], false).unwrap();
+    assert!(
+        first.contains("12345") && first.contains("I have memorized"),
+        "{first}"
+    );
+}
