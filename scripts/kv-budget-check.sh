@@ -9,7 +9,8 @@
 #   3. retrieval: `kvchat needle` (2,048 tokens, depths 5–95 %, 3 keys each) with the question in
 #      the prompt and in the next turn (--ask-later), budget 512 and the window of equal bytes.
 #   4. compaction: a scripted 300-turn chat at --ctx 1024 --on-full compact (the exit status, the
-#      compactions said, the system message's words in the last answer's context via /show).
+#      turns answered, the compactions said; that the system message stays first is tested in
+#      tests/suite/chat.rs).
 #   scripts/kv-budget-check.sh [ROUNDS=3] [CONTEXT=2048] [THREADS=2] [PARTS="speed ppl needle compact"]
 # Raw outputs: target/kv-budget/. MODEL (a -m value) picks another model for parts 1 and 3.
 set -euo pipefail
