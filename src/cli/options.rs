@@ -141,7 +141,7 @@ pub struct DraftArgs {
     /// Guess the next tokens and verify them in one forward (the same tokens as without):
     /// `ngram` = prompt lookup, the continuation of the latest earlier match of the last tokens
     /// in the prompt and answer (pays where the answer copies); or a draft model with the same
-    /// tokenizer, named as for -m (run only). Needs a full cache in f32, f16 or bf16
+    /// tokenizer, named as for -m. Needs a full cache in f32, f16 or bf16
     #[arg(long, value_name = "ngram|MODEL")]
     pub draft: Option<String>,
     /// The most tokens one draft guesses (1 to 32)
@@ -156,7 +156,6 @@ impl DraftArgs {
         &self,
         mode: &CacheMode,
         model: &crate::engine::LoadOptions,
-        chat: bool,
     ) -> Result<Option<crate::commands::DraftChoice>> {
         let Some(how) = &self.draft else {
             return Ok(None);
@@ -193,9 +192,6 @@ impl DraftArgs {
         Ok(Some(if how == "ngram" {
             crate::commands::DraftChoice::Ngram { max }
         } else {
-            if chat {
-                bail!("--draft {how}: chat drafts by prompt lookup only for now (--draft ngram)");
-            }
             let load = crate::engine::LoadOptions {
                 model: Some(how.clone()),
                 tokenizer: None,

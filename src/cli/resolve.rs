@@ -36,8 +36,6 @@ struct GenerateFlags<'a> {
     stats: bool,
     prompt_cache: Option<PathBuf>,
     draft: &'a DraftArgs,
-    /// For `chat` (which drafts by prompt lookup only).
-    chat: bool,
 }
 
 /// The shared flags of `run`'s or `chat`'s args (the same fields in both).
@@ -54,7 +52,6 @@ macro_rules! generate_flags {
             stats: $args.stats,
             prompt_cache: $args.prompt_cache.clone(),
             draft: &$args.draft,
-            chat: false,
         }
     };
 }
@@ -88,7 +85,7 @@ impl GenerateFlags<'_> {
             }
             None => None,
         };
-        let draft = self.draft.choice(&mode, &load, self.chat)?;
+        let draft = self.draft.choice(&mode, &load)?;
         Ok(Generate {
             load,
             mode,
@@ -155,11 +152,7 @@ impl RunArgs {
 
 impl ChatArgs {
     pub fn resolve(self) -> Result<ChatOptions> {
-        let generate = GenerateFlags {
-            chat: true,
-            ..generate_flags!(self)
-        }
-        .resolve()?;
+        let generate = generate_flags!(self).resolve()?;
         Ok(ChatOptions {
             generate,
             on_full: self.on_full.parse().context("--on-full")?,

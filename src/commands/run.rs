@@ -173,26 +173,11 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut generated = 0u64;
     let recomputes = spec.recomputes();
-    // The draft model, when one drafts: loaded beside the target, checked to share its vocabulary.
-    let draft_engine = match &g.draft {
-        Some(DraftChoice::Model { load, .. }) => {
-            let d = Engine::load(load).context("the draft model")?;
-            same_vocabulary(&engine, &d)?;
-            Some(d)
-        }
-        _ => None,
-    };
+    let draft_engine = load_draft(g.draft.as_ref(), &engine)?;
     if g.draft.is_some() && !session.can_verify_drafts() {
         eprintln!("note: {DRAFTS_OFF}");
     }
-    let mut drafter: Option<Box<dyn Drafter + '_>> = match (&g.draft, &draft_engine) {
-        (Some(DraftChoice::Ngram { max }), _) => Some(Box::new(Ngram::new(*max))),
-        (Some(DraftChoice::Model { max, .. }), Some(d)) => {
-            let spec = crate::kv::CacheSpec::full(crate::kv::DEFAULT_PRECISION, d.ctx());
-            Some(Box::new(ModelDraft::new(d.session(&spec), *max)))
-        }
-        _ => None,
-    };
+    let mut drafter = drafter(g.draft.as_ref(), draft_engine.as_ref());
     let (_, reason, mut stats) = session.decode_drafted(
         logits,
         &mut sampler,
@@ -271,6 +256,34 @@ pub const DRAFTS_OFF: &str =
 
 /// Refuses a draft model whose vocabulary is not the target's: the same size, and the same ids for
 /// a probe text (its guesses are token ids of the target's vocabulary).
+/// The draft model, when one drafts: loaded beside the target, checked to share its vocabulary.
+pub(super) fn load_draft(choice: Option<&DraftChoice>, engine: &Engine) -> Result<Option<Engine>> {
+    match choice {
+        Some(DraftChoice::Model { load, .. }) => {
+            let d = Engine::load(load).context("the draft model")?;
+            same_vocabulary(engine, &d)?;
+            Ok(Some(d))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// What guesses the drafts `choice` names: prompt lookup, or the draft model (`draft`, from
+/// [`load_draft`]) in a session of its own.
+pub(super) fn drafter<'d>(
+    choice: Option<&DraftChoice>,
+    draft: Option<&'d Engine>,
+) -> Option<Box<dyn Drafter + 'd>> {
+    match (choice, draft) {
+        (Some(DraftChoice::Ngram { max }), _) => Some(Box::new(Ngram::new(*max))),
+        (Some(DraftChoice::Model { max, .. }), Some(d)) => {
+            let spec = crate::kv::CacheSpec::full(crate::kv::DEFAULT_PRECISION, d.ctx());
+            Some(Box::new(ModelDraft::new(d.session(&spec), *max)))
+        }
+        _ => None,
+    }
+}
+
 fn same_vocabulary(target: &Engine, draft: &Engine) -> Result<()> {
     let (a, b) = (target.tokenizer(), draft.tokenizer());
     if a.vocab_size() != b.vocab_size() {

@@ -109,7 +109,7 @@ pub struct Conversation<'e> {
     /// first turn, after /reset), and given each prompt's new blocks once its answer is out.
     store: PrefixReuse,
     /// Speculative decoding of the answers, when asked for (see `Session::decode_drafted`).
-    drafter: Option<super::draft::Ngram>,
+    drafter: Option<Box<dyn super::draft::Drafter + 'e>>,
 }
 
 impl<'e> Conversation<'e> {
@@ -137,7 +137,16 @@ impl<'e> Conversation<'e> {
 
     /// Drafts up to `max` tokens a forward by prompt lookup from now on (None: no drafting).
     pub fn set_draft(&mut self, max: Option<usize>) {
-        self.drafter = max.map(super::draft::Ngram::new);
+        self.set_drafter(
+            max.map(|m| {
+                Box::new(super::draft::Ngram::new(m)) as Box<dyn super::draft::Drafter + 'e>
+            }),
+        );
+    }
+
+    /// Drafts with `drafter` from now on (a draft model's, prompt lookup; None: no drafting).
+    pub fn set_drafter(&mut self, drafter: Option<Box<dyn super::draft::Drafter + 'e>>) {
+        self.drafter = drafter;
     }
 
     pub fn engine(&self) -> &'e Engine {
@@ -385,9 +394,7 @@ impl<'e> Conversation<'e> {
             max_tokens.min(room).max(1),
             engine.stop_ids(),
             false,
-            self.drafter
-                .as_mut()
-                .map(|d| d as &mut dyn super::draft::Drafter),
+            self.drafter.as_deref_mut(),
             |id| {
                 if let Some(t) = stream.push(engine.tokenizer(), id)? {
                     on_text(&t)?;

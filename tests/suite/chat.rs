@@ -758,3 +758,19 @@ fn a_chat_with_drafts_answers_as_one_without_and_holds_the_same_cache() {
         "the second answer repeats the first: something to draft from"
     );
 }
+
+#[test]
+fn a_chat_drafted_by_a_model_answers_as_one_without() {
+    // The model drafting for itself: every guess is the token it then samples.
+    let model = crate::common::model_path();
+    let questions = "Name three colours.\nAnd three animals?\n";
+    let flags = ["chat", "--temperature", "0", "-n", "24", "--stats"];
+    let plain = kvchat(&flags, questions);
+    let mut with: Vec<&str> = flags.to_vec();
+    with.extend(["--draft", model.to_str().unwrap(), "--draft-max", "4"]);
+    let drafted = kvchat(&with, questions);
+    let err = String::from_utf8_lossy(&drafted.stderr);
+    assert!(drafted.status.success(), "{err}");
+    assert_eq!(plain.stdout, drafted.stdout);
+    assert!(err.contains("drafted"), "{err}");
+}

@@ -236,6 +236,7 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let spec = engine.cache_spec(&g.mode, engine.ctx())?;
     let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
     let sampling = engine.sampling_for(&g.sampling);
+    let draft_engine = super::run::load_draft(g.draft.as_ref(), &engine)?;
     let mut chat = Chat {
         conv: Conversation::new(&engine, &spec, template, g.system.clone(), on_full),
         sampler: Sampler::new(sampling.params.clone()),
@@ -252,10 +253,8 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     if g.draft.is_some() && !chat.conv.session().can_verify_drafts() {
         eprintln!("note: {}", super::run::DRAFTS_OFF);
     }
-    chat.conv.set_draft(match &g.draft {
-        Some(super::DraftChoice::Ngram { max }) => Some(*max),
-        _ => None,
-    });
+    chat.conv
+        .set_drafter(super::run::drafter(g.draft.as_ref(), draft_engine.as_ref()));
     // A system message that alone fills the context is refused before the first turn.
     chat.conv.check_system()?;
     let store = open_store(&g.store, &engine, chat.conv.session());
