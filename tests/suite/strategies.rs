@@ -785,3 +785,44 @@ fn a_budget_in_bytes_is_the_positions_whose_rows_take_them() {
         "{err}"
     );
 }
+
+#[test]
+fn the_gpus_path_run_on_the_cpu_evicts_as_the_cpus_budget_does() {
+    // Scored by candle's softmax there and by the fused kernel here: the same positions kept,
+    // the logits within rounding, through a prompt that is compressed and a decode that evicts.
+    let (cpu, gpu) = (candle_engine(false), candle_engine(true));
+    let prompt = cpu
+        .raw_prompt(&"Paris is the capital of France; the Seine runs through it. ".repeat(12))
+        .unwrap();
+    assert!(prompt.len() > 120);
+    for (p, offload) in [
+        (kvchat::kv::Precision::F32, false),
+        (kvchat::kv::Precision::F16, true),
+    ] {
+        let spec = budget(68, kvchat::kv::Evict::SnapKv).with(|m| {
+            m.precision = p;
+            m.offload = offload;
+        });
+        let (mut a, mut b) = (cpu.session(&spec), gpu.session(&spec));
+        let (mut la, mut lb) = (a.feed(&prompt).unwrap(), b.feed(&prompt).unwrap());
+        assert_eq!(a.cache().len(), 68, "compressed after the prompt");
+        for step in 0..40 {
+            let (xa, xb): (Vec<f32>, Vec<f32>) = (la.to_vec1().unwrap(), lb.to_vec1().unwrap());
+            let d = rel_diff(&xb, &xa);
+            assert!(d < 1e-2, "{p:?} step {step}: {d}");
+            let next = xa
+                .iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .unwrap()
+                .0 as u32;
+            (la, lb) = (a.feed(&[next]).unwrap(), b.feed(&[next]).unwrap());
+            assert_eq!(a.cache().len(), b.cache().len(), "{p:?} step {step}");
+        }
+        let evicted = |s: &kvchat::session::Session<'_>| -> Vec<Option<usize>> {
+            s.cache().layers().iter().map(|l| l.evicted()).collect()
+        };
+        assert_eq!(evicted(&a), evicted(&b));
+        assert!(a.cache().seen() - a.cache().len() > prompt.len() - 68);
+    }
+}

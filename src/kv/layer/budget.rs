@@ -244,9 +244,6 @@ impl Layer {
         v: &Tensor,
         rope: &Rope,
     ) -> Result<Attend<'_>> {
-        if self.store_on.is_some() || self.offload_to.is_some() {
-            bail!("a KV budget runs on the CPU for now (its attention hands scores to the cache there)");
-        }
         let t = k.dim(2)?;
         let (b, e) = (self.seen, self.seen + t);
         let k = rope.apply(k, b)?; // [1, nkv, t, hd], rotated at absolute positions
@@ -283,15 +280,23 @@ impl Layer {
             _ => (e, e),
         };
         let main = n + t - (res_hi - res_lo);
+        let mut runs = vec![(Source::Main, 0, main)];
+        runs.extend(self.runs(res_lo, res_hi));
         let mut parts = Vec::new();
-        if main > 0 {
-            parts.push(self.store.part(0, main, QueryRotation::AtPosition)?);
-        }
-        for (src, slot, len) in self.runs(res_lo, res_hi) {
-            parts.push(
-                self.source(src)
+        for (src, slot, len) in runs.into_iter().filter(|r| r.2 > 0) {
+            parts.push(match &self.offload_to {
+                // Rows in host memory, attended on a device: their stored bytes go there.
+                Some(dev) => {
+                    let (k, v) = stage(self.source(src), (self.nkv, self.hd), slot, len, dev)?;
+                    Part {
+                        rows: crate::model::cache::Rows::Dense { k, v },
+                        query: QueryRotation::AtPosition,
+                    }
+                }
+                None => self
+                    .source(src)
                     .part(slot, len, QueryRotation::AtPosition)?,
-            );
+            });
         }
         Ok(Attend {
             view: KvView {

@@ -640,7 +640,12 @@ impl LayerCache for Layer {
 
     fn prefetch(&mut self) -> Result<()> {
         // (A recompute keeps nothing between steps: nothing to stage.)
-        if self.offload_to.is_none() || self.staged.is_some() || self.retention == Retention::None {
+        // (A budget's rows are staged by its append: its slots are not positions.)
+        if self.offload_to.is_none()
+            || self.staged.is_some()
+            || self.retention == Retention::None
+            || self.budget.is_some()
+        {
             return Ok(());
         }
         // What the next step's view reads from before its own positions: the window's rows.

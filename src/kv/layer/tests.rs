@@ -582,3 +582,38 @@ fn tova_makes_one_choice_for_every_head_from_their_summed_attention() {
     // No pooling: the neighbours of a chosen position are not kept for it.
     assert!(!keep[0].contains(&99));
 }
+
+#[test]
+fn a_budget_kept_as_tensors_evicts_and_attends_as_the_cpu_kernel_does() {
+    // The GPU's path run on the CPU (rows as tensors, or offloaded and staged; candle's softmax
+    // gives the scores) against the CPU kernel's, through a prompt that evicts and a decode that
+    // evicts again, for a float and a quantized precision and each policy.
+    for p in [Precision::F16, Precision::Int8] {
+        for evict in Evict::ALL {
+            for offload in [false, true] {
+                let s = LayerSpec {
+                    offload,
+                    ..spec(p, budget(80, evict))
+                };
+                let mut host = Layer::new(&s, NKV, HD, None);
+                let mut tensors = Layer::new(&s, NKV, HD, Some(&Device::Cpu));
+                let mut outs = (Vec::new(), Vec::new());
+                // A prompt of 300 in three steps (evicting at its end), then 40 decode steps.
+                let forwards = std::iter::once(vec![100, 100, 100]).chain((0..40).map(|_| vec![1]));
+                for steps in forwards {
+                    host.forward_begins(steps.iter().sum());
+                    tensors.forward_begins(steps.iter().sum());
+                    outs.0.extend(run(&mut host, &steps));
+                    outs.1.extend(run(&mut tensors, &steps));
+                }
+                let d = max_diff(&outs.0, &outs.1);
+                assert!(d < 1e-4, "{p:?} {evict:?} offload {offload}: {d}");
+                assert_eq!(host.evicted(), tensors.evicted());
+                assert!(host.evicted().unwrap() > 220, "{:?}", host.evicted());
+                for h in 0..NKV {
+                    assert_eq!(held_positions(&host, h), held_positions(&tensors, h));
+                }
+            }
+        }
+    }
+}
