@@ -232,19 +232,22 @@ fn a_window_that_has_dropped_positions_still_answers_with_every_precision() {
     }
 }
 
+/// The cache mode `kvchat run FLAGS hi` asks for.
+fn run_cache_mode(flags: &[&str]) -> anyhow::Result<kvchat::kv::CacheMode> {
+    use clap::Parser;
+    let mut args = vec!["kvchat", "run"];
+    args.extend_from_slice(flags);
+    args.push("hi");
+    let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
+    else {
+        unreachable!()
+    };
+    r.cache.mode()
+}
+
 #[test]
 fn the_cache_flags_combine_freely_and_name_the_axes() {
-    use clap::Parser;
-    let mode = |flags: &[&str]| {
-        let mut args = vec!["kvchat", "run"];
-        args.extend_from_slice(flags);
-        args.push("hi");
-        let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
-        else {
-            unreachable!()
-        };
-        r.cache.mode().map(|m| m.to_string())
-    };
+    let mode = |flags: &[&str]| run_cache_mode(flags).map(|m| m.to_string());
     assert_eq!(mode(&[]).unwrap(), "full");
     assert_eq!(mode(&["--kv-type", "f32"]).unwrap(), "full+f32");
     assert_eq!(
@@ -292,17 +295,7 @@ fn the_cache_flags_combine_freely_and_name_the_axes() {
 
 #[test]
 fn a_budget_is_named_by_its_flags_and_its_mode_string_alike() {
-    use clap::Parser;
-    let mode = |flags: &[&str]| {
-        let mut args = vec!["kvchat", "run"];
-        args.extend_from_slice(flags);
-        args.push("hi");
-        let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
-        else {
-            unreachable!()
-        };
-        r.cache.mode().map(|m| m.to_string())
-    };
+    let mode = |flags: &[&str]| run_cache_mode(flags).map(|m| m.to_string());
     assert_eq!(
         mode(&["--kv-budget", "512"]).unwrap(),
         "budget:512:snapkv+4"
@@ -749,17 +742,7 @@ fn perplexity_of_prefilled_chunks_scores_the_tokens_of_token_by_token_scoring_to
 
 #[test]
 fn a_budget_in_bytes_is_the_positions_whose_rows_take_them() {
-    use clap::Parser;
-    let mode = |flags: &[&str]| {
-        let mut args = vec!["kvchat", "run"];
-        args.extend_from_slice(flags);
-        args.push("hi");
-        let kvchat::cli::Command::Run(r) = kvchat::cli::Cli::try_parse_from(args).unwrap().command
-        else {
-            unreachable!()
-        };
-        r.cache.mode()
-    };
+    let mode = run_cache_mode;
     let cfg = &engine().model().cfg;
     // SmolLM2 in f16: 23,040 bytes a position over all layers; 11.25 MiB is 512 of them.
     let m = mode(&["--kv-budget", "11.25MiB"]).unwrap();

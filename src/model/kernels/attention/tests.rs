@@ -88,6 +88,22 @@ fn view_of<'a, E>(
     }
 }
 
+/// Keys and values `[nkv, L, hd]` as one part of device rows (the device path's view).
+fn dense_view(k: &Tensor, v: &Tensor, window: Option<usize>) -> KvView<'static> {
+    KvView {
+        parts: vec![Part {
+            rows: Rows::Dense {
+                k: k.unsqueeze(0).unwrap(),
+                v: v.unsqueeze(0).unwrap(),
+            },
+            query: QueryRotation::AtPosition,
+        }],
+        hadamard: None,
+        window,
+        first: 0,
+    }
+}
+
 fn rand(shape: (usize, usize, usize)) -> Tensor {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
 }
@@ -155,18 +171,7 @@ fn a_declared_window_limits_each_query_to_its_last_w_positions() {
             }
         }
         // The device path (candle ops with the mask) agrees.
-        let dense = KvView {
-            parts: vec![Part {
-                rows: Rows::Dense {
-                    k: k.unsqueeze(0).unwrap(),
-                    v: v.unsqueeze(0).unwrap(),
-                },
-                query: QueryRotation::AtPosition,
-            }],
-            hadamard: None,
-            window: Some(w),
-            first: 0,
-        };
+        let dense = dense_view(&k, &v, Some(w));
         let masked = attend_view(&[&q.to_dtype(DType::F32).unwrap()], &dense, t, 0.125);
         assert!(
             max_diff(&masked.unwrap(), &fused) < 1e-5,
@@ -465,18 +470,7 @@ fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_he
         // Observing changes no output bit, and the device path reports the same weights.
         let plain = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
         assert_eq!(bits(&out), bits(&plain));
-        let dense = KvView {
-            parts: vec![Part {
-                rows: Rows::Dense {
-                    k: kd.unsqueeze(0).unwrap(),
-                    v: vd.unsqueeze(0).unwrap(),
-                },
-                query: QueryRotation::AtPosition,
-            }],
-            hadamard: None,
-            window: w,
-            first: 0,
-        };
+        let dense = dense_view(&kd, &vd, w);
         let (_, dev) = attend_view_observed(&[&q], &dense, t, 0.125, observe).unwrap();
         for (a, b) in dev.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "device path t={t}");
