@@ -307,6 +307,18 @@ impl CacheMode {
             if let Some(why) = budget_unfit(budget, sinks) {
                 anyhow::bail!(why);
             }
+            // A quantized cache's f16 residual is read by position: its positions always stay.
+            let residual = if self.precision.quantized() {
+                self.residual
+            } else {
+                0
+            };
+            if residual > OBSERVE_WINDOW && budget < sinks + residual + OBSERVE_WINDOW {
+                anyhow::bail!(
+                    "a budget of {budget} positions cannot keep {sinks} sinks and the newest {residual} positions (the f16 residual) and still choose {OBSERVE_WINDOW} by score: at least {} (or a smaller residual)",
+                    sinks + residual + OBSERVE_WINDOW
+                );
+            }
             if budget > ctx {
                 return Err(crate::fixable(
                     crate::Fix::BudgetOverContext,
