@@ -275,7 +275,7 @@ impl CacheArgs {
             };
             budget_bytes = bytes;
             let evict = match self.kv_evict.as_deref() {
-                None => Evict::SnapKv,
+                None => Evict::DEFAULT,
                 Some(name) => Evict::parse(name).ok_or_else(|| {
                     let names = Evict::ALL.map(Evict::name);
                     anyhow::anyhow!(
@@ -288,7 +288,8 @@ impl CacheArgs {
             if budget == 0 {
                 bail!("--kv-budget must be at least 1 position");
             }
-            if let Some(why) = crate::kv::budget_unfit(budget, self.kv_sinks) {
+            let newest = crate::kv::newest_kept(precision, self.kv_residual);
+            if let Some(why) = crate::kv::budget_unfit(budget, self.kv_sinks, newest) {
                 bail!(
                     "--kv-budget {budget} with --kv-sinks {}: {why}",
                     self.kv_sinks

@@ -359,7 +359,8 @@ impl KvSizeArgs {
             }
         }
         if let Some(b) = self.budget {
-            if let Some(why) = crate::kv::budget_unfit(b, self.sinks) {
+            let newest = crate::kv::newest_kept(self.kv_type, self.residual);
+            if let Some(why) = crate::kv::budget_unfit(b, self.sinks, newest) {
                 bail!("--budget {b} with --sinks {}: {why}", self.sinks);
             }
         }

@@ -13,9 +13,10 @@ pub mod run;
 pub mod style;
 pub mod tokenize;
 
-use crate::engine::LoadOptions;
-use crate::kv::CacheMode;
+use crate::engine::{Engine, LoadOptions};
+use crate::kv::{CacheMode, KvCache};
 use crate::model::sampling::SamplingPrefs;
+use crate::source::human_bytes;
 use std::path::PathBuf;
 
 /// Where the JSON report goes.
@@ -97,4 +98,57 @@ pub struct Generate {
     pub draft: Option<DraftChoice>,
     /// The front end's words for each fix.
     pub advice: crate::Advice,
+}
+
+/// What a cache holds against a uniform one that keeps every position: a line for a model's
+/// declared windows and one for a budget, where they apply (`--stats`, chat's `/cache`).
+pub(crate) fn cache_savings(engine: &Engine, cache: &KvCache) -> Vec<String> {
+    [window_saving(engine, cache), budget_saving(engine, cache)]
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// For a budget cache: what it evicted, and what it holds against keeping every position seen.
+fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
+    let evicted: Vec<usize> = cache.layers().iter().filter_map(|l| l.evicted()).collect();
+    if evicted.is_empty() {
+        return None;
+    }
+    let cfg = &engine.model().cfg;
+    let seen = cache.seen();
+    let full = crate::kv::CacheSpec {
+        mode: crate::kv::CacheMode {
+            retention: crate::kv::Retention::All,
+            ..cache.spec().mode
+        },
+        max_positions: seen.max(1),
+    };
+    let every = crate::kv::size::KvDims::bytes_for_spec(&full, cfg, seen);
+    let used = cache.bytes_used() as f64;
+    Some(format!(
+        "kv budget: {} positions evicted per layer on average ({} of {} layers under the budget); {} held against {} with every position kept ({:.2}×)",
+        evicted.iter().sum::<usize>() / evicted.len(),
+        evicted.len(),
+        cfg.n_layer,
+        human_bytes(used as u64),
+        human_bytes(every as u64),
+        if every > 0.0 { used / every } else { 1.0 }
+    ))
+}
+
+/// For a model whose layers declare sliding windows: what the cache holds against a uniform one.
+fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
+    let cfg = &engine.model().cfg;
+    let (w, local) = cfg.window_layers()?;
+    let uniform = cache.bytes_uniform(cfg);
+    let used = cache.bytes_used() as f64;
+    Some(format!(
+        "sliding-window layers: {local} of {} attend within {w} positions (and keep {}): {} held against {} for a uniform cache ({:.2}×)",
+        cfg.n_layer,
+        w + crate::kv::DECLARED_WINDOW_SPARE,
+        human_bytes(used as u64),
+        human_bytes(uniform as u64),
+        if uniform > 0.0 { used / uniform } else { 1.0 }
+    ))
 }

@@ -366,10 +366,7 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         crate::engine::device_name(engine.device()),
         engine.weights(),
     );
-    if let Some(line) = window_saving(engine, cache) {
-        eprintln!("[stats] {line}");
-    }
-    if let Some(line) = budget_saving(engine, cache) {
+    for line in super::cache_savings(engine, cache) {
         eprintln!("[stats] {line}");
     }
     eprintln!(
@@ -378,48 +375,4 @@ pub fn print_stats(engine: &Engine, s: &GenStats, cache: &KvCache, reason: StopR
         engine.params(),
         engine.tensor_types()
     );
-}
-
-/// For a budget cache: what it evicted, and what it holds against keeping every position seen.
-pub fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
-    let evicted: Vec<usize> = cache.layers().iter().filter_map(|l| l.evicted()).collect();
-    if evicted.is_empty() {
-        return None;
-    }
-    let cfg = &engine.model().cfg;
-    let seen = cache.seen();
-    let full = crate::kv::CacheSpec {
-        mode: crate::kv::CacheMode {
-            retention: crate::kv::Retention::All,
-            ..cache.spec().mode
-        },
-        max_positions: seen.max(1),
-    };
-    let every = crate::kv::size::KvDims::bytes_for_spec(&full, cfg, seen);
-    let used = cache.bytes_used() as f64;
-    Some(format!(
-        "kv budget: {} positions evicted per layer on average ({} of {} layers under the budget); {} held against {} with every position kept ({:.2}×)",
-        evicted.iter().sum::<usize>() / evicted.len(),
-        evicted.len(),
-        cfg.n_layer,
-        human_bytes(used as u64),
-        human_bytes(every as u64),
-        if every > 0.0 { used / every } else { 1.0 }
-    ))
-}
-
-/// For a model whose layers declare sliding windows: what the cache holds against a uniform one.
-pub fn window_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
-    let cfg = &engine.model().cfg;
-    let (w, local) = cfg.window_layers()?;
-    let uniform = cache.bytes_uniform(cfg);
-    let used = cache.bytes_used() as f64;
-    Some(format!(
-        "sliding-window layers: {local} of {} attend within {w} positions (and keep {}): {} held against {} for a uniform cache ({:.2}×)",
-        cfg.n_layer,
-        w + crate::kv::DECLARED_WINDOW_SPARE,
-        human_bytes(used as u64),
-        human_bytes(uniform as u64),
-        if uniform > 0.0 { used / uniform } else { 1.0 }
-    ))
 }

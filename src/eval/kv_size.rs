@@ -134,29 +134,29 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
             }
         })
         .collect();
-    if let Some((w, sinks)) = args.window {
-        let held = args.ctx.min(w + sinks);
-        let per_ctx = dims.bytes_for(headline, held, args.residual);
-        modes.push(ModeRow {
-            mode: format!("window:{w}+{sinks} ({})", headline.name()),
+    // A retention that holds at most `most` positions, at the headline precision.
+    let bounded = |mode: String, most: usize| {
+        let per_ctx = dims.bytes_for(headline, args.ctx.min(most), args.residual);
+        ModeRow {
+            mode,
             bytes_per_token: dims.bytes_per_token(headline),
             bytes_per_context: per_ctx,
             bytes_all_users: per_ctx * args.users as f64,
-        });
+        }
+    };
+    if let Some((w, sinks)) = args.window {
+        modes.push(bounded(
+            format!("window:{w}+{sinks} ({})", headline.name()),
+            w + sinks,
+        ));
     }
     if let Some(b) = args.budget {
-        let held = args.ctx.min(b);
-        let per_ctx = dims.bytes_for(headline, held, args.residual);
-        modes.push(ModeRow {
-            mode: format!(
-                "budget:{b} ({}; up to {} more between evictions)",
-                headline.name(),
-                crate::kv::SLACK
-            ),
-            bytes_per_token: dims.bytes_per_token(headline),
-            bytes_per_context: per_ctx,
-            bytes_all_users: per_ctx * args.users as f64,
-        });
+        let mode = format!(
+            "budget:{b} ({}; up to {} more between evictions)",
+            headline.name(),
+            crate::kv::SLACK
+        );
+        modes.push(bounded(mode, b));
     }
     let gqa = args.heads.or(model_heads).map(|h| {
         let mha = KvDims {

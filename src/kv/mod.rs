@@ -23,7 +23,7 @@ use anyhow::Result;
 #[cfg(test)]
 use candle_core::DType;
 use candle_core::Device;
-pub use layer::{Evict, Layer, LayerSpec, Retention, OBSERVE_WINDOW, SLACK};
+pub use layer::{newest_kept, Evict, Layer, LayerSpec, Queries, Retention, OBSERVE_WINDOW, SLACK};
 
 /// Attention sinks kept by a window unless told otherwise.
 pub const DEFAULT_SINKS: usize = 4;
@@ -69,7 +69,7 @@ impl CacheMode {
         };
         let per = size::KvDims::of(cfg).bytes_per_token(self.precision);
         let budget = (bytes as f64 / per).floor() as usize;
-        if let Some(why) = budget_unfit(budget, sinks) {
+        if let Some(why) = budget_unfit(budget, sinks, self.newest_kept()) {
             anyhow::bail!(
                 "a budget of {} holds {budget} positions of this model ({} each in {}): {why}",
                 crate::source::human_bytes(bytes),
@@ -99,6 +99,11 @@ impl CacheMode {
 }
 
 impl CacheMode {
+    /// The newest positions a budget of this mode always keeps ([`newest_kept`]).
+    pub fn newest_kept(&self) -> usize {
+        newest_kept(self.precision, self.residual)
+    }
+
     /// Whether the sequence may not outgrow the context (a window or a budget holds a bounded
     /// number of positions however long the sequence runs).
     pub fn bounded_by_context(&self) -> bool {
@@ -171,7 +176,7 @@ impl std::str::FromStr for CacheMode {
                 ("budget", Some(arg)) => {
                     let mut fields = arg.split(':');
                     let budget = num("budget", fields.next().unwrap_or(""))?;
-                    let (mut evict, mut pyramid) = (Evict::SnapKv, false);
+                    let (mut evict, mut pyramid) = (Evict::DEFAULT, false);
                     for f in fields {
                         match f {
                             "pyramid" => pyramid = true,
@@ -199,9 +204,6 @@ impl std::str::FromStr for CacheMode {
                         evict,
                         pyramid,
                     };
-                    if let Some(why) = budget_unfit(budget, sinks) {
-                        anyhow::bail!("cache mode '{s}': {why}");
-                    }
                     set_retention(&mut retention, r)?
                 }
                 ("offload", None) => {
@@ -229,6 +231,11 @@ impl std::str::FromStr for CacheMode {
         }
         mode.retention = retention.unwrap_or(Retention::All);
         mode.precision = precision.unwrap_or(DEFAULT_PRECISION);
+        if let Retention::Budget { budget, sinks, .. } = mode.retention {
+            if let Some(why) = budget_unfit(budget, sinks, mode.newest_kept()) {
+                anyhow::bail!("cache mode '{s}': {why}");
+            }
+        }
         mode.offload = offload;
         if mode.retention == Retention::None && offload {
             anyhow::bail!(
@@ -304,20 +311,8 @@ impl CacheMode {
             }
         }
         if let Retention::Budget { budget, sinks, .. } = self.retention {
-            if let Some(why) = budget_unfit(budget, sinks) {
+            if let Some(why) = budget_unfit(budget, sinks, self.newest_kept()) {
                 anyhow::bail!(why);
-            }
-            // A quantized cache's f16 residual is read by position: its positions always stay.
-            let residual = if self.precision.quantized() {
-                self.residual
-            } else {
-                0
-            };
-            if residual > OBSERVE_WINDOW && budget < sinks + residual + OBSERVE_WINDOW {
-                anyhow::bail!(
-                    "a budget of {budget} positions cannot keep {sinks} sinks and the newest {residual} positions (the f16 residual) and still choose {OBSERVE_WINDOW} by score: at least {} (or a smaller residual)",
-                    sinks + residual + OBSERVE_WINDOW
-                );
             }
             if budget > ctx {
                 return Err(crate::fixable(
@@ -334,15 +329,20 @@ impl CacheMode {
 }
 
 /// Why a budget of `budget` positions with `sinks` sinks cannot work, if it cannot: it must
-/// hold the sinks, the newest [`OBSERVE_WINDOW`] positions (which always stay) and at least as
-/// many chosen by score.
-pub fn budget_unfit(budget: usize, sinks: usize) -> Option<String> {
-    let least = sinks + 2 * OBSERVE_WINDOW;
+/// hold the sinks, the `newest` positions that always stay ([`newest_kept`]) and at least
+/// [`OBSERVE_WINDOW`] more chosen by score.
+pub fn budget_unfit(budget: usize, sinks: usize, newest: usize) -> Option<String> {
+    let least = budget_least(sinks, newest);
     (budget < least).then(|| {
         format!(
-            "a budget of {budget} positions is too small: it keeps {sinks} sinks and the newest {OBSERVE_WINDOW} positions, and needs as many again to choose by score ({least} at least)"
+            "a budget of {budget} positions is too small: it keeps {sinks} sinks and the newest {newest} positions, and needs {OBSERVE_WINDOW} more to choose by score ({least} at least)"
         )
     })
+}
+
+/// The fewest positions a budget works with (see [`budget_unfit`]).
+pub fn budget_least(sinks: usize, newest: usize) -> usize {
+    sinks + newest + OBSERVE_WINDOW
 }
 
 /// A cache configuration with its context: what a session's cache is built from.
@@ -445,7 +445,7 @@ impl CacheSpec {
                 },
                 evict.name(),
                 evict.what(),
-                OBSERVE_WINDOW.max(if m.precision.quantized() { m.residual } else { 0 }),
+                m.newest_kept(),
             ),
         };
         let placement = if m.offload {
@@ -502,7 +502,7 @@ impl CacheSpec {
                 None,
             ) => (
                 Retention::Budget {
-                    budget: pyramid_budget(budget, sinks, i, cfg),
+                    budget: pyramid_budget(budget, budget_least(sinks, m.newest_kept()), i, cfg),
                     sinks,
                     evict,
                     pyramid: true,
@@ -546,9 +546,9 @@ impl CacheSpec {
 
 /// Layer i's share of a pyramid budget (PyramidKV): from 1.5 × `budget` at the first layer that
 /// takes a budget down to 0.5 × at the last, in a straight line, so the layers hold `budget` on
-/// average; never below what a budget needs ([`budget_unfit`]). Layers with a declared window
+/// average; never below `least` ([`budget_least`]). Layers with a declared window
 /// keep their window and take no share.
-pub fn pyramid_budget(budget: usize, sinks: usize, i: usize, cfg: &Config) -> usize {
+pub fn pyramid_budget(budget: usize, least: usize, i: usize, cfg: &Config) -> usize {
     let budgeted: Vec<usize> = (0..cfg.n_layer)
         .filter(|&l| cfg.layer_window(l).is_none())
         .collect();
@@ -559,7 +559,7 @@ pub fn pyramid_budget(budget: usize, sinks: usize, i: usize, cfg: &Config) -> us
     } else {
         1.0
     };
-    ((budget as f64 * share).round() as usize).max(sinks + 2 * OBSERVE_WINDOW)
+    ((budget as f64 * share).round() as usize).max(least)
 }
 
 /// All layers' caches for one sequence.

@@ -555,8 +555,14 @@ impl<'e> Conversation<'e> {
             serde_json::from_value(snap.extra["system"].clone()).unwrap_or(None);
         let turns: Vec<(String, String)> = serde_json::from_value(snap.extra["turns"].clone())
             .map_err(|_| anyhow::anyhow!("{} holds no conversation", path.display()))?;
+        // (Files from before compaction have no note.)
         let note: Option<String> =
-            serde_json::from_value(snap.extra["note"].clone()).unwrap_or(None);
+            serde_json::from_value(snap.extra["note"].clone()).map_err(|_| {
+                anyhow::anyhow!(
+                    "{} holds a note of compacted turns that is not text",
+                    path.display()
+                )
+            })?;
         self.session.restore(&snap)?;
         self.system = system;
         self.turns = turns;

@@ -27,12 +27,13 @@ impl Session<'_> {
         match self.cache.spec().retention() {
             Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
-            Retention::Budget {
-                evict: crate::kv::Evict::H2o,
-                ..
-            } => Some(
-                "h2o scores every query of a prompt, and a restored prefix's are not run again",
-            ),
+            Retention::Budget { evict, .. }
+                if evict.scoring().queries == crate::kv::Queries::Every =>
+            {
+                Some(
+                    "h2o scores every query of a prompt, and a restored prefix's are not run again",
+                )
+            }
             Retention::All | Retention::Budget { .. }
                 if self.model.cfg.window_layers().is_some() =>
             {

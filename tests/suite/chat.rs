@@ -774,3 +774,31 @@ fn a_chat_drafted_by_a_model_answers_as_one_without() {
     assert_eq!(plain.stdout, drafted.stdout);
     assert!(err.contains("drafted"), "{err}");
 }
+
+#[test]
+fn a_saved_conversation_whose_note_is_not_text_is_refused_and_left_as_it_was() {
+    let mut c = conversation();
+    ask(&mut c, "Hello!");
+    let file = temp("bad-note.kvc");
+    let s = c.session();
+    let key = s.cache().persist_key().unwrap();
+    let extra = serde_json::json!({ "system": null, "turns": c.turns(), "note": 42 });
+    persist::save(
+        &file,
+        s.tokens(),
+        s.cache(),
+        crate::common::engine().digest(),
+        &key,
+        extra,
+    )
+    .unwrap();
+    let before = std::fs::read(&file).unwrap();
+    let mut other = conversation();
+    let err = other.load(&file).unwrap_err().to_string();
+    assert!(
+        err.contains("holds a note of compacted turns that is not text"),
+        "{err}"
+    );
+    assert!(other.turns().is_empty() && other.note().is_none());
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+}

@@ -761,6 +761,38 @@ fn a_bad_kv_budget_is_refused_in_one_line_before_the_model_loads() {
         let o = kvchat(&home, None, &args, b"");
         assert_refused(&o, needle);
     }
+    let o = kvchat(
+        &home,
+        None,
+        &["kv-size", "-m", "/nonexistent.gguf", "--budget", "10"],
+        b"",
+    );
+    assert_refused(
+        &o,
+        "--budget 10 with --sinks 4: a budget of 10 positions is too small",
+    );
+    // An int8 cache keeps its f16 residual whole: the budget must hold it too.
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "run",
+            "-m",
+            "/nonexistent.gguf",
+            "--kv-budget",
+            "100",
+            "--kv-type",
+            "int8",
+            "--kv-residual",
+            "128",
+            "hi",
+        ],
+        b"",
+    );
+    assert_refused(
+        &o,
+        "the newest 128 positions, and needs 32 more to choose by score (164 at least)",
+    );
 }
 
 #[test]

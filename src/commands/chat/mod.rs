@@ -137,13 +137,7 @@ holds {} positions of the {} seen: {} used, {} allocated ({} a position in {} ov
             human_bytes(per_position(spec.precision()) as u64),
             spec.precision().name(),
         );
-        for line in [
-            super::run::budget_saving(engine, cache),
-            super::run::window_saving(engine, cache),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for line in super::cache_savings(engine, cache) {
             s += &format!("\n{line}");
         }
         if let Some(t) = c.last() {

@@ -26,9 +26,48 @@ pub const SLACK: usize = 32;
 /// (so a kept position keeps the few around it: a number's digits, a word's pieces).
 const POOL: usize = 7;
 
-/// How a budget cache ranks the positions it may evict: the table of policies.
+/// The newest positions a budget always keeps: the observation window, and a quantized cache's
+/// f16 residual (read by position, so never evicted).
+pub fn newest_kept(precision: Precision, residual: usize) -> usize {
+    OBSERVE_WINDOW.max(if precision.quantized() { residual } else { 0 })
+}
+
+/// Which of a step's queries score positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queries {
+    /// The last n queries of a forward's last step (a prompt's end, a decode step).
+    Last(usize),
+    /// Every query of every step.
+    Every,
+}
+
+/// How long a position's observed attention counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// The newest observation alone.
+    Newest,
+    /// What was observed since the last eviction.
+    SinceEviction,
+    /// Everything since the position arrived.
+    Always,
+}
+
+/// How a policy scores: the facts the budget layer reads from the table below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scoring {
+    pub queries: Queries,
+    pub memory: Memory,
+    /// Each KV head ranks its own positions (else one choice for the layer, heads summed).
+    pub per_head: bool,
+    /// A slot's score is raised to its neighbours' best within [`POOL`] slots.
+    pub pooled: bool,
+}
+
+/// How a budget cache ranks the positions it may evict: the table of policies. A row: the
+/// variant, its name (flags, mode names), what it scores by in words, and its [`Scoring`]; no
+/// code matches on a policy elsewhere.
 macro_rules! policies {
-    ($( $(#[$doc:meta])* $v:ident = $name:literal, $what:literal; )*) => {
+    ($( $(#[$doc:meta])* $v:ident = $name:literal, $what:literal, $scoring:expr; )*) => {
         /// The eviction policy of a budget cache.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
         #[serde(rename_all = "lowercase")]
@@ -48,6 +87,10 @@ macro_rules! policies {
             pub fn parse(s: &str) -> Option<Self> {
                 Self::ALL.into_iter().find(|e| e.name() == s)
             }
+            /// How it scores.
+            pub fn scoring(self) -> Scoring {
+                match self { $( Evict::$v => $scoring, )* }
+            }
         }
     };
 }
@@ -55,12 +98,20 @@ macro_rules! policies {
 policies! {
     /// SnapKV: the attention of the last [`OBSERVE_WINDOW`] queries of a prompt (in a decode,
     /// of the queries since the last eviction), per KV head, pooled over neighbouring slots.
-    SnapKv = "snapkv", "attention of the last 32 queries, per KV head, pooled over 7 slots";
+    SnapKv = "snapkv", "attention of the last 32 queries, per KV head, pooled over 7 slots",
+        Scoring { queries: Queries::Last(OBSERVE_WINDOW), memory: Memory::SinceEviction, per_head: true, pooled: true };
     /// TOVA: the attention of the newest query alone, summed over every head (one choice for
     /// the layer).
-    Tova = "tova", "attention of the newest query, all heads together";
+    Tova = "tova", "attention of the newest query, all heads together",
+        Scoring { queries: Queries::Last(1), memory: Memory::Newest, per_head: false, pooled: false };
     /// H2O: the attention every query has paid a position since it arrived, per KV head.
-    H2o = "h2o", "attention accumulated over every query, per KV head";
+    H2o = "h2o", "attention accumulated over every query, per KV head",
+        Scoring { queries: Queries::Every, memory: Memory::Always, per_head: true, pooled: false };
+}
+
+impl Evict {
+    /// The policy when none is named.
+    pub const DEFAULT: Evict = Evict::SnapKv;
 }
 
 /// A budget layer's bookkeeping.
@@ -119,11 +170,10 @@ impl Budgeted {
 
     /// How many of a step's last `t` queries score positions; `last`: the step ends its forward.
     pub(super) fn observe(&self, t: usize, last: bool) -> usize {
-        match self.evict {
-            Evict::H2o => t,
-            Evict::SnapKv if last => t.min(OBSERVE_WINDOW),
-            Evict::Tova if last => 1,
-            _ => 0,
+        match self.evict.scoring().queries {
+            Queries::Every => t,
+            Queries::Last(n) if last => t.min(n),
+            Queries::Last(_) => 0,
         }
     }
 
@@ -136,7 +186,7 @@ impl Budgeted {
             weights.len() / self.positions.len().max(1)
         );
         for (s, w) in self.scores.iter_mut().zip(weights.chunks_exact(n.max(1))) {
-            if self.evict == Evict::Tova {
+            if self.evict.scoring().memory == Memory::Newest {
                 s.fill(0.0);
             }
             for (a, b) in s.iter_mut().zip(w) {
@@ -156,10 +206,12 @@ impl Budgeted {
     /// best scored of the others, `budget` in all.
     pub(super) fn choose(&self, seen: usize) -> Vec<Vec<usize>> {
         let protected = |p: u32| (p as usize) < self.sinks || p as usize + self.recent >= seen;
+        let scoring = self.evict.scoring();
         let rank = |scores: &[f32], positions: &[u32]| -> Vec<usize> {
-            let scored: Vec<f32> = match self.evict {
-                Evict::SnapKv => pooled(scores),
-                _ => scores.to_vec(),
+            let scored: Vec<f32> = if scoring.pooled {
+                pooled(scores)
+            } else {
+                scores.to_vec()
             };
             let (mut keep, mut rest): (Vec<usize>, Vec<usize>) =
                 (0..positions.len()).partition(|&i| protected(positions[i]));
@@ -170,24 +222,21 @@ impl Budgeted {
             keep.sort_unstable();
             keep
         };
-        match self.evict {
-            // One choice for the layer, by the attention of all heads (their positions agree:
-            // every eviction so far chose the same slots for each).
-            Evict::Tova => {
-                let n = self.held();
-                let total: Vec<f32> = (0..n)
-                    .map(|i| self.scores.iter().map(|s| s[i]).sum())
-                    .collect();
-                let keep = rank(&total, &self.positions[0]);
-                vec![keep; self.positions.len()]
-            }
-            _ => self
+        if scoring.per_head {
+            return self
                 .scores
                 .iter()
                 .zip(&self.positions)
                 .map(|(s, p)| rank(s, p))
-                .collect(),
+                .collect();
         }
+        // One choice for the layer, by the attention of all heads (their positions agree: every
+        // eviction so far chose the same slots for each).
+        let total: Vec<f32> = (0..self.held())
+            .map(|i| self.scores.iter().map(|s| s[i]).sum())
+            .collect();
+        let keep = rank(&total, &self.positions[0]);
+        vec![keep; self.positions.len()]
     }
 
     /// Keeps `keep[h]` of each head's bookkeeping, in order, after an eviction at `seen`.
@@ -196,7 +245,7 @@ impl Budgeted {
         for ((ps, ss), k) in self.positions.iter_mut().zip(&mut self.scores).zip(keep) {
             *ps = k.iter().map(|&i| ps[i]).collect();
             *ss = k.iter().map(|&i| ss[i]).collect();
-            if self.evict != Evict::H2o {
+            if self.evict.scoring().memory != Memory::Always {
                 ss.fill(0.0);
             }
         }

@@ -34,7 +34,7 @@ mod raw;
 #[cfg(test)]
 mod tests;
 
-pub use budget::{Evict, OBSERVE_WINDOW, SLACK};
+pub use budget::{newest_kept, Evict, Queries, OBSERVE_WINDOW, SLACK};
 pub use raw::RawState;
 
 /// The first allocation of a growing store, in positions.
@@ -181,7 +181,7 @@ impl Layer {
                     nkv,
                     budget,
                     sinks,
-                    budget::OBSERVE_WINDOW.max(spec.residual),
+                    newest_kept(spec.precision, spec.residual),
                     evict,
                 )),
                 _ => None,
