@@ -171,22 +171,8 @@ impl DraftArgs {
             );
         }
         // Why not, in the flags' words, where the mode cannot verify drafts.
-        match mode.retention {
-            _ if mode.verifies_drafts() => {}
-            Retention::None => bail!("--draft needs a KV cache to verify drafts on (drop --no-cache)"),
-            Retention::Window { .. } => bail!(
-                "--draft cannot verify drafts exactly on a --kv-window cache yet (a step's queries see the window as it was before the step)"
-            ),
-            Retention::Budget { .. } => bail!(
-                "--draft cannot verify drafts on a --kv-budget cache yet (an eviction cannot be taken back)"
-            ),
-            Retention::All => {}
-        }
-        if mode.precision.quantized() {
-            bail!(
-                "--draft cannot verify drafts exactly on an {} cache yet (a batched step reads more positions from their f16 copies than single steps do); use --kv-type f16, bf16 or f32",
-                mode.precision.name()
-            );
+        if !mode.verifies_drafts() {
+            bail!("--draft needs a KV cache to verify drafts on (drop --no-cache)");
         }
         let max = self.draft_max;
         Ok(Some(if how == "ngram" {

@@ -199,7 +199,7 @@ impl BenchArgs {
                     .iter()
                     .position(|(_, m)| m.verifies_drafts())
                     .context(
-                        "--draft: none of --modes can verify drafts exactly (add full, full+f32 or full+bf16)",
+                        "--draft: none of --modes keeps a KV cache to verify drafts on (add full)",
                     )?;
                 Some((at, self.draft_max))
             }

@@ -252,7 +252,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
 
 /// Why a run or chat asked to draft decodes without drafts.
 pub const DRAFTS_OFF: &str =
-    "drafting is off: this model's sliding-window layers cannot verify drafts exactly yet";
+    "drafting is off: with no KV cache there is nothing to verify guesses on";
 
 /// Refuses a draft model whose vocabulary is not the target's: the same size, and the same ids for
 /// a probe text (its guesses are token ids of the target's vocabulary).

@@ -94,6 +94,17 @@ impl CacheMode {
     /// their f16 copies than single steps do), a window (a step's queries see the window as it
     /// was before the step) or no cache.
     pub fn verifies_drafts(&self) -> bool {
+        self.retention != Retention::None
+    }
+
+    /// Whether a verification step may attend its rows together: every position kept, in a float
+    /// precision, so a batched step gives each row the bits of its single step and taking rows
+    /// back is a truncation. Other caches attend a verification's rows apart
+    /// (`DecoderCache::rows_apart`: a quantized cache reads a batched step's last positions from
+    /// their f16 copies, a window's step sees the window as it was before the step, a budget
+    /// evicts by what the step's queries attend) and take guesses back through a record of what
+    /// each changed (`kv/layer/undo.rs`).
+    pub fn verifies_batched(&self) -> bool {
         self.retention == Retention::All && !self.precision.quantized()
     }
 }
@@ -540,6 +551,7 @@ impl CacheSpec {
         KvCache {
             spec: self.clone(),
             layers,
+            verifying: false,
         }
     }
 }
@@ -566,6 +578,8 @@ pub fn pyramid_budget(budget: usize, least: usize, i: usize, cfg: &Config) -> us
 pub struct KvCache {
     spec: CacheSpec,
     layers: Vec<Layer>,
+    /// The forwards under way verify drafts ([`KvCache::verify_drafts`]).
+    verifying: bool,
 }
 
 impl DecoderCache for KvCache {
@@ -586,10 +600,19 @@ impl DecoderCache for KvCache {
             l.step_done();
         }
     }
-    fn forward_begins(&mut self, positions: usize) {
+    fn forward_begins(&mut self, positions: usize) -> Result<()> {
+        let apart = self.rows_apart();
         for l in &mut self.layers {
-            l.forward_begins(positions);
+            if apart {
+                l.verify_begins()?;
+            } else {
+                l.forward_begins(positions)?;
+            }
         }
+        Ok(())
+    }
+    fn rows_apart(&self) -> bool {
+        self.verifying && !self.spec.mode.verifies_batched()
     }
 }
 
@@ -602,6 +625,20 @@ impl KvCache {
     }
     pub fn layers_mut(&mut self) -> &mut [Layer] {
         &mut self.layers
+    }
+    /// While `on`, forwards verify drafts: their first row stays, the rows after it may be taken
+    /// back by a truncation; a cache that cannot attend them together attends them apart
+    /// ([`CacheMode::verifies_batched`]).
+    pub fn verify_drafts(&mut self, on: bool) {
+        self.verifying = on;
+    }
+    /// The most guesses a verification may take after its first row ([`Layer::draft_room`]).
+    pub fn draft_room(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.draft_room())
+            .min()
+            .unwrap_or(usize::MAX)
     }
     /// While `on`, a budget's evictions wait (see [`Layer::hold_evictions`]).
     pub fn hold_evictions(&mut self, on: bool) {

@@ -303,5 +303,14 @@ pub trait DecoderCache {
     fn step_done(&mut self) {}
     /// A forward of `positions` positions begins (in one step or several): a cache that evicts
     /// by score does so when the forward's last step is attended.
-    fn forward_begins(&mut self, _positions: usize) {}
+    fn forward_begins(&mut self, _positions: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Whether each row of this forward is to be attended as a step of its own (one
+    /// [`LayerCache::append`] a row), while the matmuls still take every row at once: a verified
+    /// draft on a cache whose batched step would not give each row the bits of single steps (a
+    /// quantized cache's residual, a window, a budget), and whose rows must be taken back exactly.
+    fn rows_apart(&self) -> bool {
+        false
+    }
 }

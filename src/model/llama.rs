@@ -173,7 +173,7 @@ impl Llama {
             0
         };
         let first = chunk - seen % chunk;
-        cache.forward_begins(tokens.len());
+        cache.forward_begins(tokens.len())?;
         if cache.recomputes() || tokens.len() <= first {
             return self.forward_chunk(tokens, cache, which);
         }
@@ -216,7 +216,8 @@ impl Llama {
             if i + 1 < self.layers.len() {
                 cache.layer(i + 1).prefetch()?;
             }
-            x = self.block(i, layer, &x, cache.layer(i))?;
+            let apart = cache.rows_apart();
+            x = self.block(i, layer, &x, cache.layer(i), apart)?;
         }
         cache.step_done();
         let x = match which {
@@ -239,10 +240,11 @@ impl Llama {
         layer: &Block,
         x: &Tensor,
         cache: &mut dyn LayerCache,
+        rows_apart: bool,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
         let h = rms_norm(x, &layer.attn_norm, eps)?;
-        let mut att = self.attention(i, layer, &h, cache)?;
+        let mut att = self.attention(i, layer, &h, cache, rows_apart)?;
         if let Some(n) = &layer.post_attn_norm {
             att = rms_norm(&att, n, eps)?;
         }
@@ -277,11 +279,11 @@ impl Llama {
         layer: &Block,
         h: &Tensor,
         cache: &mut dyn LayerCache,
+        rows_apart: bool,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-        let g = nh / nkv;
 
         let (q, k, v) = match &layer.qkv {
             Some(w) => {
@@ -317,14 +319,44 @@ impl Llama {
         let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
         let v = v.contiguous()?;
 
-        // The cache stores this step's K/V and returns everything to attend over (on a layer with
-        // a declared window, each query row sees only its last `window` positions).
         let rope = self.layer_rope(i);
-        let att = cache.append(&k, &v, rope)?;
+        let out = if rows_apart && t > 1 {
+            // Each row attended as a step of its own (a verified draft: `DecoderCache::rows_apart`).
+            let row =
+                |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
+            let rows = (0..t)
+                .map(|r| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&rows, 2)? // [1, nh, t, hd]
+        } else {
+            self.attend(&q, &k, &v, cache, rope)? // [1, nh, t, hd]
+        };
+        let out = out
+            .transpose(1, 2)? // [1, t, nh, hd]
+            .reshape((1, t, nh * hd))?;
+        layer.wo.forward(&out)
+    }
+
+    /// One step's attention: the cache stores the step's keys and values (`[1, nkv, t, hd]`, keys
+    /// not yet rotated) and returns everything to attend over (on a layer with a declared window,
+    /// each query row sees only its last `window` positions); the queries `[1, nh, t, hd]`, not
+    /// yet rotated, attend over it. Returns `[1, nh, t, hd]`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerCache,
+        rope: &Rope,
+    ) -> Result<Tensor> {
+        let (_, nh, t, hd) = q.dims4()?;
+        let nkv = self.cfg.n_kv_head;
+        let g = nh / nkv;
+        let att = cache.append(k, v, rope)?;
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
         let rotated =
-            |pos: usize| -> Result<Tensor> { Ok(rope.apply(&q, pos)?.reshape((nkv, g * t, hd))?) };
+            |pos: usize| -> Result<Tensor> { Ok(rope.apply(q, pos)?.reshape((nkv, g * t, hd))?) };
         let q_main = rotated(att.q_pos)?;
         let q_sink = att.sink_q_pos.map(rotated).transpose()?;
         let qs: Vec<&Tensor> = std::iter::once(&q_main).chain(q_sink.as_ref()).collect();
@@ -332,18 +364,14 @@ impl Llama {
             &qs,
             &att.view,
             t,
-            cfg.attn_scale,
+            self.cfg.attn_scale,
             att.observe,
         )?; // [nkv, g*t, hd]; weights [nkv, L] when the cache asked
         if att.observe > 0 {
             drop(att);
             cache.observed(&weights)?;
         }
-        let out = out
-            .reshape((1, nh, t, hd))?
-            .transpose(1, 2)? // [1, t, nh, hd]
-            .reshape((1, t, nh * hd))?;
-        layer.wo.forward(&out)
+        Ok(out.reshape((1, nh, t, hd))?)
     }
 }
 

@@ -238,19 +238,16 @@ impl<'m> Session<'m> {
         )
     }
 
-    /// Whether a draft can be verified exactly on this cache ([`crate::kv::CacheMode::verifies_drafts`]),
-    /// a model's declared sliding-window layers (Gemma 3) included: each row sees its own window
-    /// (a per-row bound), the kernel's key chunks sit at absolute positions (so the older keys a
-    /// wide step's view also holds change no bit), and the layers keep
+    /// Whether a draft can be verified exactly on this cache ([`crate::kv::CacheMode::verifies_drafts`]):
+    /// any cache that keeps positions. A float cache of every position attends a verification's
+    /// rows together — a model's declared sliding-window layers (Gemma 3) included: each row sees
+    /// its own window (a per-row bound), the kernel's key chunks sit at absolute positions (so the
+    /// older keys a wide step's view also holds change no bit), and the layers keep
     /// [`crate::kv::DECLARED_WINDOW_SPARE`] positions more than the window, more than a draft
-    /// takes back.
+    /// takes back. Other caches attend the rows apart and take the guesses back through a record
+    /// of what each changed ([`crate::kv::CacheMode::verifies_batched`]).
     pub fn can_verify_drafts(&self) -> bool {
         self.cache.spec().mode.verifies_drafts()
-            && self
-                .cache
-                .layers()
-                .iter()
-                .all(|l| l.retention() == crate::kv::Retention::All || l.attend_window().is_some())
     }
 
     /// As [`Session::decode`], with speculative decoding when `drafter` is given and the cache
@@ -310,7 +307,8 @@ impl<'m> Session<'m> {
             let t = Instant::now();
             let room = (max_tokens - out.len())
                 .min(self.max_positions - self.tokens.len() - 1)
-                .min(draft::MAX_DRAFT);
+                .min(draft::MAX_DRAFT)
+                .min(self.cache.draft_room());
             let guess = match drafter.as_deref_mut() {
                 Some(d) if room > 0 => {
                     let mut seq = self.tokens.clone();
@@ -330,7 +328,10 @@ impl<'m> Session<'m> {
             let base = self.tokens.len();
             let mut step = vec![next];
             step.extend_from_slice(&guess);
-            let rows = self.feed_with(&step, Logits::All)?;
+            self.cache.verify_drafts(true);
+            let rows = self.feed_with(&step, Logits::All);
+            self.cache.verify_drafts(false);
+            let rows = rows?;
             stats.decode += t.elapsed();
             stats.forwards += 1;
             stats.drafted += guess.len();

@@ -387,6 +387,7 @@ proptest! {
         let p = std::env::temp_dir().join(format!("kvchat-scan-{}.gguf", std::process::id()));
         std::fs::write(&p, &b).unwrap();
         let _ = kvchat::model::gguf_types::unsupported_tensor(&p);
+        let _ = std::fs::remove_file(&p);
     }
 
     #[test]

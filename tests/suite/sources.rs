@@ -724,32 +724,6 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
             "--draft needs a KV cache",
         ),
         (
-            &[
-                "run",
-                "-m",
-                m,
-                "--draft",
-                "ngram",
-                "--kv-type",
-                "int8",
-                "hi",
-            ],
-            "--draft cannot verify drafts exactly on an int8 cache",
-        ),
-        (
-            &[
-                "run",
-                "-m",
-                m,
-                "--draft",
-                "ngram",
-                "--kv-window",
-                "64",
-                "hi",
-            ],
-            "--draft cannot verify drafts exactly on a --kv-window cache",
-        ),
-        (
             &["run", "-m", m, "--draft", "ngram", "--draft-max", "0", "hi"],
             "--draft-max must be from 1 to 32, not 0",
         ),
@@ -767,16 +741,8 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
             "--draft-max must be from 1 to 32, not 33",
         ),
         (
-            &[
-                "bench",
-                "-m",
-                m,
-                "--modes",
-                "int8,window:64",
-                "--draft",
-                "ngram",
-            ],
-            "--draft: none of --modes can verify drafts",
+            &["bench", "-m", m, "--modes", "none", "--draft", "ngram"],
+            "--draft: none of --modes keeps a KV cache to verify drafts on",
         ),
         (
             &["bench", "-m", m, "--draft", "small.gguf"],

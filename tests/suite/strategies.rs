@@ -620,8 +620,9 @@ fn two_caches_scored_in_lockstep_give_each_one_alone_and_their_divergence() {
     );
 }
 
-/// The tokens, the session's sequence after it and the drafting figures of a generation of `n`
-/// tokens (past end-of-text when `ignore_eos`) with or without a drafter.
+/// The tokens, the session's sequence after it, the drafting figures and the positions a budget
+/// evicted (summed over layers) of a generation of `n` tokens (past end-of-text when
+/// `ignore_eos`) with or without a drafter.
 fn drafted(
     spec: &CacheSpec,
     prompt: &[u32],
@@ -629,7 +630,7 @@ fn drafted(
     draft: Option<&mut dyn kvchat::session::draft::Drafter>,
     n: usize,
     ignore_eos: bool,
-) -> (Vec<u32>, Vec<u32>, kvchat::session::GenStats) {
+) -> (Vec<u32>, Vec<u32>, kvchat::session::GenStats, usize) {
     let e = engine();
     let mut s = e.session(spec);
     let logits = s.feed(prompt).unwrap();
@@ -646,7 +647,8 @@ fn drafted(
         )
         .unwrap();
     assert_eq!(s.cache().seen(), s.tokens().len());
-    (out, s.tokens().to_vec(), stats)
+    let evicted = s.cache().layers().iter().filter_map(|l| l.evicted()).sum();
+    (out, s.tokens().to_vec(), stats, evicted)
 }
 
 #[test]
@@ -690,6 +692,59 @@ fn drafted_decoding_gives_the_tokens_of_plain_decoding_in_every_float_cache() {
 }
 
 #[test]
+fn drafted_decoding_gives_the_tokens_of_plain_decoding_on_caches_that_attend_its_rows_apart() {
+    // Quantized rows and their f16 residual, windows with and without sinks, budgets that evict
+    // during the answer, offload: each verification's rows are attended apart and its rejected
+    // guesses taken back through the layer's record (kv/layer/undo.rs).
+    let doc = &include_str!("../../assets/gpl-3.txt")[..2500];
+    let prompts = [
+        chat_ids(&format!(
+            "Repeat the following text exactly, word for word:\n\n{doc}"
+        )),
+        chat_ids("Count from one to forty in words, separated by commas."),
+    ];
+    let greedy = kvchat::session::SamplingParams::greedy;
+    for mode in [
+        "full+int8",
+        "full+int4",
+        "window:64+4",
+        "window:48+0+int8+offload",
+        "budget:560:snapkv+4",
+        "budget:560:tova+4+int8",
+        "budget:560:h2o:pyramid+4",
+    ] {
+        let spec = spec(mode);
+        let (mut guesses, mut accepted, mut evicted) = (0, 0, (0, 0));
+        for p in &prompts {
+            let plain = drafted(&spec, p, greedy(), None, 96, false);
+            let fast = drafted(
+                &spec,
+                p,
+                greedy(),
+                Some(&mut kvchat::session::draft::Ngram::new(8)),
+                96,
+                false,
+            );
+            assert_eq!(plain.0, fast.0, "{mode}");
+            assert_eq!(plain.1, fast.1, "{mode}: the sequence held");
+            guesses += fast.2.drafted;
+            accepted += fast.2.accepted;
+            evicted = (evicted.0 + plain.3, evicted.1 + fast.3);
+        }
+        // Guesses were kept and guesses were taken back; a budget evicted as much with drafts
+        // as without, while answering.
+        assert!(
+            accepted >= 8 && guesses > accepted,
+            "{mode}: {accepted} of {guesses} kept"
+        );
+        assert_eq!(evicted.0, evicted.1, "{mode}");
+        if mode.starts_with("budget") {
+            assert!(evicted.0 > 0, "{mode}: nothing evicted");
+        }
+    }
+}
+
+#[test]
 fn drafted_sampling_with_a_seed_gives_the_tokens_of_plain_sampling() {
     let doc = &kvchat::eval::bench::BENCH_TEXT[..1200];
     let p = chat_ids(&format!("Repeat this text word for word:\n\n{doc}"));
@@ -718,9 +773,9 @@ fn the_model_drafting_for_itself_is_always_right_and_verifies_k_plus_one_tokens_
     let p = chat_ids("Write a short story about a dragon who learns to cook.");
     let spec = spec("full");
     let greedy = kvchat::session::SamplingParams::greedy;
-    let (plain, plain_seq, _) = drafted(&spec, &p, greedy(), None, 81, true);
+    let (plain, plain_seq, ..) = drafted(&spec, &p, greedy(), None, 81, true);
     let mut d = kvchat::session::draft::ModelDraft::new(e.session(&spec), 4);
-    let (fast, fast_seq, stats) = drafted(&spec, &p, greedy(), Some(&mut d), 81, true);
+    let (fast, fast_seq, stats, _) = drafted(&spec, &p, greedy(), Some(&mut d), 81, true);
     assert_eq!((plain, plain_seq), (fast, fast_seq));
     assert_eq!(stats.accepted, stats.drafted, "{stats:?}");
     // 80 tokens after the first: 16 forwards of a token and its 4 guesses.

@@ -138,6 +138,11 @@ pub(super) struct Budgeted {
     /// Evictions wait ([`Layer::hold_evictions`]): one that falls due is left `pending`.
     pub(super) hold: bool,
     pub(super) pending: bool,
+    /// A verification forward's guesses (positions from here on) have their observed weights
+    /// wait in `deferred` until the guesses that stay are known (`undo.rs`).
+    pub(super) defer_from: Option<usize>,
+    /// (position of the row, the weights it observed over the slots held then), oldest first.
+    pub(super) deferred: Vec<(usize, Vec<f32>)>,
 }
 
 impl Budgeted {
@@ -161,6 +166,8 @@ impl Budgeted {
             last_step: false,
             hold: false,
             pending: false,
+            defer_from: None,
+            deferred: Vec::new(),
         }
     }
 
@@ -177,12 +184,14 @@ impl Budgeted {
         }
     }
 
-    /// Adds a step's observed weights `[nkv, held]` (slot order) to the scores.
+    /// Adds a step's observed weights `[nkv, n]` (slot order) to the scores of the first n slots
+    /// (n: the slots held then; later ones arrived after the step).
     pub(super) fn add(&mut self, weights: &[f32]) -> Result<()> {
-        let n = self.held();
+        let held = self.held();
+        let n = weights.len() / self.positions.len().max(1);
         ensure!(
-            weights.len() == self.positions.len() * n,
-            "observed attention over {} keys, the layer holds {n} positions per head",
+            weights.len() == self.positions.len() * n && n <= held,
+            "observed attention over {} keys, the layer holds {held} positions per head",
             weights.len() / self.positions.len().max(1)
         );
         for (s, w) in self.scores.iter_mut().zip(weights.chunks_exact(n.max(1))) {
@@ -253,6 +262,16 @@ impl Budgeted {
         self.evicted_before = seen;
     }
 
+    /// Adds the deferred weights of the guesses that stayed, in the order single steps would
+    /// have added them, and stops deferring.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        self.defer_from = None;
+        for (_, w) in std::mem::take(&mut self.deferred) {
+            self.add(&w)?;
+        }
+        Ok(())
+    }
+
     /// The last `n` positions go (a truncation that the evictions allow).
     pub(super) fn drop_last(&mut self, n: usize) {
         for (ps, ss) in self.positions.iter_mut().zip(&mut self.scores) {
@@ -295,6 +314,7 @@ impl Layer {
     ) -> Result<Attend<'_>> {
         let t = k.dim(2)?;
         let (b, e) = (self.seen, self.seen + t);
+        self.note_row(b);
         let k = rope.apply(k, b)?; // [1, nkv, t, hd], rotated at absolute positions
         let (k, v) = match self.hadamard {
             Some(blk) => (self.rotate(&k, blk)?, self.rotate(v, blk)?),
@@ -364,6 +384,16 @@ impl Layer {
     pub(super) fn observed_budgeted(&mut self, weights: &[f32]) -> Result<()> {
         let seen = self.seen;
         let bg = self.budget.as_mut().expect("a budget layer");
+        // A guess of a verification forward (a row apart: one position): its weights wait.
+        if bg.defer_from.is_some_and(|f| seen > f) {
+            bg.deferred.push((seen - 1, weights.to_vec()));
+            ensure!(
+                !bg.due(),
+                "a verified guess at position {} would make the KV budget evict (guesses must stay within Layer::draft_room)",
+                seen - 1
+            );
+            return Ok(());
+        }
         bg.add(weights)?;
         if !bg.due() {
             return Ok(());
@@ -399,6 +429,7 @@ impl Layer {
 
     /// Makes the eviction that waited, if one did, and stops holding them.
     pub fn evict_held(&mut self) -> Result<()> {
+        self.settle()?;
         let seen = self.seen;
         match self.budget.as_mut() {
             Some(bg) => {
@@ -419,10 +450,21 @@ impl Layer {
     }
 
     /// A forward of `positions` begins: a budget evicts when its last step has been attended.
-    pub fn forward_begins(&mut self, positions: usize) {
+    pub fn forward_begins(&mut self, positions: usize) -> Result<()> {
         let end = self.seen + positions;
+        self.settle()?;
+        self.undo = None;
         if let Some(bg) = self.budget.as_mut() {
             bg.forward_end = Some(end);
+        }
+        Ok(())
+    }
+
+    /// What a verification forward deferred, now that its guesses that stay are known.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        match self.budget.as_mut() {
+            Some(bg) => bg.settle(),
+            None => Ok(()),
         }
     }
 

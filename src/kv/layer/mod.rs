@@ -33,6 +33,7 @@ mod budget;
 mod raw;
 #[cfg(test)]
 mod tests;
+mod undo;
 
 pub use budget::{newest_kept, Evict, Queries, OBSERVE_WINDOW, SLACK};
 pub use raw::RawState;
@@ -116,6 +117,8 @@ pub struct Layer {
     win_lo: usize,
     /// A budget's bookkeeping (`Retention::Budget`).
     budget: Option<budget::Budgeted>,
+    /// A verification forward's record of what its guesses changed (`undo.rs`).
+    undo: Option<undo::Undo>,
 }
 
 pub struct LayerSpec {
@@ -186,6 +189,7 @@ impl Layer {
                 )),
                 _ => None,
             },
+            undo: None,
         }
     }
 
@@ -365,6 +369,7 @@ impl Layer {
             }
             let (slot, room) = self.slot_run(p);
             let len = room.min(e - p);
+            self.note_overwrite(p, Source::Main, slot, len)?;
             self.store
                 .write(slot, &k.narrow(2, p - b, len)?, &v.narrow(2, p - b, len)?)?;
             p += len;
@@ -382,17 +387,18 @@ impl Layer {
         if res.store.capacity() < res.r {
             res.store.grow(res.r, 0)?;
         }
-        let first = b.max(e.saturating_sub(res.r));
+        let r = res.r;
+        let first = b.max(e.saturating_sub(r));
         let mut p = first;
         while p < e {
-            let len = (res.r - p % res.r).min(e - p);
-            res.store.write(
-                p % res.r,
-                &k.narrow(2, p - b, len)?,
-                &v.narrow(2, p - b, len)?,
-            )?;
+            let len = (r - p % r).min(e - p);
+            self.note_overwrite(p, Source::Residual, p % r, len)?;
+            let res = self.residual.as_mut().expect("checked");
+            res.store
+                .write(p % r, &k.narrow(2, p - b, len)?, &v.narrow(2, p - b, len)?)?;
             p += len;
         }
+        let res = self.residual.as_mut().expect("checked");
         res.lo = if res.hi == b && res.lo < res.hi {
             res.lo.max(e.saturating_sub(res.r))
         } else {
@@ -455,7 +461,11 @@ impl Layer {
     /// position `len`, or a declared window whose next query would miss keys already dropped
     /// (it needs the `attend_window` positions before it). Changes nothing.
     pub fn truncate_refusal(&self, len: usize) -> Option<String> {
-        if self.retention == Retention::None || len >= self.seen || len == 0 {
+        if self.retention == Retention::None
+            || len >= self.seen
+            || len == 0
+            || self.can_take_back(len)
+        {
             return None;
         }
         if let Some(bg) = &self.budget {
@@ -513,10 +523,13 @@ impl Layer {
     }
 
     fn reset(&mut self) {
+        self.undo = None;
         self.seen = 0;
         self.win_lo = 0;
         if let Some(bg) = self.budget.as_mut() {
             bg.hold_all(0);
+            bg.deferred.clear();
+            bg.defer_from = None;
         }
         self.pending = None;
         self.staged = None;
@@ -540,6 +553,7 @@ impl LayerCache for Layer {
         }
         let b = self.seen;
         let e = b + t;
+        self.note_row(b);
         if self.retention == Retention::All && e > self.max_positions {
             return Err(crate::fixable(
                 crate::Fix::RaiseContext,
@@ -626,6 +640,7 @@ impl LayerCache for Layer {
             self.reset();
             return Ok(());
         }
+        self.take_back(len)?;
         if let Some(bg) = self.budget.as_mut() {
             bg.drop_last(self.seen - len);
         }

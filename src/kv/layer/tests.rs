@@ -23,7 +23,13 @@ fn layer(precision: Precision, retention: Retention) -> Layer {
 
 /// Keys and values for positions `from..from + t`, the same for a position whatever the step.
 fn kv(from: usize, t: usize) -> (Tensor, Tensor) {
-    let make = |salt: f32| {
+    kv_salted(from, t, 0.0)
+}
+
+/// Keys and values of another sequence for `salt` ≠ 0 (a rejected guess's rows).
+fn kv_salted(from: usize, t: usize, salt: f32) -> (Tensor, Tensor) {
+    let make = |s: f32| {
+        let salt = s + salt;
         let xs: Vec<f32> = (0..NKV)
             .flat_map(|h| {
                 (from..from + t).flat_map(move |p| {
@@ -41,7 +47,12 @@ fn kv(from: usize, t: usize) -> (Tensor, Tensor) {
 
 /// Attention of a fixed query for the step at positions `from..from + t`: the output's bits.
 fn step(c: &mut Layer, rope: &Rope, from: usize, t: usize) -> Vec<u32> {
-    let (k, v) = kv(from, t);
+    step_salted(c, rope, from, t, 0.0)
+}
+
+/// [`step`] over the rows of [`kv_salted`].
+fn step_salted(c: &mut Layer, rope: &Rope, from: usize, t: usize, salt: f32) -> Vec<u32> {
+    let (k, v) = kv_salted(from, t, salt);
     let att = c.append(&k, &v, rope).unwrap();
     let q = Tensor::ones((NKV, 2 * t, HD), candle_core::DType::F32, &Device::Cpu).unwrap();
     let rot = |pos: usize| {
@@ -482,13 +493,13 @@ fn a_budget_is_the_full_cache_bit_for_bit_until_it_evicts() {
 fn a_budget_holds_its_budget_after_a_prompt_and_at_most_slack_more_while_decoding() {
     for evict in Evict::ALL {
         let mut c = layer(Precision::F16, budget(80, evict));
-        c.forward_begins(300);
+        c.forward_begins(300).unwrap();
         run(&mut c, &[100, 100, 100]);
         assert_eq!((c.len(), c.seen()), (80, 300), "{evict:?} after the prompt");
         let row = Precision::F16.row_bytes(HD);
         assert_eq!(c.bytes_used(), 2 * NKV * 80 * row);
         for i in 0..100 {
-            c.forward_begins(1);
+            c.forward_begins(1).unwrap();
             run(&mut c, &[1]);
             assert!(
                 (80..=80 + SLACK).contains(&c.len()),
@@ -505,7 +516,7 @@ fn a_budget_holds_its_budget_after_a_prompt_and_at_most_slack_more_while_decodin
 fn a_budget_keeps_the_sinks_and_the_newest_positions_in_order() {
     for evict in Evict::ALL {
         let mut c = layer(Precision::Int8, budget(80, evict));
-        c.forward_begins(300);
+        c.forward_begins(300).unwrap();
         run(&mut c, &[300]);
         for h in 0..NKV {
             let ps = held_positions(&c, h);
@@ -521,7 +532,7 @@ fn a_budget_keeps_the_sinks_and_the_newest_positions_in_order() {
 #[test]
 fn a_prompt_evicts_only_once_its_last_step_is_attended() {
     let mut c = layer(Precision::F16, budget(80, Evict::SnapKv));
-    c.forward_begins(300);
+    c.forward_begins(300).unwrap();
     run(&mut c, &[100, 100]);
     assert_eq!((c.len(), c.evicted()), (200, Some(0)));
     run(&mut c, &[100]);
@@ -531,9 +542,9 @@ fn a_prompt_evicts_only_once_its_last_step_is_attended() {
 #[test]
 fn an_evicted_budget_goes_back_to_positions_after_its_last_eviction_only() {
     let mut c = layer(Precision::F16, budget(80, Evict::Tova));
-    c.forward_begins(300);
+    c.forward_begins(300).unwrap();
     run(&mut c, &[300]);
-    c.forward_begins(10);
+    c.forward_begins(10).unwrap();
     run(&mut c, &[10]);
     let why = c.truncate_refusal(299).expect("refused");
     assert!(why.contains("evicted positions before 300"), "{why}");
@@ -544,7 +555,7 @@ fn an_evicted_budget_goes_back_to_positions_after_its_last_eviction_only() {
     assert_eq!(*held_positions(&c, 0).last().unwrap(), 299);
     // And a step from there attends as it did the first time.
     let mut again = layer(Precision::F16, budget(80, Evict::Tova));
-    again.forward_begins(300);
+    again.forward_begins(300).unwrap();
     run(&mut again, &[300]);
     assert!(run(&mut c, &[10]) == run(&mut again, &[10]));
 }
@@ -601,8 +612,8 @@ fn a_budget_kept_as_tensors_evicts_and_attends_as_the_cpu_kernel_does() {
                 // A prompt of 300 in three steps (evicting at its end), then 40 decode steps.
                 let forwards = std::iter::once(vec![100, 100, 100]).chain((0..40).map(|_| vec![1]));
                 for steps in forwards {
-                    host.forward_begins(steps.iter().sum());
-                    tensors.forward_begins(steps.iter().sum());
+                    host.forward_begins(steps.iter().sum()).unwrap();
+                    tensors.forward_begins(steps.iter().sum()).unwrap();
                     outs.0.extend(run(&mut host, &steps));
                     outs.1.extend(run(&mut tensors, &steps));
                 }
@@ -615,5 +626,79 @@ fn a_budget_kept_as_tensors_evicts_and_attends_as_the_cpu_kernel_does() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn a_verification_taken_back_leaves_every_cache_as_single_steps_left_it() {
+    // Drafting's rows apart (`undo.rs`): after a prompt, rounds of a verification — its first row
+    // kept, its guesses appended one row at a time, the rejected ones with other rows — truncated
+    // back to the guesses kept; against single steps over the kept positions, every kept row's
+    // attention and every step after it agree bit for bit, through ring slots and residual slots
+    // overwritten and put back, and a budget's evictions and deferred scores.
+    let window = Retention::Window {
+        window: 40,
+        sinks: 4,
+    };
+    let cases = [
+        (Precision::Int8, Retention::All),
+        (Precision::Int4, window),
+        (Precision::F16, window),
+        (Precision::F16, budget(48, Evict::SnapKv)),
+        (Precision::Int8, budget(48, Evict::Tova)),
+        (Precision::F32, budget(48, Evict::H2o)),
+    ];
+    let rope = test_rope(4096, HD);
+    for (p, r) in cases {
+        let (mut plain, mut drafted) = (layer(p, r), layer(p, r));
+        let mut outs = (Vec::new(), Vec::new());
+        for c in [&mut plain, &mut drafted] {
+            c.forward_begins(60).unwrap();
+            step(c, &rope, 0, 60);
+        }
+        let mut pos = 60;
+        let mut taken_back = 0;
+        for round in 0..24 {
+            let guesses = (3 + round % 7).min(drafted.draft_room());
+            // Kept: the first row and `kept` guesses (all of them every fourth round).
+            let kept = if round % 4 == 3 {
+                guesses
+            } else {
+                round % (guesses + 1)
+            };
+            drafted.verify_begins().unwrap();
+            let mut rows = Vec::new();
+            for i in 0..=guesses {
+                let salt = if i > kept { 0.9 } else { 0.0 };
+                rows.push(step_salted(&mut drafted, &rope, pos + i, 1, salt));
+            }
+            drafted.truncate(pos + kept + 1).unwrap();
+            taken_back += guesses - kept;
+            outs.1.extend(rows.into_iter().take(kept + 1));
+            for i in 0..=kept {
+                plain.forward_begins(1).unwrap();
+                outs.0.push(step(&mut plain, &rope, pos + i, 1));
+            }
+            pos += kept + 1;
+            // A plain step after the verification.
+            drafted.forward_begins(1).unwrap();
+            outs.1.push(step(&mut drafted, &rope, pos, 1));
+            plain.forward_begins(1).unwrap();
+            outs.0.push(step(&mut plain, &rope, pos, 1));
+            pos += 1;
+        }
+        assert!(taken_back > 40, "{p:?} {r:?}: {taken_back}");
+        assert_eq!(outs.0.len(), outs.1.len());
+        for (i, (a, b)) in outs.0.iter().zip(&outs.1).enumerate() {
+            assert!(a == b, "{p:?} {r:?}: step {i} of {}", outs.0.len());
+        }
+        assert_eq!(
+            plain.raw_state().ok().map(|s| s.k),
+            drafted.raw_state().ok().map(|s| s.k)
+        );
+        if r != Retention::All {
+            assert!(plain.len() < pos, "{p:?} {r:?}: nothing was dropped");
+        }
+        assert_eq!(plain.evicted(), drafted.evicted(), "{p:?} {r:?}");
     }
 }
