@@ -760,6 +760,39 @@ fn a_chat_with_drafts_answers_as_one_without_and_holds_the_same_cache() {
 }
 
 #[test]
+fn a_chat_drafting_on_a_quantized_window_answers_as_one_without_through_undo() {
+    // int8 rows with their f16 residual, a window of 96 with 4 sinks that drops positions during
+    // the answers: guesses taken back, a turn undone after a drafted answer, and asked again.
+    let fox = "Repeat word for word: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.";
+    let questions = format!("{fox}\n/undo\n{fox}\nNow say it once more, exactly.\n");
+    let flags = [
+        "chat",
+        "--temperature",
+        "0",
+        "-n",
+        "48",
+        "--kv-type",
+        "int8",
+        "--kv-window",
+        "96",
+        "--kv-sinks",
+        "4",
+        "--stats",
+    ];
+    let plain = kvchat(&flags, &questions);
+    let mut with: Vec<&str> = flags.to_vec();
+    with.extend(["--draft", "ngram"]);
+    let drafted = kvchat(&with, &questions);
+    let err = String::from_utf8_lossy(&drafted.stderr);
+    assert!(drafted.status.success(), "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&plain.stdout),
+        String::from_utf8_lossy(&drafted.stdout)
+    );
+    assert!(err.contains("accepted"), "{err}");
+}
+
+#[test]
 fn a_chat_drafted_by_a_model_answers_as_one_without() {
     // The model drafting for itself: every guess is the token it then samples.
     let model = crate::common::model_path();
