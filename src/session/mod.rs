@@ -311,9 +311,11 @@ impl<'m> Session<'m> {
                 .min(self.cache.draft_room());
             let guess = match drafter.as_deref_mut() {
                 Some(d) if room > 0 => {
-                    let mut seq = self.tokens.clone();
-                    seq.push(next);
-                    d.propose(&seq, room)?
+                    // The sequence with `next` for a moment (no copy of it per step).
+                    self.tokens.push(next);
+                    let guess = d.propose(&self.tokens, room);
+                    self.tokens.pop();
+                    guess?
                 }
                 _ => Vec::new(),
             };
