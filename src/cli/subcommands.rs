@@ -109,7 +109,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 60.0)]
     pub budget_s: f64,
     /// Also measure speculative decoding by prompt lookup against plain decoding (`ngram`), on
-    /// the first of --modes that can verify drafts (a full cache in f32, f16 or bf16)
+    /// the first of --modes that keeps a cache (every mode but none)
     #[arg(long, value_name = "ngram")]
     pub draft: Option<String>,
     /// The most tokens one draft guesses (1 to 32)

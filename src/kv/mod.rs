@@ -88,11 +88,9 @@ impl CacheMode {
             ..*self
         })
     }
-    /// Whether a batched step over this cache gives every row the bits of single steps and its
-    /// last positions can be taken back: what verifying drafts needs. Every position in a float
-    /// precision (any placement); not a quantized cache (a batched step reads more positions from
-    /// their f16 copies than single steps do), a window (a step's queries see the window as it
-    /// was before the step) or no cache.
+    /// Whether drafts can be verified exactly on this cache: every cache that keeps positions
+    /// (batched where [`CacheMode::verifies_batched`], else row by row with the guesses taken back
+    /// through `kv/layer/undo.rs`); not `none`.
     pub fn verifies_drafts(&self) -> bool {
         self.retention != Retention::None
     }

@@ -695,7 +695,8 @@ fn drafted_decoding_gives_the_tokens_of_plain_decoding_in_every_float_cache() {
 fn drafted_decoding_gives_the_tokens_of_plain_decoding_on_caches_that_attend_its_rows_apart() {
     // Quantized rows and their f16 residual, windows with and without sinks, budgets that evict
     // during the answer, offload: each verification's rows are attended apart and its rejected
-    // guesses taken back through the layer's record (kv/layer/undo.rs).
+    // guesses taken back through the layer's record (kv/layer/undo.rs; int4 and the GPU's path
+    // run on the CPU are in its unit tests).
     let doc = &include_str!("../../assets/gpl-3.txt")[..2500];
     let prompts = [
         chat_ids(&format!(
@@ -706,7 +707,6 @@ fn drafted_decoding_gives_the_tokens_of_plain_decoding_on_caches_that_attend_its
     let greedy = kvchat::session::SamplingParams::greedy;
     for mode in [
         "full+int8",
-        "full+int4",
         "window:64+4",
         "window:48+0+int8+offload",
         "budget:560:snapkv+4",

@@ -184,13 +184,14 @@ impl Budgeted {
         }
     }
 
-    /// Adds a step's observed weights `[nkv, n]` (slot order) to the scores of the first n slots
-    /// (n: the slots held then; later ones arrived after the step).
-    pub(super) fn add(&mut self, weights: &[f32]) -> Result<()> {
+    /// Adds a step's observed weights `[nkv, n]` (slot order) to the scores of the first n slots:
+    /// n is every slot held (`deferred` false), or the slots held when a deferred step was
+    /// attended (later ones arrived after it).
+    pub(super) fn add(&mut self, weights: &[f32], deferred: bool) -> Result<()> {
         let held = self.held();
         let n = weights.len() / self.positions.len().max(1);
         ensure!(
-            weights.len() == self.positions.len() * n && n <= held,
+            weights.len() == self.positions.len() * n && (n == held || deferred && n <= held),
             "observed attention over {} keys, the layer holds {held} positions per head",
             weights.len() / self.positions.len().max(1)
         );
@@ -267,7 +268,7 @@ impl Budgeted {
     pub(super) fn settle(&mut self) -> Result<()> {
         self.defer_from = None;
         for (_, w) in std::mem::take(&mut self.deferred) {
-            self.add(&w)?;
+            self.add(&w, true)?;
         }
         Ok(())
     }
@@ -394,7 +395,7 @@ impl Layer {
             );
             return Ok(());
         }
-        bg.add(weights)?;
+        bg.add(weights, false)?;
         if !bg.due() {
             return Ok(());
         }

@@ -461,20 +461,20 @@ impl Layer {
     /// position `len`, or a declared window whose next query would miss keys already dropped
     /// (it needs the `attend_window` positions before it). Changes nothing.
     pub fn truncate_refusal(&self, len: usize) -> Option<String> {
-        if self.retention == Retention::None
-            || len >= self.seen
-            || len == 0
-            || self.can_take_back(len)
-        {
+        if self.retention == Retention::None || len >= self.seen || len == 0 {
             return None;
         }
         if let Some(bg) = &self.budget {
+            // (A verification's record cannot take an eviction back.)
             return (len < bg.evicted_before).then(|| {
                 format!(
                     "the KV budget evicted positions before {}: going back to position {len} needs them",
                     bg.evicted_before
                 )
             });
+        }
+        if self.can_take_back(len) {
+            return None;
         }
         let (sinks, window) = self.held();
         let dropped = window.start > sinks.end;
@@ -520,6 +520,9 @@ impl Layer {
         if self.retention == Retention::None {
             self.store = new_store(self.precision, self.nkv, self.hd, self.store_on.as_ref());
         }
+        // Offload: what `prefetch` staged served this forward; a ring's slots come round again
+        // with other positions in them, so a later step must not take those copies for its own.
+        self.staged = None;
     }
 
     fn reset(&mut self) {
@@ -642,6 +645,9 @@ impl LayerCache for Layer {
         }
         self.take_back(len)?;
         if let Some(bg) = self.budget.as_mut() {
+            // Single steps would have added the scores of the guesses kept before `len`.
+            bg.deferred.retain(|(p, _)| *p < len);
+            bg.settle()?;
             bg.drop_last(self.seen - len);
         }
         self.seen = len;

@@ -640,17 +640,21 @@ fn a_verification_taken_back_leaves_every_cache_as_single_steps_left_it() {
         window: 40,
         sinks: 4,
     };
+    // (precision, retention, rows as tensors: the GPU's path and its stores' raw bytes, on the CPU)
     let cases = [
-        (Precision::Int8, Retention::All),
-        (Precision::Int4, window),
-        (Precision::F16, window),
-        (Precision::F16, budget(48, Evict::SnapKv)),
-        (Precision::Int8, budget(48, Evict::Tova)),
-        (Precision::F32, budget(48, Evict::H2o)),
+        (Precision::Int8, Retention::All, false),
+        (Precision::Int4, window, false),
+        (Precision::F16, window, false),
+        (Precision::Int8, window, true),
+        (Precision::F16, budget(48, Evict::SnapKv), false),
+        (Precision::Int8, budget(48, Evict::Tova), false),
+        (Precision::F32, budget(48, Evict::H2o), false),
     ];
     let rope = test_rope(4096, HD);
-    for (p, r) in cases {
-        let (mut plain, mut drafted) = (layer(p, r), layer(p, r));
+    for (p, r, tensors) in cases {
+        let on = tensors.then_some(&Device::Cpu);
+        let mut plain = Layer::new(&spec(p, r), NKV, HD, on);
+        let mut drafted = Layer::new(&spec(p, r), NKV, HD, on);
         let mut outs = (Vec::new(), Vec::new());
         for c in [&mut plain, &mut drafted] {
             c.forward_begins(60).unwrap();
@@ -700,5 +704,55 @@ fn a_verification_taken_back_leaves_every_cache_as_single_steps_left_it() {
             assert!(plain.len() < pos, "{p:?} {r:?}: nothing was dropped");
         }
         assert_eq!(plain.evicted(), drafted.evicted(), "{p:?} {r:?}");
+    }
+}
+
+#[test]
+fn going_back_before_a_verification_keeps_the_scores_of_the_guesses_it_kept() {
+    // A verification keeps some guesses and the answer ends; then the conversation goes back
+    // further (/undo): single steps would have scored those guesses before going back, and a
+    // budget that later evicts chooses by those scores.
+    let rope = test_rope(4096, HD);
+    for evict in Evict::ALL {
+        let r = budget(64, evict);
+        let (mut plain, mut drafted) = (layer(Precision::F16, r), layer(Precision::F16, r));
+        for c in [&mut plain, &mut drafted] {
+            c.forward_begins(60).unwrap();
+            step(c, &rope, 0, 60);
+        }
+        // The first row and 3 of 5 guesses kept.
+        drafted.verify_begins().unwrap();
+        for i in 0..6 {
+            step_salted(
+                &mut drafted,
+                &rope,
+                60 + i,
+                1,
+                if i > 3 { 0.9 } else { 0.0 },
+            );
+        }
+        drafted.truncate(64).unwrap();
+        for i in 0..4 {
+            plain.forward_begins(1).unwrap();
+            step(&mut plain, &rope, 60 + i, 1);
+        }
+        // Back to 62, then single steps far enough to evict twice.
+        let mut outs = (Vec::new(), Vec::new());
+        for (c, out) in [(&mut plain, &mut outs.0), (&mut drafted, &mut outs.1)] {
+            c.truncate(62).unwrap();
+            for pos in 62..140 {
+                c.forward_begins(1).unwrap();
+                out.push(step(c, &rope, pos, 1));
+            }
+        }
+        assert!(outs.0 == outs.1, "{evict:?}");
+        assert!(plain.evicted().unwrap() > 0);
+        for h in 0..NKV {
+            assert_eq!(
+                held_positions(&plain, h),
+                held_positions(&drafted, h),
+                "{evict:?}"
+            );
+        }
     }
 }

@@ -13,7 +13,8 @@ use super::*;
 /// begins.
 #[derive(Default)]
 pub(super) struct Undo {
-    /// The first position that may be taken back: the verification's second row.
+    /// The first position that may be taken back: the verification's first row (only a failed
+    /// forward takes it back; a verification's guesses start one later).
     pub(super) from: usize,
     /// Per row from `from` on, oldest first: (its position, the oldest window position held
     /// before it was appended, the oldest residual position held then).
@@ -38,8 +39,10 @@ impl Layer {
     pub fn verify_begins(&mut self) -> Result<()> {
         let from = self.seen + 1;
         self.settle()?;
+        // Recorded from the first row on, so that a forward that fails part-way goes back whole
+        // (a budget's eviction on the first row is not undone: `truncate_refusal` says so).
         self.undo = Some(Undo {
-            from,
+            from: self.seen,
             ..Undo::default()
         });
         if let Some(bg) = self.budget.as_mut() {
@@ -68,7 +71,9 @@ impl Layer {
         slot: usize,
         len: usize,
     ) -> Result<()> {
-        if self.undo.as_ref().is_none_or(|u| pos < u.from) {
+        // A full cache's slots past the sequence hold nothing a truncation needs back.
+        let nothing_there = source == Source::Main && self.retention == Retention::All;
+        if nothing_there || self.undo.as_ref().is_none_or(|u| pos < u.from) {
             return Ok(());
         }
         let (k, v) = self.source(source).raw(slot, len)?;
