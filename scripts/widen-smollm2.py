@@ -24,6 +24,7 @@ once). Used by scripts/draft-check.sh for issue 36's 1B-shape figures.
 import sys
 import numpy as np
 import gguf
+from gguf_tokenizer import copy_tokenizer
 
 src, dst = sys.argv[1], sys.argv[2]
 qname = sys.argv[3] if len(sys.argv) > 3 else "q4_1"
@@ -64,22 +65,7 @@ w.add_rope_dimension_count(HD)
 w.add_layer_norm_rms_eps(field("llama.attention.layer_norm_rms_epsilon") * H0 / H)
 w.add_vocab_size(field("llama.vocab_size"))
 w.add_file_type(ftype)
-for name, f in r.fields.items():
-    if not name.startswith("tokenizer."):
-        continue
-    v, t = f.contents(), f.types[0]
-    if t == gguf.GGUFValueType.ARRAY:
-        w.add_array(name, v)
-    elif t == gguf.GGUFValueType.STRING:
-        w.add_string(name, v)
-    elif t == gguf.GGUFValueType.BOOL:
-        w.add_bool(name, v)
-    elif t == gguf.GGUFValueType.UINT32:
-        w.add_uint32(name, v)
-    elif t == gguf.GGUFValueType.INT32:
-        w.add_int32(name, v)
-    else:
-        raise SystemExit(f"unhandled tokenizer field {name} of type {t}")
+copy_tokenizer(r, w)
 
 
 def head_rows(n_heads_old, place):

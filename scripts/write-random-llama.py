@@ -7,6 +7,7 @@ checks (scripts/make-test-models.sh, scripts/gpu-check.sh), quantized afterwards
 import sys
 import numpy as np
 import gguf
+from gguf_tokenizer import copy_tokenizer
 
 src, dst = sys.argv[1], sys.argv[2]
 r = gguf.GGUFReader(src)
@@ -23,23 +24,7 @@ w.add_rope_freq_base(500000.0)
 w.add_layer_norm_rms_eps(1e-5)
 w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 # The tokenizer, copied from SmolLM2's file.
-for name, field in r.fields.items():
-    if not name.startswith("tokenizer."):
-        continue
-    v = field.contents()
-    t = field.types[0]
-    if t == gguf.GGUFValueType.ARRAY:
-        w.add_array(name, v)
-    elif t == gguf.GGUFValueType.STRING:
-        w.add_string(name, v)
-    elif t == gguf.GGUFValueType.BOOL:
-        w.add_bool(name, v)
-    elif t == gguf.GGUFValueType.UINT32:
-        w.add_uint32(name, v)
-    elif t == gguf.GGUFValueType.INT32:
-        w.add_int32(name, v)
-    else:
-        raise SystemExit(f"unhandled tokenizer field {name} of type {t}")
+copy_tokenizer(r, w)
 vocab = len(r.fields["tokenizer.ggml.tokens"].data)
 rng = np.random.default_rng(1)
 def mat(rows, cols, std=0.02):
