@@ -136,6 +136,13 @@ impl Block {
     }
 }
 
+/// Whose cache a forward's rows go to: one sequence's (its rows attended together, or apart —
+/// `DecoderCache::rows_apart`), or each row a sequence of its own (a batched decode step).
+enum StepCache<'c> {
+    One(&'c mut dyn LayerCache, bool),
+    PerRow(Vec<&'c mut dyn LayerCache>),
+}
+
 impl Llama {
     pub fn device(&self) -> &Device {
         &self.device
@@ -193,6 +200,64 @@ impl Llama {
         }
     }
 
+    /// One decode step of several sequences at once: `tokens[r]` continues the sequence that
+    /// `caches[r]` holds. The matmuls take every row together (one pass over the weights for all
+    /// sequences); each row's attention reads and appends its own sequence's cache, as that
+    /// sequence's own single step would — so each row's logits are the bits of its sequence
+    /// decoded alone (the CPU kernels compute every row in a fixed order). Returns `[n, vocab]`.
+    pub fn forward_rows(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut dyn DecoderCache],
+    ) -> Result<Tensor> {
+        if tokens.is_empty() || tokens.len() != caches.len() {
+            bail!(
+                "a batched step needs one token for each of its sequences ({} tokens, {} caches)",
+                tokens.len(),
+                caches.len()
+            );
+        }
+        if caches.iter().any(|c| c.recomputes()) {
+            bail!("a batched step needs every sequence to keep a KV cache");
+        }
+        for c in caches.iter_mut() {
+            c.forward_begins(1)?;
+        }
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = self.embed(&ids, tokens)?; // [1, n, hidden]
+        for c in caches.iter_mut() {
+            c.layer(0).prefetch()?;
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i + 1 < self.layers.len() {
+                for c in caches.iter_mut() {
+                    c.layer(i + 1).prefetch()?;
+                }
+            }
+            let per_row = caches.iter_mut().map(|c| c.layer(i)).collect();
+            x = self.block(i, layer, &x, StepCache::PerRow(per_row))?;
+        }
+        for c in caches.iter_mut() {
+            c.step_done();
+        }
+        let x = rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
+        Ok(self.output.forward(&x)?.squeeze(0)?) // [n, vocab]
+    }
+
+    /// The embeddings of `tokens` (`ids` on the device), scaled where the model says: `[1, t, hidden]`.
+    fn embed(&self, ids: &Tensor, tokens: &[u32]) -> Result<Tensor> {
+        let mut x = match &self.embed {
+            Embedding::Quantized(q) => q.embedding(ids)?,
+            Embedding::Cpu(q) => q.rows(tokens)?,
+            Embedding::Dense(e) => e.embedding(ids)?.to_dtype(candle_core::DType::F32)?,
+        }
+        .unsqueeze(0)?; // [1, t, hidden]
+        if self.cfg.block.embed_scale {
+            x = (x * (self.cfg.hidden as f64).sqrt())?;
+        }
+        Ok(x)
+    }
+
     fn forward_chunk(
         &self,
         tokens: &[u32],
@@ -201,15 +266,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let t = tokens.len();
         let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = match &self.embed {
-            Embedding::Quantized(q) => q.embedding(&ids)?,
-            Embedding::Cpu(q) => q.rows(tokens)?,
-            Embedding::Dense(e) => e.embedding(&ids)?.to_dtype(candle_core::DType::F32)?,
-        }
-        .unsqueeze(0)?; // [1, t, hidden]
-        if self.cfg.block.embed_scale {
-            x = (x * (self.cfg.hidden as f64).sqrt())?;
-        }
+        let mut x = self.embed(&ids, tokens)?; // [1, t, hidden]
         cache.layer(0).prefetch()?;
         for (i, layer) in self.layers.iter().enumerate() {
             // Offload: the next layer's cache starts its way to the device before this layer computes.
@@ -217,7 +274,7 @@ impl Llama {
                 cache.layer(i + 1).prefetch()?;
             }
             let apart = cache.rows_apart();
-            x = self.block(i, layer, &x, cache.layer(i), apart)?;
+            x = self.block(i, layer, &x, StepCache::One(cache.layer(i), apart))?;
         }
         cache.step_done();
         let x = match which {
@@ -234,17 +291,10 @@ impl Llama {
 
     /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)); with post norms (gemma3)
     /// each branch's output is normed again before its add.
-    fn block(
-        &self,
-        i: usize,
-        layer: &Block,
-        x: &Tensor,
-        cache: &mut dyn LayerCache,
-        rows_apart: bool,
-    ) -> Result<Tensor> {
+    fn block(&self, i: usize, layer: &Block, x: &Tensor, cache: StepCache<'_>) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
         let h = rms_norm(x, &layer.attn_norm, eps)?;
-        let mut att = self.attention(i, layer, &h, cache, rows_apart)?;
+        let mut att = self.attention(i, layer, &h, cache)?;
         if let Some(n) = &layer.post_attn_norm {
             att = rms_norm(&att, n, eps)?;
         }
@@ -278,8 +328,7 @@ impl Llama {
         i: usize,
         layer: &Block,
         h: &Tensor,
-        cache: &mut dyn LayerCache,
-        rows_apart: bool,
+        cache: StepCache<'_>,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
@@ -320,16 +369,27 @@ impl Llama {
         let v = v.contiguous()?;
 
         let rope = self.layer_rope(i);
-        let out = if rows_apart && t > 1 {
+        let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
+        let out = match cache {
+            StepCache::One(cache, apart) if !apart || t == 1 => {
+                self.attend(&q, &k, &v, cache, rope)? // [1, nh, t, hd]
+            }
             // Each row attended as a step of its own (a verified draft: `DecoderCache::rows_apart`).
-            let row =
-                |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
-            let rows = (0..t)
-                .map(|r| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope))
-                .collect::<Result<Vec<_>>>()?;
-            Tensor::cat(&rows, 2)? // [1, nh, t, hd]
-        } else {
-            self.attend(&q, &k, &v, cache, rope)? // [1, nh, t, hd]
+            StepCache::One(cache, _) => {
+                let rows = (0..t)
+                    .map(|r| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 2)? // [1, nh, t, hd]
+            }
+            // Row r is the next position of sequence r.
+            StepCache::PerRow(caches) => {
+                let rows = caches
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, c)| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, c, rope))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 2)? // [1, nh, t, hd]
+            }
         };
         let out = out
             .transpose(1, 2)? // [1, t, nh, hd]

@@ -182,18 +182,72 @@ impl<'m> Session<'m> {
         }
         match self.model.forward(new, &mut self.cache, which) {
             Ok(l) => Ok(l),
+            Err(e) => Err(self.undo_failed_step(total - new.len(), e)?),
+        }
+    }
+
+    /// After a step that failed: the sequence and the cache back to its first `len` tokens, or
+    /// (a window that dropped those positions) both cleared rather than disagree; the step's error,
+    /// with that said.
+    fn undo_failed_step(&mut self, len: usize, e: anyhow::Error) -> Result<anyhow::Error> {
+        self.tokens.truncate(len);
+        if let Err(back) = self.cache.truncate(self.tokens.len()) {
+            self.tokens.clear();
+            self.cache.reset()?;
+            return Ok(e.context(format!(
+                "the cache could not return to the sequence before this step ({}), so it was cleared",
+                crate::first_line(back)
+            )));
+        }
+        Ok(e)
+    }
+
+    /// One decode step of several sessions of the same model at once (continuous batching's
+    /// step): `tokens[i]` continues `sessions[i]`. The weights are read once for all of them
+    /// (`Llama::forward_rows`), each row attends its own session's cache — whatever its axes —
+    /// and each session gets the logits `[vocab]` it would get decoding alone, bit for bit.
+    pub fn feed_each(sessions: &mut [&mut Session<'m>], tokens: &[u32]) -> Result<Vec<Tensor>> {
+        if sessions.len() != tokens.len() || sessions.is_empty() {
+            bail!(
+                "a batched step needs one token for each session ({} tokens, {} sessions)",
+                tokens.len(),
+                sessions.len()
+            );
+        }
+        let model = sessions[0].model;
+        for s in sessions.iter() {
+            if !std::ptr::eq(s.model, model) {
+                bail!("a batched step needs every session to run the same model");
+            }
+            if s.tokens.len() + 1 > s.max_positions {
+                return Err(crate::fixable(
+                    crate::Fix::RaiseContext,
+                    format!(
+                        "the sequence would be {} tokens, more than the context of {}",
+                        s.tokens.len() + 1,
+                        s.max_positions
+                    ),
+                ));
+            }
+        }
+        for (s, &t) in sessions.iter_mut().zip(tokens) {
+            s.tokens.push(t);
+        }
+        let mut caches: Vec<&mut dyn crate::model::cache::DecoderCache> = sessions
+            .iter_mut()
+            .map(|s| &mut s.cache as &mut dyn crate::model::cache::DecoderCache)
+            .collect();
+        let result = model.forward_rows(tokens, &mut caches);
+        drop(caches);
+        match result {
+            Ok(logits) => (0..tokens.len())
+                .map(|i| Ok(logits.get(i)?))
+                .collect::<Result<Vec<_>>>(),
             Err(e) => {
-                // Keep the sequence and the cache consistent after a failed step.
-                self.tokens.truncate(total - new.len());
-                if let Err(back) = self.cache.truncate(self.tokens.len()) {
-                    // The cache cannot go back (a window dropped those positions): both start
-                    // over rather than disagree.
-                    self.tokens.clear();
-                    self.cache.reset()?;
-                    return Err(e.context(format!(
-                        "the cache could not return to the sequence before this step ({}), so it was cleared",
-                        crate::first_line(back)
-                    )));
+                let mut e = e;
+                for s in sessions.iter_mut() {
+                    let len = s.tokens.len() - 1;
+                    e = s.undo_failed_step(len, e)?;
                 }
                 Err(e)
             }

@@ -196,3 +196,98 @@ fn tokenizer_json_override_gives_the_same_ids_as_the_gguf_tokenizer() {
     }
     assert_eq!(tk.eos_id, e.tokenizer().eos_id);
 }
+
+#[test]
+fn a_batched_decode_step_gives_each_session_the_logits_it_gets_alone_bit_for_bit() {
+    // Four sequences of different lengths, each in a cache of other axes, decoded together one
+    // step at a time (one pass over the weights for all four), against each decoded alone.
+    let e = engine();
+    let doc = &include_str!("../../assets/gpl-3.txt")[..1500];
+    let prompts = [
+        chat_ids("Name three colours."),
+        chat_ids(&format!("Summarise this text in one sentence:\n\n{doc}")),
+        chat_ids("Count from one to twenty in words."),
+        chat_ids(&format!("What is this text about?\n\n{}", &doc[..600])),
+    ];
+    let modes = ["full", "full+int8", "window:48+4", "budget:128:snapkv+4"];
+    let specs: Vec<CacheSpec> = modes
+        .iter()
+        .map(|m| {
+            m.parse::<kvchat::kv::CacheMode>()
+                .unwrap()
+                .spec(4096)
+                .unwrap()
+        })
+        .collect();
+    let steps = 40;
+    let argmax = |l: &candle_core::Tensor| kvchat::session::argmax(&l.to_vec1::<f32>().unwrap());
+    let bits = |l: &candle_core::Tensor| -> Vec<u32> {
+        l.to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    // Alone: each session's logits at every step.
+    let alone: Vec<Vec<Vec<u32>>> = prompts
+        .iter()
+        .zip(&specs)
+        .map(|(p, spec)| {
+            let mut s = e.session(spec);
+            let mut l = s.feed(p).unwrap();
+            (0..steps)
+                .map(|_| {
+                    l = s.feed(&[argmax(&l)]).unwrap();
+                    bits(&l)
+                })
+                .collect()
+        })
+        .collect();
+    // Together.
+    let mut sessions: Vec<_> = specs.iter().map(|spec| e.session(spec)).collect();
+    let mut logits: Vec<_> = sessions
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(s, p)| s.feed(p).unwrap())
+        .collect();
+    for step in 0..steps {
+        let next: Vec<u32> = logits.iter().map(argmax).collect();
+        let mut refs: Vec<&mut kvchat::session::Session> = sessions.iter_mut().collect();
+        logits = kvchat::session::Session::feed_each(&mut refs, &next).unwrap();
+        for ((l, own), mode) in logits.iter().zip(&alone).zip(modes) {
+            assert!(bits(l) == own[step], "{mode}: step {step}");
+        }
+    }
+    // The window dropped positions and the budget evicted while batched.
+    assert!(sessions[2].cache().len() < sessions[2].tokens().len());
+    assert!(sessions[3].cache().layers()[0].evicted().unwrap() > 0);
+}
+
+#[test]
+fn a_batched_step_with_a_token_missing_or_a_session_without_a_cache_is_refused() {
+    let e = engine();
+    let spec = full();
+    let none = "none"
+        .parse::<kvchat::kv::CacheMode>()
+        .unwrap()
+        .spec(4096)
+        .unwrap();
+    let (mut a, mut b) = (e.session(&spec), e.session(&none));
+    a.feed(&chat_ids("Hi")).unwrap();
+    b.feed(&chat_ids("Hi")).unwrap();
+    let before = a.tokens().to_vec();
+    let err = kvchat::session::Session::feed_each(&mut [&mut a], &[1, 2]).unwrap_err();
+    assert!(
+        err.to_string().contains("one token for each session"),
+        "{err}"
+    );
+    let err = kvchat::session::Session::feed_each(&mut [&mut a, &mut b], &[1, 2]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("every sequence to keep a KV cache"),
+        "{err}"
+    );
+    // Nothing was kept of the refused step.
+    assert_eq!(a.tokens(), &before[..]);
+    assert_eq!(a.cache().seen(), before.len());
+}
