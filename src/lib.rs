@@ -64,6 +64,8 @@ pub enum Fix {
     BudgetOverContext,
     /// A larger time budget would let a benchmark cell run in full.
     BenchTimeBudget,
+    /// A shorter longest context of a measured grid (which sizes the context) would fit in memory.
+    LowerLongestContext,
 }
 
 /// A front end's words for each [`Fix`] (the CLI's name its flags). A command is given them with

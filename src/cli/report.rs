@@ -24,6 +24,7 @@ pub fn advice(fix: Fix) -> &'static str {
         Fix::WindowOverContext => "lower --kv-window or --kv-sinks, or raise --ctx",
         Fix::BudgetOverContext => "lower --kv-budget or raise --ctx",
         Fix::BenchTimeBudget => "raise --budget-s",
+        Fix::LowerLongestContext => "lower the longest of --contexts",
     }
 }
 

@@ -266,6 +266,7 @@ impl NeedleArgs {
         // Room for the longest prompt (rendered within a few tokens of it) and its answer.
         let needed = longest + 64;
         let mode = self.cache.mode_for(Some(load.ctx.unwrap_or(needed)))?;
+        let ctx_from_grid = load.ctx.is_none();
         match load.ctx {
             Some(c) if c < needed && mode.bounded_by_context() => bail!(
                 "--ctx {c} cannot hold --contexts {longest} and the answer (at least {needed})"
@@ -288,6 +289,7 @@ impl NeedleArgs {
                 seed: self.seed,
                 ask_later: self.ask_later,
             },
+            ctx_from_grid,
             json: json_out(self.json),
             plot: self.plot,
         })

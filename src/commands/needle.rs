@@ -17,13 +17,26 @@ pub struct NeedleOptions {
     /// A chat template instead of the model's own (checked).
     pub chat_template: Option<String>,
     pub grid: NeedleGrid,
+    /// The context was sized from the grid's longest context (none was given): what to lower
+    /// when it does not fit in memory.
+    pub ctx_from_grid: bool,
     pub json: Option<JsonOut>,
     /// An .svg file for the heat map.
     pub plot: Option<PathBuf>,
 }
 
 pub fn run(opts: NeedleOptions) -> Result<()> {
-    let engine = Engine::load(&opts.load)?;
+    let engine = Engine::load(&opts.load).map_err(|e| {
+        // A context too large for memory is the grid's longest one when the grid sized it.
+        let too_long = e
+            .chain()
+            .find_map(|c| c.downcast_ref::<crate::Fixable>())
+            .is_some_and(|f| f.fix == crate::Fix::LowerContext);
+        match opts.ctx_from_grid && too_long {
+            true => crate::fixable(crate::Fix::LowerLongestContext, crate::error_line(&e)),
+            false => e,
+        }
+    })?;
     let spec = engine.cache_spec(&opts.mode, engine.ctx())?;
     let template = engine.chat_template(opts.chat_template.as_deref())?;
     let cells = opts.grid.contexts.len() * opts.grid.depths.len();

@@ -463,3 +463,17 @@ fn an_unknown_kv_precision_is_refused_naming_the_flag_and_the_tables_choices() {
         assert!(out.stdout.is_empty(), "{args:?} printed a result");
     }
 }
+
+#[test]
+fn a_needle_grid_too_long_for_memory_says_to_lower_its_longest_context() {
+    // No --ctx: the grid's longest context sizes it, so that is what the advice names.
+    let out = kvchat(&["needle", "--contexts", "1024,9000000"], "");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("more than the") && err.contains("(lower the longest of --contexts)"),
+        "{err}"
+    );
+    assert!(!err.contains("--ctx"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
