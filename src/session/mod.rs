@@ -2,6 +2,7 @@
 //! together), the generation loop, the [`sampler`], a chat [`conversation`] over one session, and
 //! saving and restoring a session's state ([`persist`]).
 
+pub mod batch;
 pub mod conversation;
 pub mod draft;
 pub mod persist;

@@ -291,3 +291,72 @@ fn a_batched_step_with_a_token_missing_or_a_session_without_a_cache_is_refused()
     assert_eq!(a.tokens(), &before[..]);
     assert_eq!(a.cache().seen(), before.len());
 }
+
+#[test]
+fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone() {
+    // Continuous batching's loop: two sequences start, a third joins at step 5 and a fourth at
+    // step 12, each stops at its own limit or end of text; one samples at temperature 0.8 with a
+    // seed. Each one's tokens are those of `Session::decode` alone.
+    let e = engine();
+    let spec = full();
+    let questions = [
+        "Name three colours.",
+        "Write a haiku about the sea.",
+        "Count from one to ten in words.",
+        "What is the capital of Italy? Answer in one sentence.",
+    ];
+    let limits = [30, 40, 25, 35];
+    let params = |i: usize| match i {
+        1 => SamplingParams {
+            temperature: 0.8,
+            seed: 11,
+            ..Default::default()
+        },
+        _ => SamplingParams::greedy(),
+    };
+    let alone: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut s = e.session(&spec);
+            let logits = s.feed(&chat_ids(questions[i])).unwrap();
+            let mut sampler = Sampler::new(params(i));
+            let (out, ..) = s
+                .decode(logits, &mut sampler, limits[i], e.stop_ids(), false, |_| {
+                    Ok(true)
+                })
+                .unwrap();
+            out
+        })
+        .collect();
+    let mut batch = kvchat::session::batch::Batch::new();
+    let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    let mut finished = Vec::new();
+    let joins = [0, 0, 5, 12];
+    let mut step = 0;
+    while finished.len() < 4 {
+        for i in (0..4).filter(|&i| joins[i] == step) {
+            let (prompt, sampler) = (chat_ids(questions[i]), Sampler::new(params(i)));
+            batch
+                .join(
+                    i as u64,
+                    e.session(&spec),
+                    &prompt,
+                    sampler,
+                    limits[i],
+                    e.stop_ids(),
+                )
+                .unwrap();
+        }
+        finished.extend(batch.step(|id, t| streamed[id as usize].push(t)).unwrap());
+        step += 1;
+        assert!(step < 200, "the batch never emptied");
+    }
+    assert!(batch.is_empty());
+    for f in &finished {
+        let i = f.id as usize;
+        assert_eq!(f.tokens, alone[i], "sequence {i}");
+        assert_eq!(
+            streamed[i], alone[i],
+            "sequence {i}: the tokens as they came"
+        );
+    }
+}

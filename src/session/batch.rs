@@ -1,0 +1,129 @@
+//! Continuous batching's loop, without a server: sequences join a running batch between steps,
+//! each step decodes one token of every sequence in one forward ([`Session::feed_each`]), and a
+//! sequence leaves when it ends. Each sequence samples with its own sampler and history exactly
+//! as [`Session::decode`] does alone, and its rows get the bits of its own single steps, so its
+//! tokens are the ones it would generate alone — whatever joined or left around it.
+
+use super::{Sampler, Session, StopReason};
+use anyhow::Result;
+use candle_core::Tensor;
+
+/// One sequence of a batch: its session, how it samples and when it stops.
+struct Running<'m> {
+    id: u64,
+    session: Session<'m>,
+    sampler: Sampler,
+    /// The logits its next token is sampled from.
+    logits: Tensor,
+    out: Vec<u32>,
+    max_tokens: usize,
+    stop_ids: Vec<u32>,
+}
+
+/// A sequence that left the batch: its id, its tokens, why it stopped, and its session (the
+/// cache it filled, for a caller that keeps it).
+pub struct Finished<'m> {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    pub reason: StopReason,
+    pub session: Session<'m>,
+}
+
+/// The sequences decoding together.
+#[derive(Default)]
+pub struct Batch<'m> {
+    running: Vec<Running<'m>>,
+}
+
+impl<'m> Batch<'m> {
+    pub fn new() -> Self {
+        Self {
+            running: Vec::new(),
+        }
+    }
+
+    /// Sequences running.
+    pub fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    /// A sequence joins: `session` prefills `prompt` (on its own: a prompt's rows are many), and
+    /// from the next step on it decodes with the others, up to `max_tokens` tokens, ending at any
+    /// of `stop_ids` (not kept).
+    pub fn join(
+        &mut self,
+        id: u64,
+        mut session: Session<'m>,
+        prompt: &[u32],
+        sampler: Sampler,
+        max_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<()> {
+        let logits = session.feed(prompt)?;
+        self.running.push(Running {
+            id,
+            session,
+            sampler,
+            logits,
+            out: Vec::new(),
+            max_tokens,
+            stop_ids: stop_ids.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// One step: every sequence samples its next token (`on_token(id, token)` for each kept
+    /// one); those that end leave and are returned; the others are fed their token together, in
+    /// one forward.
+    pub fn step(&mut self, mut on_token: impl FnMut(u64, u32)) -> Result<Vec<Finished<'m>>> {
+        let mut done = Vec::new();
+        let mut next = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            let token = r.sampler.sample(&r.logits, r.session.tokens())?;
+            // As `Session::decode` takes a token: a stop id is not kept.
+            let reason = if r.stop_ids.contains(&token) {
+                Some(StopReason::EndOfText)
+            } else {
+                r.out.push(token);
+                on_token(r.id, token);
+                if r.out.len() >= r.max_tokens {
+                    Some(StopReason::MaxTokens)
+                } else if r.session.tokens().len() + 1 > r.session.max_positions() {
+                    Some(StopReason::ContextFull)
+                } else {
+                    None
+                }
+            };
+            match reason {
+                Some(reason) => {
+                    let r = self.running.remove(i);
+                    done.push(Finished {
+                        id: r.id,
+                        tokens: r.out,
+                        reason,
+                        session: r.session,
+                    });
+                }
+                None => {
+                    next.push(token);
+                    i += 1;
+                }
+            }
+        }
+        if !self.running.is_empty() {
+            let mut sessions: Vec<&mut Session<'m>> =
+                self.running.iter_mut().map(|r| &mut r.session).collect();
+            let logits = Session::feed_each(&mut sessions, &next)?;
+            for (r, l) in self.running.iter_mut().zip(logits) {
+                r.logits = l;
+            }
+        }
+        Ok(done)
+    }
+}
