@@ -78,7 +78,8 @@ impl<'m> Batch<'m> {
 
     /// One step: every sequence samples its next token (`on_token(id, token)` for each kept
     /// one); those that end leave and are returned; the others are fed their token together, in
-    /// one forward.
+    /// one forward. After an error the running sequences' sessions are as before the forward
+    /// (`Session::feed_each`) but their answers hold the token sampled for it: end them.
     pub fn step(&mut self, mut on_token: impl FnMut(u64, u32)) -> Result<Vec<Finished<'m>>> {
         let mut done = Vec::new();
         let mut next = Vec::new();
