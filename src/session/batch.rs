@@ -93,13 +93,12 @@ impl<'m> Batch<'m> {
             } else {
                 r.out.push(token);
                 on_token(r.id, token);
-                if r.out.len() >= r.max_tokens {
-                    Some(StopReason::MaxTokens)
-                } else if r.session.tokens().len() + 1 > r.session.max_positions() {
-                    Some(StopReason::ContextFull)
-                } else {
-                    None
-                }
+                StopReason::after_kept(
+                    r.out.len(),
+                    r.max_tokens,
+                    r.session.tokens().len(),
+                    r.session.max_positions(),
+                )
             };
             match reason {
                 Some(reason) => {

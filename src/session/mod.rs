@@ -27,6 +27,27 @@ pub enum StopReason {
     Interrupted,
 }
 
+impl StopReason {
+    /// Why a generation ends once a token is kept: `generated` tokens of at most `max_tokens`,
+    /// and a sequence of `len` positions before the kept token that the context of
+    /// `max_positions` must still hold it in. None: it goes on. (A stop token, checked before, is
+    /// not kept.)
+    pub fn after_kept(
+        generated: usize,
+        max_tokens: usize,
+        len: usize,
+        max_positions: usize,
+    ) -> Option<StopReason> {
+        if generated >= max_tokens {
+            Some(StopReason::MaxTokens)
+        } else if len + 1 > max_positions {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        }
+    }
+}
+
 impl std::fmt::Display for StopReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -164,15 +185,7 @@ impl<'m> Session<'m> {
             bail!("nothing to feed");
         }
         let total = self.tokens.len() + new.len();
-        if total > self.max_positions {
-            return Err(crate::fixable(
-                crate::Fix::RaiseContext,
-                format!(
-                    "the sequence would be {total} tokens, more than the context of {}",
-                    self.max_positions
-                ),
-            ));
-        }
+        self.check_room(new.len())?;
         self.tokens.extend_from_slice(new);
         if self.cache.spec().recomputes() {
             let logits = self.model.forward(&self.tokens, &mut self.cache, which)?;
@@ -185,6 +198,21 @@ impl<'m> Session<'m> {
             Ok(l) => Ok(l),
             Err(e) => Err(self.undo_failed_step(total - new.len(), e)?),
         }
+    }
+
+    /// Refuses a step of `n` more tokens that the context cannot hold.
+    fn check_room(&self, n: usize) -> Result<()> {
+        let total = self.tokens.len() + n;
+        if total > self.max_positions {
+            return Err(crate::fixable(
+                crate::Fix::RaiseContext,
+                format!(
+                    "the sequence would be {total} tokens, more than the context of {}",
+                    self.max_positions
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// After a step that failed: the sequence and the cache back to its first `len` tokens, or
@@ -220,16 +248,7 @@ impl<'m> Session<'m> {
             if !std::ptr::eq(s.model, model) {
                 bail!("a batched step needs every session to run the same model");
             }
-            if s.tokens.len() + 1 > s.max_positions {
-                return Err(crate::fixable(
-                    crate::Fix::RaiseContext,
-                    format!(
-                        "the sequence would be {} tokens, more than the context of {}",
-                        s.tokens.len() + 1,
-                        s.max_positions
-                    ),
-                ));
-            }
+            s.check_room(1)?;
         }
         for (s, &t) in sessions.iter_mut().zip(tokens) {
             s.tokens.push(t);
@@ -341,13 +360,12 @@ impl<'m> Session<'m> {
             if !on_token(next)? {
                 return Ok(Some(StopReason::Interrupted));
             }
-            if out.len() >= max_tokens {
-                return Ok(Some(StopReason::MaxTokens));
-            }
-            if len + 1 > max_positions {
-                return Ok(Some(StopReason::ContextFull));
-            }
-            anyhow::Ok(None)
+            anyhow::Ok(StopReason::after_kept(
+                out.len(),
+                max_tokens,
+                len,
+                max_positions,
+            ))
         };
         let reason = 'gen: loop {
             let next = match pending.take() {

@@ -645,7 +645,8 @@ impl LayerCache for Layer {
         }
         self.take_back(len)?;
         if let Some(bg) = self.budget.as_mut() {
-            // Single steps would have added the scores of the guesses kept before `len`.
+            // The guesses from `len` on go; single steps would have added the scores of those
+            // kept before it.
             bg.deferred.retain(|(p, _)| *p < len);
             bg.settle()?;
             bg.drop_last(self.seen - len);

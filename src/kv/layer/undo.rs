@@ -117,9 +117,6 @@ impl Layer {
                 }
             }
             u.rows.retain(|r| r.0 < len);
-            if let Some(bg) = self.budget.as_mut() {
-                bg.deferred.retain(|(p, _)| *p < len);
-            }
         }
         self.undo = Some(u);
         Ok(())
