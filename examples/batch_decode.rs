@@ -62,7 +62,15 @@ fn together(engine: &Engine, prompts: &[Vec<u32>], tokens: usize) -> Result<(f64
     Ok((t.elapsed().as_secs_f64(), out))
 }
 
-fn main() -> Result<()> {
+fn main() {
+    // One line for a person, as kvchat's errors are.
+    if let Err(e) = run() {
+        eprintln!("error: {}", kvchat::error_line(&e));
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let model = args
         .first()
