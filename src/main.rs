@@ -68,6 +68,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(args) => args.resolve().and_then(commands::run::run),
         Command::Chat(args) => args.resolve().and_then(commands::chat::run),
+        Command::Serve(args) => args.resolve().and_then(commands::serve::run),
         Command::Tokenize(args) => args.resolve().and_then(commands::tokenize::run),
         Command::Ppl(args) => args.resolve().and_then(commands::ppl::run),
         Command::Needle(args) => args.resolve().and_then(commands::needle::run),

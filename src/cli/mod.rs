@@ -35,6 +35,8 @@ pub enum Command {
     Chat(ChatArgs),
     /// Answer one prompt (from the argument or stdin) and exit; streams the answer to stdout.
     Run(RunArgs),
+    /// Serve the OpenAI API (chat completions, completions, models) to many clients at once, sharing one KV pool.
+    Serve(ServeArgs),
     /// Measure prefill and decode speed and KV memory for each cache mode and context length.
     Bench(BenchArgs),
     /// KV cache memory arithmetic: bytes per token, per context, per user, for each storage mode.
@@ -63,6 +65,7 @@ impl Command {
         match self {
             Command::Run(a) => a.model.threads(),
             Command::Chat(a) => a.model.threads(),
+            Command::Serve(a) => a.model.threads(),
             Command::Bench(a) => a.model.threads(),
             Command::Ppl(a) => a.model.threads(),
             Command::Needle(a) => a.model.threads(),

@@ -12,6 +12,7 @@ use crate::commands::models::{ModelsOptions, ModelsTask};
 use crate::commands::needle::NeedleOptions;
 use crate::commands::ppl::PplOptions;
 use crate::commands::run::RunOptions;
+use crate::commands::serve::ServeOptions;
 use crate::commands::tokenize::TokenizeOptions;
 use crate::commands::JsonOut;
 use crate::commands::{Generate, StoreChoice, TemplateChoice};
@@ -73,18 +74,7 @@ impl GenerateFlags<'_> {
             crate::kv::persist::check_target(pc)
                 .map_err(|e| anyhow::anyhow!("--prompt-cache: {e}"))?;
         }
-        let template = match self.chat_template {
-            Some(spec) => {
-                crate::template::ChatTemplate::check_spec(&spec).context("--chat-template")?;
-                let label = if spec.len() < 40 && !spec.contains('{') {
-                    format!("{spec} (--chat-template)")
-                } else {
-                    "Jinja text from --chat-template".into()
-                };
-                Some(TemplateChoice { spec, label })
-            }
-            None => None,
-        };
+        let template = template_choice(self.chat_template)?;
         let draft = self.draft.choice(&mode, &load)?;
         Ok(Generate {
             load,
@@ -98,6 +88,82 @@ impl GenerateFlags<'_> {
             prompt_cache: self.prompt_cache,
             draft,
             advice: super::report::advice,
+        })
+    }
+}
+
+/// `--chat-template`, checked: it reads and compiles.
+fn template_choice(spec: Option<String>) -> Result<Option<TemplateChoice>> {
+    Ok(match spec {
+        Some(spec) => {
+            crate::template::ChatTemplate::check_spec(&spec).context("--chat-template")?;
+            let label = if spec.len() < 40 && !spec.contains('{') {
+                format!("{spec} (--chat-template)")
+            } else {
+                "Jinja text from --chat-template".into()
+            };
+            Some(TemplateChoice { spec, label })
+        }
+        None => None,
+    })
+}
+
+impl ServeArgs {
+    pub fn resolve(self) -> Result<ServeOptions> {
+        if self.max_tokens == 0 {
+            bail!("-n/--max-tokens must be at least 1");
+        }
+        if !(1..=256).contains(&self.parallel) {
+            bail!("--parallel {} is not from 1 to 256", self.parallel);
+        }
+        let host: std::net::IpAddr = self.host.parse().map_err(|_| {
+            anyhow::anyhow!(
+                "--host {:?} is not an IP address (127.0.0.1, ::1, 0.0.0.0, …)",
+                self.host
+            )
+        })?;
+        let api_key = self.api_key.filter(|k| !k.is_empty());
+        if !host.is_loopback() && api_key.is_none() {
+            bail!(
+                "--host {host} is reachable from other machines: serving beyond this one needs --api-key (or KVCHAT_API_KEY)"
+            );
+        }
+        let pool = match &self.kv_pool {
+            Some(s) => {
+                let b = super::options::parse_size(s).context("--kv-pool")?;
+                if b == 0 {
+                    bail!(
+                        "--kv-pool {s} is empty: give the KV memory requests share (e.g. 512MiB)"
+                    );
+                }
+                Some(b)
+            }
+            None => None,
+        };
+        let exit_after = match self.exit_after {
+            Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Some(Duration::from_secs_f64(s)),
+            Some(s) => bail!("--exit-after {s} is not a positive number of seconds"),
+            None => None,
+        };
+        let sampling = self.sampling.prefs()?;
+        let mut load = self.model.options()?;
+        let mode = self.cache.mode_for(self.model.ctx)?;
+        if mode.retention == Retention::None {
+            bail!("serve keeps a KV cache for every request: drop --no-cache");
+        }
+        load.kv_precisions = vec![mode.precision];
+        Ok(ServeOptions {
+            load,
+            mode,
+            sampling,
+            template: template_choice(self.chat_template)?,
+            addr: std::net::SocketAddr::new(host, self.port),
+            parallel: self.parallel,
+            pool,
+            queue: self.queue,
+            api_key,
+            max_tokens: self.max_tokens,
+            exit_after,
         })
     }
 }

@@ -45,6 +45,48 @@ pub struct RunArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Address to listen on; one that is not loopback needs --api-key
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port, printed at start)
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most sequences decoding together in one batch (1 to 256)
+    #[arg(long, default_value_t = 8)]
+    pub parallel: usize,
+    /// The KV memory all requests share (e.g. 512MiB, 2GiB) [default: a quarter of the memory available]
+    #[arg(long, value_name = "SIZE")]
+    pub kv_pool: Option<String>,
+    /// Requests that may wait for room before the server answers 429
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Require `Authorization: Bearer KEY` on every /v1 request and /metrics
+    #[arg(
+        long,
+        env = "KVCHAT_API_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Most tokens per answer when a request names none
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Stop serving after this many seconds (for scripts and load tests)
+    #[arg(long, value_name = "SECONDS")]
+    pub exit_after: Option<f64>,
+}
+
+#[derive(Args, Debug)]
 pub struct ChatArgs {
     #[command(flatten)]
     pub model: ModelArgs,

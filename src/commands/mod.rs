@@ -10,6 +10,7 @@ pub mod models;
 pub mod needle;
 pub mod ppl;
 pub mod run;
+pub mod serve;
 pub mod style;
 pub mod tokenize;
 

@@ -76,6 +76,24 @@ impl<'m> Batch<'m> {
         Ok(())
     }
 
+    /// The running sequences' ids and sessions (what a new sequence may copy a prefix from).
+    pub fn sessions(&self) -> impl Iterator<Item = (u64, &Session<'m>)> {
+        self.running.iter().map(|r| (r.id, &r.session))
+    }
+
+    /// Sequence `id` leaves before it ends by itself (its client left, or a stop text ended it):
+    /// what it generated so far, with `reason`. None: no such sequence runs.
+    pub fn leave(&mut self, id: u64, reason: StopReason) -> Option<Finished<'m>> {
+        let i = self.running.iter().position(|r| r.id == id)?;
+        let r = self.running.remove(i);
+        Some(Finished {
+            id: r.id,
+            tokens: r.out,
+            reason,
+            session: r.session,
+        })
+    }
+
     /// One step: every sequence samples its next token (`on_token(id, token)` for each kept
     /// one); those that end leave and are returned; the others are fed their token together, in
     /// one forward. After an error the running sequences' sessions are as before the forward

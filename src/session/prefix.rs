@@ -102,6 +102,66 @@ impl Session<'_> {
         Ok(found)
     }
 
+    /// Why this session cannot take a prefix's rows from another session in memory (a server's
+    /// prefix sharing), if it cannot: only a float cache that keeps every position is exact
+    /// whatever steps made the other session's rows (see the module's note on exactness).
+    pub fn copy_refusal(&self) -> Option<&'static str> {
+        if let Some(why) = self.store_refusal() {
+            return Some(why);
+        }
+        if self.cache.spec().precision().quantized() {
+            return Some("a quantized cache's rows depend on where the steps that made them ended");
+        }
+        match self.cache.spec().retention() {
+            Retention::All => None,
+            _ => Some("a KV budget's rows depend on what it evicted"),
+        }
+    }
+
+    /// Copies into this (empty) session the rows of the longest prefix `from` holds of `ids`,
+    /// leaving at least one position of `ids` to prefill; returns how many positions it holds
+    /// now. Then prefilling the rest gives the state one prefill of `ids` gives, bit for bit.
+    /// Nothing is copied (0) where either session's cache cannot share rows exactly
+    /// ([`Session::copy_refusal`]) or the other session runs another model or cache.
+    pub fn copy_prefix(&mut self, from: &Session<'_>, ids: &[u32]) -> Result<usize> {
+        if !self.tokens.is_empty() {
+            self.reset()?;
+        }
+        let same = std::ptr::eq(self.model, from.model)
+            && self.cache.spec().mode == from.cache.spec().mode;
+        if !same || self.copy_refusal().is_some() || from.copy_refusal().is_some() {
+            return Ok(0);
+        }
+        let n = from
+            .common_prefix(ids)
+            .min(ids.len().saturating_sub(1))
+            .min(self.max_positions);
+        if n == 0 {
+            return Ok(0);
+        }
+        let layers = from
+            .cache
+            .layers()
+            .iter()
+            .map(|l| {
+                let (k, v) = l.raw_range(0, n)?;
+                Ok(crate::kv::layer::RawState {
+                    k,
+                    v,
+                    residual_k: Vec::new(),
+                    residual_v: Vec::new(),
+                    residual_from: n,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.restore(&Snapshot {
+            tokens: ids[..n].to_vec(),
+            layers,
+            extra: serde_json::Value::Null,
+        })?;
+        Ok(n)
+    }
+
     /// The blocks of the session's first `prompt` positions (a prompt it prefilled; what it
     /// generated after may follow) not stored yet, and their rows. `one_prefill` says whether the
     /// prompt's state was made by one prefill (after at most a restore from the store); a

@@ -14,6 +14,7 @@ mod hf_layout;
 mod hostile;
 mod props;
 mod qwen3;
+mod serve;
 mod sources;
 mod store;
 mod strategies;

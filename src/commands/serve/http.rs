@@ -1,0 +1,345 @@
+//! The HTTP side of `kvchat serve`: routes, the API key, body limits, and turning the engine's
+//! events into a JSON answer or a stream of server-sent events. It only moves bytes: requests go
+//! to the engine thread over a channel, tokens come back over one per request.
+
+use super::api::{self, ApiError, Endpoint, Head};
+use super::metrics::Metrics;
+use super::scheduler::{Event, Job};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// The largest request body read.
+pub const MAX_BODY: usize = 8 << 20;
+/// How long a client may take to send a request's body (slow clients hold a connection, never
+/// the engine).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What every handler shares.
+pub struct App {
+    pub jobs: Sender<Job>,
+    pub queued: Arc<AtomicUsize>,
+    /// Requests that may wait for the batch before a 429.
+    pub max_queue: usize,
+    pub api_key: Option<String>,
+    /// The model's name, as /v1/models lists it and responses echo it.
+    pub model: String,
+    pub started: u64,
+    pub metrics: Arc<Metrics>,
+    next: AtomicU64,
+}
+
+impl App {
+    pub fn new(
+        jobs: Sender<Job>,
+        queued: Arc<AtomicUsize>,
+        max_queue: usize,
+        api_key: Option<String>,
+        model: String,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            jobs,
+            queued,
+            max_queue,
+            api_key,
+            model,
+            started: now(),
+            metrics,
+            next: AtomicU64::new(1),
+        }
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The routes.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(app)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// The API key, where one is set: `Authorization: Bearer KEY`.
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => Ok(()),
+        Some(_) => Err(
+            ApiError::new(401, "invalid_request_error", "incorrect API key")
+                .with_code("invalid_api_key"),
+        ),
+        None => Err(ApiError::new(
+            401,
+            "invalid_request_error",
+            "no API key: send the header 'Authorization: Bearer KEY'",
+        )
+        .with_code("invalid_api_key")),
+    }
+}
+
+/// Compares without stopping at the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+async fn health() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError::new(404, "invalid_request_error", "no such endpoint").into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(
+        405,
+        "invalid_request_error",
+        "this endpoint does not take that method",
+    )
+    .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({"object": "list", "data": [
+        {"id": app.model, "object": "model", "created": app.started, "owned_by": "kvchat"}
+    ]}))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.snapshot().render(),
+    )
+        .into_response()
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, headers, body, Endpoint::Chat).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, headers, body, Endpoint::Completions).await
+}
+
+/// Reads the body within its limits of size and time.
+async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_BODY)).await {
+        Err(_) => Err(ApiError::new(
+            408,
+            "invalid_request_error",
+            format!(
+                "the request body took more than {} s to arrive",
+                BODY_TIMEOUT.as_secs()
+            ),
+        )),
+        Ok(Err(_)) => Err(ApiError::new(
+            413,
+            "invalid_request_error",
+            format!(
+                "the request body is larger than {} MiB (or was cut short)",
+                MAX_BODY >> 20
+            ),
+        )),
+        Ok(Ok(b)) => Ok(b),
+    }
+}
+
+async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
+    match respond(&app, &headers, body, endpoint).await {
+        Ok(r) => r,
+        Err(e) => {
+            if e.status != 429 && e.status < 500 {
+                app.metrics.update(|f| f.rejected_bad += 1);
+            }
+            let retry = e.status == 429;
+            let mut r = e.into_response();
+            if retry {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            r
+        }
+    }
+}
+
+async fn respond(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    authorize(app, headers)?;
+    let body = read_body(body).await?;
+    let request = match endpoint {
+        Endpoint::Chat => api::parse_chat(&body)?,
+        Endpoint::Completions => api::parse_completion(&body)?,
+    };
+    // Admission: at most `max_queue` requests wait for the batch.
+    if app.queued.fetch_add(1, Ordering::SeqCst) >= app.max_queue {
+        app.queued.fetch_sub(1, Ordering::SeqCst);
+        app.metrics.update(|f| f.rejected_busy += 1);
+        return Err(ApiError::new(
+            429,
+            "rate_limit_error",
+            format!(
+                "the server is busy: {} requests are already waiting",
+                app.max_queue
+            ),
+        ));
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stream, include_usage) = (request.stream, request.include_usage);
+    let job = Job {
+        request,
+        events: tx,
+        arrived: Instant::now(),
+    };
+    if app.jobs.send(job).is_err() {
+        app.queued.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::new(503, "server_error", "the engine has stopped"));
+    }
+    let (prompt_tokens, cached_tokens) = match rx.recv().await {
+        Some(Event::Started {
+            prompt_tokens,
+            cached_tokens,
+        }) => (prompt_tokens, cached_tokens),
+        Some(Event::Failed(e)) => return Err(e),
+        _ => {
+            return Err(ApiError::new(
+                500,
+                "server_error",
+                "the engine dropped the request",
+            ))
+        }
+    };
+    let n = app.next.fetch_add(1, Ordering::Relaxed);
+    let id = match endpoint {
+        Endpoint::Chat => format!("chatcmpl-{n}"),
+        Endpoint::Completions => format!("cmpl-{n}"),
+    };
+    let created = now();
+    if !stream {
+        let mut text = String::new();
+        loop {
+            match rx.recv().await {
+                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Done {
+                    reason,
+                    completion_tokens,
+                }) => {
+                    let head = Head {
+                        id: &id,
+                        model: &app.model,
+                        created,
+                        endpoint,
+                    };
+                    let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
+                    let body = head.response(&text, api::finish_reason(reason), usage);
+                    return Ok(axum::Json(body).into_response());
+                }
+                Some(Event::Failed(e)) => return Err(e),
+                Some(Event::Started { .. }) | None => {
+                    return Err(ApiError::new(
+                        500,
+                        "server_error",
+                        "the engine dropped the request",
+                    ))
+                }
+            }
+        }
+    }
+    // Streamed: a chunk per text piece, a last chunk with the finish reason, the usage chunk if
+    // asked, then [DONE]. The stream owns the receiver: a client that goes drops it, and the
+    // engine sees the channel closed and ends the sequence.
+    let model = app.model.clone();
+    let events = async_stream(rx, move |ev, first| {
+        let head = Head {
+            id: &id,
+            model: &model,
+            created,
+            endpoint,
+        };
+        match ev {
+            Event::Text(t) => vec![head.chunk(&t, first, None).to_string()],
+            Event::Done {
+                reason,
+                completion_tokens,
+            } => {
+                let mut out = vec![head
+                    .chunk("", first, Some(api::finish_reason(reason)))
+                    .to_string()];
+                if include_usage {
+                    let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
+                    out.push(head.usage_chunk(usage).to_string());
+                }
+                out.push("[DONE]".to_string());
+                out
+            }
+            Event::Failed(e) => vec![e.body().to_string(), "[DONE]".to_string()],
+            Event::Started { .. } => Vec::new(),
+        }
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+/// The SSE events of a request's engine events: `render(event, first)` gives each one's data
+/// lines (`first`: no text chunk was sent before).
+fn async_stream(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut render: impl FnMut(Event, bool) -> Vec<String> + Send + 'static,
+) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> + Send + 'static {
+    use futures_util::StreamExt;
+    let mut first = true;
+    // The stream ends when the engine drops the sender: after Done or Failed.
+    futures_util::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|ev| (ev, rx)) },
+    )
+    .flat_map(move |ev| {
+        let lines = render(ev, first);
+        if !lines.is_empty() {
+            first = false;
+        }
+        futures_util::stream::iter(lines.into_iter().map(|l| Ok(SseEvent::default().data(l))))
+    })
+}

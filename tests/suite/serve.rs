@@ -1,0 +1,512 @@
+//! `kvchat serve`: the OpenAI API over HTTP on 127.0.0.1, many clients sharing one model and one
+//! KV pool. Each test starts its own server on a free port, bounded in time (`--exit-after`), and
+//! kills it when done; the official `openai` Python client (installed by scripts/test.sh into
+//! target/pyenv) talks to one of them.
+
+use crate::common::{model_path, stderr};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A server on a free port of 127.0.0.1, killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    /// What it printed on stderr after its first line.
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
+            .args([
+                "serve",
+                "--port",
+                "0",
+                "--threads",
+                "2",
+                "--exit-after",
+                "600",
+            ])
+            .args(args)
+            .env("KVCHAT_MODEL", model_path())
+            .env_remove("KVCHAT_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+        let Some(at) = first.find(" at http://") else {
+            let _ = child.kill();
+            panic!("the server did not start: {first}");
+        };
+        let base = first[at + 4..].split("/v1").next().unwrap().to_string();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for l in lines.map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&(l + "\n"));
+            }
+        });
+        Server { child, base, log }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body`; the status and the JSON answer (or error).
+    fn post(&self, path: &str, body: &str, key: Option<&str>) -> (u16, Value, Option<String>) {
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(300))
+            .build();
+        let mut req = agent
+            .post(&self.url(path))
+            .set("Content-Type", "application/json");
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        let (code, resp) = match req.send_string(body) {
+            Ok(r) => (r.status(), r),
+            Err(ureq::Error::Status(c, r)) => (c, r),
+            Err(e) => panic!("{path}: {e}"),
+        };
+        let retry = resp.header("Retry-After").map(str::to_string);
+        let text = resp.into_string().unwrap();
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+            retry,
+        )
+    }
+
+    fn chat(&self, body: Value) -> Value {
+        let (code, v, _) = self.post("/v1/chat/completions", &body.to_string(), None);
+        assert_eq!(code, 200, "{v}");
+        v
+    }
+
+    /// The value of a Prometheus line of /metrics.
+    fn metric(&self, name: &str) -> f64 {
+        let text = ureq::get(&self.url("/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+            .parse()
+            .unwrap()
+    }
+
+    /// Waits until nothing runs or waits, and checks the pool holds no reservation.
+    fn assert_settles(&self) {
+        let t0 = Instant::now();
+        while self.metric("kvchat_running_sequences") + self.metric("kvchat_queue_depth") > 0.0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the batch never emptied"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let used = self.metric("kvchat_kv_pool_used_bytes");
+        let idle = self.metric("kvchat_kv_allocated_bytes");
+        assert!(
+            used <= idle + 0.5,
+            "a reservation outlived its request: {used} > {idle}"
+        );
+        assert!(
+            !self.log.lock().unwrap().contains("panicked"),
+            "{}",
+            self.log.lock().unwrap()
+        );
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn text_of(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .or_else(|| v["choices"][0]["text"].as_str())
+        .unwrap()
+        .to_string()
+}
+
+fn greedy_chat(question: &str, max_tokens: usize) -> Value {
+    json!({"model": "m", "messages": [{"role": "user", "content": question}],
+           "temperature": 0, "max_tokens": max_tokens})
+}
+
+/// The Python of the virtual environment scripts/test.sh makes (with the `openai` package).
+fn python() -> String {
+    std::env::var("KVCHAT_TEST_PYTHON")
+        .unwrap_or_else(|_| format!("{}/target/pyenv/bin/python", env!("CARGO_MANIFEST_DIR")))
+}
+
+const OPENAI_CLIENT: &str = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="sk-test", max_retries=0, timeout=300)
+q = [{"role": "user", "content": "What is the capital of France?"}]
+out = {"models": [m.id for m in c.models.list().data]}
+r = c.chat.completions.create(model="m", messages=q, temperature=0, max_tokens=24)
+out["chat"] = r.choices[0].message.content
+out["finish"] = r.choices[0].finish_reason
+out["usage"] = [r.usage.prompt_tokens, r.usage.completion_tokens]
+s = c.chat.completions.create(model="m", messages=q, temperature=0, max_tokens=24, stream=True,
+                              stream_options={"include_usage": True})
+parts, usage = [], None
+for ch in s:
+    if ch.choices and ch.choices[0].delta.content:
+        parts.append(ch.choices[0].delta.content)
+    if ch.usage:
+        usage = [ch.usage.prompt_tokens, ch.usage.completion_tokens]
+out["streamed"] = "".join(parts)
+out["stream_usage"] = usage
+p = c.completions.create(model="m", prompt="The capital of France is", temperature=0, max_tokens=6)
+out["completion"] = p.choices[0].text
+try:
+    c.chat.completions.create(model="m", messages=q, n=2)
+    out["error"] = None
+except openai.BadRequestError as e:
+    out["error"] = [e.status_code, e.body["message"] if isinstance(e.body, dict) else str(e.body)]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_client_chats_streams_completes_and_gets_errors_and_answers_as_kvchat_run() {
+    let py = python();
+    assert!(
+        std::path::Path::new(&py).exists() || std::env::var("KVCHAT_TEST_PYTHON").is_ok(),
+        "no Python with the openai client at {py}: scripts/test.sh makes it (python3 -m venv target/pyenv; target/pyenv/bin/pip install openai)"
+    );
+    let server = Server::start(&[]);
+    let out = Command::new(&py)
+        .args(["-c", OPENAI_CLIENT, &server.base])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["models"], json!(["SmolLM2-135M-Instruct.Q4_1"]));
+    let run = crate::common::kvchat(
+        &[
+            "run",
+            "--temperature",
+            "0",
+            "-n",
+            "24",
+            "--no-kv-store",
+            "What is the capital of France?",
+        ],
+        "",
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+    let run_text = String::from_utf8(run.stdout).unwrap();
+    assert_eq!(v["chat"].as_str().unwrap(), run_text.trim_end_matches('\n'));
+    assert_eq!(
+        v["streamed"], v["chat"],
+        "streamed and whole answers differ"
+    );
+    assert_eq!(v["finish"], "length");
+    assert_eq!(v["usage"], v["stream_usage"]);
+    assert_eq!(v["usage"][1], 24);
+    assert!(
+        v["completion"].as_str().unwrap().contains("Paris"),
+        "{}",
+        v["completion"]
+    );
+    assert_eq!(v["error"][0], 400);
+    assert!(
+        v["error"][1].as_str().unwrap().contains("n = 1"),
+        "{}",
+        v["error"]
+    );
+    server.assert_settles();
+}
+
+#[test]
+fn concurrent_answers_equal_the_answers_each_gets_alone() {
+    let server = Arc::new(Server::start(&["--parallel", "4"]));
+    let questions = [
+        "Name three primary colours.",
+        "What is 12 times 12?",
+        "Write a haiku about the sea.",
+        "Why is the sky blue? Answer briefly.",
+    ];
+    let handles: Vec<_> = questions
+        .iter()
+        .map(|q| {
+            let (s, q) = (server.clone(), q.to_string());
+            std::thread::spawn(move || text_of(&s.chat(greedy_chat(&q, 40))))
+        })
+        .collect();
+    let together: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let steps = server.metric("kvchat_decode_steps_total");
+    let tokens = server.metric("kvchat_generated_tokens_total");
+    assert!(
+        steps < 0.8 * tokens,
+        "the requests did not decode together: {steps} steps for {tokens} tokens"
+    );
+    for (q, t) in questions.iter().zip(&together) {
+        assert_eq!(&text_of(&server.chat(greedy_chat(q, 40))), t, "{q}");
+    }
+    server.assert_settles();
+}
+
+/// A system prompt of ~700 tokens that every request shares.
+fn long_system() -> String {
+    let mut s = String::from("You are a careful assistant for a library. Rules:\n");
+    for i in 1..=40 {
+        s.push_str(&format!(
+            "{i}. Books in section {i} are lent for {} days and renewed at most {} times.\n",
+            7 + i % 5,
+            i % 3 + 1
+        ));
+    }
+    s
+}
+
+#[test]
+fn a_shared_system_prompt_is_copied_from_memory_and_answers_as_prefilled() {
+    let system = long_system();
+    let ask = |q: &str| {
+        json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+               "temperature": 0, "max_tokens": 16})
+    };
+    let server = Server::start(&[]);
+    let first = server.chat(ask("How long is a book of section 3 lent?"));
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = server.chat(ask("How often can a book of section 8 be renewed?"));
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(prompt > 600, "the system prompt is {prompt} tokens");
+    assert!(
+        cached + 20 > prompt && cached < prompt,
+        "{cached} of {prompt} prompt tokens came from memory"
+    );
+    assert_eq!(server.metric("kvchat_prefix_hits_total"), 1.0);
+    // The same request on a server that never saw the first: the same answer, prefilled whole.
+    let fresh = Server::start(&[]);
+    let alone = fresh.chat(ask("How often can a book of section 8 be renewed?"));
+    assert_eq!(alone["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(text_of(&alone), text_of(&second));
+    server.assert_settles();
+}
+
+#[test]
+fn bad_requests_get_openai_errors_naming_the_problem() {
+    let server = Server::start(&["--ctx", "256"]);
+    let user = r#"[{"role":"user","content":"hi"}]"#;
+    let huge = format!(
+        r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "a".repeat(9 << 20)
+    );
+    let long = format!(
+        r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "word ".repeat(400)
+    );
+    for (path, body, code, says) in [
+        (
+            "/v1/chat/completions",
+            "{\"messages\": [".to_string(),
+            400,
+            "not valid JSON",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[]}"#.to_string(),
+            400,
+            "'messages' is empty",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"wizard","content":"x"}]}"#.to_string(),
+            400,
+            "unknown role 'wizard'",
+        ),
+        (
+            "/v1/chat/completions",
+            format!(r#"{{"messages":{user},"max_tokens":"many"}}"#),
+            400,
+            "'max_tokens' must be",
+        ),
+        ("/v1/chat/completions", huge, 413, "larger than 8 MiB"),
+        (
+            "/v1/chat/completions",
+            long,
+            400,
+            "does not fit the context of 256",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":42}"#.to_string(),
+            400,
+            "'prompt' must be a string",
+        ),
+        ("/v1/embeddings", "{}".to_string(), 404, "no such endpoint"),
+    ] {
+        let (got, v, _) = server.post(path, &body, None);
+        assert_eq!(got, code, "{path} {}: {v}", &body[..body.len().min(60)]);
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(says), "{path}: {msg}");
+    }
+    server.assert_settles();
+}
+
+#[test]
+fn an_api_key_is_required_when_set() {
+    let server = Server::start(&["--api-key", "sk-right"]);
+    let body = greedy_chat("hi", 2).to_string();
+    let (code, v, _) = server.post("/v1/chat/completions", &body, None);
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    let (code, _, _) = server.post("/v1/chat/completions", &body, Some("sk-wrong"));
+    assert_eq!(code, 401);
+    let (code, _, _) = server.post("/v1/chat/completions", &body, Some("sk-right"));
+    assert_eq!(code, 200);
+    // /health stays open: a load balancer's probe carries no key.
+    assert_eq!(
+        ureq::get(&server.url("/health")).call().unwrap().status(),
+        200
+    );
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_frees_its_sequence() {
+    let server = Server::start(&[]);
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
+                      "max_tokens": 400, "stream": true})
+    .to_string();
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = [0u8; 2048];
+    let n = conn.read(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got[..n]).contains("200 OK"));
+    drop(conn);
+    let t0 = Instant::now();
+    while server.metric("kvchat_requests_cancelled_total") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the server never saw the client go"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.assert_settles();
+    assert_eq!(server.metric("kvchat_requests_finished_total"), 0.0);
+    assert!(server.metric("kvchat_generated_tokens_total") < 400.0);
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after_and_the_rest_complete() {
+    let server = Arc::new(Server::start(&["--parallel", "1", "--queue", "1"]));
+    let ask = |i: usize| {
+        let s = server.clone();
+        std::thread::spawn(move || {
+            let body = greedy_chat(&format!("Count from {i} to {}.", i + 30), 48).to_string();
+            let (code, _, retry) = s.post("/v1/chat/completions", &body, None);
+            (code, retry)
+        })
+    };
+    // One runs; then three arrive together: one waits, two are turned away.
+    let mut handles = vec![ask(0)];
+    let t0 = Instant::now();
+    while server.metric("kvchat_running_sequences") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    handles.extend((1..4).map(ask));
+    let results: Vec<(u16, Option<String>)> =
+        handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let busy = results.iter().filter(|(c, _)| *c == 429).count();
+    let done = results.iter().filter(|(c, _)| *c == 200).count();
+    assert_eq!(busy + done, 4, "{results:?}");
+    assert_eq!((busy, done), (2, 2), "{results:?}");
+    assert!(results
+        .iter()
+        .filter(|(c, _)| *c == 429)
+        .all(|(_, r)| r.as_deref() == Some("1")));
+    server.assert_settles();
+}
+
+#[test]
+fn a_small_pool_makes_requests_wait_never_exceeding_it() {
+    // SmolLM2's f16 KV is 30 KiB a position: 8 MiB holds ~270 positions, one request at a time.
+    let server = Arc::new(Server::start(&["--kv-pool", "8MiB"]));
+    let handles: Vec<_> = (0..3)
+        .map(|i| {
+            let s = server.clone();
+            std::thread::spawn(move || s.chat(greedy_chat(&format!("Say hello number {i}."), 100)))
+        })
+        .collect();
+    let watcher = {
+        let s = server.clone();
+        std::thread::spawn(move || {
+            let mut most: f64 = 0.0;
+            for _ in 0..40 {
+                most = most.max(s.metric("kvchat_kv_pool_used_bytes"));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            most
+        })
+    };
+    for h in handles {
+        h.join().unwrap();
+    }
+    let most = watcher.join().unwrap();
+    assert!(
+        most > 0.0 && most <= (8 << 20) as f64,
+        "pool use peaked at {most}"
+    );
+    let (code, v, _) = server.post(
+        "/v1/chat/completions",
+        &greedy_chat("hi", 4000).to_string(),
+        None,
+    );
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("more than the whole pool"));
+    server.assert_settles();
+}
+
+#[test]
+fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
+    for (args, says) in [
+        (vec!["--host", "0.0.0.0"], "needs --api-key"),
+        (vec!["--host", "localhost:80"], "is not an IP address"),
+        (vec!["--parallel", "0"], "--parallel 0"),
+        (vec!["--kv-pool", "0"], "--kv-pool 0 is empty"),
+        (vec!["--no-cache"], "drop --no-cache"),
+        (vec!["--exit-after", "0"], "--exit-after 0 is not"),
+    ] {
+        let mut a = vec!["serve"];
+        a.extend(args);
+        let o = crate::common::kvchat(&a, "");
+        crate::common::assert_refused(&o, says);
+    }
+}
