@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Load test of `kvchat serve` with the official openai client, on 127.0.0.1 only, bounded in
+count and time (each server is started with --exit-after and killed at the end).
+
+  target/pyenv/bin/python scripts/serve-load.py MODEL [--clients 6] [--tokens 48] [--threads 2]
+      [--parts concurrency,prefix,pressure] [--kvchat target/release/kvchat]
+
+(scripts/test.sh makes target/pyenv with the openai package.)
+
+- concurrency: the same distinct prompts (~100-200 tokens), greedy, N tokens each, served one at
+  a time and then all at once: aggregate tokens/s of both, their ratio, and whether every
+  concurrent answer equals its answer alone.
+- prefix: 8 requests in turn with the same ~1,500-token system prompt and different questions:
+  cached_tokens and time to first token (streamed) of each, and the pool's bytes against one
+  request's.
+- pressure: --kv-pool 32MiB and 32 concurrent long requests: every request completes or gets a
+  429, /metrics' pool use never passes the bound, nothing hangs.
+"""
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOPICS = ["the water cycle", "how a bicycle gear works", "why bread rises", "the phases of the moon",
+          "how vaccines train the immune system", "what a compiler does", "how tides form",
+          "why leaves change colour"]
+
+
+def prompt_for(i):
+    t = TOPICS[i % len(TOPICS)]
+    return (f"I am preparing a short lesson for curious twelve-year-olds about {t}. "
+            f"They already know some basic science words but get lost in long sentences. "
+            f"Please explain {t} in plain words, step by step, with one everyday example "
+            f"they can try or observe at home, and finish with a question they could "
+            f"discuss in pairs. Keep it friendly and concrete, avoid jargon, and do not use "
+            f"lists longer than four items. Lesson number {i}.")
+
+
+class Server:
+    def __init__(self, kvchat, model, threads, extra):
+        args = [kvchat, "serve", "-m", model, "--port", "0", "--threads", str(threads),
+                "--exit-after", "1800"] + extra
+        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True)
+        first = self.proc.stderr.readline()
+        m = re.search(r" at (http://[0-9.:]+)/v1", first)
+        if not m:
+            self.proc.kill()
+            sys.exit(f"serve-load: the server did not start: {first.strip()}")
+        self.base = m.group(1)
+        print(first.strip(), file=sys.stderr)
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0,
+                                    timeout=900)
+
+    def metric(self, name):
+        text = urllib.request.urlopen(self.base + "/metrics", timeout=30).read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def chat(server, messages, tokens, stream=False):
+    """(text, completion tokens, cached tokens, seconds, seconds to the first token)."""
+    t0 = time.perf_counter()
+    if not stream:
+        r = server.client.chat.completions.create(model="m", messages=messages, temperature=0,
+                                                  max_tokens=tokens)
+        dt = time.perf_counter() - t0
+        return (r.choices[0].message.content, r.usage.completion_tokens,
+                r.usage.prompt_tokens_details.cached_tokens, dt, None)
+    first, parts, usage = None, [], None
+    for ch in server.client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True}):
+        if ch.choices and ch.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - t0
+            parts.append(ch.choices[0].delta.content)
+        if ch.usage:
+            usage = ch.usage
+    return ("".join(parts), usage.completion_tokens, usage.prompt_tokens_details.cached_tokens,
+            time.perf_counter() - t0, first)
+
+
+def concurrency(a):
+    s = Server(a.kvchat, a.model, a.threads, ["--parallel", str(max(a.clients, 1))])
+    try:
+        msgs = [[{"role": "user", "content": prompt_for(i)}] for i in range(a.clients)]
+        chat(s, msgs[0], 4)  # warm up
+        rounds = []
+        for r in range(a.rounds):
+            t0 = time.perf_counter()
+            alone = [chat(s, m, a.tokens) for m in msgs]
+            t_alone = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(a.clients) as ex:
+                together = list(ex.map(lambda m: chat(s, m, a.tokens), msgs))
+            t_together = time.perf_counter() - t0
+            n_alone = sum(x[1] for x in alone)
+            n_together = sum(x[1] for x in together)
+            same = all(x[0] == y[0] for x, y in zip(alone, together))
+            rounds.append((n_alone / t_alone, n_together / t_together, same))
+            print(f"  round {r + 1}: one at a time {n_alone / t_alone:.1f} tok/s, "
+                  f"{a.clients} at once {n_together / t_together:.1f} tok/s "
+                  f"({(n_together / t_together) / (n_alone / t_alone):.2f}x); same answers: {same}")
+        ratios = sorted(b / x for x, b, _ in rounds)
+        return {"clients": a.clients, "tokens": a.tokens,
+                "alone_tok_s": [round(x, 1) for x, _, _ in rounds],
+                "together_tok_s": [round(b, 1) for _, b, _ in rounds],
+                "median_ratio": round(ratios[len(ratios) // 2], 2),
+                "same_answers": all(x for _, _, x in rounds)}
+    finally:
+        s.close()
+
+
+def long_system():
+    rules = [f"{i}. Books in section {i} are lent for {7 + i % 5} days, renewed at most "
+             f"{i % 3 + 1} times, and a late book costs {10 + i} cents a day; members of the "
+             f"reading club may ask the desk for one extra week." for i in range(1, 30)]
+    return "You are the help desk of a public library. The lending rules:\n" + "\n".join(rules)
+
+
+def prefix(a):
+    s = Server(a.kvchat, a.model, a.threads, [])
+    try:
+        system = long_system()
+        rows = []
+        for i in range(8):
+            msgs = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"What does a late book of section {i + 3} cost?"}]
+            text, n, cached, dt, first = chat(s, msgs, 16, stream=True)
+            rows.append({"cached": cached, "ttft_s": round(first or dt, 3)})
+            print(f"  request {i + 1}: cached_tokens {cached}, time to first token "
+                  f"{(first or dt) * 1e3:.0f} ms")
+        pool = s.metric("kvchat_kv_allocated_bytes")
+        one = s.metric("kvchat_kv_allocated_bytes") / max(s.metric("kvchat_kv_idle_sequences"), 1)
+        return {"requests": rows,
+                "ttft_ratio": round(sum(r["ttft_s"] for r in rows[1:]) / 7 / rows[0]["ttft_s"], 3),
+                "pool_bytes_after": int(pool), "one_sequence_bytes": int(one)}
+    finally:
+        s.close()
+
+
+def pressure(a):
+    s = Server(a.kvchat, a.model, a.threads, ["--kv-pool", "32MiB", "--parallel", "8",
+                                               "--queue", "16"])
+    try:
+        most = [0.0]
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                most[0] = max(most[0], s.metric("kvchat_kv_pool_used_bytes"))
+                time.sleep(0.05)
+
+        w = threading.Thread(target=watch)
+        w.start()
+
+        def one(i):
+            try:
+                r = chat(s, [{"role": "user", "content": prompt_for(i) * 2}], 200)
+                return "ok", r[1]
+            except openai.RateLimitError:
+                return "429", 0
+
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(32) as ex:
+            results = list(ex.map(one, range(32)))
+        elapsed = time.perf_counter() - t0
+        done.set()
+        w.join()
+        ok = sum(1 for r, _ in results if r == "ok")
+        busy = sum(1 for r, _ in results if r == "429")
+        print(f"  32 requests: {ok} answered, {busy} got 429, in {elapsed:.1f} s; pool use peaked "
+              f"at {most[0] / 2**20:.1f} MiB of 32 MiB")
+        return {"answered": ok, "busy": busy, "seconds": round(elapsed, 1),
+                "peak_pool_bytes": int(most[0]), "bound": 32 << 20,
+                "within_bound": most[0] <= 32 << 20}
+    finally:
+        s.close()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parts", default="concurrency,prefix,pressure")
+    p.add_argument("--kvchat", default=os.path.join(ROOT, "target/release/kvchat"))
+    a = p.parse_args()
+    if not os.path.isfile(a.model):
+        sys.exit(f"serve-load: no model file {a.model}")
+    if not os.access(a.kvchat, os.X_OK):
+        sys.exit(f"serve-load: no kvchat binary at {a.kvchat} (cargo build --release)")
+    parts = {"concurrency": concurrency, "prefix": prefix, "pressure": pressure}
+    report = {}
+    for name in a.parts.split(","):
+        if name not in parts:
+            sys.exit(f"serve-load: unknown part {name} ({', '.join(parts)})")
+        print(f"{name}:", file=sys.stderr)
+        report[name] = parts[name](a)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
