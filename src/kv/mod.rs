@@ -23,7 +23,10 @@ use anyhow::Result;
 #[cfg(test)]
 use candle_core::DType;
 use candle_core::Device;
-pub use layer::{newest_kept, Evict, Layer, LayerSpec, Queries, Retention, OBSERVE_WINDOW, SLACK};
+pub use layer::{
+    newest_kept, Evict, Layer, LayerSpec, Queries, Retention, SharedBlock, OBSERVE_WINDOW,
+    SHARED_BLOCK, SLACK,
+};
 
 /// Attention sinks kept by a window unless told otherwise.
 pub const DEFAULT_SINKS: usize = 4;

@@ -17,7 +17,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// A layer's rows in one precision.
-pub trait RowStore: Send {
+pub trait RowStore: Send + Sync {
     fn precision(&self) -> Precision;
     /// Slots allocated.
     fn capacity(&self) -> usize;

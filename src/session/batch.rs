@@ -81,6 +81,15 @@ impl<'m> Batch<'m> {
         self.running.iter().map(|r| (r.id, &r.session))
     }
 
+    /// Sequence `id`'s session, to change where its cache keeps its rows between steps without
+    /// changing what it holds (a server sharing its prompt's rows with other sequences).
+    pub fn session_mut(&mut self, id: u64) -> Option<&mut Session<'m>> {
+        self.running
+            .iter_mut()
+            .find(|r| r.id == id)
+            .map(|r| &mut r.session)
+    }
+
     /// Sequence `id` leaves before it ends by itself (its client left, or a stop text ended it):
     /// what it generated so far, with `reason`. None: no such sequence runs.
     pub fn leave(&mut self, id: u64, reason: StopReason) -> Option<Finished<'m>> {

@@ -18,7 +18,7 @@
 use super::Session;
 use crate::kv::persist::Snapshot;
 use crate::kv::prefix::{BlockRows, Found, Piece, PrefixStore, Problem, Shape};
-use crate::kv::Retention;
+use crate::kv::{Retention, SharedBlock, SHARED_BLOCK};
 use anyhow::Result;
 
 impl Session<'_> {
@@ -102,63 +102,88 @@ impl Session<'_> {
         Ok(found)
     }
 
-    /// Why this session cannot take a prefix's rows from another session in memory (a server's
-    /// prefix sharing), if it cannot: only a float cache that keeps every position is exact
-    /// whatever steps made the other session's rows (see the module's note on exactness).
-    pub fn copy_refusal(&self) -> Option<&'static str> {
+    /// Why this session cannot share rows with other sessions in memory (a server's prefix
+    /// sharing), if it cannot: only a float cache that keeps every position is exact whatever
+    /// steps made the rows (see the module's note on exactness), on a model without
+    /// sliding-window layers.
+    pub fn share_refusal(&self) -> Option<&'static str> {
         if let Some(why) = self.store_refusal() {
             return Some(why);
         }
-        if self.cache.spec().precision().quantized() {
-            return Some("a quantized cache's rows depend on where the steps that made them ended");
+        if let Some(why) = self.cache.layers().iter().find_map(|l| l.share_refusal()) {
+            return Some(why);
         }
-        match self.cache.spec().retention() {
-            Retention::All => None,
-            _ => Some("a KV budget's rows depend on what it evicted"),
-        }
+        None
     }
 
-    /// Copies into this (empty) session the rows of the longest prefix `from` holds of `ids`,
-    /// leaving at least one position of `ids` to prefill; returns how many positions it holds
-    /// now. Then prefilling the rest gives the state one prefill of `ids` gives, bit for bit.
-    /// Nothing is copied (0) where either session's cache cannot share rows exactly
-    /// ([`Session::copy_refusal`]) or the other session runs another model or cache.
-    pub fn copy_prefix(&mut self, from: &Session<'_>, ids: &[u32]) -> Result<usize> {
-        if !self.tokens.is_empty() {
-            self.reset()?;
+    /// Blocks `from..to` of what this session holds (`SHARED_BLOCK` positions each, from
+    /// position 0) as blocks other sessions can attend to: those it already shares, and copies of
+    /// its own rows for the others.
+    pub fn share_blocks(&self, from: usize, to: usize) -> Result<Vec<SharedBlock>> {
+        if let Some(why) = self.share_refusal() {
+            anyhow::bail!(why);
         }
-        let same = std::ptr::eq(self.model, from.model)
-            && self.cache.spec().mode == from.cache.spec().mode;
-        if !same || self.copy_refusal().is_some() || from.copy_refusal().is_some() {
-            return Ok(0);
-        }
-        let n = from
-            .common_prefix(ids)
-            .min(ids.len().saturating_sub(1))
-            .min(self.max_positions);
-        if n == 0 {
-            return Ok(0);
-        }
-        let layers = from
+        let per_layer = self
             .cache
             .layers()
             .iter()
-            .map(|l| {
-                let (k, v) = l.raw_range(0, n)?;
-                Ok(crate::kv::layer::RawState {
-                    k,
-                    v,
-                    residual_k: Vec::new(),
-                    residual_v: Vec::new(),
-                    residual_from: n,
-                })
-            })
+            .map(|l| l.share(from, to))
             .collect::<Result<Vec<_>>>()?;
-        self.restore(&Snapshot {
-            tokens: ids[..n].to_vec(),
-            layers,
-            extra: serde_json::Value::Null,
-        })?;
+        Ok((from..to)
+            .map(|i| SharedBlock {
+                tokens: self.tokens[..(i + 1) * SHARED_BLOCK].to_vec(),
+                layers: per_layer.iter().map(|l| l[i - from].clone()).collect(),
+            })
+            .collect())
+    }
+
+    /// Attends from now on to `blocks` (consecutive, from position 0) for the first positions
+    /// of `ids`: an empty session takes them as its first positions; one that holds them itself
+    /// gives up its own copy. Returns how many positions they hold. Then prefilling the rest of
+    /// `ids` gives the state one prefill gives, bit for bit. Refused (and nothing changed) when
+    /// the blocks' tokens are not `ids`' first ones or not what the session holds.
+    pub fn adopt_blocks(
+        &mut self,
+        ids: &[u32],
+        blocks: &[std::sync::Arc<SharedBlock>],
+    ) -> Result<usize> {
+        let n = blocks.len() * SHARED_BLOCK;
+        let Some(last) = blocks.last() else {
+            return Ok(0);
+        };
+        if let Some(why) = self.share_refusal() {
+            anyhow::bail!(why);
+        }
+        let same = ids.len() >= n
+            && last.tokens[..] == ids[..n]
+            && (self.tokens.is_empty() || self.tokens.starts_with(&ids[..n]));
+        if !same
+            || blocks
+                .iter()
+                .enumerate()
+                .any(|(i, b)| b.tokens.len() != (i + 1) * SHARED_BLOCK)
+        {
+            anyhow::bail!("the shared blocks do not hold this sequence's first {n} tokens");
+        }
+        if blocks
+            .iter()
+            .any(|b| b.layers.len() != self.cache.layers().len())
+        {
+            anyhow::bail!("the shared blocks are of a model with another number of layers");
+        }
+        let was_empty = self.tokens.is_empty();
+        for (i, layer) in self.cache.layers_mut().iter_mut().enumerate() {
+            if let Err(e) = layer.adopt_shared(blocks.iter().map(|b| b.layers[i].clone()).collect())
+            {
+                // Never leave some layers sharing and others not.
+                self.cache.reset()?;
+                self.tokens.clear();
+                return Err(e.context(format!("layer {i}")));
+            }
+        }
+        if was_empty {
+            self.tokens = ids[..n].to_vec();
+        }
         Ok(n)
     }
 

@@ -360,3 +360,128 @@ fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone(
         );
     }
 }
+
+/// Two prompts that share their first ~650 tokens and then part.
+fn two_prompts_sharing_a_start() -> (Vec<u32>, Vec<u32>) {
+    let e = engine();
+    let start = kvchat::eval::bench::BENCH_TEXT[..3000].to_string();
+    let a = e
+        .raw_prompt(&format!("{start} Question: what is this text about?"))
+        .unwrap();
+    let b = e
+        .raw_prompt(&format!("{start} Summarise it in one line, please."))
+        .unwrap();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    assert!(common > 2 * kvchat::kv::SHARED_BLOCK, "{common}");
+    (a, b)
+}
+
+fn logits(s: &mut kvchat::session::Session<'_>, ids: &[u32]) -> Vec<f32> {
+    s.feed(ids).unwrap().to_vec1().unwrap()
+}
+
+/// The blocks of `a` that `b` starts with, made from a session that prefilled `a`.
+fn shared_blocks_of(
+    maker: &mut kvchat::session::Session<'_>,
+    a: &[u32],
+    b: &[u32],
+) -> Vec<std::sync::Arc<kvchat::kv::SharedBlock>> {
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    logits(maker, a);
+    maker
+        .share_blocks(0, common / kvchat::kv::SHARED_BLOCK)
+        .unwrap()
+        .into_iter()
+        .map(std::sync::Arc::new)
+        .collect()
+}
+
+/// Greedy steps from `first`: each step's logits.
+fn steps(s: &mut kvchat::session::Session<'_>, first: u32, n: usize) -> Vec<Vec<f32>> {
+    let mut tok = first;
+    (0..n)
+        .map(|_| {
+            let l = logits(s, &[tok]);
+            tok = kvchat::session::argmax(&l);
+            l
+        })
+        .collect()
+}
+
+#[test]
+fn a_session_attending_to_shared_blocks_gets_the_bits_of_one_prefill_and_of_each_step_after() {
+    let e = engine();
+    let (a, b) = two_prompts_sharing_a_start();
+    let mut maker = e.session(&full());
+    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let mut sharing = e.session(&full());
+    let n = sharing.adopt_blocks(&b, &blocks).unwrap();
+    assert_eq!(n, blocks.len() * kvchat::kv::SHARED_BLOCK);
+    assert!(n >= 128, "{n}");
+    let mut alone = e.session(&full());
+    let (ls, la) = (logits(&mut sharing, &b[n..]), logits(&mut alone, &b));
+    assert_eq!(ls, la);
+    let first = kvchat::session::argmax(&la);
+    assert_eq!(steps(&mut sharing, first, 24), steps(&mut alone, first, 24));
+    // Its own store holds only what follows the shared blocks.
+    assert!(sharing.cache().bytes() < alone.cache().bytes());
+}
+
+#[test]
+fn going_back_into_shared_blocks_copies_the_rest_of_the_block_and_stays_exact() {
+    let e = engine();
+    let (a, b) = two_prompts_sharing_a_start();
+    let mut maker = e.session(&full());
+    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let mut sharing = e.session(&full());
+    let n = sharing.adopt_blocks(&b, &blocks).unwrap();
+    logits(&mut sharing, &b[n..]);
+    let back = n - 10;
+    sharing.truncate(back).unwrap();
+    assert_eq!(sharing.tokens(), &b[..back]);
+    let mut alone = e.session(&full());
+    assert_eq!(logits(&mut sharing, &b[back..]), logits(&mut alone, &b));
+    // The shared block was not written: the maker still steps as a session that never shared.
+    let mut control = e.session(&full());
+    logits(&mut control, &a);
+    assert_eq!(steps(&mut maker, 42, 4), steps(&mut control, 42, 4));
+}
+
+#[test]
+fn a_session_adopting_blocks_made_from_its_own_rows_gives_its_copy_up_and_steps_as_before() {
+    let e = engine();
+    let (a, b) = two_prompts_sharing_a_start();
+    let mut maker = e.session(&full());
+    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let before = maker.cache().bytes();
+    assert_eq!(
+        maker.adopt_blocks(&a, &blocks).unwrap(),
+        blocks.len() * kvchat::kv::SHARED_BLOCK
+    );
+    assert_eq!(maker.tokens(), &a[..]);
+    assert!(
+        maker.cache().bytes() < before,
+        "{} ≥ {before}",
+        maker.cache().bytes()
+    );
+    let mut control = e.session(&full());
+    logits(&mut control, &a);
+    assert_eq!(steps(&mut maker, 42, 8), steps(&mut control, 42, 8));
+}
+
+#[test]
+fn blocks_of_other_tokens_are_refused_and_change_nothing() {
+    let e = engine();
+    let (a, b) = two_prompts_sharing_a_start();
+    let mut maker = e.session(&full());
+    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let other = e.raw_prompt(&"Another text entirely. ".repeat(40)).unwrap();
+    let mut s = e.session(&full());
+    let err = s.adopt_blocks(&other, &blocks).unwrap_err().to_string();
+    assert!(err.contains("do not hold this sequence's first"), "{err}");
+    assert!(s.tokens().is_empty());
+    let int8 = full().with(|m| m.precision = kvchat::kv::Precision::Int8);
+    let mut q = e.session(&int8);
+    let err = q.adopt_blocks(&b, &blocks).unwrap_err().to_string();
+    assert!(err.contains("float cache"), "{err}");
+}

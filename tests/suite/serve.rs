@@ -296,11 +296,20 @@ fn a_shared_system_prompt_is_copied_from_memory_and_answers_as_prefilled() {
         .as_u64()
         .unwrap();
     assert!(prompt > 600, "the system prompt is {prompt} tokens");
+    // Whole shared blocks of 64 positions, up to where the two prompts part.
     assert!(
-        cached + 20 > prompt && cached < prompt,
-        "{cached} of {prompt} prompt tokens came from memory"
+        cached.is_multiple_of(64) && cached + 100 > prompt && cached < prompt,
+        "{cached} of {prompt} prompt tokens came from shared blocks"
     );
     assert_eq!(server.metric("kvchat_prefix_hits_total"), 1.0);
+    // The system prompt is held once: the shared blocks are the first prompt's full blocks and
+    // the second's past where they part (SmolLM2's f16 rows: 23,040 bytes a position).
+    let block = 64.0 * 23_040.0;
+    let shared = server.metric("kvchat_kv_shared_bytes");
+    assert!(
+        shared <= (prompt / 64 + 2) as f64 * block,
+        "{shared} bytes of shared blocks for a {prompt}-token prompt"
+    );
     // The same request on a server that never saw the first: the same answer, prefilled whole.
     let fresh = Server::start(&[]);
     let alone = fresh.chat(ask("How often can a book of section 8 be renewed?"));
@@ -313,10 +322,6 @@ fn a_shared_system_prompt_is_copied_from_memory_and_answers_as_prefilled() {
 fn bad_requests_get_openai_errors_naming_the_problem() {
     let server = Server::start(&["--ctx", "256"]);
     let user = r#"[{"role":"user","content":"hi"}]"#;
-    let huge = format!(
-        r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
-        "a".repeat(9 << 20)
-    );
     let long = format!(
         r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
         "word ".repeat(400)
@@ -346,7 +351,6 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
             400,
             "'max_tokens' must be",
         ),
-        ("/v1/chat/completions", huge, 413, "larger than 8 MiB"),
         (
             "/v1/chat/completions",
             long,
@@ -366,6 +370,19 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains(says), "{path}: {msg}");
     }
+    // A body announced larger than 8 MiB: refused before it is sent.
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{{\"messages\":",
+        9 << 20
+    )
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("larger than 8 MiB"), "{answer}");
     server.assert_settles();
 }
 
@@ -509,4 +526,53 @@ fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
         let o = crate::common::kvchat(&a, "");
         crate::common::assert_refused(&o, says);
     }
+}
+
+#[test]
+fn concurrent_requests_sharing_a_system_prompt_answer_as_kvchat_run_does() {
+    let server = Arc::new(Server::start(&["--parallel", "3"]));
+    let system = long_system();
+    let questions = [
+        "How long is a book of section 4 lent?",
+        "How often can a book of section 9 be renewed?",
+        "Which section lends books for the longest time?",
+    ];
+    let handles: Vec<_> = questions
+        .iter()
+        .map(|q| {
+            let (s, q, system) = (server.clone(), q.to_string(), system.clone());
+            std::thread::spawn(move || {
+                s.chat(json!({"messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": q}],
+                              "temperature": 0, "max_tokens": 20}))
+            })
+        })
+        .collect();
+    let answers: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(
+        answers
+            .iter()
+            .any(|a| a["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(500)),
+        "no request started from the others' shared blocks"
+    );
+    for (q, a) in questions.iter().zip(&answers) {
+        let run = crate::common::kvchat(
+            &[
+                "run",
+                "--temperature",
+                "0",
+                "-n",
+                "20",
+                "--no-kv-store",
+                "--system",
+                &system,
+                q,
+            ],
+            "",
+        );
+        assert!(run.status.success(), "{}", stderr(&run));
+        let run_text = String::from_utf8(run.stdout).unwrap();
+        assert_eq!(text_of(a), run_text.trim_end_matches('\n'), "{q}");
+    }
+    server.assert_settles();
 }

@@ -172,16 +172,20 @@ async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
                 BODY_TIMEOUT.as_secs()
             ),
         )),
-        Ok(Err(_)) => Err(ApiError::new(
-            413,
-            "invalid_request_error",
-            format!(
-                "the request body is larger than {} MiB (or was cut short)",
-                MAX_BODY >> 20
-            ),
-        )),
+        Ok(Err(_)) => Err(too_large()),
         Ok(Ok(b)) => Ok(b),
     }
+}
+
+fn too_large() -> ApiError {
+    ApiError::new(
+        413,
+        "invalid_request_error",
+        format!(
+            "the request body is larger than {} MiB (or was cut short)",
+            MAX_BODY >> 20
+        ),
+    )
 }
 
 async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
@@ -209,6 +213,14 @@ async fn respond(
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
+    // A body announced larger than the limit is refused before a byte of it is read.
+    let announced = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large());
+    }
     let body = read_body(body).await?;
     let request = match endpoint {
         Endpoint::Chat => api::parse_chat(&body)?,

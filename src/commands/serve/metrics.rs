@@ -9,16 +9,18 @@ pub const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 #[derive(Debug, Clone, Default)]
 pub struct Figures {
-    /// The KV pool's bound, and what running sequences reserved and idle ones (kept for their
-    /// prefixes) hold in it.
+    /// The KV pool's bound, and what running sequences reserved for their own rows and the
+    /// shared blocks hold in it.
     pub pool_bytes: u64,
     pub reserved_bytes: u64,
-    pub idle_bytes: u64,
-    /// What the caches have allocated now (≤ reserved + idle).
+    pub shared_bytes: u64,
+    /// What the caches have allocated now (≤ reserved + shared).
     pub allocated_bytes: u64,
     pub running: usize,
     pub waiting: usize,
-    pub idle_sequences: usize,
+    /// Shared blocks indexed, and those a running sequence attends to.
+    pub shared_blocks: usize,
+    pub shared_blocks_in_use: usize,
     pub requests: u64,
     pub finished: u64,
     pub cancelled: u64,
@@ -27,9 +29,9 @@ pub struct Figures {
     pub rejected_busy: u64,
     pub rejected_bad: u64,
     pub prompt_tokens: u64,
-    /// Prompt tokens whose rows were copied from a sequence in memory instead of prefilled.
+    /// Prompt tokens taken from shared blocks instead of prefilled.
     pub cached_tokens: u64,
-    /// Requests that copied a prefix.
+    /// Requests that started from shared blocks.
     pub prefix_hits: u64,
     pub generated_tokens: u64,
     pub decode_steps: u64,
@@ -68,14 +70,14 @@ impl Figures {
         );
         gauge(
             "kv_pool_used_bytes",
-            "KV bytes reserved by running sequences plus held by idle ones kept for their prefixes.",
-            (self.reserved_bytes + self.idle_bytes) as f64,
+            "KV bytes reserved by running sequences for their own rows plus held by shared blocks.",
+            (self.reserved_bytes + self.shared_bytes) as f64,
         );
         gauge(
             "kv_pool_free_bytes",
             "KV bytes of the pool neither reserved nor held.",
             self.pool_bytes
-                .saturating_sub(self.reserved_bytes + self.idle_bytes) as f64,
+                .saturating_sub(self.reserved_bytes + self.shared_bytes) as f64,
         );
         gauge(
             "kv_allocated_bytes",
@@ -83,9 +85,19 @@ impl Figures {
             self.allocated_bytes as f64,
         );
         gauge(
-            "kv_idle_sequences",
-            "Finished sequences kept in memory for their prefixes.",
-            self.idle_sequences as f64,
+            "kv_shared_bytes",
+            "KV bytes of the shared prefix blocks, each held once.",
+            self.shared_bytes as f64,
+        );
+        gauge(
+            "kv_shared_blocks",
+            "Shared prefix blocks held (the in-memory prefix cache).",
+            self.shared_blocks as f64,
+        );
+        gauge(
+            "kv_shared_blocks_in_use",
+            "Shared prefix blocks a running sequence attends to.",
+            self.shared_blocks_in_use as f64,
         );
         gauge(
             "running_sequences",
@@ -104,7 +116,7 @@ impl Figures {
         };
         gauge(
             "prefix_hit_rate",
-            "Prompt tokens taken from memory over all prompt tokens.",
+            "Prompt tokens taken from shared blocks over all prompt tokens.",
             hit_rate,
         );
         let tps = if self.decode_seconds > 0.0 {
@@ -160,12 +172,12 @@ impl Figures {
         );
         counter(
             "prefix_cached_tokens_total",
-            "Prompt tokens copied from a sequence in memory.",
+            "Prompt tokens taken from shared blocks instead of prefilled.",
             self.cached_tokens as f64,
         );
         counter(
             "prefix_hits_total",
-            "Requests that reused a prefix held in memory.",
+            "Requests that started from shared blocks.",
             self.prefix_hits as f64,
         );
         counter(

@@ -90,7 +90,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         max_positions: 1,
         ..spec.clone()
     });
-    let sharing = match probe.copy_refusal() {
+    let sharing = match probe.share_refusal() {
         None => "prefix sharing on".to_string(),
         Some(why) => format!("prefix sharing off: {why}"),
     };

@@ -2,36 +2,41 @@
 //! pool have room, decode together one token a step ([`Batch`]), and leave when they end, when a
 //! stop text ends them or when their client goes.
 //!
-//! **The pool.** Every sequence's cache is built for exactly the positions it may reach (its
-//! prompt and its `max_tokens`, within the context), so what its cache can ever allocate is known
-//! when it asks to join: it joins only when that much of `--kv-pool` is free. The pool is then a
-//! bound no step can cross, and no running sequence is ever preempted for memory.
+//! **The pool** holds two kinds of KV rows: each sequence's own, and blocks of
+//! [`SHARED_BLOCK`] positions that sequences share. A sequence's own store is built for exactly
+//! the positions it may own (its prompt past the shared blocks it starts from, and its
+//! `max_tokens`, within the context), so what it can ever allocate is known when it asks to join:
+//! it joins only when that much of `--kv-pool` is free beside the shared blocks. The pool is then
+//! a bound no step can cross, and no running sequence is ever preempted for memory.
 //!
-//! **Prefixes.** A finished sequence stays in memory, idle, while the pool has room (least
-//! recently used first out). A new prompt takes the rows of the longest prefix that a running or
-//! idle sequence holds of it (`Session::copy_prefix`, exact for float caches) and prefills only
-//! the rest; `usage.prompt_tokens_details.cached_tokens` says how many it took.
+//! **Shared prefixes.** Once a sequence has prefilled its prompt, every full block of the prompt
+//! becomes a shared block (copied once from its rows), indexed by the tokens from position 0 to
+//! the block's end, and the sequence attends to the shared copy from then on, giving its own up
+//! (`Session::adopt_blocks`). A new prompt starts from the longest run of indexed blocks its
+//! tokens begin with — counted references, never copied — and prefills only the rest, into its
+//! own store: a prompt that parts from another inside a block has that block's positions of its
+//! own (copy on write at the first block that differs). Blocks no sequence attends to stay as an
+//! in-memory prefix cache, least recently used out first when a request needs the room;
+//! `usage.prompt_tokens_details.cached_tokens` says how many positions a request took from it.
+//! Sharing is exact (`kv/layer/shared.rs`) and applies to float caches that keep every position;
+//! the start line says when the cache flags turn it off.
 
 use super::api::{ApiError, Prompt, Request};
 use super::metrics::Metrics;
 use crate::engine::Engine;
 use crate::kv::size::KvDims;
-use crate::kv::CacheSpec;
+use crate::kv::{CacheSpec, SharedBlock, SHARED_BLOCK};
 use crate::session::batch::{Batch, Finished};
 use crate::session::{Sampler, Session, StopReason};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextStream;
 use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
-
-/// The fewest positions worth copying from another sequence.
-const MIN_SHARED: usize = 16;
-/// The most finished sequences kept for their prefixes.
-const MAX_IDLE: usize = 16;
 
 /// What the engine tells a request's handler, in order: `Started` (or `Failed`), then `Text`
 /// pieces, then `Done`.
@@ -73,8 +78,6 @@ struct Ready {
     job: Job,
     ids: Vec<u32>,
     max_tokens: usize,
-    /// Bytes its cache may allocate.
-    reserve: u64,
 }
 
 /// A request in the batch.
@@ -89,10 +92,11 @@ struct Live {
     reserve: u64,
 }
 
-/// A finished sequence kept for its prefix.
-struct Idle<'e> {
-    session: Session<'e>,
+/// A shared block in the index, and when it was last used (a tick: larger is later).
+struct Indexed {
+    block: Arc<SharedBlock>,
     bytes: u64,
+    last_use: u64,
 }
 
 pub struct Scheduler<'e> {
@@ -103,8 +107,11 @@ pub struct Scheduler<'e> {
     batch: Batch<'e>,
     live: HashMap<u64, Live>,
     waiting: VecDeque<Ready>,
-    /// Least recently used first.
-    idle: Vec<Idle<'e>>,
+    /// The shared blocks, by the chained hash of their tokens ([`block_keys`]).
+    blocks: HashMap<u64, Indexed>,
+    tick: u64,
+    /// Whether this cache shares rows (None), or why not.
+    share_refusal: Option<&'static str>,
     next_id: u64,
     /// Requests handed over and not yet in the batch or refused (the HTTP side's 429 counts it).
     queued: Arc<AtomicUsize>,
@@ -121,6 +128,12 @@ impl<'e> Scheduler<'e> {
         metrics: Arc<Metrics>,
     ) -> Self {
         metrics.update(|f| f.pool_bytes = limits.pool);
+        let share_refusal = engine
+            .session(&CacheSpec {
+                max_positions: 1,
+                ..spec.clone()
+            })
+            .share_refusal();
         Self {
             engine,
             template,
@@ -129,7 +142,9 @@ impl<'e> Scheduler<'e> {
             batch: Batch::new(),
             live: HashMap::new(),
             waiting: VecDeque::new(),
-            idle: Vec::new(),
+            blocks: HashMap::new(),
+            tick: 0,
+            share_refusal,
             next_id: 0,
             queued,
             metrics,
@@ -179,16 +194,15 @@ impl<'e> Scheduler<'e> {
                     job,
                     ids,
                     max_tokens,
-                    reserve,
                 });
             }
             Err(e) => self.refuse(job, e),
         }
     }
 
+    /// Refuses a job (the HTTP side counts it among the invalid requests when it answers).
     fn refuse(&mut self, job: Job, e: ApiError) {
         self.queued.fetch_sub(1, Ordering::SeqCst);
-        self.metrics.update(|f| f.rejected_bad += 1);
         let _ = job.events.send(Event::Failed(e));
     }
 
@@ -254,8 +268,55 @@ impl<'e> Scheduler<'e> {
         self.live.values().map(|l| l.reserve).sum()
     }
 
-    fn idle_bytes(&self) -> u64 {
-        self.idle.iter().map(|i| i.bytes).sum()
+    fn shared_bytes(&self) -> u64 {
+        self.blocks.values().map(|b| b.bytes).sum()
+    }
+
+    /// The longest run of indexed blocks that `ids` starts with, at most `limit` blocks; marked
+    /// used now.
+    fn lookup(&mut self, ids: &[u32], limit: usize) -> Vec<Arc<SharedBlock>> {
+        let mut found = Vec::new();
+        if self.share_refusal.is_some() {
+            return found;
+        }
+        let keys = block_keys(ids);
+        for (i, key) in keys.iter().take(limit).enumerate() {
+            let span = i * SHARED_BLOCK..(i + 1) * SHARED_BLOCK;
+            match self.blocks.get(key) {
+                Some(b) if b.block.tokens[span.clone()] == ids[span] => found.push(b.block.clone()),
+                _ => break,
+            }
+        }
+        // A run's first blocks are the most recently used: the least recently used one is then
+        // always the end of a run, and a run is never left with a missing block inside it.
+        let m = found.len() as u64;
+        for (j, key) in keys.iter().take(found.len()).enumerate() {
+            if let Some(b) = self.blocks.get_mut(key) {
+                b.last_use = self.tick + m - j as u64;
+            }
+        }
+        self.tick += m + 1;
+        found
+    }
+
+    /// Makes room for `need` more bytes by dropping shared blocks no sequence attends to, least
+    /// recently used first; whether the room is there.
+    fn make_room(&mut self, need: u64) -> bool {
+        while self.reserved() + self.shared_bytes() + need > self.limits.pool {
+            let victim = self
+                .blocks
+                .iter()
+                .filter(|(_, b)| Arc::strong_count(&b.block) == 1 && !b.block.in_use())
+                .min_by_key(|(_, b)| b.last_use)
+                .map(|(k, _)| *k);
+            match victim {
+                Some(k) => {
+                    self.blocks.remove(&k);
+                }
+                None => return false,
+            }
+        }
+        true
     }
 
     /// Requests whose client left: waiting ones are dropped, running ones leave the batch.
@@ -274,60 +335,40 @@ impl<'e> Scheduler<'e> {
             .map(|(id, _)| *id)
             .collect();
         for id in departed {
-            if let Some(f) = self.batch.leave(id, StopReason::Interrupted) {
+            if self.batch.leave(id, StopReason::Interrupted).is_some() {
                 self.live.remove(&id);
                 self.metrics.update(|m| m.cancelled += 1);
-                self.keep_idle(f.session);
             }
         }
     }
 
     /// Moves waiting requests into the batch, oldest first, while the batch and the pool have
-    /// room (idle sequences give theirs back, least recently used first).
+    /// room (shared blocks no sequence attends to give theirs back, least recently used first).
     fn admit(&mut self) {
         while self.batch.len() < self.limits.parallel {
             let Some(next) = self.waiting.front() else {
                 return;
             };
-            let need = next.reserve;
-            while self.reserved() + self.idle_bytes() + need > self.limits.pool
-                && !self.idle.is_empty()
-            {
-                // The least recently used goes, unless it holds the longest prefix of this prompt
-                // and another can go instead.
-                let best = self.best_idle(&next.ids);
-                let victim = if best == Some(0) && self.idle.len() > 1 {
-                    1
-                } else {
-                    0
-                };
-                self.idle.remove(victim);
-            }
-            if self.reserved() + self.idle_bytes() + need > self.limits.pool {
+            let ids = next.ids.clone();
+            let positions = ids.len() + next.max_tokens;
+            // The blocks it starts from are held (so not dropped for room) while it asks; at
+            // least one position of the prompt is left to prefill.
+            let blocks = self.lookup(&ids, (ids.len() - 1) / SHARED_BLOCK);
+            let own = self.reserve(positions - blocks.len() * SHARED_BLOCK);
+            if !self.make_room(own) {
                 return;
             }
             let Some(ready) = self.waiting.pop_front() else {
                 return;
             };
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            self.join(ready);
+            self.join(ready, blocks, own);
         }
     }
 
-    /// The idle sequence holding the longest prefix of `ids`, if any holds one.
-    fn best_idle(&self, ids: &[u32]) -> Option<usize> {
-        self.idle
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (i, common(s.session.tokens(), ids)))
-            .filter(|(_, n)| *n >= MIN_SHARED)
-            .max_by_key(|(_, n)| *n)
-            .map(|(i, _)| i)
-    }
-
-    /// A request joins: its cache is built for its positions, takes the longest prefix held in
-    /// memory, and prefills the rest.
-    fn join(&mut self, r: Ready) {
+    /// A request joins: its cache starts from the shared blocks its prompt begins with, the rest
+    /// of the prompt is prefilled into its own store, and the prompt's full blocks are shared.
+    fn join(&mut self, r: Ready, blocks: Vec<Arc<SharedBlock>>, reserve: u64) {
         let positions = r.ids.len() + r.max_tokens;
         let spec = CacheSpec {
             max_positions: positions,
@@ -339,7 +380,8 @@ impl<'e> Scheduler<'e> {
             positions,
         );
         let t0 = Instant::now();
-        let cached = self.copy_longest_prefix(&mut session, &r.ids);
+        // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
+        let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
         let sampling = self
             .engine
             .sampling_for(&over(&r.job.request.sampling, &self.limits.sampling));
@@ -382,38 +424,71 @@ impl<'e> Scheduler<'e> {
                 stream: TextStream::new(),
                 held: String::new(),
                 stop: r.job.request.stop,
-                reserve: r.reserve,
+                reserve,
             },
         );
+        let shared = self.share_prompt(id, &r.ids, cached / SHARED_BLOCK);
+        // Its own store gave up the positions now shared.
+        let own = self.reserve(positions - shared * SHARED_BLOCK);
+        if let Some(l) = self.live.get_mut(&id) {
+            l.reserve = own;
+        }
     }
 
-    /// Copies into `session` the longest prefix of `ids` a running or idle sequence holds;
-    /// returns its length (0: none worth copying, or the cache cannot share rows exactly).
-    fn copy_longest_prefix(&mut self, session: &mut Session<'e>, ids: &[u32]) -> usize {
-        if session.copy_refusal().is_some() {
-            return 0;
+    /// Shares the full blocks of sequence `id`'s prompt `ids` (it attends to the first `from`
+    /// already) and has the sequence attend to them; returns how many blocks it attends to.
+    fn share_prompt(&mut self, id: u64, ids: &[u32], from: usize) -> usize {
+        let to = ids.len() / SHARED_BLOCK;
+        if self.share_refusal.is_some() || to <= from {
+            return from;
         }
-        let running = self
+        // Blocks another sequence shared meanwhile are taken as they are; the others are made.
+        let mut run = self.lookup(ids, to);
+        if run.len() < from {
+            return from;
+        }
+        let have = run.len();
+        if have < to {
+            let one = self.reserve(SHARED_BLOCK);
+            if !self.make_room(one * (to - have) as u64) {
+                return from;
+            }
+            let made = match self.batch.session_mut(id) {
+                Some(session) => session.share_blocks(have, to),
+                None => return from,
+            };
+            let Ok(made) = made else {
+                return from;
+            };
+            let keys = block_keys(ids);
+            for (i, block) in (have..to).zip(made) {
+                let block = Arc::new(block);
+                let bytes = block.bytes() as u64;
+                self.blocks.insert(
+                    keys[i],
+                    Indexed {
+                        block: block.clone(),
+                        bytes,
+                        last_use: 0,
+                    },
+                );
+                run.push(block);
+            }
+            self.lookup(ids, to);
+        }
+        let adopted = self
             .batch
-            .sessions()
-            .map(|(_, s)| (common(s.tokens(), ids), s))
-            .max_by_key(|(n, _)| *n);
-        let idle = self.best_idle(ids);
-        let idle_len = idle.map_or(0, |i| common(self.idle[i].session.tokens(), ids));
-        let donor = match running {
-            Some((n, s)) if n >= idle_len => Some((n, s)),
-            _ => idle.map(|i| (idle_len, &self.idle[i].session)),
-        };
-        let got = match donor {
-            Some((n, from)) if n >= MIN_SHARED => session.copy_prefix(from, ids).unwrap_or(0),
-            _ => 0,
-        };
-        // The idle sequence used is now the most recently used.
-        if let Some(i) = idle.filter(|_| got > 0 && idle_len >= got) {
-            let s = self.idle.remove(i);
-            self.idle.push(s);
+            .session_mut(id)
+            .map(|session| session.adopt_blocks(ids, &run).is_ok());
+        match adopted {
+            Some(true) => to,
+            Some(false) => {
+                // Its cache was emptied rather than left half shared (a failed allocation): end it.
+                self.fail(id, "its prompt's rows could not be shared");
+                0
+            }
+            None => from,
         }
-        got
     }
 
     /// One batched step: every running sequence's next token, its text sent, stop texts watched.
@@ -423,7 +498,9 @@ impl<'e> Scheduler<'e> {
         let live = &mut self.live;
         let metrics = &self.metrics;
         let mut stopped = Vec::new();
+        let mut kept = 0u64;
         let result = self.batch.step(|id, token| {
+            kept += 1;
             let Some(l) = live.get_mut(&id) else { return };
             if !l.first_token {
                 l.first_token = true;
@@ -439,10 +516,9 @@ impl<'e> Scheduler<'e> {
         let elapsed = t0.elapsed().as_secs_f64();
         match result {
             Ok(done) => {
-                let n = (done.len() + self.batch.len()) as u64;
                 self.metrics.update(|f| {
                     f.decode_steps += 1;
-                    f.generated_tokens += n;
+                    f.generated_tokens += kept;
                     f.decode_seconds += elapsed;
                 });
                 for f in done {
@@ -456,25 +532,28 @@ impl<'e> Scheduler<'e> {
             }
             Err(e) => {
                 // The sequences' answers hold a token their sessions were not fed: end them all.
-                let line = crate::first_line(e);
+                let line = format!("a decode step failed: {}", crate::first_line(e));
                 let ids: Vec<u64> = self.live.keys().copied().collect();
                 for id in ids {
-                    self.batch.leave(id, StopReason::Interrupted);
-                    if let Some(l) = self.live.remove(&id) {
-                        let _ = l.events.send(Event::Failed(ApiError::new(
-                            500,
-                            "server_error",
-                            format!("a decode step failed: {line}"),
-                        )));
-                    }
+                    self.fail(id, &line);
                 }
-                self.metrics.update(|f| f.failed += 1);
             }
         }
     }
 
-    /// A sequence ended: the rest of its text and why it ended go to its client; its session is
-    /// kept for its prefix.
+    /// Ends sequence `id` with a server error saying `why`.
+    fn fail(&mut self, id: u64, why: &str) {
+        self.batch.leave(id, StopReason::Interrupted);
+        if let Some(l) = self.live.remove(&id) {
+            let _ = l
+                .events
+                .send(Event::Failed(ApiError::new(500, "server_error", why)));
+        }
+        self.metrics.update(|f| f.failed += 1);
+    }
+
+    /// A sequence ended: the rest of its text and why it ended go to its client; its own rows go
+    /// (the shared blocks it attended to stay in the index).
     fn finish(&mut self, f: Finished<'e>, by_stop_text: bool) {
         if let Some(mut l) = self.live.remove(&f.id) {
             if !by_stop_text {
@@ -491,22 +570,6 @@ impl<'e> Scheduler<'e> {
             });
             self.metrics.update(|m| m.finished += 1);
         }
-        self.keep_idle(f.session);
-    }
-
-    /// Keeps a finished session for its prefix, while there is room.
-    fn keep_idle(&mut self, session: Session<'e>) {
-        if session.copy_refusal().is_some() || session.tokens().len() < MIN_SHARED {
-            return;
-        }
-        let bytes = session.cache().bytes() as u64;
-        if self.reserved() + self.idle_bytes() + bytes > self.limits.pool {
-            return;
-        }
-        if self.idle.len() >= MAX_IDLE {
-            self.idle.remove(0);
-        }
-        self.idle.push(Idle { session, bytes });
     }
 
     fn publish(&self) {
@@ -515,15 +578,17 @@ impl<'e> Scheduler<'e> {
             .sessions()
             .map(|(_, s)| s.cache().bytes() as u64)
             .sum::<u64>()
-            + self.idle_bytes();
-        let (reserved, idle_bytes) = (self.reserved(), self.idle_bytes());
+            + self.shared_bytes();
+        let (reserved, shared_bytes) = (self.reserved(), self.shared_bytes());
+        let in_use = self.blocks.values().filter(|b| b.block.in_use()).count();
         self.metrics.update(|f| {
             f.reserved_bytes = reserved;
-            f.idle_bytes = idle_bytes;
+            f.shared_bytes = shared_bytes;
             f.allocated_bytes = allocated;
             f.running = self.batch.len();
             f.waiting = self.waiting.len();
-            f.idle_sequences = self.idle.len();
+            f.shared_blocks = self.blocks.len();
+            f.shared_blocks_in_use = in_use;
         });
     }
 }
@@ -593,8 +658,18 @@ fn over(
     }
 }
 
-fn common(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+/// The key of each full block of `ids`: a hash chained over every token from position 0 to the
+/// block's end (a block names its whole prefix; the index checks the tokens too).
+fn block_keys(ids: &[u32]) -> Vec<u64> {
+    let mut key = 0u64;
+    ids.chunks_exact(SHARED_BLOCK)
+        .map(|block| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (key, block).hash(&mut h);
+            key = h.finish();
+            key
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -31,12 +31,14 @@ use candle_core::{Device, Tensor};
 
 mod budget;
 mod raw;
+mod shared;
 #[cfg(test)]
 mod tests;
 mod undo;
 
 pub use budget::{newest_kept, Evict, Queries, OBSERVE_WINDOW, SLACK};
 pub use raw::RawState;
+pub use shared::{SharedBlock, SHARED_BLOCK};
 
 /// The first allocation of a growing store, in positions.
 const MIN_CAPACITY: usize = 256;
@@ -89,6 +91,8 @@ enum Source {
     Main,
     Pending,
     Residual,
+    /// The i-th block of rows shared with other sequences (`shared.rs`).
+    Shared(usize),
 }
 
 pub struct Layer {
@@ -119,6 +123,10 @@ pub struct Layer {
     budget: Option<budget::Budgeted>,
     /// A verification forward's record of what its guesses changed (`undo.rs`).
     undo: Option<undo::Undo>,
+    /// Blocks of [`shared::SHARED_BLOCK`] positions from position 0 that this layer attends to
+    /// but does not own (a full float cache only, `shared.rs`); the main store then holds
+    /// positions from the end of the last one, in slots from 0.
+    shared: Vec<std::sync::Arc<dyn RowStore>>,
 }
 
 pub struct LayerSpec {
@@ -190,6 +198,7 @@ impl Layer {
                 _ => None,
             },
             undo: None,
+            shared: Vec::new(),
         }
     }
 
@@ -222,7 +231,7 @@ impl Layer {
     fn slot(&self, p: usize) -> usize {
         match self.retention {
             Retention::Window { window, sinks } if p >= sinks => sinks + (p - sinks) % window,
-            _ => p,
+            _ => p - self.shared_len(),
         }
     }
 
@@ -253,9 +262,13 @@ impl Layer {
             _ => usize::MAX,
         };
         let pend = self.pending.as_ref().map_or(usize::MAX, |p| p.seq);
+        let shared_end = self.shared_len();
         let mut p = a;
         while p < c {
-            let (src, slot, room) = if p >= res_lo {
+            let (src, slot, room) = if p < shared_end {
+                let b = shared::SHARED_BLOCK;
+                (Source::Shared(p / b), p % b, b - p % b)
+            } else if p >= res_lo {
                 let r = self.residual.as_ref().expect("res_lo is set").r;
                 (Source::Residual, p % r, r - p % r)
             } else if p >= pend {
@@ -282,6 +295,7 @@ impl Layer {
                 .expect("a residual run")
                 .store
                 .as_ref(),
+            Source::Shared(i) => self.shared[i].as_ref(),
         }
     }
 
@@ -344,9 +358,12 @@ impl Layer {
         let t = k.dim(2)?;
         let e = b + t;
         let (s, n) = self.shape();
+        // Slots of the main store: positions from the end of the shared blocks (none but in a
+        // full cache, where no write goes before it).
+        let off = self.shared_len();
         let need = match self.retention {
             Retention::Window { window, sinks } => e.min(sinks + window),
-            _ => e,
+            _ => e - off,
         };
         if need > self.store.capacity() {
             let cap = need
@@ -354,9 +371,9 @@ impl Layer {
                 .max(MIN_CAPACITY)
                 .min(match self.retention {
                     Retention::Window { window, sinks } => sinks + window,
-                    _ => self.max_positions.max(need),
+                    _ => self.max_positions.saturating_sub(off).max(need),
                 });
-            let keep = self.store.capacity().min(b);
+            let keep = self.store.capacity().min(b - off);
             self.store.grow(cap, keep)?;
         }
         // Positions that survive this write: the sinks, and the last n.
@@ -527,6 +544,7 @@ impl Layer {
 
     fn reset(&mut self) {
         self.undo = None;
+        self.shared.clear();
         self.seen = 0;
         self.win_lo = 0;
         if let Some(bg) = self.budget.as_mut() {
@@ -644,6 +662,9 @@ impl LayerCache for Layer {
             return Ok(());
         }
         self.take_back(len)?;
+        if len < self.shared_len() {
+            self.unshare_to(len)?;
+        }
         if let Some(bg) = self.budget.as_mut() {
             // The guesses from `len` on go; single steps would have added the scores of those
             // kept before it.

@@ -7,6 +7,9 @@ impl Layer {
     /// Every held position's stored bytes, oldest first (`[nkv, held, row bytes]` each), and the
     /// residual's rows with the first position it holds.
     pub fn raw_state(&self) -> Result<RawState> {
+        if !self.shared.is_empty() {
+            bail!("a cache whose first positions are shared with other sequences is not saved");
+        }
         if let Some(bg) = self.budget.as_ref().filter(|b| b.evicted_before > 0) {
             bail!(
                 "a KV budget that has evicted positions cannot be saved yet (it evicted {} positions before {})",
@@ -76,7 +79,20 @@ impl Layer {
                 self.seen
             );
         }
-        self.store.raw(a, b - a)
+        if self.shared.is_empty() {
+            return self.store.raw(a, b - a);
+        }
+        // Shared blocks, then the main store: each run's rows, joined head by head.
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (src, slot, len) in self.runs(a, b) {
+            let (rk, rv) = self.source(src).raw(slot, len)?;
+            k.push(rk);
+            v.push(rv);
+        }
+        Ok((
+            interleave_heads(&k, self.nkv),
+            interleave_heads(&v, self.nkv),
+        ))
     }
 
     /// Puts back a state of `seen` positions from [`Layer::raw_state`] of a layer with these axes.

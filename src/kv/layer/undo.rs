@@ -107,6 +107,7 @@ impl Layer {
                     Source::Main => self.store.as_mut(),
                     Source::Residual => self.residual.as_mut().expect("a residual").store.as_mut(),
                     Source::Pending => unreachable!("pending rows are never overwritten"),
+                    Source::Shared(_) => unreachable!("shared rows are never written"),
                 };
                 store.write_raw(o.slot, o.len, &o.k, &o.v)?;
             }
