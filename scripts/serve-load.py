@@ -141,18 +141,21 @@ def prefix(a):
     try:
         system = long_system()
         rows = []
+        used = []
         for i in range(8):
             msgs = [{"role": "system", "content": system},
                     {"role": "user", "content": f"What does a late book of section {i + 3} cost?"}]
             text, n, cached, dt, first = chat(s, msgs, 16, stream=True)
             rows.append({"cached": cached, "ttft_s": round(first or dt, 3)})
+            used.append(s.metric("kvchat_kv_pool_used_bytes"))
             print(f"  request {i + 1}: cached_tokens {cached}, time to first token "
-                  f"{(first or dt) * 1e3:.0f} ms")
-        pool = s.metric("kvchat_kv_allocated_bytes")
-        one = s.metric("kvchat_kv_allocated_bytes") / max(s.metric("kvchat_kv_idle_sequences"), 1)
+                  f"{(first or dt) * 1e3:.0f} ms, pool used {used[-1] / 2**20:.1f} MiB")
+        # After the first request the pool holds its prompt's blocks: one request's KV.
         return {"requests": rows,
                 "ttft_ratio": round(sum(r["ttft_s"] for r in rows[1:]) / 7 / rows[0]["ttft_s"], 3),
-                "pool_bytes_after": int(pool), "one_sequence_bytes": int(one)}
+                "pool_used_after_first": int(used[0]), "pool_used_after_8": int(used[-1]),
+                "pool_ratio": round(used[-1] / used[0], 3),
+                "shared_blocks": int(s.metric("kvchat_kv_shared_blocks"))}
     finally:
         s.close()
 
