@@ -4,7 +4,8 @@
 # prints the directory holding the binaries. The reference for speed (llama-bench) and correctness
 # (llama-perplexity, llama-tokenize) that scripts/bench-vs-llamacpp.sh and
 # scripts/check-vs-llamacpp.sh compare kvchat with; llama-quantize makes test files of other types.
-#   scripts/llamacpp.sh [TARGET...]   (default: llama-bench llama-perplexity llama-tokenize llama-quantize)
+#   scripts/llamacpp.sh [TARGET...]   (default: llama-bench llama-perplexity llama-tokenize llama-quantize;
+#                                     llama-server for scripts/serve-load.py --llama-server)
 #   PORTABLE=1 scripts/llamacpp.sh …  a build for any x86-64 CPU (GGML_NATIVE=OFF) in its own folder,
 #                                     to be carried to another machine (scripts/gpu-check.sh)
 set -euo pipefail
@@ -47,7 +48,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "building llama.cpp ${missing[*]} (once; several minutes on 2 cores)..." >&2
   "$cmake_bin" -S "$lsrc" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE="$native" \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON >&2
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=ON >&2
   "$cmake_bin" --build "$build" --target "${missing[@]}" -j "$(nproc)" >&2
 fi
 echo "$bin"

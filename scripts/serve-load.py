@@ -4,12 +4,14 @@ count and time (each server is started with --exit-after and killed at the end).
 
   target/pyenv/bin/python scripts/serve-load.py MODEL [--clients 6] [--tokens 48] [--threads 2]
       [--parts concurrency,prefix,pressure] [--kvchat target/release/kvchat]
+      [--llama-server "$(scripts/llamacpp.sh llama-server)/llama-server"]
 
 (scripts/test.sh makes target/pyenv with the openai package.)
 
 - concurrency: the same distinct prompts (~100-200 tokens), greedy, N tokens each, served one at
   a time and then all at once: aggregate tokens/s of both, their ratio, and whether every
-  concurrent answer equals its answer alone.
+  concurrent answer equals its answer alone. With --llama-server, the same load on llama-server
+  (-np N -t THREADS), alternated round by round: kvchat's concurrent throughput over llama-server's.
 - prefix: 8 requests in turn with the same ~1,500-token system prompt and different questions:
   cached_tokens and time to first token (streamed) of each, and the pool's bytes against one
   request's.
@@ -75,6 +77,38 @@ class Server:
         self.proc.wait()
 
 
+class LlamaServer:
+    """llama-server on a free port of 127.0.0.1, the reference of the side-by-side run."""
+
+    def __init__(self, binary, model, threads, parallel):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [binary, "-m", model, "-t", str(threads), "-np", str(parallel), "-c",
+             str(1024 * parallel), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:
+            try:
+                if urllib.request.urlopen(self.base + "/health", timeout=5).status == 200:
+                    break
+            except Exception:
+                pass
+            if time.time() - t0 > 120 or self.proc.poll() is not None:
+                self.proc.kill()
+                sys.exit("serve-load: llama-server did not start")
+            time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0,
+                                    timeout=900)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
 def chat(server, messages, tokens, stream=False):
     """(text, completion tokens, cached tokens, seconds, seconds to the first token)."""
     t0 = time.perf_counter()
@@ -82,8 +116,9 @@ def chat(server, messages, tokens, stream=False):
         r = server.client.chat.completions.create(model="m", messages=messages, temperature=0,
                                                   max_tokens=tokens)
         dt = time.perf_counter() - t0
+        details = getattr(r.usage, "prompt_tokens_details", None)
         return (r.choices[0].message.content, r.usage.completion_tokens,
-                r.usage.prompt_tokens_details.cached_tokens, dt, None)
+                getattr(details, "cached_tokens", None), dt, None)
     first, parts, usage = None, [], None
     for ch in server.client.chat.completions.create(
             model="m", messages=messages, temperature=0, max_tokens=tokens, stream=True,
@@ -98,35 +133,53 @@ def chat(server, messages, tokens, stream=False):
             time.perf_counter() - t0, first)
 
 
+def measure(server, msgs, tokens):
+    """(tok/s one at a time, tok/s all at once, every answer the same)."""
+    t0 = time.perf_counter()
+    alone = [chat(server, m, tokens) for m in msgs]
+    t_alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(msgs)) as ex:
+        together = list(ex.map(lambda m: chat(server, m, tokens), msgs))
+    t_together = time.perf_counter() - t0
+    same = all(x[0] == y[0] for x, y in zip(alone, together))
+    return (sum(x[1] for x in alone) / t_alone, sum(x[1] for x in together) / t_together, same)
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
 def concurrency(a):
-    s = Server(a.kvchat, a.model, a.threads, ["--parallel", str(max(a.clients, 1))])
+    servers = [("kvchat", Server(a.kvchat, a.model, a.threads, ["--parallel", str(a.clients)]))]
     try:
+        if a.llama_server:
+            servers.append(("llama-server",
+                            LlamaServer(a.llama_server, a.model, a.threads, a.clients)))
         msgs = [[{"role": "user", "content": prompt_for(i)}] for i in range(a.clients)]
-        chat(s, msgs[0], 4)  # warm up
-        rounds = []
+        for _, s in servers:
+            chat(s, msgs[0], 4)  # warm up
+        rounds = {name: [] for name, _ in servers}
         for r in range(a.rounds):
-            t0 = time.perf_counter()
-            alone = [chat(s, m, a.tokens) for m in msgs]
-            t_alone = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            with cf.ThreadPoolExecutor(a.clients) as ex:
-                together = list(ex.map(lambda m: chat(s, m, a.tokens), msgs))
-            t_together = time.perf_counter() - t0
-            n_alone = sum(x[1] for x in alone)
-            n_together = sum(x[1] for x in together)
-            same = all(x[0] == y[0] for x, y in zip(alone, together))
-            rounds.append((n_alone / t_alone, n_together / t_together, same))
-            print(f"  round {r + 1}: one at a time {n_alone / t_alone:.1f} tok/s, "
-                  f"{a.clients} at once {n_together / t_together:.1f} tok/s "
-                  f"({(n_together / t_together) / (n_alone / t_alone):.2f}x); same answers: {same}")
-        ratios = sorted(b / x for x, b, _ in rounds)
-        return {"clients": a.clients, "tokens": a.tokens,
-                "alone_tok_s": [round(x, 1) for x, _, _ in rounds],
-                "together_tok_s": [round(b, 1) for _, b, _ in rounds],
-                "median_ratio": round(ratios[len(ratios) // 2], 2),
-                "same_answers": all(x for _, _, x in rounds)}
+            for name, s in servers:
+                one, many, same = measure(s, msgs, a.tokens)
+                rounds[name].append((one, many, same))
+                print(f"  round {r + 1}, {name}: one at a time {one:.1f} tok/s, {a.clients} at "
+                      f"once {many:.1f} tok/s ({many / one:.2f}x); same answers: {same}")
+        report = {"clients": a.clients, "tokens": a.tokens}
+        for name, rs in rounds.items():
+            report[name] = {"alone_tok_s": [round(x, 1) for x, _, _ in rs],
+                            "together_tok_s": [round(b, 1) for _, b, _ in rs],
+                            "median_ratio": round(median([b / x for x, b, _ in rs]), 2),
+                            "same_answers": all(x for _, _, x in rs)}
+        if a.llama_server:
+            report["kvchat_over_llama_server"] = round(median(
+                [k[1] / l[1] for k, l in zip(rounds["kvchat"], rounds["llama-server"])]), 2)
+        return report
     finally:
-        s.close()
+        for _, s in servers:
+            s.close()
 
 
 def long_system():
@@ -208,11 +261,14 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--parts", default="concurrency,prefix,pressure")
     p.add_argument("--kvchat", default=os.path.join(ROOT, "target/release/kvchat"))
+    p.add_argument("--llama-server", help="llama-server's binary, for the side-by-side run")
     a = p.parse_args()
     if not os.path.isfile(a.model):
         sys.exit(f"serve-load: no model file {a.model}")
     if not os.access(a.kvchat, os.X_OK):
         sys.exit(f"serve-load: no kvchat binary at {a.kvchat} (cargo build --release)")
+    if a.llama_server and not os.access(a.llama_server, os.X_OK):
+        sys.exit(f"serve-load: no llama-server binary at {a.llama_server} (scripts/llamacpp.sh llama-server)")
     parts = {"concurrency": concurrency, "prefix": prefix, "pressure": pressure}
     report = {}
     for name in a.parts.split(","):

@@ -576,3 +576,57 @@ fn concurrent_requests_sharing_a_system_prompt_answer_as_kvchat_run_does() {
     }
     server.assert_settles();
 }
+
+#[test]
+fn a_long_prompt_prefilled_in_chunks_between_others_steps_answers_as_kvchat_run_does() {
+    // Two prompts of ~1,100 tokens that differ from their first words: the second is prefilled a
+    // chunk at a time while the first decodes.
+    let texts: Vec<String> = ["Apples", "Rivers"]
+        .iter()
+        .map(|w| {
+            let mut t = format!("{w} are the subject of these notes.\n");
+            for i in 0..90 {
+                t.push_str(&format!(
+                    "Note {i}: {w} number {} was seen on day {}.\n",
+                    i * 7,
+                    i % 30
+                ));
+            }
+            t
+        })
+        .collect();
+    let server = Arc::new(Server::start(&["--parallel", "2"]));
+    let handles: Vec<_> = texts
+        .iter()
+        .map(|t| {
+            let (s, t) = (server.clone(), t.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": t, "temperature": 0, "max_tokens": 48}).to_string();
+                let (code, v, _) = s.post("/v1/completions", &body, None);
+                assert_eq!(code, 200, "{v}");
+                v
+            })
+        })
+        .collect();
+    let answers: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (t, a) in texts.iter().zip(&answers) {
+        assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > 1000);
+        let run = crate::common::kvchat(
+            &[
+                "run",
+                "--raw",
+                "--temperature",
+                "0",
+                "-n",
+                "48",
+                "--no-kv-store",
+                t,
+            ],
+            "",
+        );
+        assert!(run.status.success(), "{}", stderr(&run));
+        let run_text = String::from_utf8(run.stdout).unwrap();
+        assert_eq!(text_of(a), run_text.trim_end_matches('\n'));
+    }
+    server.assert_settles();
+}

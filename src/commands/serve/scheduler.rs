@@ -92,6 +92,19 @@ struct Live {
     reserve: u64,
 }
 
+/// A request whose prompt is being prefilled, a chunk between two decode steps of the others.
+struct Prefilling<'e> {
+    ready: Ready,
+    id: u64,
+    session: Session<'e>,
+    sampler: Sampler,
+    /// Prompt positions taken from shared blocks.
+    cached: usize,
+    reserve: u64,
+    /// Seconds spent prefilling it so far.
+    seconds: f64,
+}
+
 /// A shared block in the index, and when it was last used (a tick: larger is later).
 struct Indexed {
     block: Arc<SharedBlock>,
@@ -107,6 +120,8 @@ pub struct Scheduler<'e> {
     batch: Batch<'e>,
     live: HashMap<u64, Live>,
     waiting: VecDeque<Ready>,
+    /// The request being prefilled, if one is.
+    prefilling: Option<Prefilling<'e>>,
     /// The shared blocks, by the chained hash of their tokens ([`block_keys`]).
     blocks: HashMap<u64, Indexed>,
     tick: u64,
@@ -142,6 +157,7 @@ impl<'e> Scheduler<'e> {
             batch: Batch::new(),
             live: HashMap::new(),
             waiting: VecDeque::new(),
+            prefilling: None,
             blocks: HashMap::new(),
             tick: 0,
             share_refusal,
@@ -154,7 +170,7 @@ impl<'e> Scheduler<'e> {
     /// Serves jobs until every sender is gone and nothing runs.
     pub fn run(mut self, jobs: Receiver<Job>) {
         loop {
-            if self.batch.is_empty() && self.waiting.is_empty() {
+            if self.batch.is_empty() && self.waiting.is_empty() && self.prefilling.is_none() {
                 match jobs.recv() {
                     Ok(job) => self.accept(job),
                     Err(_) => return,
@@ -265,7 +281,8 @@ impl<'e> Scheduler<'e> {
     }
 
     fn reserved(&self) -> u64 {
-        self.live.values().map(|l| l.reserve).sum()
+        self.live.values().map(|l| l.reserve).sum::<u64>()
+            + self.prefilling.as_ref().map_or(0, |p| p.reserve)
     }
 
     fn shared_bytes(&self) -> u64 {
@@ -328,6 +345,14 @@ impl<'e> Scheduler<'e> {
             self.queued.fetch_sub(gone, Ordering::SeqCst);
             self.metrics.update(|f| f.cancelled += gone as u64);
         }
+        if self
+            .prefilling
+            .as_ref()
+            .is_some_and(|p| p.ready.job.events.is_closed())
+        {
+            self.prefilling = None;
+            self.metrics.update(|m| m.cancelled += 1);
+        }
         let departed: Vec<u64> = self
             .live
             .iter()
@@ -344,8 +369,18 @@ impl<'e> Scheduler<'e> {
 
     /// Moves waiting requests into the batch, oldest first, while the batch and the pool have
     /// room (shared blocks no sequence attends to give theirs back, least recently used first).
+    /// One prompt is prefilled at a time, a chunk between two decode steps while others decode.
     fn admit(&mut self) {
-        while self.batch.len() < self.limits.parallel {
+        loop {
+            if self.prefilling.is_some() {
+                if !self.advance() {
+                    return;
+                }
+                continue;
+            }
+            if self.batch.len() >= self.limits.parallel {
+                return;
+            }
             let Some(next) = self.waiting.front() else {
                 return;
             };
@@ -362,13 +397,13 @@ impl<'e> Scheduler<'e> {
                 return;
             };
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            self.join(ready, blocks, own);
+            self.start(ready, blocks, own);
         }
     }
 
-    /// A request joins: its cache starts from the shared blocks its prompt begins with, the rest
-    /// of the prompt is prefilled into its own store, and the prompt's full blocks are shared.
-    fn join(&mut self, r: Ready, blocks: Vec<Arc<SharedBlock>>, reserve: u64) {
+    /// A request starts: its cache starts from the shared blocks its prompt begins with, and the
+    /// rest of its prompt is to be prefilled into its own store.
+    fn start(&mut self, r: Ready, blocks: Vec<Arc<SharedBlock>>, reserve: u64) {
         let positions = r.ids.len() + r.max_tokens;
         let spec = CacheSpec {
             max_positions: positions,
@@ -379,7 +414,6 @@ impl<'e> Scheduler<'e> {
             spec.build(&self.engine.model().cfg, self.engine.kv_device()),
             positions,
         );
-        let t0 = Instant::now();
         // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
         let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
         let sampling = self
@@ -391,15 +425,86 @@ impl<'e> Scheduler<'e> {
             prompt_tokens: r.ids.len(),
             cached_tokens: cached,
         });
+        self.prefilling = Some(Prefilling {
+            ready: r,
+            id,
+            session,
+            sampler: Sampler::new(sampling.params),
+            cached,
+            reserve,
+            seconds: 0.0,
+        });
+    }
+
+    /// Prefills the next chunk of the prompt being prefilled — all of it when nothing else
+    /// decodes — and joins it to the batch once only its last chunk is left (that one is fed as
+    /// it joins). Chunks end at multiples of the model's prefill step counted from position 0, as
+    /// one prefill's steps do, so the state is the one a whole prefill gives, bit for bit.
+    /// (A KV budget evicts when a forward ends: its prompt is prefilled in one forward.)
+    /// Whether it joined (or failed), so that another may start.
+    fn advance(&mut self) -> bool {
+        use crate::model::cache::DecoderCache;
+        loop {
+            let Some(p) = self.prefilling.as_mut() else {
+                return true;
+            };
+            let step = self.engine.model().prefill_chunk;
+            let chunk = p
+                .session
+                .cache()
+                .max_step()
+                .map_or(step, |m| m.min(step))
+                .max(1);
+            let at = p.session.tokens().len();
+            let end = (at / chunk + 1) * chunk;
+            if end >= p.ready.ids.len() || p.session.evicts_by_score() {
+                let p = self.prefilling.take().expect("checked");
+                self.join(p);
+                return true;
+            }
+            let t0 = Instant::now();
+            let fed = p.session.feed(&p.ready.ids[at..end]);
+            p.seconds += t0.elapsed().as_secs_f64();
+            if let Err(e) = fed {
+                let p = self.prefilling.take().expect("checked");
+                self.metrics.update(|f| f.failed += 1);
+                let _ = p.ready.job.events.send(Event::Failed(ApiError::new(
+                    500,
+                    "server_error",
+                    format!("the prompt's prefill failed: {}", crate::first_line(e)),
+                )));
+                return true;
+            }
+            if !self.batch.is_empty() {
+                return false;
+            }
+        }
+    }
+
+    /// The request being prefilled joins the batch with its prompt's last chunk, and its
+    /// prompt's full blocks are shared.
+    fn join(&mut self, p: Prefilling<'e>) {
+        let Prefilling {
+            ready: r,
+            id,
+            session,
+            sampler,
+            cached,
+            reserve,
+            seconds,
+        } = p;
+        let positions = r.ids.len() + r.max_tokens;
+        let t0 = Instant::now();
+        let at = session.tokens().len();
         let joined = self.batch.join(
             id,
             session,
-            &r.ids[cached..],
-            Sampler::new(sampling.params),
+            &r.ids[at..],
+            sampler,
             r.max_tokens,
             self.engine.stop_ids(),
         );
-        let prefill = t0.elapsed().as_secs_f64();
+        let prefill = seconds + t0.elapsed().as_secs_f64();
         self.metrics.update(|f| {
             f.prompt_tokens += r.ids.len() as u64;
             f.cached_tokens += cached as u64;
