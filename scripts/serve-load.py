@@ -80,14 +80,14 @@ class Server:
 class LlamaServer:
     """llama-server on a free port of 127.0.0.1, the reference of the side-by-side run."""
 
-    def __init__(self, binary, model, threads, parallel):
+    def __init__(self, binary, model, threads, parallel, extra):
         import socket
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.proc = subprocess.Popen(
             [binary, "-m", model, "-t", str(threads), "-np", str(parallel), "-c",
-             str(1024 * parallel), "--host", "127.0.0.1", "--port", str(port)],
+             str(1024 * parallel), "--host", "127.0.0.1", "--port", str(port)] + extra,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
         t0 = time.time()
@@ -156,7 +156,8 @@ def concurrency(a):
     try:
         if a.llama_server:
             servers.append(("llama-server",
-                            LlamaServer(a.llama_server, a.model, a.threads, a.clients)))
+                            LlamaServer(a.llama_server, a.model, a.threads, a.clients,
+                                        a.llama_args.split())))
         msgs = [[{"role": "user", "content": prompt_for(i)}] for i in range(a.clients)]
         for _, s in servers:
             chat(s, msgs[0], 4)  # warm up
@@ -262,6 +263,10 @@ def main():
     p.add_argument("--parts", default="concurrency,prefix,pressure")
     p.add_argument("--kvchat", default=os.path.join(ROOT, "target/release/kvchat"))
     p.add_argument("--llama-server", help="llama-server's binary, for the side-by-side run")
+    # -nr: on the 2-core VM this was written on, llama.cpp's AMX matmul (an "extra buffer type",
+    # like the repacked weights) crashes at load (SIGSEGV in ggml_backend_amx_mul_mat); Q4_1, the
+    # default model's type, has no repacked path, so -nr costs it nothing else.
+    p.add_argument("--llama-args", default="-nr", help="more llama-server flags (default: -nr)")
     a = p.parse_args()
     if not os.path.isfile(a.model):
         sys.exit(f"serve-load: no model file {a.model}")

@@ -14,8 +14,11 @@
 use super::*;
 use std::sync::Arc;
 
-/// Positions in a shared block (the prefix store's block size).
-pub const SHARED_BLOCK: usize = crate::kv::prefix::BLOCK;
+/// Positions in a shared block: vLLM's block size. Prompts share whole blocks, so a smaller block
+/// shares more of a short common start (a chat template's system prompt and a request's first
+/// words); a 1,500-token prefix is then ~94 parts of the attention's view, which the kernel reads
+/// as it reads one.
+pub const SHARED_BLOCK: usize = 16;
 
 /// One block of positions shared by sequences, every layer's rows of it: made once from one
 /// sequence's rows, then attended to by any sequence whose tokens start with the same ones.
