@@ -113,6 +113,9 @@ impl ServeArgs {
         if self.max_tokens == 0 {
             bail!("-n/--max-tokens must be at least 1");
         }
+        if self.queue == 0 {
+            bail!("--queue 0 would turn every request away: give at least 1");
+        }
         if !(1..=256).contains(&self.parallel) {
             bail!("--parallel {} is not from 1 to 256", self.parallel);
         }

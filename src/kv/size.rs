@@ -42,6 +42,38 @@ impl KvDims {
             .sum()
     }
 
+    /// The most bytes a cache built from `spec` (its `max_positions` the sequence's last
+    /// position) can allocate, layer by layer, for a sequence whose first forward is `prompt`
+    /// positions fed in steps of at most `chunk`, then one position a step: what a server reserves
+    /// so that no step can take more. Follows the layers' growth rules (`kv::layer`): a full layer
+    /// holds at most `max_positions`; a window its sinks and window (at most `max_positions`),
+    /// plus a step's rows waiting to enter the ring once the sequence is longer than that; a
+    /// budget the whole prompt until its first eviction, then its budget and slack; a quantized
+    /// layer also its f16 residual.
+    pub fn bytes_at_most(spec: &CacheSpec, cfg: &Config, prompt: usize, chunk: usize) -> f64 {
+        let one = KvDims {
+            layers: 1,
+            ..Self::of(cfg)
+        };
+        let n = spec.max_positions;
+        (0..cfg.n_layer)
+            .map(|i| {
+                let held = match spec.layer_spec(cfg, i).retention {
+                    Retention::None => 0,
+                    Retention::All => n,
+                    Retention::Window { window, sinks } if n > window + sinks => {
+                        window + sinks + chunk.min(n)
+                    }
+                    Retention::Window { .. } => n,
+                    Retention::Budget { budget, .. } => {
+                        prompt.max(budget + crate::kv::SLACK + 1).min(n)
+                    }
+                };
+                one.bytes_for(spec.mode.precision, held, spec.mode.residual.min(n))
+            })
+            .sum()
+    }
+
     /// Bytes one token adds: 2 (K and V) × layers × kv_heads × the bytes of a row of head_dim
     /// values in this precision (scales included).
     pub fn bytes_per_token(&self, p: Precision) -> f64 {

@@ -485,3 +485,50 @@ fn blocks_of_other_tokens_are_refused_and_change_nothing() {
     let err = q.adopt_blocks(&b, &blocks).unwrap_err().to_string();
     assert!(err.contains("float cache"), "{err}");
 }
+
+#[test]
+fn no_cache_allocates_more_than_a_server_reserves_for_it_on_any_axis() {
+    use kvchat::kv::size::KvDims;
+    let e = engine();
+    let prompt = e
+        .raw_prompt(&kvchat::eval::bench::BENCH_TEXT[..2400])
+        .unwrap();
+    let positions = prompt.len() + 40;
+    for mode in [
+        "full",
+        "full+int8",
+        "window:64+4",
+        "window:128+4+int4",
+        "budget:96",
+    ] {
+        let spec = kvchat::kv::CacheSpec {
+            max_positions: positions,
+            ..e.cache_spec(&mode.parse::<kvchat::kv::CacheMode>().unwrap(), e.ctx())
+                .unwrap()
+        };
+        let bound =
+            KvDims::bytes_at_most(&spec, &e.model().cfg, prompt.len(), e.model().prefill_chunk);
+        let mut s = kvchat::session::Session::new(
+            e.model(),
+            spec.build(&e.model().cfg, e.kv_device()),
+            positions,
+        );
+        let mut tok = kvchat::session::argmax(&logits(&mut s, &prompt));
+        let mut most = s.cache().bytes();
+        for _ in 0..39 {
+            tok = kvchat::session::argmax(&logits(&mut s, &[tok]));
+            most = most.max(s.cache().bytes());
+        }
+        assert!(
+            most as f64 <= bound,
+            "{mode}: {most} bytes allocated, {bound} reserved"
+        );
+        // (A budget holds the whole prompt only inside its forward, which this cannot see.)
+        if !mode.starts_with("budget") {
+            assert!(
+                most as f64 > 0.5 * bound,
+                "{mode}: the bound {bound} is loose ({most})"
+            );
+        }
+    }
+}

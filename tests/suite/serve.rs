@@ -520,6 +520,10 @@ fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
         (vec!["--kv-pool", "0"], "--kv-pool 0 is empty"),
         (vec!["--no-cache"], "drop --no-cache"),
         (vec!["--exit-after", "0"], "--exit-after 0 is not"),
+        (
+            vec!["--queue", "0"],
+            "--queue 0 would turn every request away",
+        ),
     ] {
         let mut a = vec!["serve"];
         a.extend(args);

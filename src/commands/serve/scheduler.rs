@@ -192,7 +192,7 @@ impl<'e> Scheduler<'e> {
     fn accept(&mut self, job: Job) {
         match self.prepare(&job.request) {
             Ok((ids, max_tokens)) => {
-                let reserve = self.reserve(ids.len() + max_tokens);
+                let reserve = self.reserve(ids.len(), ids.len() + max_tokens);
                 if reserve > self.limits.pool {
                     self.refuse(
                         job,
@@ -260,6 +260,11 @@ impl<'e> Scheduler<'e> {
                     })?
             }
         };
+        if ids.is_empty() {
+            return Err(ApiError::bad(
+                "the prompt is empty once rendered and tokenized: there is nothing to continue",
+            ));
+        }
         if ids.len() >= ctx {
             return Err(too_long(&format!("{} tokens", ids.len())));
         }
@@ -272,12 +277,15 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Bytes a cache for `positions` positions may allocate.
-    fn reserve(&self, positions: usize) -> u64 {
+    /// Bytes a sequence's own cache may ever allocate, built for `positions` positions of which
+    /// the first `prompt` are prefilled (`KvDims::bytes_at_most`).
+    fn reserve(&self, prompt: usize, positions: usize) -> u64 {
         let spec = CacheSpec {
             max_positions: positions,
             ..self.spec.clone()
         };
-        KvDims::bytes_for_spec(&spec, &self.engine.model().cfg, positions).ceil() as u64
+        let chunk = self.engine.model().prefill_chunk;
+        KvDims::bytes_at_most(&spec, &self.engine.model().cfg, prompt, chunk).ceil() as u64
     }
 
     fn reserved(&self) -> u64 {
@@ -319,19 +327,28 @@ impl<'e> Scheduler<'e> {
     /// Makes room for `need` more bytes by dropping shared blocks no sequence attends to, least
     /// recently used first; whether the room is there.
     fn make_room(&mut self, need: u64) -> bool {
-        while self.reserved() + self.shared_bytes() + need > self.limits.pool {
-            let victim = self
-                .blocks
-                .iter()
-                .filter(|(_, b)| Arc::strong_count(&b.block) == 1 && !b.block.in_use())
-                .min_by_key(|(_, b)| b.last_use)
-                .map(|(k, _)| *k);
-            match victim {
-                Some(k) => {
-                    self.blocks.remove(&k);
-                }
-                None => return false,
+        let used = self.reserved() + self.shared_bytes();
+        if used + need <= self.limits.pool {
+            return true;
+        }
+        let mut free: Vec<(u64, u64, u64)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| Arc::strong_count(&b.block) == 1 && !b.block.in_use())
+            .map(|(k, b)| (b.last_use, *k, b.bytes))
+            .collect();
+        // Nothing is dropped unless dropping is enough.
+        if used + need > self.limits.pool + free.iter().map(|f| f.2).sum::<u64>() {
+            return false;
+        }
+        free.sort_unstable();
+        let mut over = used + need - self.limits.pool;
+        for (_, key, bytes) in free {
+            if over == 0 {
+                break;
             }
+            self.blocks.remove(&key);
+            over = over.saturating_sub(bytes);
         }
         true
     }
@@ -389,7 +406,8 @@ impl<'e> Scheduler<'e> {
             // The blocks it starts from are held (so not dropped for room) while it asks; at
             // least one position of the prompt is left to prefill.
             let blocks = self.lookup(&ids, (ids.len() - 1) / SHARED_BLOCK);
-            let own = self.reserve(positions - blocks.len() * SHARED_BLOCK);
+            let cached = blocks.len() * SHARED_BLOCK;
+            let own = self.reserve(ids.len() - cached, positions - cached);
             if !self.make_room(own) {
                 return;
             }
@@ -416,6 +434,11 @@ impl<'e> Scheduler<'e> {
         );
         // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
         let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
+        let reserve = if cached < blocks.len() * SHARED_BLOCK {
+            self.reserve(r.ids.len(), positions)
+        } else {
+            reserve
+        };
         let sampling = self
             .engine
             .sampling_for(&over(&r.job.request.sampling, &self.limits.sampling));
@@ -534,7 +557,8 @@ impl<'e> Scheduler<'e> {
         );
         let shared = self.share_prompt(id, &r.ids, cached / SHARED_BLOCK);
         // Its own store gave up the positions now shared.
-        let own = self.reserve(positions - shared * SHARED_BLOCK);
+        let cached = shared * SHARED_BLOCK;
+        let own = self.reserve(r.ids.len() - cached, positions - cached);
         if let Some(l) = self.live.get_mut(&id) {
             l.reserve = own;
         }
@@ -554,7 +578,7 @@ impl<'e> Scheduler<'e> {
         }
         let have = run.len();
         if have < to {
-            let one = self.reserve(SHARED_BLOCK);
+            let one = self.reserve(SHARED_BLOCK, SHARED_BLOCK);
             if !self.make_room(one * (to - have) as u64) {
                 return from;
             }
@@ -626,8 +650,13 @@ impl<'e> Scheduler<'e> {
                     f.generated_tokens += kept;
                     f.decode_seconds += elapsed;
                 });
-                for f in done {
-                    self.finish(f, false);
+                for mut f in done {
+                    // A stop text completed by the token that also ended it otherwise: a stop.
+                    let by_stop = stopped.contains(&f.id);
+                    if by_stop {
+                        f.reason = StopReason::EndOfText;
+                    }
+                    self.finish(f, by_stop);
                 }
                 for id in stopped {
                     if let Some(f) = self.batch.leave(id, StopReason::EndOfText) {

@@ -328,7 +328,9 @@ impl Layer {
         if n + t > self.store.capacity() {
             // Exactly what is needed: a decode stays within the room an eviction leaves, and a
             // prompt's positions go at its end.
-            self.store.grow((n + t).max(room), n)?;
+            // (Never past the context: a sequence that cannot outgrow its budget never evicts.)
+            self.store
+                .grow((n + t).max(room.min(self.max_positions)), n)?;
         }
         self.store.write(n, &k, &v)?;
         self.write_residual(b, &k, &v)?;

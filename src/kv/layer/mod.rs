@@ -370,7 +370,9 @@ impl Layer {
                 .next_power_of_two()
                 .max(MIN_CAPACITY)
                 .min(match self.retention {
-                    Retention::Window { window, sinks } => sinks + window,
+                    Retention::Window { window, sinks } => {
+                        (sinks + window).min(self.max_positions.max(need))
+                    }
                     _ => self.max_positions.saturating_sub(off).max(need),
                 });
             let keep = self.store.capacity().min(b - off);
