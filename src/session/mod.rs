@@ -114,9 +114,16 @@ impl crate::engine::Engine {
     /// The sampling settings in force: `flags` over the model's recommendations (`sampling`)
     /// over the built-in defaults; a random seed unless one is given.
     pub fn sampling_for(&self, flags: &SamplingPrefs) -> Resolved {
-        let mut layers: Vec<(&str, &SamplingPrefs)> = vec![("flag", flags)];
-        layers.extend(self.sampling().iter().map(|(o, p)| (o.as_str(), p)));
-        Resolved::from_layers(&layers)
+        self.sampling_over(&[("flag", flags)])
+    }
+
+    /// The sampling settings in force: `layers` (most important first, each named for where it
+    /// came from: a server's request, then its flags) over the model's recommendations over the
+    /// built-in defaults.
+    pub fn sampling_over(&self, layers: &[(&str, &SamplingPrefs)]) -> Resolved {
+        let mut all = layers.to_vec();
+        all.extend(self.sampling().iter().map(|(o, p)| (o.as_str(), p)));
+        Resolved::from_layers(&all)
     }
 }
 

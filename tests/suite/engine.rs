@@ -380,20 +380,38 @@ fn logits(s: &mut kvchat::session::Session<'_>, ids: &[u32]) -> Vec<f32> {
     s.feed(ids).unwrap().to_vec1().unwrap()
 }
 
-/// The blocks of `a` that `b` starts with, made from a session that prefilled `a`.
-fn shared_blocks_of(
-    maker: &mut kvchat::session::Session<'_>,
-    a: &[u32],
-    b: &[u32],
-) -> Vec<std::sync::Arc<kvchat::kv::SharedBlock>> {
-    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    logits(maker, a);
-    maker
+/// Two prompts sharing a start, a session that prefilled the first (the maker), and the blocks of
+/// it that the second starts with, made from the maker's rows.
+struct SharedStart {
+    a: Vec<u32>,
+    b: Vec<u32>,
+    maker: kvchat::session::Session<'static>,
+    blocks: Vec<std::sync::Arc<kvchat::kv::SharedBlock>>,
+}
+
+fn shared_start() -> SharedStart {
+    let (a, b) = two_prompts_sharing_a_start();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let maker = prefilled(&a);
+    let blocks = maker
         .share_blocks(0, common / kvchat::kv::SHARED_BLOCK)
         .unwrap()
         .into_iter()
         .map(std::sync::Arc::new)
-        .collect()
+        .collect();
+    SharedStart {
+        a,
+        b,
+        maker,
+        blocks,
+    }
+}
+
+/// A session over the full cache that prefilled `ids`.
+fn prefilled(ids: &[u32]) -> kvchat::session::Session<'static> {
+    let mut s = engine().session(&full());
+    logits(&mut s, ids);
+    s
 }
 
 /// Greedy steps from `first`: each step's logits.
@@ -411,9 +429,7 @@ fn steps(s: &mut kvchat::session::Session<'_>, first: u32, n: usize) -> Vec<Vec<
 #[test]
 fn a_session_attending_to_shared_blocks_gets_the_bits_of_one_prefill_and_of_each_step_after() {
     let e = engine();
-    let (a, b) = two_prompts_sharing_a_start();
-    let mut maker = e.session(&full());
-    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let SharedStart { b, blocks, .. } = shared_start();
     let mut sharing = e.session(&full());
     let n = sharing.adopt_blocks(&b, &blocks).unwrap();
     assert_eq!(n, blocks.len() * kvchat::kv::SHARED_BLOCK);
@@ -430,9 +446,12 @@ fn a_session_attending_to_shared_blocks_gets_the_bits_of_one_prefill_and_of_each
 #[test]
 fn going_back_into_shared_blocks_copies_the_rest_of_the_block_and_stays_exact() {
     let e = engine();
-    let (a, b) = two_prompts_sharing_a_start();
-    let mut maker = e.session(&full());
-    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let SharedStart {
+        a,
+        b,
+        mut maker,
+        blocks,
+    } = shared_start();
     let mut sharing = e.session(&full());
     let n = sharing.adopt_blocks(&b, &blocks).unwrap();
     logits(&mut sharing, &b[n..]);
@@ -442,17 +461,18 @@ fn going_back_into_shared_blocks_copies_the_rest_of_the_block_and_stays_exact() 
     let mut alone = e.session(&full());
     assert_eq!(logits(&mut sharing, &b[back..]), logits(&mut alone, &b));
     // The shared block was not written: the maker still steps as a session that never shared.
-    let mut control = e.session(&full());
-    logits(&mut control, &a);
+    let mut control = prefilled(&a);
     assert_eq!(steps(&mut maker, 42, 4), steps(&mut control, 42, 4));
 }
 
 #[test]
 fn a_session_adopting_blocks_made_from_its_own_rows_gives_its_copy_up_and_steps_as_before() {
-    let e = engine();
-    let (a, b) = two_prompts_sharing_a_start();
-    let mut maker = e.session(&full());
-    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let SharedStart {
+        a,
+        mut maker,
+        blocks,
+        ..
+    } = shared_start();
     let before = maker.cache().bytes();
     assert_eq!(
         maker.adopt_blocks(&a, &blocks).unwrap(),
@@ -464,17 +484,14 @@ fn a_session_adopting_blocks_made_from_its_own_rows_gives_its_copy_up_and_steps_
         "{} ≥ {before}",
         maker.cache().bytes()
     );
-    let mut control = e.session(&full());
-    logits(&mut control, &a);
+    let mut control = prefilled(&a);
     assert_eq!(steps(&mut maker, 42, 8), steps(&mut control, 42, 8));
 }
 
 #[test]
 fn blocks_of_other_tokens_are_refused_and_change_nothing() {
     let e = engine();
-    let (a, b) = two_prompts_sharing_a_start();
-    let mut maker = e.session(&full());
-    let blocks = shared_blocks_of(&mut maker, &a, &b);
+    let SharedStart { b, blocks, .. } = shared_start();
     let other = e.raw_prompt(&"Another text entirely. ".repeat(40)).unwrap();
     let mut s = e.session(&full());
     let err = s.adopt_blocks(&other, &blocks).unwrap_err().to_string();

@@ -86,15 +86,16 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         .path()
         .file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    let probe = engine.session(&crate::kv::CacheSpec {
-        max_positions: 1,
-        ..spec.clone()
-    });
-    let sharing = match probe.share_refusal() {
+    let share_refusal = engine
+        .session(&crate::kv::CacheSpec {
+            max_positions: 1,
+            ..spec.clone()
+        })
+        .share_refusal();
+    let sharing = match share_refusal {
         None => "prefix sharing on".to_string(),
         Some(why) => format!("prefix sharing off: {why}"),
     };
-    drop(probe);
     eprintln!(
         "kvchat serve: {model} at http://{addr}/v1 — up to {} sequences at once, KV pool {} ({}), cache {}, context {}; {sharing}",
         opts.parallel,
@@ -123,7 +124,16 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     std::thread::scope(|s| {
         let engine = &engine;
         s.spawn(move || {
-            scheduler::Scheduler::new(engine, template, spec, limits, queued, metrics).run(inbox)
+            scheduler::Scheduler::new(
+                engine,
+                template,
+                spec,
+                share_refusal,
+                limits,
+                queued,
+                metrics,
+            )
+            .run(inbox)
         });
         let served = runtime.block_on(serve(listener, http::router(app), opts.exit_after));
         // Dropping the runtime closes every connection; the engine thread then sees each

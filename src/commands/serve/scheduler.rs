@@ -134,21 +134,18 @@ pub struct Scheduler<'e> {
 }
 
 impl<'e> Scheduler<'e> {
+    /// `share_refusal`: why this cache cannot share rows between sequences, if it cannot
+    /// (`Session::share_refusal`).
     pub fn new(
         engine: &'e Engine,
         template: Result<ChatTemplate, String>,
         spec: CacheSpec,
+        share_refusal: Option<&'static str>,
         limits: Limits,
         queued: Arc<AtomicUsize>,
         metrics: Arc<Metrics>,
     ) -> Self {
         metrics.update(|f| f.pool_bytes = limits.pool);
-        let share_refusal = engine
-            .session(&CacheSpec {
-                max_positions: 1,
-                ..spec.clone()
-            })
-            .share_refusal();
         Self {
             engine,
             template,
@@ -235,7 +232,7 @@ impl<'e> Scheduler<'e> {
             ))
             .with_code("context_length_exceeded")
         };
-        // Refused by its bytes before it is tokenized.
+        // Refused by its bytes before it is tokenized (all messages together).
         if self.engine.tokenizer().min_tokens(text_len) >= ctx {
             return Err(too_long(&format!("{text_len} bytes")));
         }
@@ -249,15 +246,12 @@ impl<'e> Scheduler<'e> {
                     .template
                     .as_ref()
                     .map_err(|why| ApiError::bad(why.clone()))?;
-                template
-                    .render(messages, true)
-                    .and_then(|text| self.engine.encode_rendered(&text, messages))
-                    .map_err(|e| {
-                        ApiError::bad(format!(
-                            "the chat template cannot render these messages: {}",
-                            crate::first_line(e)
-                        ))
-                    })?
+                self.engine.chat_prompt(template, messages).map_err(|e| {
+                    ApiError::bad(format!(
+                        "the chat template cannot render these messages: {}",
+                        crate::first_line(e)
+                    ))
+                })?
             }
         };
         if ids.is_empty() {
@@ -439,9 +433,10 @@ impl<'e> Scheduler<'e> {
         } else {
             reserve
         };
-        let sampling = self
-            .engine
-            .sampling_for(&over(&r.job.request.sampling, &self.limits.sampling));
+        let sampling = self.engine.sampling_over(&[
+            ("request", &r.job.request.sampling),
+            ("flag", &self.limits.sampling),
+        ]);
         let id = self.next_id;
         self.next_id += 1;
         let _ = r.job.events.send(Event::Started {
@@ -490,12 +485,7 @@ impl<'e> Scheduler<'e> {
             p.seconds += t0.elapsed().as_secs_f64();
             if let Err(e) = fed {
                 let p = self.prefilling.take().expect("checked");
-                self.metrics.update(|f| f.failed += 1);
-                let _ = p.ready.job.events.send(Event::Failed(ApiError::new(
-                    500,
-                    "server_error",
-                    format!("the prompt's prefill failed: {}", crate::first_line(e)),
-                )));
+                self.prefill_failed(&p.ready.job.events, e);
                 return true;
             }
             if !self.batch.is_empty() {
@@ -535,12 +525,7 @@ impl<'e> Scheduler<'e> {
             f.prefill_seconds += prefill;
         });
         if let Err(e) = joined {
-            self.metrics.update(|f| f.failed += 1);
-            let _ = r.job.events.send(Event::Failed(ApiError::new(
-                500,
-                "server_error",
-                format!("the prompt's prefill failed: {}", crate::first_line(e)),
-            )));
+            self.prefill_failed(&r.job.events, e);
             return;
         }
         self.live.insert(
@@ -675,6 +660,16 @@ impl<'e> Scheduler<'e> {
         }
     }
 
+    /// A prompt's prefill failed: its client gets a server error saying why.
+    fn prefill_failed(&self, events: &UnboundedSender<Event>, e: anyhow::Error) {
+        self.metrics.update(|f| f.failed += 1);
+        let _ = events.send(Event::Failed(ApiError::new(
+            500,
+            "server_error",
+            format!("the prompt's prefill failed: {}", crate::first_line(e)),
+        )));
+    }
+
     /// Ends sequence `id` with a server error saying `why`.
     fn fail(&mut self, id: u64, why: &str) {
         self.batch.leave(id, StopReason::Interrupted);
@@ -774,22 +769,6 @@ fn partial_suffix(text: &str, stop: &str) -> usize {
                     .starts_with(&text.as_bytes()[text.len() - n..])
         })
         .unwrap_or(0)
-}
-
-/// `top`'s settings, and `under`'s where `top` has none.
-fn over(
-    top: &crate::model::sampling::SamplingPrefs,
-    under: &crate::model::sampling::SamplingPrefs,
-) -> crate::model::sampling::SamplingPrefs {
-    crate::model::sampling::SamplingPrefs {
-        temperature: top.temperature.or(under.temperature),
-        top_k: top.top_k.or(under.top_k),
-        top_p: top.top_p.or(under.top_p),
-        min_p: top.min_p.or(under.min_p),
-        repeat_penalty: top.repeat_penalty.or(under.repeat_penalty),
-        repeat_last_n: top.repeat_last_n.or(under.repeat_last_n),
-        seed: top.seed.or(under.seed),
-    }
 }
 
 /// The key of each full block of `ids`: a hash chained over every token from position 0 to the
