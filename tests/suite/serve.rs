@@ -524,6 +524,7 @@ fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
             vec!["--queue", "0"],
             "--queue 0 would turn every request away",
         ),
+        (vec!["--kv-pool", "lots"], "--kv-pool"),
     ] {
         let mut a = vec!["serve"];
         a.extend(args);
@@ -633,4 +634,12 @@ fn a_long_prompt_prefilled_in_chunks_between_others_steps_answers_as_kvchat_run_
         assert_eq!(text_of(a), run_text.trim_end_matches('\n'));
     }
     server.assert_settles();
+}
+
+#[test]
+fn a_port_already_taken_is_refused_in_one_line() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let o = crate::common::kvchat(&["serve", "--port", &port, "--exit-after", "5"], "");
+    crate::common::assert_refused(&o, &format!("cannot listen on 127.0.0.1:{port}"));
 }
