@@ -402,8 +402,11 @@ impl Engine {
         let file_sampling = SamplingPrefs::from_gguf(&gguf.content.metadata, &mut notes);
         let infos = gguf.content.tensor_infos.values();
         let params = infos.clone().map(|t| t.shape.elem_count() as u64).sum();
-        let tensor_types =
-            crate::tally(infos.map(|t| format!("{:?}", t.ggml_dtype).to_lowercase()));
+        let names = gguf.content.tensor_infos.keys();
+        let tensor_types = crate::tally(names.map(|n| {
+            let ty = gguf.tensor_type(n).map(|t| t.name());
+            ty.unwrap_or_default().to_lowercase()
+        }));
         let mut digest = gguf.digest()?;
         let weights = match gguf.dense {
             Some(d) => {

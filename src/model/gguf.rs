@@ -2,10 +2,10 @@
 //! in `kernels::quant`, or candle's QMatMul where those do not run or are slower).
 
 use super::config::Config;
-use super::kernels::quant::{Kernels, Packer, QMatrix};
+use super::kernels::quant::{Kernels, Packer, QMatrix, WeightType};
 use super::llama::{expect_dims, Block, Embedding, Linear, Llama, Weight};
 use super::rope::Rope;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use std::fs::File;
@@ -22,15 +22,42 @@ enum Read {
 /// A buffered file reader that keeps its own position: candle's GGUF reader asks for it around
 /// every string, and on a `BufReader<File>` that is a system call (for Gemma 3's 262k-token
 /// vocabulary, 70 ms of a 0.7 s load).
+///
+/// It also shows candle's header reader a placeholder type id where a tensor's type is one candle
+/// does not know and kvchat runs (`patches`: file position and the 4 bytes to read there), so
+/// that reading the header succeeds; kvchat keeps the true types ([`GgufFile::tensor_type`]).
 struct Tracked {
     inner: BufReader<File>,
     pos: u64,
+    /// Sorted by position, not overlapping.
+    patches: Vec<(u64, [u8; 4])>,
+}
+
+impl Tracked {
+    fn new(file: File, patches: Vec<(u64, [u8; 4])>) -> Self {
+        Self {
+            inner: BufReader::new(file),
+            pos: 0,
+            patches,
+        }
+    }
 }
 
 impl std::io::Read for Tracked {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
-        self.pos += n as u64;
+        let (from, to) = (self.pos, self.pos + n as u64);
+        // The patches that overlap [from, to).
+        let first = self.patches.partition_point(|(at, _)| at + 4 <= from);
+        for (at, bytes) in self.patches[first..].iter().take_while(|(at, _)| *at < to) {
+            for (k, b) in bytes.iter().enumerate() {
+                let p = at + k as u64;
+                if (from..to).contains(&p) {
+                    buf[(p - from) as usize] = *b;
+                }
+            }
+        }
+        self.pos = to;
         Ok(n)
     }
 }
@@ -57,7 +84,14 @@ pub struct GgufFile {
     pub kernels: Kernels,
     /// The matrices [`GgufFile::pack_all`] read for our kernels, until the decoder takes them.
     packed: std::collections::HashMap<String, QMatrix>,
+    /// The tensors whose type candle does not know (candle's header holds a placeholder for
+    /// them): their true types. Only our kernels read them.
+    own: std::collections::HashMap<String, WeightType>,
 }
+
+/// The type id candle's header reader is shown for a tensor of a type it does not know: Q8_K,
+/// an activation format that no model stores, so no tensor kvchat runs through candle has it.
+const PLACEHOLDER: WeightType = WeightType(15);
 
 /// The projections of layer `i`, each its tensor name (less `.weight`) and `[rows, cols]`: q, k,
 /// v, output, gate, up, down (the order [`GgufFile::pack_all`] keeps, so that q, k, v and gate,
@@ -78,7 +112,7 @@ fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
 
 /// A matrix in the file: `[rows, cols]` of `dtype`, `size` bytes from byte `start`.
 struct Located {
-    dtype: candle_core::quantized::GgmlDType,
+    dtype: WeightType,
     rows: usize,
     cols: usize,
     start: u64,
@@ -89,12 +123,53 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         // A regular file only: opening a pipe would block, a device would never end.
         crate::fsx::check_regular(path, u64::MAX, "model file")?;
-        let file = File::open(path)
-            .with_context(|| format!("cannot open model file {}", path.display()))?;
-        let mut reader = Tracked {
-            inner: BufReader::new(file),
-            pos: 0,
+        let open = || {
+            File::open(path).with_context(|| format!("cannot open model file {}", path.display()))
         };
+        let (content, reader, own) =
+            match Self::read_header(Tracked::new(open()?, Vec::new()), path) {
+                Ok((content, reader)) => (content, reader, Default::default()),
+                // candle's reader refuses a type it does not know: find the tensors' true types; where
+                // every one is a type kvchat runs, read the header again showing candle a placeholder
+                // for those it does not know.
+                Err(e) => {
+                    let Some(types) = super::gguf_types::tensor_types(path) else {
+                        return Err(e);
+                    };
+                    if let Some(why) = super::gguf_types::unsupported_tensor(&types) {
+                        bail!("{}: {why}", path.display());
+                    }
+                    let own: Vec<_> = types
+                        .into_iter()
+                        .filter(|t| t.ty.candle().is_none())
+                        .collect();
+                    if own.is_empty() {
+                        return Err(e);
+                    }
+                    let patches = own
+                        .iter()
+                        .map(|t| (t.at, PLACEHOLDER.0.to_le_bytes()))
+                        .collect();
+                    let (content, mut reader) =
+                        Self::read_header(Tracked::new(open()?, patches), path)?;
+                    reader.patches.clear();
+                    let own = own.into_iter().map(|t| (t.name, t.ty)).collect();
+                    (content, reader, own)
+                }
+            };
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            reader,
+            dense: None,
+            kernels: Kernels::default(),
+            packed: Default::default(),
+            own,
+        })
+    }
+
+    /// candle's reading of the header through `reader`, and the reader.
+    fn read_header(mut reader: Tracked, path: &Path) -> Result<(gguf_file::Content, Tracked)> {
         // candle's reader divides by `general.alignment` unchecked (0 panics): read the header
         // under a guard that turns such a panic into an error about the file.
         let content = crate::guard::no_panic(|| gguf_file::Content::read(&mut reader))
@@ -104,22 +179,21 @@ impl GgufFile {
                     path.display()
                 )
             })?
-            .map_err(|e| match super::gguf_types::unsupported_tensor(path) {
-                // A tensor type candle's reader does not know: name it, not "damaged".
-                Some(why) => anyhow::anyhow!("{}: {why}", path.display()),
-                None => anyhow::anyhow!(
+            .map_err(|e| {
+                anyhow::anyhow!(
                     "{} is not a readable GGUF file ({e}); is it truncated or of another format?",
                     path.display(),
                     e = crate::first_line(e)
-                ),
+                )
             })?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            content,
-            reader,
-            dense: None,
-            kernels: Kernels::default(),
-            packed: Default::default(),
+        Ok((content, reader))
+    }
+
+    /// The type of tensor `name` as the file gives it (None when the file has no such tensor).
+    pub fn tensor_type(&self, name: &str) -> Option<WeightType> {
+        self.own.get(name).copied().or_else(|| {
+            let info = self.content.tensor_infos.get(name)?;
+            Some(WeightType::from_candle(info.ggml_dtype))
         })
     }
 
@@ -144,7 +218,13 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
+    /// Tensor `name` as candle's `QTensor`. A tensor of a type candle does not know (an i-quant)
+    /// is dequantized by our kernels into an F32 tensor (for `--dtype`, another device, or
+    /// export; the decoder on the CPU runs such matrices with our kernels and never asks here).
     pub fn tensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        if let Some(&ty) = self.own.get(name) {
+            return self.dequantized(name, ty, device);
+        }
         self.content
             .tensor(&mut self.reader, name, device)
             .map_err(|e| {
@@ -156,12 +236,33 @@ impl GgufFile {
             })
     }
 
-    /// `[rows, cols]` of a 2-D tensor (candle's order: rows first); an error naming the tensor when
-    /// the file has none of that name.
-    fn dims2(
-        &self,
-        name: &str,
-    ) -> Result<Option<(usize, usize, candle_core::quantized::GgmlDType)>> {
+    /// A tensor of a type only our kernels read, dequantized to F32 row by row.
+    fn dequantized(&mut self, name: &str, ty: WeightType, device: &Device) -> Result<QTensor> {
+        let dims = self.content.tensor_infos[name].shape.dims().to_vec();
+        // [rows, cols] with cols the innermost dimension (a vector is one row).
+        let cols = *dims.last().unwrap_or(&1);
+        let rows = dims.iter().rev().skip(1).product::<usize>();
+        let at = self.locate_as(name, ty, rows, cols)?;
+        let m = self
+            .read_located(&[(name, at)])?
+            .remove(name)
+            .with_context(|| {
+                format!(
+                    "tensor {name} in {} has {ty}, which kvchat cannot run",
+                    self.path.display()
+                )
+            })?;
+        let ids: Vec<u32> = (0..rows as u32).collect();
+        let t = m.rows(&ids)?.reshape(dims)?.to_device(device)?;
+        Ok(QTensor::quantize(
+            &t,
+            candle_core::quantized::GgmlDType::F32,
+        )?)
+    }
+
+    /// `[rows, cols]` of a 2-D tensor (candle's order: rows first) and its type; an error naming
+    /// the tensor when the file has none of that name.
+    fn dims2(&self, name: &str) -> Result<Option<(usize, usize, WeightType)>> {
         let info = self.content.tensor_infos.get(name).with_context(|| {
             format!(
                 "cannot read tensor {name} from {} (the file has no such tensor); the file may be \
@@ -169,8 +270,9 @@ impl GgufFile {
                 self.path.display()
             )
         })?;
+        let ty = self.tensor_type(name).unwrap_or(PLACEHOLDER);
         Ok(match info.shape.dims() {
-            &[rows, cols] => Some((rows, cols, info.ggml_dtype)),
+            &[rows, cols] => Some((rows, cols, ty)),
             _ => None,
         })
     }
@@ -189,6 +291,18 @@ impl GgufFile {
             return Ok(None);
         }
         expect_dims(name, &[rows, cols], &want)?;
+        self.locate_as(name, dtype, rows, cols).map(Some)
+    }
+
+    /// Where the file holds tensor `name`, `[rows, cols]` of `dtype`, checked against the file's
+    /// length.
+    fn locate_as(
+        &mut self,
+        name: &str,
+        dtype: WeightType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Located> {
         let info = &self.content.tensor_infos[name];
         let elems = rows * cols;
         if !elems.is_multiple_of(dtype.block_size()) {
@@ -212,16 +326,18 @@ impl GgufFile {
         if len.saturating_sub(start) < size {
             return Err(self.unreadable(
                 name,
-                format!("it needs {size} bytes at offset {start}, the file has {len}"),
+                format!(
+                    "its {dtype} blocks need {size} bytes at offset {start}, the file has {len}"
+                ),
             ));
         }
-        Ok(Some(Located {
+        Ok(Located {
             dtype,
             rows,
             cols,
             start,
             size,
-        }))
+        })
     }
 
     fn unreadable(&self, name: &str, why: String) -> anyhow::Error {

@@ -1,57 +1,44 @@
 //! The weight types a GGUF file may hold, by ggml's ids, and which of them kvchat runs. candle's
-//! reader refuses a type it does not know with a bare "unknown dtype"; [`unsupported_tensor`] reads
-//! the header's tensor list itself (bounded, hostile input) to name the tensor and its type instead.
+//! reader knows only the types candle runs and refuses any other with a bare "unknown dtype";
+//! [`tensor_types`] walks the header's tensor list itself (bounded, hostile input) to find each
+//! tensor's true type, so that a type kvchat runs and candle does not (the i-quants) can still be
+//! read (`GgufFile::open`), and [`unsupported_tensor`] names a tensor whose type kvchat cannot run.
 
-use super::kernels::quant::WEIGHT_TYPES;
-use std::io::{BufRead, BufReader, Read, Seek};
+use super::kernels::quant::{WeightType, WEIGHT_TYPES};
+use std::io::{BufReader, Read};
 use std::path::Path;
 
-/// The names of ggml's types (`ggml_type`) that kvchat does not run, by id, so that a file holding
-/// one is refused naming it (the types it runs are named by `WEIGHT_TYPES`).
-const NAMES: &[(u32, &str)] = &[
-    (9, "Q8_1"),
-    (15, "Q8_K"),
-    (16, "IQ2_XXS"),
-    (17, "IQ2_XS"),
-    (18, "IQ3_XXS"),
-    (19, "IQ1_S"),
-    (20, "IQ4_NL"),
-    (21, "IQ3_S"),
-    (22, "IQ2_S"),
-    (23, "IQ4_XS"),
-    (24, "I8"),
-    (25, "I16"),
-    (26, "I32"),
-    (27, "I64"),
-    (28, "F64"),
-    (29, "IQ1_M"),
-    (34, "TQ1_0"),
-    (35, "TQ2_0"),
-    (39, "MXFP4"),
-];
-
 /// Whether kvchat runs weight type `id`: the quantized-matmul driver's table
-/// (`kernels::quant::WEIGHT_TYPES`; candle's reader and QMatMul know each of them too).
+/// (`kernels::quant::WEIGHT_TYPES`).
 fn supported(id: u32) -> bool {
     WEIGHT_TYPES.iter().any(|(i, ..)| *i == id)
 }
 
 /// A type's name, or "type N (unknown to kvchat)".
 pub fn type_name(id: u32) -> String {
-    let run = WEIGHT_TYPES.iter().map(|(i, n, _)| (*i, *n));
-    run.chain(NAMES.iter().copied())
-        .find(|(i, _)| *i == id)
-        .map_or_else(
-            || format!("type {id} (unknown to kvchat)"),
-            |(_, n)| format!("type {n}"),
-        )
+    let t = WeightType(id);
+    if t.known() {
+        format!("type {t}")
+    } else {
+        format!("type {id} (unknown to kvchat)")
+    }
 }
 
-/// The first tensor of the GGUF at `path` whose type kvchat cannot run, as a one-line reason; None
-/// when every tensor's type is supported or the header cannot be read this far (the caller then
-/// reports the file as unreadable).
-pub fn unsupported_tensor(path: &Path) -> Option<String> {
-    let mut r = BufReader::new(std::fs::File::open(path).ok()?);
+/// One entry of a GGUF header's tensor list: the tensor's name, its type, and the byte position
+/// of the type field in the file.
+pub struct TensorType {
+    pub name: String,
+    pub ty: WeightType,
+    pub at: u64,
+}
+
+/// Each tensor of the GGUF at `path` with its type, in the header's order; None when the header
+/// cannot be read this far (the caller then reports the file as unreadable).
+pub fn tensor_types(path: &Path) -> Option<Vec<TensorType>> {
+    let mut r = Counted {
+        r: BufReader::new(std::fs::File::open(path).ok()?),
+        at: 0,
+    };
     let mut magic = [0u8; 4];
     r.read_exact(&mut magic).ok()?;
     if &magic != b"GGUF" {
@@ -72,6 +59,7 @@ pub fn unsupported_tensor(path: &Path) -> Option<String> {
         let ty = u32_le(&mut r)?;
         skip_value(&mut r, ty, 0)?;
     }
+    let mut out = Vec::with_capacity(n_tensors as usize);
     for _ in 0..n_tensors {
         let name = read_string(&mut r)?;
         let n_dims = u32_le(&mut r)?;
@@ -81,22 +69,50 @@ pub fn unsupported_tensor(path: &Path) -> Option<String> {
         for _ in 0..n_dims {
             u64_le(&mut r)?;
         }
-        let ty = u32_le(&mut r)?;
+        let at = r.at;
+        let ty = WeightType(u32_le(&mut r)?);
         u64_le(&mut r)?; // offset
-        if !supported(ty) {
-            // Float types first, then the quantized ones by id.
-            let mut types: Vec<(u32, &str)> =
-                WEIGHT_TYPES.iter().map(|(i, n, _)| (*i, *n)).collect();
-            types.sort_by_key(|&(i, n)| (!n.starts_with(['F', 'B']), i));
-            let names: Vec<&str> = types.iter().map(|(_, n)| *n).collect();
-            return Some(format!(
-                "tensor {name} has {}, which kvchat cannot run yet; supported: {}",
-                type_name(ty),
-                names.join(", ")
-            ));
-        }
+        out.push(TensorType { name, ty, at });
     }
-    None
+    Some(out)
+}
+
+/// The first tensor of `tensors` whose type kvchat cannot run, as a one-line reason; None when
+/// every tensor's type is supported.
+pub fn unsupported_tensor(tensors: &[TensorType]) -> Option<String> {
+    let t = tensors.iter().find(|t| !supported(t.ty.0))?;
+    // Float types first, then the quantized ones by id.
+    let mut types: Vec<(u32, &str)> = WEIGHT_TYPES.iter().map(|(i, n, _)| (*i, *n)).collect();
+    types.sort_by_key(|&(i, n)| (!n.starts_with(['F', 'B']), i));
+    let names: Vec<&str> = types.iter().map(|(_, n)| *n).collect();
+    Some(format!(
+        "tensor {} has {}, which kvchat cannot run yet; supported: {}",
+        t.name,
+        type_name(t.ty.0),
+        names.join(", ")
+    ))
+}
+
+/// A buffered reader that counts the bytes read and skipped (the position of each type field).
+struct Counted {
+    r: BufReader<std::fs::File>,
+    at: u64,
+}
+
+impl Read for Counted {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.r.read(buf)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+impl Counted {
+    fn skip(&mut self, n: i64) -> Option<()> {
+        self.r.seek_relative(n).ok()?;
+        self.at = self.at.checked_add_signed(n)?;
+        Some(())
+    }
 }
 
 fn u32_le(r: &mut impl Read) -> Option<u32> {
@@ -124,16 +140,16 @@ fn read_string(r: &mut impl Read) -> Option<String> {
     Some(String::from_utf8_lossy(&b).into_owned())
 }
 
-fn skip_string<R: BufRead + Seek>(r: &mut R) -> Option<()> {
+fn skip_string(r: &mut Counted) -> Option<()> {
     let n = u64_le(r)?;
     if n > MAX_STRING {
         return None;
     }
-    r.seek_relative(n as i64).ok()
+    r.skip(n as i64)
 }
 
 /// Skips one metadata value of GGUF type `ty` (arrays nest at most a few levels).
-fn skip_value<R: BufRead + Seek>(r: &mut R, ty: u32, depth: u32) -> Option<()> {
+fn skip_value(r: &mut Counted, ty: u32, depth: u32) -> Option<()> {
     let size = match ty {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
@@ -156,11 +172,11 @@ fn skip_value<R: BufRead + Seek>(r: &mut R, ty: u32, depth: u32) -> Option<()> {
                         10..=12 => 8,
                         _ => return None,
                     };
-                    r.seek_relative(one.checked_mul(count as i64)?).ok()
+                    r.skip(one.checked_mul(count as i64)?)
                 }
             };
         }
         _ => return None,
     };
-    r.seek_relative(size).ok()
+    r.skip(size)
 }

@@ -1033,7 +1033,7 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
     for (ty, name) in [
         (17u32, "type IQ2_XS"),
         (39, "type MXFP4"),
-        (23, "type IQ4_XS"),
+        (18, "type IQ3_XXS"),
         (99, "type 99 (unknown to kvchat)"),
     ] {
         let tensors = [
@@ -1059,6 +1059,35 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
         );
         assert!(!String::from_utf8_lossy(&o.stderr).contains("damaged"));
     }
+}
+
+/// An i-quant matrix whose blocks the file cuts short is named with its type, in one line.
+#[test]
+fn an_iq4_nl_matrix_cut_short_is_named_with_its_type() {
+    let home = temp("iq4-short");
+    let path = crate::common::tiny::write_tiny_typed(
+        "iq4-short",
+        "llama",
+        candle_core::quantized::GgmlDType::Q4_0,
+        crate::common::tiny::spm_metadata(crate::common::tiny::VOCAB),
+    );
+    crate::common::tiny::retype(&path, 2, 20);
+    // The last tensor's data is blk.1.ffn_down's ([64, 128]: 256 blocks of 18 bytes).
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &["run", "-m", path.to_str().unwrap(), "--raw", "hi"],
+        b"",
+    );
+    assert_refused(&o, "cannot read tensor blk.1.ffn_down.weight");
+    assert_refused(&o, "its IQ4_NL blocks need 4608 bytes at offset");
 }
 
 #[test]

@@ -33,6 +33,16 @@ pub const TINY_WINDOW: usize = 8;
 /// A tiny random model of architecture `arch`: qwen2 (q/k/v biases), qwen3 (per-head q/k norms)
 /// or gemma3 (q/k norms, norms after attention and FFN, a sliding window of 8 on layer 0).
 pub fn write_tiny_arch(name: &str, arch: &str, extra: Vec<(String, Value)>) -> PathBuf {
+    write_tiny_typed(name, arch, GgmlDType::Q8_0, extra)
+}
+
+/// As `write_tiny_arch`, with the embedding table and every projection of type `matrices`.
+pub fn write_tiny_typed(
+    name: &str,
+    arch: &str,
+    matrices: GgmlDType,
+    extra: Vec<(String, Value)>,
+) -> PathBuf {
     let dev = Device::Cpu;
     let rand = |shape: &[usize], q: GgmlDType| {
         let t = Tensor::randn(0f32, 0.2, shape, &dev).unwrap();
@@ -47,15 +57,12 @@ pub fn write_tiny_arch(name: &str, arch: &str, extra: Vec<(String, Value)>) -> P
         QTensor::quantize(&t, GgmlDType::F32).unwrap()
     };
     let mut tensors: Vec<(String, QTensor)> = vec![
-        (
-            "token_embd.weight".into(),
-            rand(&[VOCAB, HIDDEN], GgmlDType::Q8_0),
-        ),
+        ("token_embd.weight".into(), rand(&[VOCAB, HIDDEN], matrices)),
         ("output_norm.weight".into(), ones(HIDDEN)),
     ];
     for i in 0..LAYERS {
         let p = format!("blk.{i}");
-        let q8 = GgmlDType::Q8_0;
+        let q8 = matrices;
         tensors.extend([
             (format!("{p}.attn_norm.weight"), ones(HIDDEN)),
             (
@@ -343,4 +350,17 @@ pub fn write_random_qwen3(path: &std::path::Path, tokenizer_from: &std::path::Pa
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
+}
+
+/// Rewrites, in the header of the GGUF at `path`, the type of every tensor of type `from` to `to`
+/// (ggml ids): a file of a type candle cannot write, made from one of the same block layout (Q4_0
+/// and IQ4_NL: 32 values in 18 bytes, a scale and 16 bytes of nibbles).
+pub fn retype(path: &std::path::Path, from: u32, to: u32) {
+    use std::io::{Seek, SeekFrom, Write};
+    let types = kvchat::model::gguf_types::tensor_types(path).expect("a readable header");
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    for t in types.iter().filter(|t| t.ty.0 == from) {
+        f.seek(SeekFrom::Start(t.at)).unwrap();
+        f.write_all(&to.to_le_bytes()).unwrap();
+    }
 }

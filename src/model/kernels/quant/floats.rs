@@ -9,8 +9,8 @@
 //! weights per step (F16C for F16, a shift for BF16); the tail of a row that is not a multiple of
 //! 16 long, and the fold, run as in the scalar reference [`dot_ref`].
 
+use super::WeightType;
 use super::{hsum, Level, RowFormat};
-use candle_core::quantized::GgmlDType;
 use half::{bf16, f16};
 
 /// Accumulators per row (two AVX2 registers).
@@ -18,14 +18,14 @@ const L: usize = 16;
 
 /// A float weight: its value as f32 (exact for all three types).
 pub trait Float: bytemuck::Pod + Send + Sync + 'static {
-    const DTYPE: GgmlDType;
+    const DTYPE: WeightType;
     fn value(self) -> f32;
     /// The nearest weight to `v`.
     fn from_f32(v: f32) -> Self;
 }
 
 impl Float for f32 {
-    const DTYPE: GgmlDType = GgmlDType::F32;
+    const DTYPE: WeightType = WeightType::F32;
     #[inline(always)]
     fn value(self) -> f32 {
         self
@@ -36,7 +36,7 @@ impl Float for f32 {
 }
 
 impl Float for f16 {
-    const DTYPE: GgmlDType = GgmlDType::F16;
+    const DTYPE: WeightType = WeightType::F16;
     #[inline(always)]
     fn value(self) -> f32 {
         self.to_f32()
@@ -47,7 +47,7 @@ impl Float for f16 {
 }
 
 impl Float for bf16 {
-    const DTYPE: GgmlDType = GgmlDType::BF16;
+    const DTYPE: WeightType = WeightType::BF16;
     #[inline(always)]
     fn value(self) -> f32 {
         self.to_f32()
@@ -86,7 +86,7 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
     type Block = W;
     type Act = f32;
     const N: usize = 1;
-    const DTYPE: GgmlDType = W::DTYPE;
+    const DTYPE: WeightType = W::DTYPE;
     fn quantize(xs: &[f32], ys: &mut [f32]) {
         ys.copy_from_slice(xs);
     }

@@ -2,9 +2,9 @@
 //! Each gives its integer weights per element (`weight`), its lanes and scale for the driver's
 //! one summation order, and an AVX2 unpack + integer dot in `avx2`.
 
+use super::WeightType;
 use super::{lane, Avx2, BlockQ8_0, BlockQ8_1, Format};
 use bytemuck::{Pod, Zeroable};
-use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// Q4_0: `{d: f16, qs: [u8; 16]}`, w = d·(q − 8); low nibbles hold elements 0..16, high 16..32.
@@ -89,7 +89,7 @@ impl Format for Q4_0 {
     type Block = BlockQ4_0;
     type Act = BlockQ8_0;
     const N: usize = 32;
-    const DTYPE: GgmlDType = GgmlDType::Q4_0;
+    const DTYPE: WeightType = WeightType::Q4_0;
     const HAS_MIN: bool = false;
     fn dequantize(x: &BlockQ4_0, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -115,7 +115,7 @@ impl Format for Q4_1 {
     type Block = BlockQ4_1;
     type Act = BlockQ8_1;
     const N: usize = 32;
-    const DTYPE: GgmlDType = GgmlDType::Q4_1;
+    const DTYPE: WeightType = WeightType::Q4_1;
     const HAS_MIN: bool = true;
     fn dequantize(x: &BlockQ4_1, out: &mut [f32]) {
         let (d, m) = (x.d.to_f32(), x.m.to_f32());
@@ -141,7 +141,7 @@ impl Format for Q5_0 {
     type Block = BlockQ5_0;
     type Act = BlockQ8_0;
     const N: usize = 32;
-    const DTYPE: GgmlDType = GgmlDType::Q5_0;
+    const DTYPE: WeightType = WeightType::Q5_0;
     const HAS_MIN: bool = false;
     fn dequantize(x: &BlockQ5_0, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -167,7 +167,7 @@ impl Format for Q5_1 {
     type Block = BlockQ5_1;
     type Act = BlockQ8_1;
     const N: usize = 32;
-    const DTYPE: GgmlDType = GgmlDType::Q5_1;
+    const DTYPE: WeightType = WeightType::Q5_1;
     const HAS_MIN: bool = true;
     fn dequantize(x: &BlockQ5_1, out: &mut [f32]) {
         let (d, m) = (x.d.to_f32(), x.m.to_f32());
@@ -193,7 +193,7 @@ impl Format for Q8_0 {
     type Block = BlockQ8_0W;
     type Act = BlockQ8_0;
     const N: usize = 32;
-    const DTYPE: GgmlDType = GgmlDType::Q8_0;
+    const DTYPE: WeightType = WeightType::Q8_0;
     const HAS_MIN: bool = false;
     fn dequantize(x: &BlockQ8_0W, out: &mut [f32]) {
         let d = x.d.to_f32();

@@ -3,7 +3,6 @@
 use super::*;
 use anyhow::{bail, Result};
 use bytemuck::Zeroable;
-use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
 /// Output rows per work item: enough to amortize the hand-off, small enough to balance two threads.
@@ -60,7 +59,7 @@ impl<F: Avx2> Matrix<F> {
 }
 
 /// Refuses a matrix of `dtype` whose rows of `cols` values do not split into whole blocks.
-pub(super) fn check_cols(dtype: GgmlDType, cols: usize) -> Result<()> {
+pub(super) fn check_cols(dtype: WeightType, cols: usize) -> Result<()> {
     let n = dtype.block_size();
     if !cols.is_multiple_of(n) {
         bail!("{dtype:?} matrix with {cols} columns, not a multiple of {n}");

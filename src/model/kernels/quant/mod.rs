@@ -37,20 +37,23 @@
 
 mod act;
 pub(crate) mod floats;
+mod iquants;
 mod kquants;
 mod legacy;
 mod level;
 mod matrix;
 mod row;
 mod tiled;
+mod wtype;
 
 use super::disjoint::DisjointOut;
 use anyhow::Result;
 use bytemuck::Pod;
-use candle_core::quantized::GgmlDType;
 use half::f16;
+pub use wtype::WeightType;
 
 pub use floats::{dot_ref, Floats};
+pub use iquants::{IQ4NL, IQ4XS};
 pub use kquants::{Q2K, Q3K, Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use tiled::TileArena;
@@ -76,7 +79,7 @@ pub trait Format: Send + Sync + 'static {
     type Act: Act;
     /// Values per block (32, or 256 for the K-quants); `Act::N` is the same.
     const N: usize;
-    const DTYPE: GgmlDType;
+    const DTYPE: WeightType;
     /// Whether the format has a min term (`min_term` is not zero).
     const HAS_MIN: bool;
     /// The block's `N` weights as f32 (GGUF's dequantization).
@@ -120,7 +123,7 @@ fn lane(i: usize) -> usize {
 }
 
 /// The weight types this driver runs, declared once. A row: ggml's type id, its name, candle's
-/// `GgmlDType`, and its format here (a block struct with `Format` and, for tiles, `Tiled` impls; or
+/// [`WeightType`] const, and its format here (a block struct with `Format` and, for tiles, `Tiled` impls; or
 /// `Floats<E>`). Rows under `tiled` become row-interleaved tiles where AVX2 runs and rows come in
 /// 16s (per row otherwise); rows under `per_row` always run per row. From these rows come
 /// [`FORMATS`], [`WEIGHT_TYPES`] (the GGUF reader's list of what kvchat runs), the per-row reader
@@ -134,7 +137,7 @@ macro_rules! weight_types {
         macro_rules! tiled_format {
             ($d dtype:expr, |$d F:ident| $d body:expr, else $d none:expr) => {
                 match $d dtype {
-                    $( GgmlDType::$tdt => {
+                    $( WeightType::$tdt => {
                         #[allow(dead_code)]
                         type $d F = $TF;
                         $d body
@@ -145,24 +148,24 @@ macro_rules! weight_types {
         }
 
         /// The GGUF types this driver runs.
-        pub const FORMATS: [GgmlDType; [$($tname,)* $($rname,)*].len()] =
-            [$(GgmlDType::$tdt,)* $(GgmlDType::$rdt,)*];
+        pub const FORMATS: [WeightType; [$($tname,)* $($rname,)*].len()] =
+            [$(WeightType::$tdt,)* $(WeightType::$rdt,)*];
 
         /// The GGUF types this driver runs, as (ggml type id, name, candle's type).
-        pub const WEIGHT_TYPES: [(u32, &str, GgmlDType); [$($tname,)* $($rname,)*].len()] =
-            [$(($tid, $tname, GgmlDType::$tdt),)* $(($rid, $rname, GgmlDType::$rdt),)*];
+        pub const WEIGHT_TYPES: [(u32, &str, WeightType); [$($tname,)* $($rname,)*].len()] =
+            [$(($tid, $tname, WeightType::$tdt),)* $(($rid, $rname, WeightType::$rdt),)*];
 
         /// The per-row matrix of `[rows, cols]` blocks of `dtype` read from `src`; None for a
         /// type this driver does not run.
         fn read_per_row(
-            dtype: GgmlDType,
+            dtype: WeightType,
             rows: usize,
             cols: usize,
             src: &mut dyn std::io::Read,
         ) -> Result<Option<QMatrix>> {
             Ok(Some(match dtype {
-                $( GgmlDType::$tdt => QMatrix::new(Matrix::<$TF>::read_rows(rows, cols, src)?), )*
-                $( GgmlDType::$rdt => QMatrix::new(Matrix::<$RF>::read_rows(rows, cols, src)?), )*
+                $( WeightType::$tdt => QMatrix::new(Matrix::<$TF>::read_rows(rows, cols, src)?), )*
+                $( WeightType::$rdt => QMatrix::new(Matrix::<$RF>::read_rows(rows, cols, src)?), )*
                 _ => return Ok(None),
             }))
         }
@@ -186,6 +189,8 @@ weight_types! {$
         30 "BF16" BF16 => Floats<half::bf16>;
         10 "Q2_K" Q2K => Q2K;
         11 "Q3_K" Q3K => Q3K;
+        20 "IQ4_NL" IQ4_NL => IQ4NL;
+        23 "IQ4_XS" IQ4_XS => IQ4XS;
     }
 }
 

@@ -2,7 +2,6 @@
 
 use super::*;
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
 /// Reads a model's matrices for our kernels: those that become tiles into one [`TileArena`]
@@ -20,7 +19,7 @@ pub struct Packer {
 /// A matrix [`Packer::new`] was told of: its type and shape, and the first byte of its tiles in
 /// the store (None: rows not in 16s, read on their own).
 pub(super) struct Planned {
-    dtype: GgmlDType,
+    dtype: WeightType,
     rows: usize,
     cols: usize,
     at: Option<usize>,
@@ -29,7 +28,7 @@ pub(super) struct Planned {
 pub(super) enum Slot {
     Ready(QMatrix),
     Tiles {
-        dtype: GgmlDType,
+        dtype: WeightType,
         rows: usize,
         cols: usize,
         at: usize,
@@ -39,7 +38,7 @@ pub(super) enum Slot {
 impl Packer {
     /// Room for the tiles of `mats` (`[dtype, rows, cols]` each, shapes already checked), read
     /// afterwards in this order.
-    pub fn new(mats: &[(GgmlDType, usize, usize)]) -> Result<Self> {
+    pub fn new(mats: &[(WeightType, usize, usize)]) -> Result<Self> {
         let mut end = 0usize;
         let plan: Vec<Planned> = mats
             .iter()
@@ -76,7 +75,7 @@ impl Packer {
     /// does not run.
     pub fn read(
         &mut self,
-        dtype: GgmlDType,
+        dtype: WeightType,
         rows: usize,
         cols: usize,
         src: &mut dyn std::io::Read,

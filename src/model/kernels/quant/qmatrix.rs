@@ -2,13 +2,13 @@
 
 use super::*;
 use anyhow::{bail, Result};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
 /// A matrix of one format in one layout (per row or tiles): what a [`QMatrix`] holds.
 pub(super) trait Kernel: Send + Sync + 'static {
-    fn dtype(&self) -> GgmlDType;
+    fn dtype(&self) -> WeightType;
     /// `[rows, cols]`.
     fn dims(&self) -> (usize, usize);
     /// `xs [m, cols]` (f32, row-major) times the transposed matrix into `out [m, rows]`.
@@ -34,7 +34,7 @@ pub(super) fn all_of<'a, M: 'static>(parts: &[&'a QMatrix]) -> Option<Vec<&'a M>
 }
 
 impl<F: RowFormat> Kernel for Matrix<F> {
-    fn dtype(&self) -> GgmlDType {
+    fn dtype(&self) -> WeightType {
         F::DTYPE
     }
     fn dims(&self) -> (usize, usize) {
@@ -58,7 +58,7 @@ impl<F: RowFormat> Kernel for Matrix<F> {
 }
 
 impl<F: tiled::TileKernels> Kernel for TiledMatrix<F> {
-    fn dtype(&self) -> GgmlDType {
+    fn dtype(&self) -> WeightType {
         <F as Format>::DTYPE
     }
     fn dims(&self) -> (usize, usize) {
@@ -104,11 +104,12 @@ pub enum Kernels {
 
 impl Kernels {
     /// Whether our kernels take a matrix of `dtype`.
-    pub fn ours_for(self, dtype: GgmlDType) -> bool {
+    pub fn ours_for(self, dtype: WeightType) -> bool {
         match self {
             Kernels::Preferred => preferred(dtype),
             Kernels::Ours => FORMATS.contains(&dtype),
-            Kernels::Candle | Kernels::Gpu => false,
+            // Types candle does not know run on ours whatever is asked.
+            Kernels::Candle | Kernels::Gpu => FORMATS.contains(&dtype) && dtype.candle().is_none(),
         }
     }
 }
@@ -134,21 +135,22 @@ impl std::str::FromStr for Kernels {
 /// docs/perf-notes.md).
 ///
 /// With no SIMD path here (not x86-64, or no AVX2: `level()` is `Scalar`), candle's QMatMul runs
-/// everything (it has NEON kernels; ours would run their scalar reference).
-pub fn preferred(dtype: GgmlDType) -> bool {
-    FORMATS.contains(&dtype) && level() >= Level::Avx2
+/// everything (it has NEON kernels; ours would run their scalar reference) but the types candle
+/// does not know (the i-quants), which only ours run.
+pub fn preferred(dtype: WeightType) -> bool {
+    FORMATS.contains(&dtype) && (level() >= Level::Avx2 || dtype.candle().is_none())
 }
 
 impl QMatrix {
     /// The matrix of a `QTensor [rows, cols]`; None for a type this driver does not run.
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
         let (rows, cols) = t.shape().dims2()?;
-        Self::from_bytes(t.dtype(), rows, cols, &t.data()?)
+        Self::from_bytes(WeightType::from_candle(t.dtype()), rows, cols, &t.data()?)
     }
 
     /// The per-row matrix of `[rows, cols]` GGUF blocks of `dtype` that `src` gives.
     pub(super) fn read_rows(
-        dtype: GgmlDType,
+        dtype: WeightType,
         rows: usize,
         cols: usize,
         src: &mut dyn std::io::Read,
@@ -159,7 +161,7 @@ impl QMatrix {
     /// The matrix of a GGUF tensor's bytes, `[rows, cols]` of `dtype`; None for a type this
     /// driver does not run.
     pub fn from_bytes(
-        dtype: GgmlDType,
+        dtype: WeightType,
         rows: usize,
         cols: usize,
         data: &[u8],
@@ -188,7 +190,7 @@ impl QMatrix {
         self.0.as_any().downcast_ref()
     }
 
-    pub fn dtype(&self) -> GgmlDType {
+    pub fn dtype(&self) -> WeightType {
         self.0.dtype()
     }
 

@@ -3,7 +3,6 @@
 
 use super::*;
 use bytemuck::Pod;
-use candle_core::quantized::GgmlDType;
 
 /// A format's SIMD kernels: the block unpacked into registers once, then its integer lanes with
 /// any number of activation blocks (and its min term, from what was unpacked). `*512` are the
@@ -239,7 +238,7 @@ pub trait RowFormat: Send + Sync + 'static {
     type Act: Pod + Send + Sync;
     /// Values per block (1 for the float types).
     const N: usize;
-    const DTYPE: GgmlDType;
+    const DTYPE: WeightType;
     /// An f32 input row as activation blocks.
     fn quantize(xs: &[f32], ys: &mut [Self::Act]);
     /// The block's `N` weights as f32.
@@ -254,7 +253,7 @@ impl<F: Avx2> RowFormat for F {
     type Block = F::Block;
     type Act = F::Act;
     const N: usize = <F as Format>::N;
-    const DTYPE: GgmlDType = <F as Format>::DTYPE;
+    const DTYPE: WeightType = <F as Format>::DTYPE;
     fn quantize(xs: &[f32], ys: &mut [F::Act]) {
         <F::Act as Act>::quantize(xs, ys)
     }

@@ -26,9 +26,35 @@ fn seeded(seed: u64, shape: impl Into<candle_core::Shape>) -> Tensor {
 }
 
 /// `n` random rows of `k` values, and their quantization by candle (ggml's reference quantizer).
-fn quantized(dtype: GgmlDType, n: usize, k: usize) -> QTensor {
+fn quantized(dtype: WeightType, n: usize, k: usize) -> QTensor {
     let w = seeded(101, (n, k));
-    QTensor::quantize(&w, dtype).unwrap()
+    QTensor::quantize(&w, dtype.candle().expect("a type candle quantizes")).unwrap()
+}
+
+/// A `[n, k]` matrix of `dtype` as GGUF bytes, and those bytes dequantized: quantized by candle
+/// (ggml's reference quantizer) where candle knows the type, else by the i-quants' reference
+/// quantizer and dequantized by the format.
+fn gguf_matrix(dtype: WeightType, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    if dtype.candle().is_some() {
+        let qt = quantized(dtype, n, k);
+        return (
+            qt.data().unwrap().to_vec(),
+            flat(&qt.dequantize(&Device::Cpu).unwrap()),
+        );
+    }
+    let w = flat(&seeded(101, (n, k)));
+    fn of<F: Format>(blocks: Vec<F::Block>) -> (Vec<u8>, Vec<f32>) {
+        let mut deq = vec![0f32; blocks.len() * F::N];
+        for (b, o) in blocks.iter().zip(deq.chunks_exact_mut(F::N)) {
+            F::dequantize(b, o);
+        }
+        (bytemuck::cast_slice(&blocks).to_vec(), deq)
+    }
+    match dtype {
+        WeightType::IQ4_NL => of::<IQ4NL>(iquants::reference::iq4_nl(&w)),
+        WeightType::IQ4_XS => of::<IQ4XS>(iquants::reference::iq4_xs(&w)),
+        other => panic!("no reference quantizer for {other}"),
+    }
 }
 
 /// Blocks of random bytes (every quant and scale value, including the extremes), with the f16
@@ -197,8 +223,10 @@ fn rows_are_candles_dequantization<F: RowFormat>() {
 
 fn prefill_rows_have_the_bits_of_decode<F: RowFormat>(n: usize) {
     let k = two_blocks::<F>();
-    let qt = quantized(F::DTYPE, n, k);
-    let mat = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+    let (bytes, _) = gguf_matrix(F::DTYPE, n, k);
+    let mat = QMatrix::from_bytes(F::DTYPE, n, k, &bytes)
+        .unwrap()
+        .unwrap();
     // 21 tokens: more than one 16-token tile of the prefill split.
     let x = seeded(103, (1, 21, k));
     let all = flat(&mat.forward(&x).unwrap());
@@ -464,7 +492,7 @@ mod tiles {
             return;
         }
         let q = |n| {
-            QMatrix::from_qtensor(&quantized(GgmlDType::Q6K, n, 512))
+            QMatrix::from_qtensor(&quantized(WeightType::Q6K, n, 512))
                 .unwrap()
                 .unwrap()
         };
@@ -496,7 +524,7 @@ mod tiles {
 
     /// Matrices of several formats and shapes (one of rows not in 16s) read by one packer from
     /// their GGUF bytes, and each matrix made on its own from the same bytes.
-    fn packed_and_alone(shapes: &[(GgmlDType, usize, usize)]) -> (Vec<QMatrix>, Vec<QMatrix>) {
+    fn packed_and_alone(shapes: &[(WeightType, usize, usize)]) -> (Vec<QMatrix>, Vec<QMatrix>) {
         let tensors: Vec<QTensor> = shapes
             .iter()
             .map(|&(dtype, n, k)| quantized(dtype, n, k))
@@ -519,12 +547,12 @@ mod tiles {
             return;
         }
         let shapes = [
-            (GgmlDType::Q8_0, 64, 256),
-            (GgmlDType::Q5_0, 48, 256),
-            (GgmlDType::Q4K, 32, 512),
-            (GgmlDType::Q6K, 16, 256),
-            (GgmlDType::Q4_0, 24, 256),
-            (GgmlDType::Q5K, 32, 256),
+            (WeightType::Q8_0, 64, 256),
+            (WeightType::Q5_0, 48, 256),
+            (WeightType::Q4K, 32, 512),
+            (WeightType::Q6K, 16, 256),
+            (WeightType::Q4_0, 24, 256),
+            (WeightType::Q5K, 32, 256),
         ];
         let (packed, alone) = packed_and_alone(&shapes);
         for ((p, a), (dtype, n, k)) in packed.iter().zip(&alone).zip(shapes) {
@@ -550,9 +578,9 @@ mod tiles {
             return;
         }
         let shapes = [
-            (GgmlDType::Q6K, 64, 256),
-            (GgmlDType::Q6K, 16, 256),
-            (GgmlDType::Q6K, 16, 256),
+            (WeightType::Q6K, 64, 256),
+            (WeightType::Q6K, 16, 256),
+            (WeightType::Q6K, 16, 256),
         ];
         let (packed, alone) = packed_and_alone(&shapes);
         let parts: Vec<&QMatrix> = packed.iter().collect();
@@ -575,19 +603,19 @@ mod tiles {
 
     #[test]
     fn a_matrix_the_packer_was_not_told_of_is_refused() {
-        let t = quantized(GgmlDType::Q8_0, 32, 256);
-        let mut packer = Packer::new(&[(GgmlDType::Q8_0, 16, 256)]).unwrap();
+        let t = quantized(WeightType::Q8_0, 32, 256);
+        let mut packer = Packer::new(&[(WeightType::Q8_0, 16, 256)]).unwrap();
         let bytes = t.data().unwrap();
-        let err = packer.read(GgmlDType::Q8_0, 32, 256, &mut &bytes[..]);
+        let err = packer.read(WeightType::Q8_0, 32, 256, &mut &bytes[..]);
         let err = err.unwrap_err().to_string();
         assert!(err.contains("not among those planned"), "{err}");
         // Nor one more than it was told of.
-        let t = quantized(GgmlDType::Q8_0, 16, 256);
+        let t = quantized(WeightType::Q8_0, 16, 256);
         let bytes = t.data().unwrap();
         assert!(packer
-            .read(GgmlDType::Q8_0, 16, 256, &mut &bytes[..])
+            .read(WeightType::Q8_0, 16, 256, &mut &bytes[..])
             .unwrap());
-        let err = packer.read(GgmlDType::Q8_0, 16, 256, &mut &bytes[..]);
+        let err = packer.read(WeightType::Q8_0, 16, 256, &mut &bytes[..]);
         assert!(err
             .unwrap_err()
             .to_string()
@@ -598,7 +626,7 @@ mod tiles {
 #[test]
 fn a_stacked_matrix_computes_each_part_exactly() {
     let q = |n| {
-        QMatrix::from_qtensor(&quantized(GgmlDType::Q4K, n, 256))
+        QMatrix::from_qtensor(&quantized(WeightType::Q4K, n, 256))
             .unwrap()
             .unwrap()
     };
@@ -622,10 +650,10 @@ fn a_stacked_matrix_computes_each_part_exactly() {
 
 #[test]
 fn matrices_of_different_formats_are_not_stacked() {
-    let a = QMatrix::from_qtensor(&quantized(GgmlDType::Q4K, 8, 256))
+    let a = QMatrix::from_qtensor(&quantized(WeightType::Q4K, 8, 256))
         .unwrap()
         .unwrap();
-    let b = QMatrix::from_qtensor(&quantized(GgmlDType::Q6K, 8, 256))
+    let b = QMatrix::from_qtensor(&quantized(WeightType::Q6K, 8, 256))
         .unwrap()
         .unwrap();
     assert!(QMatrix::stack(&[&a, &b]).unwrap().is_none());
@@ -633,7 +661,7 @@ fn matrices_of_different_formats_are_not_stacked() {
 
 #[test]
 fn a_token_id_past_the_table_is_an_error_naming_it() {
-    let t = QMatrix::from_qtensor(&quantized(GgmlDType::Q8_0, 8, 64))
+    let t = QMatrix::from_qtensor(&quantized(WeightType::Q8_0, 8, 64))
         .unwrap()
         .unwrap();
     let e = t.rows(&[8]).unwrap_err().to_string();
@@ -841,8 +869,8 @@ fn every_weight_type_in_the_table_runs_in_both_layouts() {
         assert!(FORMATS.contains(&dtype), "{name}");
         for n in [48, 17] {
             let k = 512;
-            let qt = quantized(dtype, n, k);
-            let m = QMatrix::from_qtensor(&qt)
+            let (bytes, deq) = gguf_matrix(dtype, n, k);
+            let m = QMatrix::from_bytes(dtype, n, k, &bytes)
                 .unwrap()
                 .unwrap_or_else(|| panic!("{name}: no matrix"));
             assert_eq!((m.dtype(), m.dims()), (dtype, (n, k)), "{name}");
@@ -858,7 +886,7 @@ fn every_weight_type_in_the_table_runs_in_both_layouts() {
             // QMatMul is no closer: its Q8_0 path is off by 7e-3).
             let x = seeded(7, (1, 1, k));
             let ours = flat(&m.forward(&x).unwrap());
-            let w = qt.dequantize(&Device::Cpu).unwrap();
+            let w = Tensor::from_vec(deq, (n, k), &Device::Cpu).unwrap();
             let exact = flat(&x.broadcast_matmul(&w.t().unwrap()).unwrap());
             let (diff, scale) = max_diff(&ours, &exact);
             assert!(
@@ -867,4 +895,100 @@ fn every_weight_type_in_the_table_runs_in_both_layouts() {
             );
         }
     }
+}
+
+/// The i-quants: the SIMD paths against the scalar reference, the scalar sums against the
+/// dequantized values, rows against the format's dequantization, prefill against decode, and the
+/// matmul against f32 arithmetic on the dequantized matrix (candle has no i-quants to compare with).
+macro_rules! iquant_tests {
+    ($name:ident, $f:ty, act = $act:expr) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn avx2_and_avx512_dots_equal_the_scalar_reference_bit_for_bit() {
+                simd_equals_scalar::<$f>(&[0]);
+            }
+
+            #[test]
+            fn scalar_dot_equals_the_dot_of_the_dequantized_values() {
+                scalar_dot_is_the_dequantized_dot::<$f>(&[0], $act);
+            }
+
+            #[test]
+            fn embedding_rows_are_the_formats_dequantization_exactly() {
+                let k = 2 * <$f as Format>::N;
+                let (bytes, deq) = gguf_matrix(<$f as Format>::DTYPE, 12, k);
+                let m = QMatrix::from_bytes(<$f as Format>::DTYPE, 12, k, &bytes)
+                    .unwrap()
+                    .unwrap();
+                let got = flat(&m.rows(&[3, 0, 11]).unwrap());
+                for (i, r) in [3usize, 0, 11].into_iter().enumerate() {
+                    assert_eq!(
+                        &got[i * k..(i + 1) * k],
+                        &deq[r * k..(r + 1) * k],
+                        "row {r}"
+                    );
+                }
+            }
+
+            #[test]
+            fn each_prefill_row_has_the_bits_of_that_token_decoded_alone() {
+                prefill_rows_have_the_bits_of_decode::<$f>(40);
+                prefill_rows_have_the_bits_of_decode::<$f>(48);
+            }
+        }
+    };
+}
+
+iquant_tests!(iq4_nl, IQ4NL, act = q8_0);
+iquant_tests!(iq4_xs, IQ4XS, act = q8_k);
+
+/// IQ4_NL as the format defines it: value j of a block is d · KVALUES[nibble j], low nibbles
+/// first.
+#[test]
+fn an_iq4_nl_block_dequantizes_to_its_scale_times_the_table() {
+    let mut b = iquants::BlockIQ4NL::zeroed();
+    b.d = f16::from_f32(0.5);
+    for j in 0..16u8 {
+        b.qs[j as usize] = j | ((15 - j) << 4);
+    }
+    let mut out = [0f32; 32];
+    <IQ4NL as Format>::dequantize(&b, &mut out);
+    let kv = iquants::KVALUES;
+    for j in 0..16 {
+        assert_eq!(out[j], 0.5 * kv[j] as f32, "value {j}");
+        assert_eq!(out[j + 16], 0.5 * kv[15 - j] as f32, "value {}", j + 16);
+    }
+    assert_eq!((out[0], out[15]), (-63.5, 56.5));
+}
+
+/// IQ4_XS as the format defines it: sub-block ib's 6-bit scale is nibble ib of `scales_l` with
+/// bits 2ib..2ib+2 of `scales_h` above it, less 32; value j of the sub-block is
+/// d · scale · KVALUES[nibble j of qs[16ib..]].
+#[test]
+fn an_iq4_xs_block_dequantizes_to_its_scale_times_sub_block_scale_times_the_table() {
+    let stored: [u8; 8] = [0, 63, 32, 33, 17, 48, 5, 40];
+    let mut b = iquants::BlockIQ4XS::zeroed();
+    b.d = f16::from_f32(0.25);
+    for (ib, &s) in stored.iter().enumerate() {
+        b.scales_l[ib / 2] |= (s & 15) << (4 * (ib % 2));
+        b.scales_h |= ((s >> 4) as u16) << (2 * ib);
+    }
+    for (i, q) in b.qs.iter_mut().enumerate() {
+        *q = (i % 16) as u8 | (((i * 7) % 16) as u8) << 4;
+    }
+    let mut out = [0f32; 256];
+    <IQ4XS as Format>::dequantize(&b, &mut out);
+    let kv = iquants::KVALUES;
+    for (ib, &s) in stored.iter().enumerate() {
+        assert_eq!(iquants::scale_xs(&b, ib), s as i32 - 32, "scale {ib}");
+        let dl = 0.25 * (s as f32 - 32.0);
+        for j in 0..16 {
+            let q = b.qs[16 * ib + j];
+            assert_eq!(out[32 * ib + j], dl * kv[(q & 15) as usize] as f32);
+            assert_eq!(out[32 * ib + 16 + j], dl * kv[(q >> 4) as usize] as f32);
+        }
+    }
+    assert_eq!(out[32], 0.25 * 31.0 * -127.0);
 }

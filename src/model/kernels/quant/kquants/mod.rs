@@ -3,9 +3,9 @@
 //! Each gives its integer weights (sub-block scale × quant) per element for the driver's one
 //! summation order, and an AVX2 unpack + integer dot in `avx2`.
 
+use super::WeightType;
 use super::{lane, Avx2, BlockQ8K, Format};
 use bytemuck::{Pod, Zeroable};
-use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// Q4_K: `{d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]}`; 8 sub-blocks of 32 with 6-bit
@@ -191,7 +191,7 @@ impl Format for Q2K {
     type Block = BlockQ2K;
     type Act = BlockQ8K;
     const N: usize = 256;
-    const DTYPE: GgmlDType = GgmlDType::Q2K;
+    const DTYPE: WeightType = WeightType::Q2K;
     const HAS_MIN: bool = true;
     fn dequantize(x: &BlockQ2K, out: &mut [f32]) {
         let (d, dmin) = (x.d.to_f32(), x.dmin.to_f32());
@@ -219,7 +219,7 @@ impl Format for Q3K {
     type Block = BlockQ3K;
     type Act = BlockQ8K;
     const N: usize = 256;
-    const DTYPE: GgmlDType = GgmlDType::Q3K;
+    const DTYPE: WeightType = WeightType::Q3K;
     const HAS_MIN: bool = false;
     fn dequantize(x: &BlockQ3K, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -247,7 +247,7 @@ impl Format for Q4K {
     type Block = BlockQ4K;
     type Act = BlockQ8K;
     const N: usize = 256;
-    const DTYPE: GgmlDType = GgmlDType::Q4K;
+    const DTYPE: WeightType = WeightType::Q4K;
     const HAS_MIN: bool = true;
     fn dequantize(x: &BlockQ4K, out: &mut [f32]) {
         let (sc, m) = scales_mins(&x.scales);
@@ -276,7 +276,7 @@ impl Format for Q5K {
     type Block = BlockQ5K;
     type Act = BlockQ8K;
     const N: usize = 256;
-    const DTYPE: GgmlDType = GgmlDType::Q5K;
+    const DTYPE: WeightType = WeightType::Q5K;
     const HAS_MIN: bool = true;
     fn dequantize(x: &BlockQ5K, out: &mut [f32]) {
         let (sc, m) = scales_mins(&x.scales);
@@ -309,7 +309,7 @@ impl Format for Q6K {
     type Block = BlockQ6K;
     type Act = BlockQ8K;
     const N: usize = 256;
-    const DTYPE: GgmlDType = GgmlDType::Q6K;
+    const DTYPE: WeightType = WeightType::Q6K;
     const HAS_MIN: bool = false;
     fn dequantize(x: &BlockQ6K, out: &mut [f32]) {
         let d = x.d.to_f32();
