@@ -8,6 +8,8 @@
 #       and prefill of 512 tokens, kvchat (full cache) ÷ llama.cpp (f16 KV, flash attention),
 #       medians over ROUNDS; each round runs every file through both tools in turn.
 #       Files from scripts/make-test-models.sh suit it.
+# LLAMA_ARGS="…" adds flags to every llama-bench call: "--repack 0" where llama.cpp's repacked
+# kernels crash on this CPU (this VM's AMX path segfaults on IQ4_NL/IQ4_XS files).
 # BUSY=N keeps N other processes spinning (`yes > /dev/null`) for the whole run: the "under load"
 # case (issue 16: one core of two kept busy, BUSY=1).
 # Builds llama.cpp's llama-bench once (scripts/llamacpp.sh: from the sources vendored in the PyPI sdist
@@ -56,8 +58,8 @@ if [ $# -gt 0 ]; then
     for f in "$@"; do
       i=$((i + 1))
       echo "round $r/$rounds: $(basename "$f")" >&2
-      "$bench" -m "$f" -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/f$i-llama-pp-$r.json"
-      "$bench" -m "$f" -t "$threads" -fa on -r "$reps" -p 0 -n 32 -d "$contexts" -o json > "$out/f$i-llama-tg-$r.json"
+      "$bench" -m "$f" ${LLAMA_ARGS:-} -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/f$i-llama-pp-$r.json"
+      "$bench" -m "$f" ${LLAMA_ARGS:-} -t "$threads" -fa on -r "$reps" -p 0 -n 32 -d "$contexts" -o json > "$out/f$i-llama-tg-$r.json"
       "$kvchat" bench -m "$f" --threads "$threads" --modes full --contexts "512,$contexts" \
         --gen 32 --repeat 1 --warmup 1 --no-summary --json "$out/f$i-kvchat-$r.json" > /dev/null
     done
@@ -98,9 +100,9 @@ fi
 
 for r in $(seq 1 "$rounds"); do
   echo "round $r/$rounds" >&2
-  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/llama-pp-$r.json"
-  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -p 0 -n 64 -d 128,512,2048,4096 -o json > "$out/llama-tg-f16-$r.json"
-  "$bench" -m "$model" -t "$threads" -fa on -r "$reps" -ctk q8_0 -ctv q8_0 -p 0 -n 64 -d 2048,4096 -o json > "$out/llama-tg-q8-$r.json"
+  "$bench" -m "$model" ${LLAMA_ARGS:-} -t "$threads" -fa on -r "$reps" -p 512 -n 0 -o json > "$out/llama-pp-$r.json"
+  "$bench" -m "$model" ${LLAMA_ARGS:-} -t "$threads" -fa on -r "$reps" -p 0 -n 64 -d 128,512,2048,4096 -o json > "$out/llama-tg-f16-$r.json"
+  "$bench" -m "$model" ${LLAMA_ARGS:-} -t "$threads" -fa on -r "$reps" -ctk q8_0 -ctv q8_0 -p 0 -n 64 -d 2048,4096 -o json > "$out/llama-tg-q8-$r.json"
   "$kvchat" bench -m "$model" --threads "$threads" --modes full,int8 --contexts 128,512,2048,4096 \
     --gen 64 --repeat 1 --warmup 1 --no-summary --json "$out/kvchat-$r.json" > /dev/null
 done

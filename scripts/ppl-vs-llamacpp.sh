@@ -33,9 +33,12 @@ printf '%-28s %12s %9s %13s %12s %9s\n' file llama.cpp diff 'llama.cpp -nr' kvch
 for f in "$@"; do
   [ -f "$f" ] || { echo "no such model file: $f" >&2; exit 2; }
   ref="$(llama_ppl "$f")"
+  # llama.cpp's repacked path crashes on some CPUs for some types (this VM's AMX with IQ4_NL):
+  # its --no-repack figure still stands; the missing one prints as nan.
+  [ -n "$ref" ] || { echo "$(basename "$f"): llama-perplexity (repacked) gave no figure: $(tail -1 "$log")" >&2; ref=nan; }
   plain="$(llama_ppl "$f" --no-repack)"
   ours="$("$kvchat" ppl -m "$f" --chunk "$ctx" --threads 2 "$text" 2>/dev/null | sed -n 's/.*ppl \([0-9.]*\).*/\1/p' | tail -1 || true)"
-  [ -n "$ref" ] && [ -n "$plain" ] && [ -n "$ours" ] || {
+  [ -n "$plain" ] && [ -n "$ours" ] || {
     echo "$(basename "$f"): no figure (llama.cpp '$ref' / '$plain', kvchat '$ours'); llama-perplexity's last lines:" >&2
     tail -3 "$log" >&2
     exit 1

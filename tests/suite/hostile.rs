@@ -1033,7 +1033,7 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
     for (ty, name) in [
         (17u32, "type IQ2_XS"),
         (39, "type MXFP4"),
-        (18, "type IQ3_XXS"),
+        (34, "type TQ1_0"),
         (99, "type 99 (unknown to kvchat)"),
     ] {
         let tensors = [

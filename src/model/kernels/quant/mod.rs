@@ -37,6 +37,8 @@
 
 mod act;
 pub(crate) mod floats;
+mod grids;
+mod iqgrid;
 mod iquants;
 mod kquants;
 mod legacy;
@@ -53,6 +55,7 @@ use half::f16;
 pub use wtype::WeightType;
 
 pub use floats::{dot_ref, Floats};
+pub use iqgrid::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
 pub use iquants::{IQ4NL, IQ4XS};
 pub use kquants::{Q2K, Q3K, Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -182,6 +185,8 @@ weight_types! {$
         12 "Q4_K" Q4K => Q4K;
         13 "Q5_K" Q5K => Q5K;
         14 "Q6_K" Q6K => Q6K;
+        20 "IQ4_NL" IQ4_NL => IQ4NL;
+        23 "IQ4_XS" IQ4_XS => IQ4XS;
     }
     per_row {
         0 "F32" F32 => Floats<f32>;
@@ -189,8 +194,13 @@ weight_types! {$
         30 "BF16" BF16 => Floats<half::bf16>;
         10 "Q2_K" Q2K => Q2K;
         11 "Q3_K" Q3K => Q3K;
-        20 "IQ4_NL" IQ4_NL => IQ4NL;
-        23 "IQ4_XS" IQ4_XS => IQ4XS;
+        16 "IQ2_XXS" IQ2_XXS => IQ2XXS;
+        17 "IQ2_XS" IQ2_XS => IQ2XS;
+        22 "IQ2_S" IQ2_S => IQ2S;
+        18 "IQ3_XXS" IQ3_XXS => IQ3XXS;
+        21 "IQ3_S" IQ3_S => IQ3S;
+        19 "IQ1_S" IQ1_S => IQ1S;
+        29 "IQ1_M" IQ1_M => IQ1M;
     }
 }
 

@@ -53,7 +53,32 @@ fn gguf_matrix(dtype: WeightType, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     match dtype {
         WeightType::IQ4_NL => of::<IQ4NL>(iquants::reference::iq4_nl(&w)),
         WeightType::IQ4_XS => of::<IQ4XS>(iquants::reference::iq4_xs(&w)),
-        other => panic!("no reference quantizer for {other}"),
+        // The grid types: blocks of random bytes (every index is in its grid) with a finite
+        // scale, from the same seed.
+        other => tiled_format!(other, |F| unreachable!("{other} has tiles"), else {
+            grid_blocks(other, n * k / 256)
+        }),
+    }
+}
+
+/// `count` random blocks of a grid i-quant as GGUF bytes and their dequantization.
+fn grid_blocks(dtype: WeightType, count: usize) -> (Vec<u8>, Vec<f32>) {
+    fn of<F: Format>(blocks: Vec<F::Block>) -> (Vec<u8>, Vec<f32>) {
+        let mut deq = vec![0f32; blocks.len() * F::N];
+        for (b, o) in blocks.iter().zip(deq.chunks_exact_mut(F::N)) {
+            F::dequantize(b, o);
+        }
+        (bytemuck::cast_slice(&blocks).to_vec(), deq)
+    }
+    match dtype {
+        WeightType::IQ2_XXS => of::<IQ2XXS>(random_blocks::<IQ2XXS>(count, &[0])),
+        WeightType::IQ2_XS => of::<IQ2XS>(random_blocks::<IQ2XS>(count, &[0])),
+        WeightType::IQ2_S => of::<IQ2S>(random_blocks::<IQ2S>(count, &[0])),
+        WeightType::IQ3_XXS => of::<IQ3XXS>(random_blocks::<IQ3XXS>(count, &[0])),
+        WeightType::IQ3_S => of::<IQ3S>(random_blocks::<IQ3S>(count, &[0])),
+        WeightType::IQ1_S => of::<IQ1S>(random_blocks::<IQ1S>(count, &[0])),
+        WeightType::IQ1_M => of::<IQ1M>(random_blocks::<IQ1M>(count, &[])),
+        other => panic!("no test blocks for {other}"),
     }
 }
 
@@ -68,6 +93,16 @@ fn random_blocks<F: Format>(n: usize, halves: &[usize]) -> Vec<F::Block> {
         for &o in halves {
             let h = f16::from_f32(r.random_range(-0.1f32..0.1));
             bytes[o..o + 2].copy_from_slice(&h.to_le_bytes());
+        }
+        // IQ1_M's f16 d is the top nibbles of its four scale words (bytes 48..56).
+        if F::DTYPE == WeightType::IQ1_M {
+            let d = f16::from_f32(r.random_range(-0.1f32..0.1)).to_bits();
+            for i in 0..4 {
+                let at = 48 + 2 * i;
+                let w = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+                let w = (w & 0x0FFF) | (((d >> (4 * i)) & 15) << 12);
+                bytes[at..at + 2].copy_from_slice(&w.to_le_bytes());
+            }
         }
     }
     blocks
@@ -487,6 +522,16 @@ mod tiles {
     }
 
     #[test]
+    fn iq4_nl_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<IQ4NL>(&[0]);
+    }
+
+    #[test]
+    fn iq4_xs_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<IQ4XS>(&[0]);
+    }
+
+    #[test]
     fn a_stacked_tiled_matrix_computes_each_part_exactly() {
         if level() < Level::Avx2 {
             return;
@@ -810,22 +855,26 @@ fn speed() {
                 Some((r.parse().ok()?, c.parse().ok()?))
             })
             .unwrap_or((2048usize, 2048usize));
-        let qt = quantized(dtype, rows, cols);
+        let (bytes, _) = gguf_matrix(dtype, rows, cols);
         // Packing at load (best of 3; each into fresh pages, as a load does).
         let pack_ms = (0..3)
             .map(|_| {
                 let t = std::time::Instant::now();
-                drop(QMatrix::from_qtensor(&qt).unwrap());
+                drop(QMatrix::from_bytes(dtype, rows, cols, &bytes).unwrap());
                 t.elapsed().as_secs_f64() * 1e3
             })
             .fold(f64::INFINITY, f64::min);
-        let bytes = qt.data().unwrap().len();
         println!(
             "{dtype:?} [{rows}, {cols}]: packed in {pack_ms:.1} ms ({:.2} GB/s)",
-            bytes as f64 / pack_ms / 1e6
+            bytes.len() as f64 / pack_ms / 1e6
         );
-        let ours = QMatrix::from_qtensor(&qt).unwrap().unwrap();
-        let candle = QMatMul::from_qtensor(qt).unwrap();
+        let ours = QMatrix::from_bytes(dtype, rows, cols, &bytes)
+            .unwrap()
+            .unwrap();
+        // candle's QMatMul where candle runs the type (not the i-quants).
+        let candle = dtype
+            .candle()
+            .map(|_| QMatMul::from_qtensor(quantized(dtype, rows, cols)).unwrap());
         // KVCHAT_SPEED_M=1 (or 128): that token count only.
         let ms: Vec<usize> = match std::env::var("KVCHAT_SPEED_M")
             .ok()
@@ -846,11 +895,16 @@ fn speed() {
                 t.elapsed().as_secs_f64() * 1e3 / reps as f64
             };
             let a = time(&|| drop(ours.forward(&x).unwrap()));
-            let b = time(&|| drop(candle.forward(&x).unwrap()));
-            println!(
-                "{dtype:?} m={m}: ours {a:.3} ms, candle {b:.3} ms, ratio {:.2}",
-                b / a
-            );
+            match &candle {
+                Some(c) => {
+                    let b = time(&|| drop(c.forward(&x).unwrap()));
+                    println!(
+                        "{dtype:?} m={m}: ours {a:.3} ms, candle {b:.3} ms, ratio {:.2}",
+                        b / a
+                    );
+                }
+                None => println!("{dtype:?} m={m}: ours {a:.3} ms"),
+            }
         }
     }
 }
@@ -905,14 +959,23 @@ macro_rules! iquant_tests {
         mod $name {
             use super::*;
 
+            /// Where the block's f16 `d` lies (IQ1_M has none: `random_blocks` makes its scale).
+            fn halves() -> &'static [usize] {
+                if <$f as Format>::DTYPE == WeightType::IQ1_M {
+                    &[]
+                } else {
+                    &[0]
+                }
+            }
+
             #[test]
             fn avx2_and_avx512_dots_equal_the_scalar_reference_bit_for_bit() {
-                simd_equals_scalar::<$f>(&[0]);
+                simd_equals_scalar::<$f>(halves());
             }
 
             #[test]
             fn scalar_dot_equals_the_dot_of_the_dequantized_values() {
-                scalar_dot_is_the_dequantized_dot::<$f>(&[0], $act);
+                scalar_dot_is_the_dequantized_dot::<$f>(halves(), $act);
             }
 
             #[test]
@@ -943,6 +1006,13 @@ macro_rules! iquant_tests {
 
 iquant_tests!(iq4_nl, IQ4NL, act = q8_0);
 iquant_tests!(iq4_xs, IQ4XS, act = q8_k);
+iquant_tests!(iq2_xxs, IQ2XXS, act = q8_k);
+iquant_tests!(iq2_xs, IQ2XS, act = q8_k);
+iquant_tests!(iq2_s, IQ2S, act = q8_k);
+iquant_tests!(iq3_xxs, IQ3XXS, act = q8_k);
+iquant_tests!(iq3_s, IQ3S, act = q8_k);
+iquant_tests!(iq1_s, IQ1S, act = q8_k);
+iquant_tests!(iq1_m, IQ1M, act = q8_k);
 
 /// IQ4_NL as the format defines it: value j of a block is d · KVALUES[nibble j], low nibbles
 /// first.

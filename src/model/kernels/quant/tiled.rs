@@ -14,7 +14,11 @@
 //! per-row layout and the 8-lane order.
 
 use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
-use super::{BlockQ8K, BlockQ8_0, BlockQ8_1, Format, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::iquants::{scale_xs, BlockIQ4NL, BlockIQ4XS, KVALUES};
+use super::{
+    BlockQ8K, BlockQ8_0, BlockQ8_1, Format, IQ4NL, IQ4XS, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K,
+    Q8_0,
+};
 use anyhow::Result;
 use bytemuck::{Pod, Zeroable};
 use half::f16;
@@ -154,6 +158,25 @@ pub struct TileQ5_1 {
     pub qh: [u8; 4 * TR],
 }
 
+/// IQ4_NL tile: `d` of each row; `qs[g]` holds the table indices of values 8g..8g+8 of the 16
+/// rows as a Q4_0 tile holds its nibbles (the kernels look the values up).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileIQ4NL {
+    pub d: [f16; TR],
+    pub qs: [[u8; 4 * TR]; 4],
+}
+
+/// IQ4_XS tile: d and the 8 sub-block scales (less 32) of each row; `qs[g]` the table indices
+/// of values 8g..8g+8 as Q4_K's tile holds its nibbles.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileIQ4XS {
+    pub d: [f16; TR],
+    pub sc: [[i8; TR]; 8],
+    pub qs: [[u8; 4 * TR]; 32],
+}
+
 /// A 32-value block's quants in value order (low nibbles are values 0..16, high 16..32), with
 /// Q5's fifth bits (bit i of `qh`, little-endian) at bit 4.
 fn legacy_values(qs: &[u8; 16], qh: Option<&[u8; 4]>) -> [u8; 32] {
@@ -290,6 +313,51 @@ impl Tiled for Q8_0 {
     }
     fn ysum(y: &BlockQ8_0) -> i32 {
         128 * y.qs.iter().map(|&q| q as i32).sum::<i32>()
+    }
+}
+
+impl Tiled for IQ4NL {
+    type Tile = TileIQ4NL;
+    /// The VNNI kernel looks up KVALUES + 128 (unsigned, for dpbusd) and takes 128·Σy off.
+    const YSUM: bool = true;
+    fn pack(rows: [&BlockIQ4NL; TR], t: &mut TileIQ4NL) {
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            interleave_nibbles(&legacy_values(&x.qs, None), r, &mut t.qs);
+        }
+    }
+    fn dequantize_row(t: &TileIQ4NL, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = d * KVALUES[nibble_at(&t.qs, r, i) as usize] as f32;
+        }
+    }
+    fn ysum(y: &BlockQ8_0) -> i32 {
+        128 * y.qs.iter().map(|&q| q as i32).sum::<i32>()
+    }
+}
+
+impl Tiled for IQ4XS {
+    type Tile = TileIQ4XS;
+    const YSUM: bool = false;
+    fn pack(rows: [&BlockIQ4XS; TR], t: &mut TileIQ4XS) {
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            let mut v = [0u8; 256];
+            for ib in 0..8 {
+                t.sc[ib][r] = scale_xs(x, ib) as i8;
+                let qs: &[u8; 16] = x.qs[16 * ib..16 * ib + 16].try_into().expect("16");
+                v[32 * ib..32 * ib + 32].copy_from_slice(&legacy_values(qs, None));
+            }
+            interleave_nibbles(&v, r, &mut t.qs);
+        }
+    }
+    fn dequantize_row(t: &TileIQ4XS, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (e, o) in out.iter_mut().enumerate() {
+            let dl = d * t.sc[e / 32][r] as f32;
+            *o = dl * KVALUES[nibble_at(&t.qs, r, e) as usize] as f32;
+        }
     }
 }
 

@@ -59,8 +59,15 @@ impl WeightType {
     pub const Q4K: Self = Self(12);
     pub const Q5K: Self = Self(13);
     pub const Q6K: Self = Self(14);
+    pub const IQ2_XXS: Self = Self(16);
+    pub const IQ2_XS: Self = Self(17);
+    pub const IQ3_XXS: Self = Self(18);
+    pub const IQ1_S: Self = Self(19);
     pub const IQ4_NL: Self = Self(20);
+    pub const IQ3_S: Self = Self(21);
+    pub const IQ2_S: Self = Self(22);
     pub const IQ4_XS: Self = Self(23);
+    pub const IQ1_M: Self = Self(29);
     pub const BF16: Self = Self(30);
 
     fn row(self) -> Option<&'static (u32, &'static str, usize, usize)> {

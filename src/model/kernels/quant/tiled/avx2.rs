@@ -412,6 +412,87 @@ impl TileKernel for Q6K {
     }
 }
 
+/// Halves `h0..h0+H`: per 32-value group run of table indices (`qs[g]`: values 8g..8g+8 of each
+/// row), the values looked up (signed KVALUES) and multiplied by `y` with the sign trick
+/// (|v| times y with v's sign: a pair ≤ 2·127·127 = 32 258, so each is widened by `madd` at
+/// once, with `sc`: 1, or the rows' sub-block scales), added to `acc`.
+#[inline(always)]
+unsafe fn isum_table<const H: usize, const T: usize>(
+    qs: &[[u8; 4 * TR]],
+    y0: usize,
+    h0: usize,
+    ys: [&[i8]; T],
+    sc: [__m256i; H],
+    mut acc: [[__m256i; T]; H],
+) -> [[__m256i; T]; H] {
+    let table = {
+        let t = load16(&KVALUES);
+        _mm256_set_m128i(t, t)
+    };
+    for (g, group) in qs.iter().enumerate() {
+        for k in 0..H {
+            let [lo, hi] = unpack_group(half(group, h0 + k), None, g);
+            let v = [
+                _mm256_shuffle_epi8(table, lo),
+                _mm256_shuffle_epi8(table, hi),
+            ];
+            let a = v.map(|v| _mm256_sign_epi8(v, v));
+            for i in 0..T {
+                let y = &ys[i][y0 + 8 * g..];
+                for (n, (v, a)) in v.iter().zip(a).enumerate() {
+                    let sy = _mm256_sign_epi8(bcast4(&y[4 * n..]), *v);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sy), sc[k]);
+                    acc[k][i] = _mm256_add_epi32(acc[k][i], p);
+                }
+            }
+        }
+    }
+    acc
+}
+
+impl TileKernel for IQ4NL {
+    #[inline(always)]
+    unsafe fn isum<const H: usize, const T: usize>(
+        t: &TileIQ4NL,
+        h0: usize,
+        ys: [&BlockQ8_0; T],
+        _: [i32; T],
+    ) -> [[__m256i; T]; H] {
+        let one = [_mm256_set1_epi16(1); H];
+        let zero = [[_mm256_setzero_si256(); T]; H];
+        isum_table(&t.qs, 0, h0, ys.map(|y| &y.qs[..]), one, zero)
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileIQ4NL, h: usize, y: &BlockQ8_0) -> __m256 {
+        _mm256_mul_ps(half_f32(&t.d, h), _mm256_set1_ps(y.d))
+    }
+}
+
+impl TileKernel for IQ4XS {
+    /// Per sub-block j, the products widened by `madd` with the rows' signed scales
+    /// (|32 258 · 2 · 32| per lane and step: far within i32).
+    #[inline(always)]
+    unsafe fn isum<const H: usize, const T: usize>(
+        t: &TileIQ4XS,
+        h0: usize,
+        ys: [&BlockQ8K; T],
+        _: [i32; T],
+    ) -> [[__m256i; T]; H] {
+        let mut acc = [[_mm256_setzero_si256(); T]; H];
+        for j in 0..8 {
+            let sc: [__m256i; H] =
+                std::array::from_fn(|k| scales16(bytemuck::cast_ref(&t.sc[j]), h0 + k, true));
+            let qs = &t.qs[4 * j..4 * j + 4];
+            acc = isum_table(qs, 32 * j, h0, ys.map(|y| &y.qs[..]), sc, acc);
+        }
+        acc
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileIQ4XS, h: usize, y: &BlockQ8K) -> __m256 {
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
+    }
+}
+
 /// Asks for tile `b`'s cache lines ahead of their use, for small tiles only (the legacy
 /// formats', 288–544 B: [`AHEAD`] tiles ahead into L1; a decode reads each weight once, from
 /// memory, and for these the hardware prefetcher alone left the loads waiting). Large tiles (the

@@ -281,6 +281,79 @@ impl TileKernel for Q6K {
     }
 }
 
+/// KVALUES + 128 (as u8, for dpbusd's unsigned operand) in each 128-bit lane.
+#[inline(always)]
+unsafe fn table_u8() -> __m512i {
+    let t: [u8; 16] = KVALUES.map(|v| (v as i16 + 128) as u8);
+    _mm512_broadcast_i32x4(load16(&t))
+}
+
+/// The 16 rows' Σ (KVALUES[q] + 128)·y over a 32-value group run of table indices (`qs[g]`:
+/// values 8g..8g+8 of each row), added to `acc`.
+#[inline(always)]
+unsafe fn isum_table<const T: usize>(
+    qs: &[[u8; 4 * TR]],
+    y0: usize,
+    ys: [&[i8]; T],
+    mut acc: [__m512i; T],
+) -> [__m512i; T] {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let table = table_u8();
+    for (g, group) in qs.iter().enumerate() {
+        let w = load64(group);
+        let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(w, m4));
+        let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4));
+        for i in 0..T {
+            let y = &ys[i][y0 + 8 * g..];
+            acc[i] = _mm512_dpbusd_epi32(acc[i], lo, bcast4(y));
+            acc[i] = _mm512_dpbusd_epi32(acc[i], hi, bcast4(&y[4..]));
+        }
+    }
+    acc
+}
+
+impl TileKernel for IQ4NL {
+    #[inline(always)]
+    unsafe fn isum<const T: usize>(
+        t: &TileIQ4NL,
+        ys: [&BlockQ8_0; T],
+        ysums: [i32; T],
+    ) -> [__m512i; T] {
+        let zero = [_mm512_setzero_si512(); T];
+        let acc = isum_table(&t.qs, 0, ys.map(|y| &y.qs[..]), zero);
+        std::array::from_fn(|i| _mm512_sub_epi32(acc[i], _mm512_set1_epi32(ysums[i])))
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileIQ4NL, y: &BlockQ8_0) -> __m512 {
+        _mm512_mul_ps(halves(&t.d), _mm512_set1_ps(y.d))
+    }
+}
+
+impl TileKernel for IQ4XS {
+    /// Per sub-block j: Σ (KVALUES[q] + 128)·y less 128 · (Σ of y over the sub-block), times
+    /// the row's scale.
+    #[inline(always)]
+    unsafe fn isum<const T: usize>(t: &TileIQ4XS, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
+        let mut total = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            let zero = [_mm512_setzero_si512(); T];
+            let qs = &t.qs[4 * j..4 * j + 4];
+            let part = isum_table(qs, 32 * j, ys.map(|y| &y.qs[..]), zero);
+            let sc = _mm512_cvtepi8_epi32(load16(&t.sc[j]));
+            for i in 0..T {
+                let s = ys[i].bsums[2 * j] as i32 + ys[i].bsums[2 * j + 1] as i32;
+                let p = _mm512_sub_epi32(part[i], _mm512_set1_epi32(128 * s));
+                total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(p, sc));
+            }
+        }
+        total
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileIQ4XS, y: &BlockQ8K) -> __m512 {
+        _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+    }
+}
+
 /// The 16 rows' dot products over all blocks with T activation rows (`ys[i]`, `ysums[i]` per
 /// block), in [`dot_rows_scalar`]'s order.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]

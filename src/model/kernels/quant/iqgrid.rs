@@ -1,0 +1,570 @@
+//! The grid i-quants: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M (GGUF layouts,
+//! ggml's `block_iq*`), super-blocks of 256 values paired with Q8_K activations. Each index in a
+//! block selects a run of 4 or 8 values from a fixed grid ([`grids`](super::grids), the format's
+//! definition), with sign bits (IQ2/IQ3) or a ±1/8 shift (IQ1) per run and an odd integer scale
+//! (2s + 1) per 16 or 32 values.
+//!
+//! Every format unpacks a super-block into one shape, [`GridBlock`]: its 256 signed integer
+//! values (grid value × sign, or 8·grid ± 1 for IQ1) and the integer scale of each 16 values; the
+//! weight is `d · FACTOR · scale · value` with FACTOR a power of two (1/8, 1/4 or 1), so one
+//! integer dot product serves all of them, in the driver's summation order (lane of element i:
+//! `(i % 32) / 4`). Every index a block can hold is inside its grid (the index fields are exactly
+//! as wide as the grids are long), so no file can make a lookup read out of bounds.
+
+use super::grids::*;
+use super::{lane, Avx2, BlockQ8K, Format, WeightType};
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+/// A super-block unpacked: 256 signed values and the integer scale of each 16.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+pub struct GridBlock {
+    pub q: [i8; 256],
+    pub sc: [i16; 16],
+}
+
+impl GridBlock {
+    fn new() -> Self {
+        Self {
+            q: [0; 256],
+            sc: [0; 16],
+        }
+    }
+
+    /// Values 8k..8k+8 from a little-endian word of 8 bytes.
+    #[inline(always)]
+    fn put8(&mut self, k: usize, w: u64) {
+        self.q[8 * k..8 * k + 8].copy_from_slice(bytemuck::cast_slice(&w.to_le_bytes()));
+    }
+
+    /// The scale of the 32 values of sub-block `ib` (both its halves).
+    #[inline(always)]
+    fn scale32(&mut self, ib: usize, s: i16) {
+        self.sc[2 * ib] = s;
+        self.sc[2 * ib + 1] = s;
+    }
+
+    /// The 8 integer lanes of Σ scale·value·y.
+    fn lanes(&self, y: &BlockQ8K) -> [i32; 8] {
+        let mut l = [0i32; 8];
+        for (e, (&q, &y)) in self.q.iter().zip(&y.qs).enumerate() {
+            l[lane(e)] += self.sc[e / 16] as i32 * q as i32 * y as i32;
+        }
+        l
+    }
+}
+
+/// Byte j of entry s is 0xFF where bit j of s is set: a sign byte as a mask of 8 values.
+const SIGN_MASKS: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut j = 0;
+        while j < 8 {
+            if s & (1 << j) != 0 {
+                t[s] |= 0xFF << (8 * j);
+            }
+            j += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
+/// ggml's `ksigns_iq2xs`: 7 stored sign bits completed by an eighth that makes their count even.
+const KSIGNS: [u8; 128] = {
+    let mut t = [0u8; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = i as u8 | (((i as u32).count_ones() as u8 & 1) << 7);
+        i += 1;
+    }
+    t
+};
+
+/// 8 grid values (each 1..=127) with the values whose bit is set in `signs` negated: per byte,
+/// v ^ 0xFF + 1 = 256 − v, which never carries into the next byte for v ≥ 1.
+#[inline(always)]
+fn signed8(grid: u64, signs: u8) -> u64 {
+    let m = SIGN_MASKS[signs as usize];
+    (grid ^ m).wrapping_add(m & 0x0101_0101_0101_0101)
+}
+
+/// Two 4-value grid entries as one 8-value word.
+#[inline(always)]
+fn pair(lo: u32, hi: u32) -> u64 {
+    lo as u64 | (hi as u64) << 32
+}
+
+/// The little-endian u32 at byte `at`.
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The little-endian u16 at byte `at`.
+#[inline(always)]
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+/// IQ2_XXS: `{d: f16, qs: [u16; 32]}` (here as bytes). Per 32 values, 8 bytes: 4 grid indices
+/// (8 values each, `IQ2XXS_GRID`), then a word holding 4 × 7 sign bits and the 4-bit scale s
+/// (top); w = d · (0.5 + s) / 4 · value = d/8 · (2s + 1) · value.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ2XXS {
+    pub d: f16,
+    pub qs: [u8; 64],
+}
+
+/// IQ2_XS: `{d, qs: [u16; 32], scales: [u8; 8]}`; each u16 a 9-bit index (`IQ2XS_GRID`) and 7
+/// sign bits; two 4-bit scales per 32 values (low nibble the first 16).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ2XS {
+    pub d: f16,
+    pub qs: [u8; 64],
+    pub scales: [u8; 8],
+}
+
+/// IQ2_S: `{d, qs: [u8; 64], qh: [u8; 8], scales: [u8; 8]}`: `qs[..32]` the low 8 bits of 10-bit
+/// indices (`IQ2S_GRID`, the high 2 in `qh`), `qs[32..]` 8 sign bits per 8 values; scales as
+/// IQ2_XS's.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ2S {
+    pub d: f16,
+    pub qs: [u8; 64],
+    pub qh: [u8; 8],
+    pub scales: [u8; 8],
+}
+
+/// IQ3_XXS: `{d, qs: [u8; 96]}`: `qs[..64]` indices of 4 values each (`IQ3XXS_GRID`), then per 32
+/// values a word of 4 × 7 sign bits and the 4-bit scale s; w = d · (0.5 + s) / 2 · value.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ3XXS {
+    pub d: f16,
+    pub qs: [u8; 96],
+}
+
+/// IQ3_S: `{d, qs: [u8; 64], qh: [u8; 8], signs: [u8; 32], scales: [u8; 4]}`: 9-bit indices of 4
+/// values each (`IQ3S_GRID`, the ninth bit in `qh`), 8 sign bits per 8 values, a 4-bit scale s
+/// per 32 values; w = d · (1 + 2s) · value.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ3S {
+    pub d: f16,
+    pub qs: [u8; 64],
+    pub qh: [u8; 8],
+    pub signs: [u8; 32],
+    pub scales: [u8; 4],
+}
+
+/// IQ1_S: `{d, qs: [u8; 32], qh: [u16; 8]}`: 11-bit indices of 8 values in {−1, 0, 1}
+/// (`IQ1S_GRID`; the high 3 bits in `qh`), per 32 values a 3-bit scale s and a shift sign in
+/// `qh`; w = d · (2s + 1) · (grid ± 1/8).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ1S {
+    pub d: f16,
+    pub qs: [u8; 32],
+    pub qh: [u8; 16],
+}
+
+/// IQ1_M: `{qs: [u8; 32], qh: [u8; 16], scales: [u8; 8]}`: IQ1_S's indices, a shift sign per 8
+/// values, 3-bit scales per 16 values, and the f16 `d` spread over the top nibbles of the four
+/// u16 words of `scales`.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockIQ1M {
+    pub qs: [u8; 32],
+    pub qh: [u8; 16],
+    pub scales: [u8; 8],
+}
+
+/// A grid i-quant: its unpacking, and the float factor `d · FACTOR` of its integer weights.
+pub trait Grid: Send + Sync + 'static {
+    type Block: Pod + Send + Sync;
+    const DTYPE: WeightType;
+    /// The block's `d` times the format's power-of-two factor.
+    fn d(x: &Self::Block) -> f32;
+    fn unpack(x: &Self::Block) -> GridBlock;
+    /// Values 16k..16k+16 as ggml's dequantization computes them: the float scale of those 16
+    /// (ggml's expression), times each value.
+    fn dequantize(x: &Self::Block, out: &mut [f32]);
+}
+
+pub struct IQ2XXS;
+pub struct IQ2XS;
+pub struct IQ2S;
+pub struct IQ3XXS;
+pub struct IQ3S;
+pub struct IQ1S;
+pub struct IQ1M;
+
+/// `out[e] = db(e / 32) · q[e] · unit` (IQ2/IQ3: unit 1; IQ1: 1/8, so q/8 = grid ± 1/8 exactly).
+fn dequantize_with(g: &GridBlock, db: impl Fn(usize) -> f32, unit: f32, out: &mut [f32]) {
+    for (e, o) in out.iter_mut().enumerate() {
+        let v = g.q[e] as f32;
+        *o = db(e / 16) * if unit == 1.0 { v } else { v * unit };
+    }
+}
+
+impl Grid for IQ2XXS {
+    type Block = BlockIQ2XXS;
+    const DTYPE: WeightType = WeightType::IQ2_XXS;
+    fn d(x: &BlockIQ2XXS) -> f32 {
+        x.d.to_f32() * 0.125
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ2XXS) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            let aux = u32_at(&x.qs, 8 * ib + 4);
+            g.scale32(ib, 2 * (aux >> 28) as i16 + 1);
+            for l in 0..4 {
+                let grid = IQ2XXS_GRID[x.qs[8 * ib + l] as usize];
+                let signs = KSIGNS[((aux >> (7 * l)) & 127) as usize];
+                g.put8(4 * ib + l, signed8(grid, signs));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ2XXS, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| d * (0.5 + (u32_at(&x.qs, 8 * (k / 2) + 4) >> 28) as f32) * 0.25;
+        dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+impl Grid for IQ2XS {
+    type Block = BlockIQ2XS;
+    const DTYPE: WeightType = WeightType::IQ2_XS;
+    fn d(x: &BlockIQ2XS) -> f32 {
+        x.d.to_f32() * 0.125
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ2XS) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            g.sc[2 * ib] = 2 * (x.scales[ib] & 15) as i16 + 1;
+            g.sc[2 * ib + 1] = 2 * (x.scales[ib] >> 4) as i16 + 1;
+            for l in 0..4 {
+                let q = u16_at(&x.qs, 2 * (4 * ib + l));
+                let grid = IQ2XS_GRID[(q & 511) as usize];
+                g.put8(4 * ib + l, signed8(grid, KSIGNS[(q >> 9) as usize]));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ2XS, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| {
+            let s = x.scales[k / 2] >> (4 * (k % 2)) & 15;
+            d * (0.5 + s as f32) * 0.25
+        };
+        dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+impl Grid for IQ2S {
+    type Block = BlockIQ2S;
+    const DTYPE: WeightType = WeightType::IQ2_S;
+    fn d(x: &BlockIQ2S) -> f32 {
+        x.d.to_f32() * 0.125
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ2S) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            g.sc[2 * ib] = 2 * (x.scales[ib] & 15) as i16 + 1;
+            g.sc[2 * ib + 1] = 2 * (x.scales[ib] >> 4) as i16 + 1;
+            for l in 0..4 {
+                let hi = ((x.qh[ib] as usize) << (8 - 2 * l)) & 0x300;
+                let grid = IQ2S_GRID[x.qs[4 * ib + l] as usize | hi];
+                g.put8(4 * ib + l, signed8(grid, x.qs[32 + 4 * ib + l]));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ2S, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| {
+            let s = x.scales[k / 2] >> (4 * (k % 2)) & 15;
+            d * (0.5 + s as f32) * 0.25
+        };
+        dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+impl Grid for IQ3XXS {
+    type Block = BlockIQ3XXS;
+    const DTYPE: WeightType = WeightType::IQ3_XXS;
+    fn d(x: &BlockIQ3XXS) -> f32 {
+        x.d.to_f32() * 0.25
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ3XXS) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            let aux = u32_at(&x.qs, 64 + 4 * ib);
+            g.scale32(ib, 2 * (aux >> 28) as i16 + 1);
+            for l in 0..4 {
+                let signs = KSIGNS[((aux >> (7 * l)) & 127) as usize];
+                let q = &x.qs[8 * ib + 2 * l..];
+                let grid = pair(IQ3XXS_GRID[q[0] as usize], IQ3XXS_GRID[q[1] as usize]);
+                g.put8(4 * ib + l, signed8(grid, signs));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ3XXS, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| d * (0.5 + (u32_at(&x.qs, 64 + 4 * (k / 2)) >> 28) as f32) * 0.5;
+        dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+impl Grid for IQ3S {
+    type Block = BlockIQ3S;
+    const DTYPE: WeightType = WeightType::IQ3_S;
+    fn d(x: &BlockIQ3S) -> f32 {
+        x.d.to_f32()
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ3S) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            let s = (x.scales[ib / 2] >> (4 * (ib % 2))) & 15;
+            g.scale32(ib, 2 * s as i16 + 1);
+            let qh = x.qh[ib] as usize;
+            for l in 0..4 {
+                let q = &x.qs[8 * ib + 2 * l..];
+                let i1 = q[0] as usize | ((qh << (8 - 2 * l)) & 256);
+                let i2 = q[1] as usize | ((qh << (7 - 2 * l)) & 256);
+                let grid = pair(IQ3S_GRID[i1], IQ3S_GRID[i2]);
+                g.put8(4 * ib + l, signed8(grid, x.signs[4 * ib + l]));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ3S, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| d * (1 + 2 * ((x.scales[k / 4] >> (4 * (k / 2 % 2))) & 15) as i32) as f32;
+        dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+/// 8 IQ1 grid values (i8 −1, 0, 1) as 8·g + delta (delta ±1: the ±1/8 shift in eighths).
+#[inline(always)]
+fn shifted8(grid: u64, delta: i8) -> u64 {
+    let b = grid.to_le_bytes().map(|v| (8 * v as i8 + delta) as u8);
+    u64::from_le_bytes(b)
+}
+
+impl Grid for IQ1S {
+    type Block = BlockIQ1S;
+    const DTYPE: WeightType = WeightType::IQ1_S;
+    fn d(x: &BlockIQ1S) -> f32 {
+        x.d.to_f32() * 0.125
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ1S) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            let qh = u16_at(&x.qh, 2 * ib) as usize;
+            g.scale32(ib, 2 * ((qh >> 12) & 7) as i16 + 1);
+            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+            for l in 0..4 {
+                let grid = IQ1S_GRID[x.qs[4 * ib + l] as usize | (((qh >> (3 * l)) & 7) << 8)];
+                g.put8(4 * ib + l, shifted8(grid, delta));
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ1S, out: &mut [f32]) {
+        let d = x.d.to_f32();
+        let db = |k: usize| d * (2 * ((u16_at(&x.qh, 2 * (k / 2)) >> 12) & 7) + 1) as f32;
+        dequantize_with(&<Self as Grid>::unpack(x), db, 0.125, out)
+    }
+}
+
+impl IQ1M {
+    /// The four u16 words of `scales`.
+    fn sc(x: &BlockIQ1M) -> [u16; 4] {
+        std::array::from_fn(|i| u16_at(&x.scales, 2 * i))
+    }
+
+    /// The block's f16 `d`, gathered from the top nibbles of the scale words.
+    fn d16(x: &BlockIQ1M) -> f16 {
+        let sc = Self::sc(x);
+        let bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
+        f16::from_bits(bits)
+    }
+
+    /// The 3-bit scale of values 16k..16k+16.
+    fn s(x: &BlockIQ1M, k: usize) -> u16 {
+        let (ib, half) = (k / 2, k % 2);
+        (Self::sc(x)[ib / 2] >> (6 * (ib % 2) + 3 * half)) & 7
+    }
+}
+
+impl Grid for IQ1M {
+    type Block = BlockIQ1M;
+    const DTYPE: WeightType = WeightType::IQ1_M;
+    fn d(x: &BlockIQ1M) -> f32 {
+        Self::d16(x).to_f32() * 0.125
+    }
+    #[inline(always)]
+    fn unpack(x: &BlockIQ1M) -> GridBlock {
+        let mut g = GridBlock::new();
+        for ib in 0..8 {
+            for half in 0..2 {
+                g.sc[2 * ib + half] = 2 * Self::s(x, 2 * ib + half) as i16 + 1;
+                let qh = x.qh[2 * ib + half] as usize;
+                for (n, (shift, bit)) in [(8, 0x08), (4, 0x80)].into_iter().enumerate() {
+                    let l = 2 * half + n;
+                    let idx = x.qs[4 * ib + l] as usize | ((qh << shift) & 0x700);
+                    let delta = if qh & bit != 0 { -1 } else { 1 };
+                    g.put8(4 * ib + l, shifted8(IQ1S_GRID[idx], delta));
+                }
+            }
+        }
+        g
+    }
+    fn dequantize(x: &BlockIQ1M, out: &mut [f32]) {
+        let d = Self::d16(x).to_f32();
+        let db = |k: usize| d * (2 * Self::s(x, k) + 1) as f32;
+        dequantize_with(&<Self as Grid>::unpack(x), db, 0.125, out)
+    }
+}
+
+/// `Format` and `Avx2` for a grid format: the lanes of its unpacked block; on AVX2 the block is
+/// unpacked by the same scalar code (table lookups) and its lanes taken as
+/// Σ_c madd(scales_c, maddubs(|q_c|, ±y_c)) over chunks of 32 (|q| ≤ 62: a pair ≤ 15 748).
+macro_rules! grid_format {
+    ($($f:ty),*) => {$(
+        impl Format for $f {
+            type Block = <$f as Grid>::Block;
+            type Act = BlockQ8K;
+            const N: usize = 256;
+            const DTYPE: WeightType = <$f as Grid>::DTYPE;
+            const HAS_MIN: bool = false;
+            fn dequantize(x: &Self::Block, out: &mut [f32]) {
+                <$f as Grid>::dequantize(x, out)
+            }
+            #[inline(always)]
+            fn lanes(x: &Self::Block, y: &BlockQ8K) -> [i32; 8] {
+                <$f as Grid>::unpack(x).lanes(y)
+            }
+            #[inline(always)]
+            fn scale(x: &Self::Block, y: &BlockQ8K) -> f32 {
+                <$f as Grid>::d(x) * y.d
+            }
+            #[inline(always)]
+            fn min_term(_: &Self::Block, _: &BlockQ8K) -> f32 {
+                0.0
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        impl Avx2 for $f {
+            type Unpacked = GridBlock;
+            #[inline(always)]
+            unsafe fn unpack(x: &Self::Block) -> GridBlock {
+                <$f as Grid>::unpack(x)
+            }
+            #[inline(always)]
+            unsafe fn ilanes(u: &GridBlock, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes(u, y)
+            }
+            type U512 = GridBlock;
+            #[inline(always)]
+            unsafe fn unpack512(x: &Self::Block) -> GridBlock {
+                <$f as Grid>::unpack(x)
+            }
+            #[inline(always)]
+            unsafe fn ilanes512(u: &GridBlock, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes(u, y)
+            }
+        }
+
+        #[cfg(not(target_arch = "x86_64"))]
+        impl Avx2 for $f {}
+    )*};
+}
+
+grid_format!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::avx2::load32;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Σ_c madd(scales_c, maddubs(|q_c|, sign(y_c, q_c))) over the 8 chunks of 32 values; chunk
+    /// c's i16 pair sums are values 32c..32c+16 in the low 128 bits (scale `sc[2c]`), the rest
+    /// in the high (scale `sc[2c + 1]`).
+    #[inline(always)]
+    pub unsafe fn ilanes(u: &GridBlock, y: &BlockQ8K) -> __m256i {
+        let mut sum = _mm256_setzero_si256();
+        for c in 0..8 {
+            let q = load32(&u.q[32 * c..32 * c + 32]);
+            let yc = load32(&y.qs[32 * c..32 * c + 32]);
+            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yc, q));
+            let sc = _mm256_set_m128i(
+                _mm_set1_epi16(u.sc[2 * c + 1]),
+                _mm_set1_epi16(u.sc[2 * c]),
+            );
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(sc, p));
+        }
+        sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ksigns_complete_seven_bits_to_an_even_count_as_ggml_lists_them() {
+        // ggml-common.h's ksigns_iq2xs begins 0, 129, 130, 3, 132, 5, 6, 135 and ends 255.
+        assert_eq!(KSIGNS[..8], [0, 129, 130, 3, 132, 5, 6, 135]);
+        assert_eq!(KSIGNS[127], 255);
+        assert!(KSIGNS.iter().all(|s| s.count_ones() % 2 == 0));
+    }
+
+    #[test]
+    fn signed_grid_bytes_are_each_value_negated_where_its_bit_is_set() {
+        // The sign trick needs every sign-bearing grid value in 1..=127.
+        let bytes = |w: u64| w.to_le_bytes();
+        for w in IQ2XXS_GRID.iter().chain(&IQ2XS_GRID).chain(&IQ2S_GRID) {
+            assert!(bytes(*w).iter().all(|&b| (1..=127).contains(&b)));
+        }
+        for w in IQ3XXS_GRID.iter().chain(&IQ3S_GRID) {
+            assert!(w.to_le_bytes().iter().all(|&b| (1..=127).contains(&b)));
+        }
+        let grid = IQ2XS_GRID[300];
+        for s in [0u8, 1, 0x80, 0xA5, 0xFF] {
+            let got = bytes(signed8(grid, s));
+            for (j, (&g, &v)) in bytes(grid).iter().zip(&got).enumerate() {
+                let want = if s >> j & 1 == 1 { -(g as i8) } else { g as i8 };
+                assert_eq!(v as i8, want, "sign byte {s:#x} value {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn iq1_values_are_eight_times_the_grid_plus_the_shift() {
+        let w = IQ1S_GRID[5]; // 0xffffffffff00ff00 ... bytes −1, 0, 1
+        for delta in [-1i8, 1] {
+            let got = shifted8(w, delta).to_le_bytes();
+            for (g, v) in w.to_le_bytes().iter().zip(got) {
+                assert_eq!(v as i8, 8 * (*g as i8) + delta);
+            }
+        }
+    }
+}
