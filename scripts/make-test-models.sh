@@ -11,6 +11,9 @@
 #                                            llama-quantize makes: Q2_K Q3_K_M F16 BF16 …)
 #   FAMILIES=smollm2 scripts/make-test-models.sh   only the SmolLM2 files (seconds; l1b takes minutes
 #                                                  and ~8 GB)
+# The 1- to 3-bit i-quants (IQ1_*, IQ2_*, IQ3_*: their mixes use IQ2 types) need an importance
+# matrix: NAME.imatrix is made once per family by llama-imatrix over assets/bench-text.txt
+# (--no-repack: llama.cpp's repacked kernels crash on some CPUs) and given to llama-quantize.
 # Prints the directory. Files already there are kept (delete one to remake it).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,7 +24,8 @@ types=("$@")
 mkdir -p "$dir"
 "$root/scripts/fetch-models.sh" >&2
 smol="$home/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-quantize="$("$root/scripts/llamacpp.sh" llama-quantize)/llama-quantize"
+bin="$("$root/scripts/llamacpp.sh" llama-quantize llama-imatrix)"
+quantize="$bin/llama-quantize"
 python3 -c 'import gguf, numpy' 2>/dev/null || python3 -m pip install --quiet 'gguf>=0.10' numpy >&2
 
 families="${FAMILIES:-smollm2 l1b}"
@@ -39,7 +43,18 @@ for t in "${types[@]}"; do
     out="$dir/$name-$t.gguf"
     [ -s "$out" ] && continue
     echo "quantizing $out" >&2
-    "$quantize" $flag "$src" "$out.part" "$t" 2 > "$dir/$name-$t.log" 2>&1 \
+    imatrix=()
+    if [[ "$t" == IQ1_* || "$t" == IQ2_* || "$t" == IQ3_* ]]; then
+      im="$dir/$name.imatrix"
+      if [ ! -s "$im" ]; then
+        echo "making $im (llama-imatrix)" >&2
+        "$bin/llama-imatrix" -m "$src" -f "$root/assets/bench-text.txt" -o "$im.part" -t 2 -c 512 -nr \
+          > "$dir/$name-imatrix.log" 2>&1 || { echo "llama-imatrix failed; see $dir/$name-imatrix.log" >&2; exit 1; }
+        mv "$im.part" "$im"
+      fi
+      imatrix=(--imatrix "$im")
+    fi
+    "$quantize" $flag "${imatrix[@]}" "$src" "$out.part" "$t" 2 > "$dir/$name-$t.log" 2>&1 \
       || { echo "llama-quantize failed; see $dir/$name-$t.log" >&2; exit 1; }
     mv "$out.part" "$out"
   done

@@ -353,7 +353,8 @@ impl Grid for IQ3S {
     }
     fn dequantize(x: &BlockIQ3S, out: &mut [f32]) {
         let d = x.d.to_f32();
-        let db = |k: usize| d * (1 + 2 * ((x.scales[k / 4] >> (4 * (k / 2 % 2))) & 15) as i32) as f32;
+        let db =
+            |k: usize| d * (1 + 2 * ((x.scales[k / 4] >> (4 * (k / 2 % 2))) & 15) as i32) as f32;
         dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
     }
 }
@@ -401,7 +402,8 @@ impl IQ1M {
     /// The block's f16 `d`, gathered from the top nibbles of the scale words.
     fn d16(x: &BlockIQ1M) -> f16 {
         let sc = Self::sc(x);
-        let bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
+        let bits =
+            (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
         f16::from_bits(bits)
     }
 
@@ -515,10 +517,7 @@ mod avx2 {
             let q = load32(&u.q[32 * c..32 * c + 32]);
             let yc = load32(&y.qs[32 * c..32 * c + 32]);
             let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yc, q));
-            let sc = _mm256_set_m128i(
-                _mm_set1_epi16(u.sc[2 * c + 1]),
-                _mm_set1_epi16(u.sc[2 * c]),
-            );
+            let sc = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * c + 1]), _mm_set1_epi16(u.sc[2 * c]));
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(sc, p));
         }
         sum

@@ -21,7 +21,7 @@
 //! interleaved at load into 16-row tiles ([`tiled`]: one VNNI `dpbusd`, or AVX2's
 //! `maddubs`+`madd`, serves 8 or 16 rows; one FMA a block of 8 or 16 rows) with their own, simpler
 //! summation order (one accumulator per row; the reference is [`dot_rows_scalar`]); elsewhere
-//! (rows not in 16s, or a type with no tiles: Q2_K, Q3_K) the per-row layout and the 8-lane
+//! (rows not in 16s, or a type with no tiles: the grid i-quants) the per-row layout and the 8-lane
 //! order above run. The float types (F32, F16, BF16: [`floats`]) run per row with their own order.
 //!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
@@ -32,8 +32,9 @@
 //!
 //! Files: `act` (activation formats), `level` (SIMD level), `row` (per-row dot products),
 //! `matrix` (the per-row matrix), `pack` (reading a model's matrices into tiles or rows),
-//! `qmatrix` (the matrix of any format, and the kernel choice); one file per block family
-//! (`legacy`, `kquants`, `floats`) and the tiles (`tiled`). The table of weight types is below.
+//! `qmatrix` (the matrix of any format, and the kernel choice), `wtype` (ggml's types); one file
+//! per block family (`legacy`, `kquants`, `iquants`, `iqgrid` with its `grids`, `floats`) and the
+//! tiles (`tiled`). The table of weight types is below.
 
 mod act;
 pub(crate) mod floats;
@@ -185,6 +186,8 @@ weight_types! {$
         12 "Q4_K" Q4K => Q4K;
         13 "Q5_K" Q5K => Q5K;
         14 "Q6_K" Q6K => Q6K;
+        10 "Q2_K" Q2K => Q2K;
+        11 "Q3_K" Q3K => Q3K;
         20 "IQ4_NL" IQ4_NL => IQ4NL;
         23 "IQ4_XS" IQ4_XS => IQ4XS;
     }
@@ -192,8 +195,6 @@ weight_types! {$
         0 "F32" F32 => Floats<f32>;
         1 "F16" F16 => Floats<f16>;
         30 "BF16" BF16 => Floats<half::bf16>;
-        10 "Q2_K" Q2K => Q2K;
-        11 "Q3_K" Q3K => Q3K;
         16 "IQ2_XXS" IQ2_XXS => IQ2XXS;
         17 "IQ2_XS" IQ2_XS => IQ2XS;
         22 "IQ2_S" IQ2_S => IQ2S;

@@ -82,7 +82,7 @@ impl<F: tiled::TileKernels> Kernel for TiledMatrix<F> {
 }
 
 /// A weight matrix on the CPU, of any format this driver runs: per row ([`Matrix`]; the float
-/// types, Q2_K and Q3_K always) or as row-interleaved tiles ([`TiledMatrix`], made where AVX2
+/// types and the grid i-quants always) or as row-interleaved tiles ([`TiledMatrix`], made where AVX2
 /// runs and rows come in 16s). Cloning shares the weights.
 #[derive(Clone)]
 pub struct QMatrix(Arc<dyn Kernel>);

@@ -522,6 +522,16 @@ mod tiles {
     }
 
     #[test]
+    fn q2_k_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q2K>(&[80, 82]);
+    }
+
+    #[test]
+    fn q3_k_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<Q3K>(&[108]);
+    }
+
+    #[test]
     fn iq4_nl_tiles_equal_the_row_reference_bit_for_bit() {
         tiles_equal_the_row_reference::<IQ4NL>(&[0]);
     }
@@ -1061,4 +1071,92 @@ fn an_iq4_xs_block_dequantizes_to_its_scale_times_sub_block_scale_times_the_tabl
         }
     }
     assert_eq!(out[32], 0.25 * 31.0 * -127.0);
+}
+
+/// Each i-quant dequantizes a block as gguf-py's `quants.dequantize` does (the format's
+/// independent reference implementation): block bytes `(37·i + 11) mod 256` with d = 0.5 at bytes
+/// 0..2 (IQ1_M keeps its bytes: its d is spread over the scales); the values at every 17th
+/// element and the sum of all, from (gguf-py of the vendored llama.cpp 0.3.36):
+///   PYTHONPATH=…/vendor/llama.cpp/gguf-py python3 -c 'import numpy as np, gguf; from gguf import
+///   quants; t=gguf.GGMLQuantizationType.IQ2_XXS; bs,ts=gguf.GGML_QUANT_SIZES[t];
+///   b=np.array([(i*37+11)%256 for i in range(ts)],np.uint8); b[0:2]=np.frombuffer(
+///   np.float16(0.5).tobytes(),np.uint8); v=quants.dequantize(b.reshape(1,ts),t).reshape(-1);
+///   print(list(v[::17]), v.astype(np.float64).sum())'
+#[test]
+fn every_i_quant_dequantizes_a_block_as_gguf_py_does() {
+    fn check<F: Format>(every17: &[f32], sum: f64) {
+        let size = std::mem::size_of::<F::Block>();
+        let mut bytes: Vec<u8> = (0..size).map(|i| ((i * 37 + 11) % 256) as u8).collect();
+        if F::DTYPE != WeightType::IQ1_M {
+            bytes[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        }
+        let block: F::Block = bytemuck::pod_read_unaligned(&bytes);
+        let mut out = vec![0f32; F::N];
+        F::dequantize(&block, &mut out);
+        let got: Vec<f32> = out.iter().step_by(17).copied().collect();
+        assert_eq!(got, every17, "{}", F::DTYPE);
+        assert_eq!(
+            out.iter().map(|&v| v as f64).sum::<f64>(),
+            sum,
+            "{}",
+            F::DTYPE
+        );
+    }
+    check::<IQ2XXS>(
+        &[
+            -29.5625, 29.5625, 8.5, -26.5625, -10.5, 10.5, -72.5625, 13.5, -15.5, -48.4375,
+            -7.8125, 7.8125, -14.0625, 4.5, -7.5, -40.3125,
+        ],
+        381.875,
+    );
+    check::<IQ2XS>(
+        &[
+            -5.5, -9.5, 10.5, -35.9375, 48.4375, -13.5, -24.1875, -0.5, 29.6875, 7.8125, -14.5,
+            24.1875, -3.5, -7.5, -26.5625, -9.5,
+        ],
+        745.25,
+    );
+    check::<IQ2S>(
+        &[
+            -72.5625, -61.8125, 2.5, 14.5, -23.4375, -2.6875, 12.5, -2.5, 1.5, 29.5625, -20.3125,
+            -7.5, -35.9375, 29.6875, 1.5625, 39.0625,
+        ],
+        -400.3125,
+    );
+    check::<IQ3XXS>(
+        &[
+            -6.5, -0.5, 66.5, -9.5, -32.5, 2.5, -37.5, -62.5, -38.5, 27.5, -14.5, 224.75, 67.5,
+            -37.5, 1.5, -7.5,
+        ],
+        -342.0,
+    );
+    check::<IQ3S>(
+        &[
+            -40.5, -121.5, 5.5, -27.5, 12.5, -2.5, -59.5, -25.5, 37.5, 67.5, -31.5, 157.5, -62.5,
+            -187.5, -187.5, 112.5,
+        ],
+        728.0,
+    );
+    check::<IQ1S>(
+        &[
+            -1.3125, -1.3125, 7.3125, -5.6875, -2.8125, -0.3125, -8.4375, -0.9375, 0.5625, 5.0625,
+            -0.0625, -0.0625, 4.8125, 4.8125, 2.8125, -2.1875,
+        ],
+        10.0,
+    );
+    check::<IQ1M>(
+        &[
+            52920.0, -113400.0, -52920.0, 7560.0, 83160.0, -68040.0, -158760.0, -582120.0,
+            113400.0, 204120.0, 264600.0, 264600.0, 158760.0, 476280.0, 476280.0, 113400.0,
+        ],
+        -2479680.0,
+    );
+    check::<IQ4NL>(&[-17.5, -5.0], -128.5);
+    check::<IQ4XS>(
+        &[
+            32.5, 17.5, -241.5, -395.5, 60.0, -6.0, 208.0, 166.0, 171.0, 238.5, -245.0, -245.0,
+            1695.0, 1695.0, -104.0, -8.0,
+        ],
+        -5502.5,
+    );
 }

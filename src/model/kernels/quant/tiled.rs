@@ -2,8 +2,9 @@
 //! `dpbusd` multiplies 4 values of each of the 16 rows by the same 4 activation values, leaving one
 //! i32 lane per row (llama.cpp's and candle's "repack" idea). Scales are unpacked per tile once, at
 //! load, so a block costs one fused multiply-add per 16 rows instead of one per row. The tile
-//! replaces the GGUF layout (no second copy): Q8_0 and Q6_K tiles are the same size as their 16
-//! blocks, Q4_K's and Q5_K's 2-3 % larger (their 6-bit scales and mins kept as bytes).
+//! replaces the GGUF layout (no second copy): Q8_0, Q6_K, Q2_K and IQ4_NL tiles are the same size
+//! as their 16 blocks, Q4_K's, Q5_K's, IQ4_XS's and Q3_K's 1.5-4 % larger (their 6-bit scales,
+//! mins or third bits kept apart).
 //!
 //! **Summation order** (tiled matrices; [`dot_rows_scalar`] is the reference): per row, per block,
 //! the exact integer sum of the block's products (the format's `lanes`, added), converted to f32 and
@@ -13,11 +14,11 @@
 //! same exact integer sums, so both levels give the same bits. Without AVX2 a matrix keeps the
 //! per-row layout and the 8-lane order.
 
-use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
 use super::iquants::{scale_xs, BlockIQ4NL, BlockIQ4XS, KVALUES};
+use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
 use super::{
-    BlockQ8K, BlockQ8_0, BlockQ8_1, Format, IQ4NL, IQ4XS, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K,
-    Q8_0,
+    BlockQ8K, BlockQ8_0, BlockQ8_1, Format, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0,
+    Q5_1, Q6K, Q8_0,
 };
 use anyhow::Result;
 use bytemuck::{Pod, Zeroable};
@@ -156,6 +157,102 @@ pub struct TileQ5_1 {
     pub m: [f16; TR],
     pub qs: [[u8; 4 * TR]; 4],
     pub qh: [u8; 4 * TR],
+}
+
+/// Q2_K tile: d and dmin of each row; `scm[j][r]` sub-block j's 4-bit scale (low nibble) and min
+/// (high) of row r, as the block stores them; `qs[g]` the 2-bit quants of values 16g..16g+16 of
+/// the 16 rows: row r's byte 4r+j holds values 16g+j, +4, +8, +12 in bits 0-1, 2-3, 4-5, 6-7
+/// (Q6_K tile's high-bit layout). The same size as its 16 blocks.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ2K {
+    pub d: [f16; TR],
+    pub dmin: [f16; TR],
+    pub scm: [[u8; TR]; 16],
+    pub qs: [[u8; 4 * TR]; 16],
+}
+
+/// Q3_K tile: d and the 16 sub-block scales (less 32) of each row; `qs[g]` the low 2 bits of
+/// values 16g..16g+16 as Q2_K's tile holds them; `hb[g / 2]` their third bits: bit 4(g % 2) + k
+/// of row r's byte 4r+j is that of value 16g + 4k + j. 3.6 % larger than its 16 blocks.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileQ3K {
+    pub d: [f16; TR],
+    pub sc: [[i8; TR]; 16],
+    pub qs: [[u8; 4 * TR]; 16],
+    pub hb: [[u8; 4 * TR]; 8],
+}
+
+/// Row `r`'s 2-bit values `v[16g..16g + 16]` (bits 0-1 used) written into `qs[g]` of a Q2_K/Q3_K
+/// tile, for each g.
+fn interleave_crumbs(v: &[u8; 256], r: usize, qs: &mut [[u8; 4 * TR]; 16]) {
+    for (g, group) in qs.iter_mut().enumerate() {
+        for j in 0..4 {
+            group[4 * r + j] =
+                (0..4).fold(0u8, |b, k| b | ((v[16 * g + 4 * k + j] & 3) << (2 * k)));
+        }
+    }
+}
+
+/// Value `e`'s 2-bit quant in a Q2_K/Q3_K tile's `qs` (row `r`).
+fn crumb_at(qs: &[[u8; 4 * TR]; 16], r: usize, e: usize) -> u8 {
+    let (g, k, j) = (e / 16, e % 16 / 4, e % 4);
+    (qs[g][4 * r + j] >> (2 * k)) & 3
+}
+
+impl Tiled for Q2K {
+    type Tile = TileQ2K;
+    const YSUM: bool = false;
+    fn pack(rows: [&super::kquants::BlockQ2K; TR], t: &mut TileQ2K) {
+        for (r, x) in rows.iter().enumerate() {
+            (t.d[r], t.dmin[r]) = (x.d, x.dmin);
+            for j in 0..16 {
+                t.scm[j][r] = x.scales[j];
+            }
+            let v: [u8; 256] = std::array::from_fn(|e| super::kquants::q2(&x.qs, e) as u8);
+            interleave_crumbs(&v, r, &mut t.qs);
+        }
+    }
+    fn dequantize_row(t: &TileQ2K, r: usize, out: &mut [f32]) {
+        let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
+        for (e, o) in out.iter_mut().enumerate() {
+            let s = t.scm[e / 16][r];
+            let q = crumb_at(&t.qs, r, e);
+            *o = d * (s & 0xF) as f32 * q as f32 - dmin * (s >> 4) as f32;
+        }
+    }
+}
+
+impl Tiled for Q3K {
+    type Tile = TileQ3K;
+    const YSUM: bool = false;
+    fn pack(rows: [&super::kquants::BlockQ3K; TR], t: &mut TileQ3K) {
+        for (r, x) in rows.iter().enumerate() {
+            t.d[r] = x.d;
+            let sc = super::kquants::scales_q3(&x.scales);
+            for (row, s) in t.sc.iter_mut().zip(sc) {
+                row[r] = s;
+            }
+            let v: [u8; 256] = std::array::from_fn(|e| super::kquants::q3(x, e) as u8);
+            interleave_crumbs(&v, r, &mut t.qs);
+            for (g, chunk) in v.chunks_exact(16).enumerate() {
+                for j in 0..4 {
+                    let bits = (0..4).fold(0u8, |b, k| b | ((chunk[4 * k + j] >> 2) << k));
+                    t.hb[g / 2][4 * r + j] |= bits << (4 * (g % 2));
+                }
+            }
+        }
+    }
+    fn dequantize_row(t: &TileQ3K, r: usize, out: &mut [f32]) {
+        let d = t.d[r].to_f32();
+        for (e, o) in out.iter_mut().enumerate() {
+            let (g, k, j) = (e / 16, e % 16 / 4, e % 4);
+            let hi = (t.hb[g / 2][4 * r + j] >> (4 * (g % 2) + k)) & 1;
+            let q = (crumb_at(&t.qs, r, e) | (hi << 2)) as i32 - 4;
+            *o = d * t.sc[g][r] as f32 * q as f32;
+        }
+    }
 }
 
 /// IQ4_NL tile: `d` of each row; `qs[g]` holds the table indices of values 8g..8g+8 of the 16

@@ -412,6 +412,131 @@ impl TileKernel for Q6K {
     }
 }
 
+/// Each 16-bit lane of `v` shifted right by `n` (what crosses into a byte is masked off by the
+/// caller).
+#[inline(always)]
+unsafe fn shift_right(v: __m256i, n: usize) -> __m256i {
+    _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+/// The 8 bytes of half `h` of a per-row byte array, nibble `high` of each, repeated into both
+/// i16 halves of its row's i32 lane (as [`scales16`]).
+#[inline(always)]
+unsafe fn nibbles16(s: &[u8; TR], h: usize, high: bool) -> __m256i {
+    let b = _mm_loadl_epi64(s[8 * h..].as_ptr() as *const __m128i);
+    let b = if high { _mm_srli_epi16::<4>(b) } else { b };
+    let b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b))
+}
+
+/// Halves `h0..h0+H`: Σ q·y over the 16 values of group `g` of a Q2_K/Q3_K tile as i16 pair sums
+/// (q ≤ 7: four maddubs steps ≤ 4·2·7·127 = 7 112), ready for `madd` with the scales.
+#[inline(always)]
+unsafe fn isum_crumbs<const H: usize, const T: usize>(
+    qs: &[u8; 4 * TR],
+    hb: Option<&[u8; 4 * TR]>,
+    g: usize,
+    h0: usize,
+    ys: [&BlockQ8K; T],
+) -> [[__m256i; T]; H] {
+    let m3 = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let mut p16 = [[_mm256_setzero_si256(); T]; H];
+    for (k, p16) in p16.iter_mut().enumerate() {
+        let w = half(qs, h0 + k);
+        let h = hb.map(|b| half(b, h0 + k));
+        for n in 0..4 {
+            let mut v = _mm256_and_si256(shift_right(w, 2 * n), m3);
+            if let Some(h) = h {
+                let bit = _mm256_and_si256(shift_right(h, 4 * (g % 2) + n), one);
+                v = _mm256_or_si256(v, _mm256_slli_epi16::<2>(bit));
+            }
+            for (p, y) in p16.iter_mut().zip(ys) {
+                let y = bcast4(&y.qs[16 * g + 4 * n..]);
+                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(v, y));
+            }
+        }
+    }
+    p16
+}
+
+impl TileKernel for Q2K {
+    #[inline(always)]
+    unsafe fn isum<const H: usize, const T: usize>(
+        t: &TileQ2K,
+        h0: usize,
+        ys: [&BlockQ8K; T],
+        _: [i32; T],
+    ) -> [[__m256i; T]; H] {
+        let mut total = [[_mm256_setzero_si256(); T]; H];
+        for g in 0..16 {
+            let p16 = isum_crumbs::<H, T>(&t.qs[g], None, g, h0, ys);
+            for k in 0..H {
+                let sc = nibbles16(&t.scm[g], h0 + k, false);
+                for i in 0..T {
+                    total[k][i] = _mm256_add_epi32(total[k][i], _mm256_madd_epi16(p16[k][i], sc));
+                }
+            }
+        }
+        total
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileQ2K, h: usize, y: &BlockQ8K) -> __m256 {
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
+    }
+    /// −(d_y · dmin) · Σ_j m_j · bsum_j, per row of half `h` (`madd` of each min, zero-extended,
+    /// with bsum_j in the low i16: |m · bsum| ≤ 15 · 2 032).
+    #[inline(always)]
+    unsafe fn min(t: &TileQ2K, h: usize, y: &BlockQ8K) -> __m256 {
+        let mut msum = _mm256_setzero_si256();
+        for j in 0..16 {
+            let b = _mm_loadl_epi64(t.scm[j][8 * h..].as_ptr() as *const __m128i);
+            let m =
+                _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16::<4>(b), _mm_set1_epi8(0x0F)));
+            let s = _mm256_set1_epi32(y.bsums[j] as u16 as i32);
+            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, s));
+        }
+        let dd = _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.dmin, h));
+        let neg = _mm256_xor_ps(dd, _mm256_set1_ps(-0.0));
+        _mm256_mul_ps(neg, _mm256_cvtepi32_ps(msum))
+    }
+}
+
+impl TileKernel for Q3K {
+    /// Per group g: madd of the pair sums with the signed scale, less 4 · Σ_g sc_g · bsum_g (the
+    /// −4 offset, by `madd` of the scale with bsum_g in the low i16).
+    #[inline(always)]
+    unsafe fn isum<const H: usize, const T: usize>(
+        t: &TileQ3K,
+        h0: usize,
+        ys: [&BlockQ8K; T],
+        _: [i32; T],
+    ) -> [[__m256i; T]; H] {
+        let mut total = [[_mm256_setzero_si256(); T]; H];
+        let mut offset = [[_mm256_setzero_si256(); T]; H];
+        for g in 0..16 {
+            let p16 = isum_crumbs::<H, T>(&t.qs[g], Some(&t.hb[g / 2]), g, h0, ys);
+            for k in 0..H {
+                let sc = scales16(bytemuck::cast_ref(&t.sc[g]), h0 + k, true);
+                for i in 0..T {
+                    total[k][i] = _mm256_add_epi32(total[k][i], _mm256_madd_epi16(p16[k][i], sc));
+                    let bsum = _mm256_set1_epi32(ys[i].bsums[g] as u16 as i32);
+                    offset[k][i] = _mm256_add_epi32(offset[k][i], _mm256_madd_epi16(sc, bsum));
+                }
+            }
+        }
+        std::array::from_fn(|k| {
+            std::array::from_fn(|i| {
+                _mm256_sub_epi32(total[k][i], _mm256_slli_epi32::<2>(offset[k][i]))
+            })
+        })
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileQ3K, h: usize, y: &BlockQ8K) -> __m256 {
+        _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
+    }
+}
+
 /// Halves `h0..h0+H`: per 32-value group run of table indices (`qs[g]`: values 8g..8g+8 of each
 /// row), the values looked up (signed KVALUES) and multiplied by `y` with the sign trick
 /// (|v| times y with v's sign: a pair ≤ 2·127·127 = 32 258, so each is widened by `madd` at

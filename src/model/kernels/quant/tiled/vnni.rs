@@ -281,6 +281,96 @@ impl TileKernel for Q6K {
     }
 }
 
+/// The 16 rows' Σ q·y over the 16 values of group `g` of a Q2_K/Q3_K tile (2-bit quants in
+/// `qs`, and where given the third bits in `hb`), with T activation blocks.
+#[inline(always)]
+unsafe fn isum_crumbs<const T: usize>(
+    qs: &[u8; 4 * TR],
+    hb: Option<&[u8; 4 * TR]>,
+    g: usize,
+    ys: [&BlockQ8K; T],
+) -> [__m512i; T] {
+    let m3 = _mm512_set1_epi8(3);
+    let one = _mm512_set1_epi8(1);
+    let w = load64(qs);
+    let h = hb.map(|h| load64(h));
+    let mut part = [_mm512_setzero_si512(); T];
+    for k in 0..4 {
+        let mut v = _mm512_and_si512(shift_right(w, 2 * k), m3);
+        if let Some(h) = h {
+            let bit = _mm512_and_si512(shift_right(h, 4 * (g % 2) + k), one);
+            v = _mm512_or_si512(v, _mm512_slli_epi16::<2>(bit));
+        }
+        for i in 0..T {
+            part[i] = _mm512_dpbusd_epi32(part[i], v, bcast4(&ys[i].qs[16 * g + 4 * k..]));
+        }
+    }
+    part
+}
+
+/// Each 16-bit lane of `v` shifted right by `n` (0..8; what crosses into a byte is masked off by
+/// the caller).
+#[inline(always)]
+unsafe fn shift_right(v: __m512i, n: usize) -> __m512i {
+    _mm512_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+impl TileKernel for Q2K {
+    #[inline(always)]
+    unsafe fn isum<const T: usize>(t: &TileQ2K, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
+        let m4 = _mm512_set1_epi32(0x0F);
+        let mut total = [_mm512_setzero_si512(); T];
+        for g in 0..16 {
+            let part = isum_crumbs(&t.qs[g], None, g, ys);
+            let sc = _mm512_and_si512(_mm512_cvtepu8_epi32(load16(&t.scm[g])), m4);
+            for i in 0..T {
+                total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(part[i], sc));
+            }
+        }
+        total
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileQ2K, y: &BlockQ8K) -> __m512 {
+        _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+    }
+    /// −(d_y · dmin) · Σ_j m_j · bsum_j, per row.
+    #[inline(always)]
+    unsafe fn min(t: &TileQ2K, y: &BlockQ8K) -> __m512 {
+        let mut msum = _mm512_setzero_si512();
+        for j in 0..16 {
+            let m = _mm512_srli_epi32::<4>(_mm512_cvtepu8_epi32(load16(&t.scm[j])));
+            let s = _mm512_set1_epi32(y.bsums[j] as i32);
+            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(m, s));
+        }
+        let dd = _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.dmin));
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dd), sign));
+        _mm512_mul_ps(neg, _mm512_cvtepi32_ps(msum))
+    }
+}
+
+impl TileKernel for Q3K {
+    /// Per group g (a sub-block of 16): Σ q·y less 4 · bsum_g (q − 4 is the signed value), times
+    /// the row's scale.
+    #[inline(always)]
+    unsafe fn isum<const T: usize>(t: &TileQ3K, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
+        let mut total = [_mm512_setzero_si512(); T];
+        for g in 0..16 {
+            let part = isum_crumbs(&t.qs[g], Some(&t.hb[g / 2]), g, ys);
+            let sc = _mm512_cvtepi8_epi32(load16(&t.sc[g]));
+            for i in 0..T {
+                let p = _mm512_sub_epi32(part[i], _mm512_set1_epi32(4 * ys[i].bsums[g] as i32));
+                total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(p, sc));
+            }
+        }
+        total
+    }
+    #[inline(always)]
+    unsafe fn scale(t: &TileQ3K, y: &BlockQ8K) -> __m512 {
+        _mm512_mul_ps(_mm512_set1_ps(y.d), halves(&t.d))
+    }
+}
+
 /// KVALUES + 128 (as u8, for dpbusd's unsigned operand) in each 128-bit lane.
 #[inline(always)]
 unsafe fn table_u8() -> __m512i {
