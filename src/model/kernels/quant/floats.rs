@@ -96,6 +96,11 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
     #[inline]
     fn dot(level: Level, xs: &[W], ys: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Vnni {
+            // SAFETY: the CPU runs AVX-512 (`level()`, checked at run time).
+            return unsafe { avx2::dot512(xs, ys) };
+        }
+        #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Avx2 {
             // SAFETY: the CPU runs AVX2, FMA and F16C (`level()`, checked at run time).
             return unsafe { avx2::dot(xs, ys) };
@@ -105,6 +110,11 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
     }
     #[inline]
     fn dot_x4(level: Level, xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Vnni {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::dot512_x4(xs, ys) };
+        }
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Avx2 {
             // SAFETY: as in `dot`.
@@ -123,6 +133,11 @@ pub trait Simd: Float {
     /// # Safety
     /// The CPU runs AVX2 and F16C (the contract of [`super::Avx2`]); `xs` holds 8 values.
     unsafe fn load8(xs: &[Self]) -> std::arch::x86_64::__m256;
+    /// Weights `xs[0..16]` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512F (level `Vnni`); `xs` holds 16 values.
+    unsafe fn load16(xs: &[Self]) -> std::arch::x86_64::__m512;
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -143,6 +158,11 @@ mod avx2 {
             assert!(xs.len() >= 8);
             _mm256_loadu_ps(xs.as_ptr())
         }
+        #[inline(always)]
+        unsafe fn load16(xs: &[f32]) -> __m512 {
+            assert!(xs.len() >= 16);
+            _mm512_loadu_ps(xs.as_ptr())
+        }
     }
 
     impl Simd for f16 {
@@ -150,6 +170,11 @@ mod avx2 {
         unsafe fn load8(xs: &[f16]) -> __m256 {
             assert!(xs.len() >= 8);
             _mm256_cvtph_ps(_mm_loadu_si128(xs.as_ptr() as *const __m128i))
+        }
+        #[inline(always)]
+        unsafe fn load16(xs: &[f16]) -> __m512 {
+            assert!(xs.len() >= 16);
+            _mm512_cvtph_ps(_mm256_loadu_si256(xs.as_ptr() as *const __m256i))
         }
     }
 
@@ -160,6 +185,12 @@ mod avx2 {
             // A bf16 is the high half of its f32.
             let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(xs.as_ptr() as *const __m128i));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+        #[inline(always)]
+        unsafe fn load16(xs: &[bf16]) -> __m512 {
+            assert!(xs.len() >= 16);
+            let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(xs.as_ptr() as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
         }
     }
 
@@ -184,6 +215,49 @@ mod avx2 {
         let mut acc = spill(a0, a1);
         accumulate(&mut acc, &xs[..n], &ys[..n], body);
         fold(acc)
+    }
+
+    /// The 16 accumulators of one AVX-512 register, in the scalar order's places (lane l holds
+    /// the elements i ≡ l mod 16).
+    #[inline(always)]
+    unsafe fn spill512(a: __m512) -> [f32; L] {
+        let mut acc = [0f32; L];
+        _mm512_storeu_ps(acc.as_mut_ptr(), a);
+        acc
+    }
+
+    /// [`dot`] with one AVX-512 register holding the 16 accumulators (the same operations on
+    /// each, in the same order).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot512<W: Simd>(xs: &[W], ys: &[f32]) -> f32 {
+        let n = xs.len().min(ys.len());
+        let body = n - n % L;
+        let mut a = _mm512_setzero_ps();
+        for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
+            a = _mm512_fmadd_ps(W::load16(x), _mm512_loadu_ps(y.as_ptr()), a);
+        }
+        let mut acc = spill512(a);
+        accumulate(&mut acc, &xs[..n], &ys[..n], body);
+        fold(acc)
+    }
+
+    /// [`dot_x4`] with AVX-512: each 16 weights widened once, one register per token.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot512_x4<W: Simd>(xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+        let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
+        let body = n - n % L;
+        let mut a = [_mm512_setzero_ps(); 4];
+        for (c, x) in xs[..body].chunks_exact(L).enumerate() {
+            let w = W::load16(x);
+            for (a, y) in a.iter_mut().zip(&ys) {
+                *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(y[L * c..].as_ptr()), *a);
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut acc = spill512(a[t]);
+            accumulate(&mut acc, xs, ys[t], body);
+            fold(acc)
+        })
     }
 
     /// Four tokens at once: each 16 weights widened once, 8 accumulators in registers.

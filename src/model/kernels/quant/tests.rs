@@ -399,12 +399,17 @@ format_tests!(
     candle_tolerance = 1e-5
 );
 
-/// Float weights (`floats`): the AVX2 dot against [`dot_ref`], bit for bit, on rows whose length
+/// Float weights (`floats`): the AVX2 and AVX-512 dots against [`dot_ref`], bit for bit, on rows whose length
 /// is not a multiple of 16, with weights of magnitudes 2⁻¹⁴…2¹⁴ (F16's normal range).
 fn float_simd_equals_reference<W: floats::Float + floats::Simd>() {
-    if super::level() < Level::Avx2 {
-        return;
+    for level in [Level::Avx2, Level::Vnni] {
+        if level <= super::level() {
+            float_simd_level_equals_reference::<W>(level);
+        }
     }
+}
+
+fn float_simd_level_equals_reference<W: floats::Float + floats::Simd>(level: Level) {
     let mut r = rng();
     for n in [16, 87, 576] {
         let w: Vec<W> = (0..n)
@@ -413,12 +418,20 @@ fn float_simd_equals_reference<W: floats::Float + floats::Simd>() {
         let ys: Vec<Vec<f32>> = (0..4)
             .map(|_| (0..n).map(|_| r.random_range(-3f32..3.0)).collect())
             .collect();
-        let x4 = Floats::<W>::dot_x4(Level::Avx2, &w, [&ys[0], &ys[1], &ys[2], &ys[3]]);
+        let x4 = Floats::<W>::dot_x4(level, &w, [&ys[0], &ys[1], &ys[2], &ys[3]]);
         for (t, y) in ys.iter().enumerate() {
             let reference = dot_ref(&w, y);
-            let one = Floats::<W>::dot(Level::Avx2, &w, y);
-            assert_eq!(one.to_bits(), reference.to_bits(), "n={n} token {t}");
-            assert_eq!(x4[t].to_bits(), reference.to_bits(), "n={n} token {t} (x4)");
+            let one = Floats::<W>::dot(level, &w, y);
+            assert_eq!(
+                one.to_bits(),
+                reference.to_bits(),
+                "{level:?} n={n} token {t}"
+            );
+            assert_eq!(
+                x4[t].to_bits(),
+                reference.to_bits(),
+                "{level:?} n={n} token {t} (x4)"
+            );
             let exact: f64 = w
                 .iter()
                 .zip(y)
