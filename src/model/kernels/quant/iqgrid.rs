@@ -56,7 +56,7 @@ impl GridBlock {
 }
 
 /// Byte j of entry s is 0xFF where bit j of s is set: a sign byte as a mask of 8 values.
-const SIGN_MASKS: [u64; 256] = {
+static SIGN_MASKS: [u64; 256] = {
     let mut t = [0u64; 256];
     let mut s = 0;
     while s < 256 {
@@ -73,7 +73,7 @@ const SIGN_MASKS: [u64; 256] = {
 };
 
 /// ggml's `ksigns_iq2xs`: 7 stored sign bits completed by an eighth that makes their count even.
-const KSIGNS: [u8; 128] = {
+static KSIGNS: [u8; 128] = {
     let mut t = [0u8; 128];
     let mut i = 0;
     while i < 128 {
@@ -197,6 +197,42 @@ pub trait Grid: Send + Sync + 'static {
     fn dequantize(x: &Self::Block, out: &mut [f32]);
 }
 
+/// A grid i-quant with sign bits (the IQ2 and IQ3 types): each 32 values are 4 words of unsigned
+/// grid values and 32 sign bits, so AVX2 can apply the signs to the activations in registers.
+pub trait SignedGrid: Grid {
+    /// Chunk c (values 32c..32c + 32): its 4 words of grid values (8 per word, in order) and its
+    /// sign bits (bit i: value 32c + i negated).
+    fn chunk(x: &Self::Block, c: usize) -> ([u64; 4], u32);
+    /// The integer scale of each 16 values.
+    fn scales(x: &Self::Block) -> [i16; 16];
+}
+
+/// A signed grid block unpacked in scalar code.
+#[inline(always)]
+fn unpack_signed<G: SignedGrid>(x: &G::Block) -> GridBlock {
+    let mut g = GridBlock::new();
+    g.sc = G::scales(x);
+    for c in 0..8 {
+        let (words, signs) = G::chunk(x, c);
+        for (l, w) in words.into_iter().enumerate() {
+            g.put8(4 * c + l, signed8(w, (signs >> (8 * l)) as u8));
+        }
+    }
+    g
+}
+
+/// Four sign bytes as one word (byte l the signs of values 8l..8l + 8).
+#[inline(always)]
+fn sign_word(bytes: [u8; 4]) -> u32 {
+    u32::from_le_bytes(bytes)
+}
+
+/// 16 scales from 8 bytes of two 4-bit scales each (low nibble the first 16 values): 2s + 1.
+#[inline(always)]
+fn nibble_scales(b: &[u8]) -> [i16; 16] {
+    std::array::from_fn(|k| 2 * ((b[k / 2] >> (4 * (k % 2))) & 15) as i16 + 1)
+}
+
 pub struct IQ2XXS;
 pub struct IQ2XS;
 pub struct IQ2S;
@@ -221,17 +257,7 @@ impl Grid for IQ2XXS {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ2XXS) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            let aux = u32_at(&x.qs, 8 * ib + 4);
-            g.scale32(ib, 2 * (aux >> 28) as i16 + 1);
-            for l in 0..4 {
-                let grid = IQ2XXS_GRID[x.qs[8 * ib + l] as usize];
-                let signs = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                g.put8(4 * ib + l, signed8(grid, signs));
-            }
-        }
-        g
+        unpack_signed::<Self>(x)
     }
     fn dequantize(x: &BlockIQ2XXS, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -248,17 +274,7 @@ impl Grid for IQ2XS {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ2XS) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            g.sc[2 * ib] = 2 * (x.scales[ib] & 15) as i16 + 1;
-            g.sc[2 * ib + 1] = 2 * (x.scales[ib] >> 4) as i16 + 1;
-            for l in 0..4 {
-                let q = u16_at(&x.qs, 2 * (4 * ib + l));
-                let grid = IQ2XS_GRID[(q & 511) as usize];
-                g.put8(4 * ib + l, signed8(grid, KSIGNS[(q >> 9) as usize]));
-            }
-        }
-        g
+        unpack_signed::<Self>(x)
     }
     fn dequantize(x: &BlockIQ2XS, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -278,17 +294,7 @@ impl Grid for IQ2S {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ2S) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            g.sc[2 * ib] = 2 * (x.scales[ib] & 15) as i16 + 1;
-            g.sc[2 * ib + 1] = 2 * (x.scales[ib] >> 4) as i16 + 1;
-            for l in 0..4 {
-                let hi = ((x.qh[ib] as usize) << (8 - 2 * l)) & 0x300;
-                let grid = IQ2S_GRID[x.qs[4 * ib + l] as usize | hi];
-                g.put8(4 * ib + l, signed8(grid, x.qs[32 + 4 * ib + l]));
-            }
-        }
-        g
+        unpack_signed::<Self>(x)
     }
     fn dequantize(x: &BlockIQ2S, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -308,18 +314,7 @@ impl Grid for IQ3XXS {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ3XXS) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            let aux = u32_at(&x.qs, 64 + 4 * ib);
-            g.scale32(ib, 2 * (aux >> 28) as i16 + 1);
-            for l in 0..4 {
-                let signs = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                let q = &x.qs[8 * ib + 2 * l..];
-                let grid = pair(IQ3XXS_GRID[q[0] as usize], IQ3XXS_GRID[q[1] as usize]);
-                g.put8(4 * ib + l, signed8(grid, signs));
-            }
-        }
-        g
+        unpack_signed::<Self>(x)
     }
     fn dequantize(x: &BlockIQ3XXS, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -336,26 +331,97 @@ impl Grid for IQ3S {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ3S) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            let s = (x.scales[ib / 2] >> (4 * (ib % 2))) & 15;
-            g.scale32(ib, 2 * s as i16 + 1);
-            let qh = x.qh[ib] as usize;
-            for l in 0..4 {
-                let q = &x.qs[8 * ib + 2 * l..];
-                let i1 = q[0] as usize | ((qh << (8 - 2 * l)) & 256);
-                let i2 = q[1] as usize | ((qh << (7 - 2 * l)) & 256);
-                let grid = pair(IQ3S_GRID[i1], IQ3S_GRID[i2]);
-                g.put8(4 * ib + l, signed8(grid, x.signs[4 * ib + l]));
-            }
-        }
-        g
+        unpack_signed::<Self>(x)
     }
     fn dequantize(x: &BlockIQ3S, out: &mut [f32]) {
         let d = x.d.to_f32();
         let db =
             |k: usize| d * (1 + 2 * ((x.scales[k / 4] >> (4 * (k / 2 % 2))) & 15) as i32) as f32;
         dequantize_with(&<Self as Grid>::unpack(x), db, 1.0, out)
+    }
+}
+
+/// The 7-bit sign fields of a word (4 × 7 bits from bit 0) completed to 4 sign bytes.
+#[inline(always)]
+fn ksigns4(aux: u32) -> u32 {
+    sign_word(std::array::from_fn(|l| {
+        KSIGNS[((aux >> (7 * l)) & 127) as usize]
+    }))
+}
+
+impl SignedGrid for IQ2XXS {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ2XXS, c: usize) -> ([u64; 4], u32) {
+        let aux = u32_at(&x.qs, 8 * c + 4);
+        let words = std::array::from_fn(|l| IQ2XXS_GRID[x.qs[8 * c + l] as usize]);
+        (words, ksigns4(aux))
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ2XXS) -> [i16; 16] {
+        std::array::from_fn(|k| 2 * (u32_at(&x.qs, 8 * (k / 2) + 4) >> 28) as i16 + 1)
+    }
+}
+
+impl SignedGrid for IQ2XS {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ2XS, c: usize) -> ([u64; 4], u32) {
+        let q: [u16; 4] = std::array::from_fn(|l| u16_at(&x.qs, 2 * (4 * c + l)));
+        let words = q.map(|q| IQ2XS_GRID[(q & 511) as usize]);
+        (words, sign_word(q.map(|q| KSIGNS[(q >> 9) as usize])))
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ2XS) -> [i16; 16] {
+        nibble_scales(&x.scales)
+    }
+}
+
+impl SignedGrid for IQ2S {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ2S, c: usize) -> ([u64; 4], u32) {
+        let qh = x.qh[c] as usize;
+        let words = std::array::from_fn(|l| {
+            IQ2S_GRID[x.qs[4 * c + l] as usize | ((qh << (8 - 2 * l)) & 0x300)]
+        });
+        (words, u32_at(&x.qs, 32 + 4 * c))
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ2S) -> [i16; 16] {
+        nibble_scales(&x.scales)
+    }
+}
+
+impl SignedGrid for IQ3XXS {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ3XXS, c: usize) -> ([u64; 4], u32) {
+        let q = &x.qs[8 * c..8 * c + 8];
+        let words = std::array::from_fn(|l| {
+            pair(
+                IQ3XXS_GRID[q[2 * l] as usize],
+                IQ3XXS_GRID[q[2 * l + 1] as usize],
+            )
+        });
+        (words, ksigns4(u32_at(&x.qs, 64 + 4 * c)))
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ3XXS) -> [i16; 16] {
+        std::array::from_fn(|k| 2 * (u32_at(&x.qs, 64 + 4 * (k / 2)) >> 28) as i16 + 1)
+    }
+}
+
+impl SignedGrid for IQ3S {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ3S, c: usize) -> ([u64; 4], u32) {
+        let (q, qh) = (&x.qs[8 * c..8 * c + 8], x.qh[c] as usize);
+        let words = std::array::from_fn(|l| {
+            let i1 = q[2 * l] as usize | ((qh << (8 - 2 * l)) & 256);
+            let i2 = q[2 * l + 1] as usize | ((qh << (7 - 2 * l)) & 256);
+            pair(IQ3S_GRID[i1], IQ3S_GRID[i2])
+        });
+        (words, u32_at(&x.signs, 4 * c))
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ3S) -> [i16; 16] {
+        std::array::from_fn(|k| 2 * ((x.scales[k / 4] >> (4 * (k / 2 % 2))) & 15) as i16 + 1)
     }
 }
 
@@ -444,9 +510,7 @@ impl Grid for IQ1M {
     }
 }
 
-/// `Format` and `Avx2` for a grid format: the lanes of its unpacked block; on AVX2 the block is
-/// unpacked by the same scalar code (table lookups) and its lanes taken as
-/// Σ_c madd(scales_c, maddubs(|q_c|, ±y_c)) over chunks of 32 (|q| ≤ 62: a pair ≤ 15 748).
+/// `Format` for a grid format: the lanes of its unpacked block.
 macro_rules! grid_format {
     ($($f:ty),*) => {$(
         impl Format for $f {
@@ -472,6 +536,46 @@ macro_rules! grid_format {
             }
         }
 
+        #[cfg(not(target_arch = "x86_64"))]
+        impl Avx2 for $f {}
+    )*};
+}
+
+grid_format!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
+
+/// `Avx2` for a signed grid: the grid words and sign masks in registers, the signs applied to
+/// the activations (`avx2::ilanes_signed`).
+macro_rules! signed_avx2 {
+    ($($f:ty),*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        impl Avx2 for $f {
+            type Unpacked = avx2::SignedRegs;
+            #[inline(always)]
+            unsafe fn unpack(x: &Self::Block) -> avx2::SignedRegs {
+                avx2::unpack_signed::<$f>(x)
+            }
+            #[inline(always)]
+            unsafe fn ilanes(u: &avx2::SignedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes_signed(u, y)
+            }
+            type U512 = avx2::SignedRegs;
+            #[inline(always)]
+            unsafe fn unpack512(x: &Self::Block) -> avx2::SignedRegs {
+                avx2::unpack_signed::<$f>(x)
+            }
+            #[inline(always)]
+            unsafe fn ilanes512(u: &avx2::SignedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes_signed(u, y)
+            }
+        }
+    )*};
+}
+
+signed_avx2!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S);
+
+/// `Avx2` for the IQ1 types: unpacked by the scalar code, lanes by `avx2::ilanes`.
+macro_rules! unpacked_avx2 {
+    ($($f:ty),*) => {$(
         #[cfg(target_arch = "x86_64")]
         impl Avx2 for $f {
             type Unpacked = GridBlock;
@@ -493,19 +597,57 @@ macro_rules! grid_format {
                 avx2::ilanes(u, y)
             }
         }
-
-        #[cfg(not(target_arch = "x86_64"))]
-        impl Avx2 for $f {}
     )*};
 }
 
-grid_format!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
+unpacked_avx2!(IQ1S, IQ1M);
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::avx2::load32;
+    use super::super::avx2::{bit_bytes, load32};
     use super::*;
     use std::arch::x86_64::*;
+
+    /// A signed grid block in registers: per 32 values the unsigned grid values, the mask of
+    /// those negated (0xFF), and the scales as i16 (first 16 values low, next 16 high).
+    #[derive(Clone, Copy)]
+    pub struct SignedRegs {
+        g: [__m256i; 8],
+        m: [__m256i; 8],
+        sc: [__m256i; 8],
+    }
+
+    #[inline(always)]
+    pub unsafe fn unpack_signed<G: SignedGrid>(x: &G::Block) -> SignedRegs {
+        let sc = G::scales(x);
+        let mut u = SignedRegs {
+            g: [_mm256_setzero_si256(); 8],
+            m: [_mm256_setzero_si256(); 8],
+            sc: [_mm256_setzero_si256(); 8],
+        };
+        for c in 0..8 {
+            let (w, signs) = G::chunk(x, c);
+            u.g[c] = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
+            u.m[c] = bit_bytes(signs);
+            u.sc[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+        }
+        u
+    }
+
+    /// Σ_c madd(scales_c, maddubs(g_c, ±y_c)): the signs applied to the activations ((y ^ m) −
+    /// m negates y where m is −1; |y| ≤ 127), the grid values (≤ 62) as maddubs's unsigned
+    /// operand: a pair ≤ 2·62·127 = 15 748.
+    #[inline(always)]
+    pub unsafe fn ilanes_signed(u: &SignedRegs, y: &BlockQ8K) -> __m256i {
+        let mut sum = _mm256_setzero_si256();
+        for c in 0..8 {
+            let yc = load32(&y.qs[32 * c..32 * c + 32]);
+            let sy = _mm256_sub_epi8(_mm256_xor_si256(yc, u.m[c]), u.m[c]);
+            let p = _mm256_maddubs_epi16(u.g[c], sy);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(u.sc[c], p));
+        }
+        sum
+    }
 
     /// Σ_c madd(scales_c, maddubs(|q_c|, sign(y_c, q_c))) over the 8 chunks of 32 values; chunk
     /// c's i16 pair sums are values 32c..32c+16 in the low 128 bits (scale `sc[2c]`), the rest

@@ -12,7 +12,7 @@ use bytemuck::{Pod, Zeroable};
 use half::f16;
 
 /// The 16 values a 4-bit i-quant stands for (ggml's `kvalues_iq4nl`).
-pub const KVALUES: [i8; 16] = [
+pub static KVALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 

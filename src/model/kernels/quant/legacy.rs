@@ -218,7 +218,9 @@ impl Format for Q8_0 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! Unpacking to 32 bytes in element order, then llama.cpp's integer dot products.
-    use super::super::avx2::{idot_i8, idot_i8_vnni, idot_u8, idot_u8_vnni, load16, load32};
+    use super::super::avx2::{
+        bit_bytes, idot_i8, idot_i8_vnni, idot_u8, idot_u8_vnni, load16, load32,
+    };
     use super::*;
     use std::arch::x86_64::*;
 
@@ -232,20 +234,10 @@ mod avx2 {
         _mm256_set_m128i(hi, lo)
     }
 
-    /// The 32 bits of `qh` as bytes: 0xFF where element i's bit is set, 0 elsewhere
-    /// (llama.cpp's `bytes_from_bits_32`).
+    /// The 32 bits of `qh` as bytes: 0xFF where element i's bit is set, 0 elsewhere.
     #[inline(always)]
     unsafe fn bits(qh: &[u8; 4]) -> __m256i {
-        let x = u32::from_le_bytes(*qh) as i32;
-        let shuf = _mm256_set_epi64x(
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0x0000000000000000,
-        );
-        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x), shuf);
-        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-        _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+        bit_bytes(u32::from_le_bytes(*qh))
     }
 
     impl Avx2 for Q4_0 {

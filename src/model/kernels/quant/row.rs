@@ -195,6 +195,21 @@ pub(super) mod avx2 {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), x, y)
     }
 
+    /// The 32 bits of `x` as bytes: 0xFF where bit i is set, 0 elsewhere (byte i; llama.cpp's
+    /// `bytes_from_bits_32`).
+    #[inline(always)]
+    pub(crate) unsafe fn bit_bytes(x: u32) -> __m256i {
+        let shuf = _mm256_set_epi64x(
+            0x0303030303030303,
+            0x0202020202020202,
+            0x0101010101010101,
+            0x0000000000000000,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+    }
+
     /// A 32-byte array as a vector.
     #[inline(always)]
     pub(crate) fn load32<T: bytemuck::Pod>(a: &[T]) -> __m256i {
