@@ -172,12 +172,38 @@ impl<F: RowFormat> Matrix<F> {
                             &mut []
                         }
                     });
-                    for r in r0..r1 {
+                    let act4 = |t: usize| [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                    let mut r = r0;
+                    // Four rows at a time (four tokens each), then the rows left one by one.
+                    while r + 4 <= r1 {
+                        let w = [
+                            self.row(r),
+                            self.row(r + 1),
+                            self.row(r + 2),
+                            self.row(r + 3),
+                        ];
+                        let mut t = t0;
+                        while t + 4 <= t1 {
+                            let v = F::dot_4x4(level, w, act4(t));
+                            for (i, v) in v.into_iter().enumerate() {
+                                for (k, v) in v.into_iter().enumerate() {
+                                    o[t + k - t0][r + i - r0] = v;
+                                }
+                            }
+                            t += 4;
+                        }
+                        for t in t..t1 {
+                            for (i, w) in w.iter().enumerate() {
+                                o[t - t0][r + i - r0] = F::dot(level, w, act(t));
+                            }
+                        }
+                        r += 4;
+                    }
+                    for r in r..r1 {
                         let w = self.row(r);
                         let mut t = t0;
                         while t + 4 <= t1 {
-                            let v =
-                                F::dot_x4(level, w, [act(t), act(t + 1), act(t + 2), act(t + 3)]);
+                            let v = F::dot_x4(level, w, act4(t));
                             for (i, v) in v.into_iter().enumerate() {
                                 o[t + i - t0][r - r0] = v;
                             }

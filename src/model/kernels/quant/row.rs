@@ -262,6 +262,12 @@ pub trait RowFormat: Send + Sync + 'static {
     fn dot(level: Level, xs: &[Self::Block], ys: &[Self::Act]) -> f32;
     /// One row with four activation rows, each summed exactly as [`RowFormat::dot`] sums it.
     fn dot_x4(level: Level, xs: &[Self::Block], ys: [&[Self::Act]; 4]) -> [f32; 4];
+    /// Four rows with four activation rows, `[row][token]`, each summed exactly as
+    /// [`RowFormat::dot`] sums it (a format whose registers hold 16 such sums overrides it).
+    #[inline(always)]
+    fn dot_4x4(level: Level, xs: [&[Self::Block]; 4], ys: [&[Self::Act]; 4]) -> [[f32; 4]; 4] {
+        xs.map(|x| Self::dot_x4(level, x, ys))
+    }
 }
 
 impl<F: Avx2> RowFormat for F {

@@ -419,6 +419,26 @@ fn float_simd_level_equals_reference<W: floats::Float + floats::Simd>(level: Lev
             .map(|_| (0..n).map(|_| r.random_range(-3f32..3.0)).collect())
             .collect();
         let x4 = Floats::<W>::dot_x4(level, &w, [&ys[0], &ys[1], &ys[2], &ys[3]]);
+        // Four rows (the same one, and three scaled copies) with the same four tokens.
+        let rows: Vec<Vec<W>> = (0..4)
+            .map(|i| {
+                w.iter()
+                    .map(|v| W::from_f32(v.value() * (i + 1) as f32))
+                    .collect()
+            })
+            .collect();
+        let y4 = [&ys[0][..], &ys[1], &ys[2], &ys[3]];
+        let m4 = Floats::<W>::dot_4x4(level, [&rows[0], &rows[1], &rows[2], &rows[3]], y4);
+        for (i, row) in rows.iter().enumerate() {
+            for (t, y) in ys.iter().enumerate() {
+                let reference = dot_ref(row, y);
+                assert_eq!(
+                    m4[i][t].to_bits(),
+                    reference.to_bits(),
+                    "{level:?} 4x4 {i} {t}"
+                );
+            }
+        }
         for (t, y) in ys.iter().enumerate() {
             let reference = dot_ref(&w, y);
             let one = Floats::<W>::dot(level, &w, y);
