@@ -38,13 +38,6 @@ impl GridBlock {
         self.q[8 * k..8 * k + 8].copy_from_slice(bytemuck::cast_slice(&w.to_le_bytes()));
     }
 
-    /// The scale of the 32 values of sub-block `ib` (both its halves).
-    #[inline(always)]
-    fn scale32(&mut self, ib: usize, s: i16) {
-        self.sc[2 * ib] = s;
-        self.sc[2 * ib + 1] = s;
-    }
-
     /// The 8 integer lanes of Σ scale·value·y.
     fn lanes(&self, y: &BlockQ8K) -> [i32; 8] {
         let mut l = [0i32; 8];
@@ -432,6 +425,60 @@ fn shifted8(grid: u64, delta: i8) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// An IQ1 grid: each 32 values are 4 words of grid values in {−1, 0, 1}, a ±1/8 shift per 8
+/// values and a scale per 16, so AVX2 can take Σ (8g + δ)·y as 8·Σ (g + 1)·y + (δ − 8)·Σ y with
+/// unsigned g + 1.
+pub trait ShiftedGrid: Grid {
+    /// Chunk c (values 32c..32c + 32): its 4 grid words, the shift of each (±1, in eighths) and
+    /// the scale of each 16 values.
+    fn chunk(x: &Self::Block, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]);
+}
+
+/// An IQ1 block unpacked in scalar code.
+#[inline(always)]
+fn unpack_shifted<G: ShiftedGrid>(x: &G::Block) -> GridBlock {
+    let mut g = GridBlock::new();
+    for c in 0..8 {
+        let (words, deltas, sc) = G::chunk(x, c);
+        g.sc[2 * c..2 * c + 2].copy_from_slice(&sc);
+        for l in 0..4 {
+            g.put8(4 * c + l, shifted8(words[l], deltas[l]));
+        }
+    }
+    g
+}
+
+impl ShiftedGrid for IQ1S {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ1S, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]) {
+        let qh = u16_at(&x.qh, 2 * c) as usize;
+        let s = 2 * ((qh >> 12) & 7) as i16 + 1;
+        let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+        let words = std::array::from_fn(|l| {
+            IQ1S_GRID[x.qs[4 * c + l] as usize | (((qh >> (3 * l)) & 7) << 8)]
+        });
+        (words, [delta; 4], [s, s])
+    }
+}
+
+impl ShiftedGrid for IQ1M {
+    #[inline(always)]
+    fn chunk(x: &BlockIQ1M, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]) {
+        let sc = [0, 1].map(|half| 2 * Self::s(x, 2 * c + half) as i16 + 1);
+        let mut words = [0u64; 4];
+        let mut deltas = [0i8; 4];
+        for half in 0..2 {
+            let qh = x.qh[2 * c + half] as usize;
+            for (n, (shift, bit)) in [(8, 0x08), (4, 0x80)].into_iter().enumerate() {
+                let l = 2 * half + n;
+                words[l] = IQ1S_GRID[x.qs[4 * c + l] as usize | ((qh << shift) & 0x700)];
+                deltas[l] = if qh & bit != 0 { -1 } else { 1 };
+            }
+        }
+        (words, deltas, sc)
+    }
+}
+
 impl Grid for IQ1S {
     type Block = BlockIQ1S;
     const DTYPE: WeightType = WeightType::IQ1_S;
@@ -440,17 +487,7 @@ impl Grid for IQ1S {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ1S) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            let qh = u16_at(&x.qh, 2 * ib) as usize;
-            g.scale32(ib, 2 * ((qh >> 12) & 7) as i16 + 1);
-            let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
-            for l in 0..4 {
-                let grid = IQ1S_GRID[x.qs[4 * ib + l] as usize | (((qh >> (3 * l)) & 7) << 8)];
-                g.put8(4 * ib + l, shifted8(grid, delta));
-            }
-        }
-        g
+        unpack_shifted::<Self>(x)
     }
     fn dequantize(x: &BlockIQ1S, out: &mut [f32]) {
         let d = x.d.to_f32();
@@ -488,20 +525,7 @@ impl Grid for IQ1M {
     }
     #[inline(always)]
     fn unpack(x: &BlockIQ1M) -> GridBlock {
-        let mut g = GridBlock::new();
-        for ib in 0..8 {
-            for half in 0..2 {
-                g.sc[2 * ib + half] = 2 * Self::s(x, 2 * ib + half) as i16 + 1;
-                let qh = x.qh[2 * ib + half] as usize;
-                for (n, (shift, bit)) in [(8, 0x08), (4, 0x80)].into_iter().enumerate() {
-                    let l = 2 * half + n;
-                    let idx = x.qs[4 * ib + l] as usize | ((qh << shift) & 0x700);
-                    let delta = if qh & bit != 0 { -1 } else { 1 };
-                    g.put8(4 * ib + l, shifted8(IQ1S_GRID[idx], delta));
-                }
-            }
-        }
-        g
+        unpack_shifted::<Self>(x)
     }
     fn dequantize(x: &BlockIQ1M, out: &mut [f32]) {
         let d = Self::d16(x).to_f32();
@@ -573,34 +597,34 @@ macro_rules! signed_avx2 {
 
 signed_avx2!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S);
 
-/// `Avx2` for the IQ1 types: unpacked by the scalar code, lanes by `avx2::ilanes`.
-macro_rules! unpacked_avx2 {
+/// `Avx2` for the IQ1 types: grid words, shifts and scales in registers (`avx2::ilanes_shifted`).
+macro_rules! shifted_avx2 {
     ($($f:ty),*) => {$(
         #[cfg(target_arch = "x86_64")]
         impl Avx2 for $f {
-            type Unpacked = GridBlock;
+            type Unpacked = avx2::ShiftedRegs;
             #[inline(always)]
-            unsafe fn unpack(x: &Self::Block) -> GridBlock {
-                <$f as Grid>::unpack(x)
+            unsafe fn unpack(x: &Self::Block) -> avx2::ShiftedRegs {
+                avx2::unpack_shifted::<$f>(x)
             }
             #[inline(always)]
-            unsafe fn ilanes(u: &GridBlock, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
-                avx2::ilanes(u, y)
+            unsafe fn ilanes(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes_shifted(u, y)
             }
-            type U512 = GridBlock;
+            type U512 = avx2::ShiftedRegs;
             #[inline(always)]
-            unsafe fn unpack512(x: &Self::Block) -> GridBlock {
-                <$f as Grid>::unpack(x)
+            unsafe fn unpack512(x: &Self::Block) -> avx2::ShiftedRegs {
+                avx2::unpack_shifted::<$f>(x)
             }
             #[inline(always)]
-            unsafe fn ilanes512(u: &GridBlock, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
-                avx2::ilanes(u, y)
+            unsafe fn ilanes512(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes_shifted(u, y)
             }
         }
     )*};
 }
 
-unpacked_avx2!(IQ1S, IQ1M);
+shifted_avx2!(IQ1S, IQ1M);
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -649,18 +673,56 @@ mod avx2 {
         sum
     }
 
-    /// Σ_c madd(scales_c, maddubs(|q_c|, sign(y_c, q_c))) over the 8 chunks of 32 values; chunk
-    /// c's i16 pair sums are values 32c..32c+16 in the low 128 bits (scale `sc[2c]`), the rest
-    /// in the high (scale `sc[2c + 1]`).
+    /// An IQ1 block in registers: per 32 values the grid values + 1 (0, 1, 2), the shift of
+    /// each 8 values less 8 in the i16 lanes of their pairs, and the scales (first 16 values low).
+    #[derive(Clone, Copy)]
+    pub struct ShiftedRegs {
+        g1: [__m256i; 8],
+        dm8: [__m256i; 8],
+        sc: [__m256i; 8],
+    }
+
     #[inline(always)]
-    pub unsafe fn ilanes(u: &GridBlock, y: &BlockQ8K) -> __m256i {
+    pub unsafe fn unpack_shifted<G: ShiftedGrid>(x: &G::Block) -> ShiftedRegs {
+        let one = _mm256_set1_epi8(1);
+        let mut u = ShiftedRegs {
+            g1: [_mm256_setzero_si256(); 8],
+            dm8: [_mm256_setzero_si256(); 8],
+            sc: [_mm256_setzero_si256(); 8],
+        };
+        for c in 0..8 {
+            let (w, d, sc) = G::chunk(x, c);
+            let g = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
+            u.g1[c] = _mm256_add_epi8(g, one);
+            // i16 lane k holds values 2k, 2k + 1: 8-value group k / 4.
+            let dm = d.map(|d| d as i16 - 8);
+            u.dm8[c] = _mm256_set_m128i(
+                _mm_set_epi64x(
+                    (dm[3] as u16 as i64) * 0x0001_0001_0001_0001,
+                    (dm[2] as u16 as i64) * 0x0001_0001_0001_0001,
+                ),
+                _mm_set_epi64x(
+                    (dm[1] as u16 as i64) * 0x0001_0001_0001_0001,
+                    (dm[0] as u16 as i64) * 0x0001_0001_0001_0001,
+                ),
+            );
+            u.sc[c] = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+        }
+        u
+    }
+
+    /// Σ_c madd(scales_c, 8·maddubs(g + 1, y) + (δ − 8)·maddubs(1, y)): per i16 pair the exact
+    /// Σ (8g + δ)·y (|8·508| + |9·254| < 2^15).
+    #[inline(always)]
+    pub unsafe fn ilanes_shifted(u: &ShiftedRegs, y: &BlockQ8K) -> __m256i {
+        let one = _mm256_set1_epi8(1);
         let mut sum = _mm256_setzero_si256();
         for c in 0..8 {
-            let q = load32(&u.q[32 * c..32 * c + 32]);
             let yc = load32(&y.qs[32 * c..32 * c + 32]);
-            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yc, q));
-            let sc = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * c + 1]), _mm_set1_epi16(u.sc[2 * c]));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(sc, p));
+            let p = _mm256_maddubs_epi16(u.g1[c], yc);
+            let s = _mm256_maddubs_epi16(one, yc);
+            let t = _mm256_add_epi16(_mm256_slli_epi16::<3>(p), _mm256_mullo_epi16(s, u.dm8[c]));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(u.sc[c], t));
         }
         sum
     }
