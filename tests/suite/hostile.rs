@@ -1031,9 +1031,9 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
     kvs.push(("general.alignment", Val::U32(32)));
     kvs.push(("tokenizer.ggml.model", Val::Str("llama".into())));
     for (ty, name) in [
-        (17u32, "type IQ2_XS"),
+        (35u32, "type TQ2_0"),
         (39, "type MXFP4"),
-        (34, "type TQ1_0"),
+        (9, "type Q8_1"),
         (99, "type 99 (unknown to kvchat)"),
     ] {
         let tensors = [
