@@ -126,15 +126,18 @@ fn lane(i: usize) -> usize {
     (i % 32) / 4
 }
 
-/// The weight types this driver runs, declared once. A row: ggml's type id, its name, candle's
-/// [`WeightType`] const, and its format here (a block struct with `Format` and, for tiles, `Tiled` impls; or
-/// `Floats<E>`). Rows under `tiled` become row-interleaved tiles where AVX2 runs and rows come in
-/// 16s (per row otherwise); rows under `per_row` always run per row. From these rows come
+/// The weight types this driver runs, declared once. A row: ggml's type id, its name, its
+/// [`WeightType`] const, and its format here (a block struct with `Format` and, for tiles, `Tiled`
+/// impls; or `Floats<E>`). Rows under `tiled` become row-interleaved tiles at load where AVX2 runs
+/// and rows come in 16s (per row otherwise); rows under `staged` keep their blocks per row and
+/// are staged into tiles during each matmul (`staged`: the grid i-quants, whose unpacked form is
+/// too large to store); rows under `per_row` always run per row. From these rows come
 /// [`FORMATS`], [`WEIGHT_TYPES`] (the GGUF reader's list of what kvchat runs), the per-row reader
 /// and `tiled_format!`. A new type: its kernel file and one row (docs/architecture.md).
 macro_rules! weight_types {
     ($d:tt
         tiled { $($tid:literal $tname:literal $tdt:ident => $TF:ty;)* }
+        staged { $($sid:literal $sname:literal $sdt:ident => $SF:ty;)* }
         per_row { $($rid:literal $rname:literal $rdt:ident => $RF:ty;)* }
     ) => {
         /// Runs `$body` with `$F` the format of a tiled `$dtype`; `$none` for other types.
@@ -152,12 +155,13 @@ macro_rules! weight_types {
         }
 
         /// The GGUF types this driver runs.
-        pub const FORMATS: [WeightType; [$($tname,)* $($rname,)*].len()] =
-            [$(WeightType::$tdt,)* $(WeightType::$rdt,)*];
+        pub const FORMATS: [WeightType; [$($tname,)* $($sname,)* $($rname,)*].len()] =
+            [$(WeightType::$tdt,)* $(WeightType::$sdt,)* $(WeightType::$rdt,)*];
 
         /// The GGUF types this driver runs, as (ggml type id, name, candle's type).
-        pub const WEIGHT_TYPES: [(u32, &str, WeightType); [$($tname,)* $($rname,)*].len()] =
-            [$(($tid, $tname, WeightType::$tdt),)* $(($rid, $rname, WeightType::$rdt),)*];
+        pub const WEIGHT_TYPES: [(u32, &str, WeightType); [$($tname,)* $($sname,)* $($rname,)*].len()] =
+            [$(($tid, $tname, WeightType::$tdt),)* $(($sid, $sname, WeightType::$sdt),)*
+             $(($rid, $rname, WeightType::$rdt),)*];
 
         /// The per-row matrix of `[rows, cols]` blocks of `dtype` read from `src`; None for a
         /// type this driver does not run.
@@ -169,6 +173,9 @@ macro_rules! weight_types {
         ) -> Result<Option<QMatrix>> {
             Ok(Some(match dtype {
                 $( WeightType::$tdt => QMatrix::new(Matrix::<$TF>::read_rows(rows, cols, src)?), )*
+                $( WeightType::$sdt => {
+                    QMatrix::new(staged::Staged(Matrix::<$SF>::read_rows(rows, cols, src)?))
+                } )*
                 $( WeightType::$rdt => QMatrix::new(Matrix::<$RF>::read_rows(rows, cols, src)?), )*
                 _ => return Ok(None),
             }))
@@ -191,10 +198,7 @@ weight_types! {$
         20 "IQ4_NL" IQ4_NL => IQ4NL;
         23 "IQ4_XS" IQ4_XS => IQ4XS;
     }
-    per_row {
-        0 "F32" F32 => Floats<f32>;
-        1 "F16" F16 => Floats<f16>;
-        30 "BF16" BF16 => Floats<half::bf16>;
+    staged {
         16 "IQ2_XXS" IQ2_XXS => IQ2XXS;
         17 "IQ2_XS" IQ2_XS => IQ2XS;
         22 "IQ2_S" IQ2_S => IQ2S;
@@ -203,11 +207,17 @@ weight_types! {$
         19 "IQ1_S" IQ1_S => IQ1S;
         29 "IQ1_M" IQ1_M => IQ1M;
     }
+    per_row {
+        0 "F32" F32 => Floats<f32>;
+        1 "F16" F16 => Floats<f16>;
+        30 "BF16" BF16 => Floats<half::bf16>;
+    }
 }
 
 // After the table: these use its `tiled_format!`.
 mod pack;
 mod qmatrix;
+mod staged;
 pub use pack::*;
 pub use qmatrix::*;
 

@@ -159,6 +159,62 @@ pub(super) mod avx2 {
         )
     }
 
+    /// One row with one activation row in the tiles' order ([`super::dot_rows_scalar`]'s: per
+    /// block the exact integer sum of its lanes, times its scale, fused into one accumulator),
+    /// given a level's unpack, lanes and min: for a matrix whose prefill runs as tiles (staged)
+    /// and whose decode runs per row.
+    #[inline(always)]
+    unsafe fn dot_rows_order_body<F: Format, U>(
+        xs: &[F::Block],
+        ys: &[F::Act],
+        unpack: impl Fn(&F::Block) -> U,
+        ilanes: impl Fn(&U, &F::Act) -> __m256i,
+        min: impl Fn(&U, &F::Block, &F::Act) -> f32,
+    ) -> f32 {
+        let mut acc = 0f32;
+        let mut summ = 0f32;
+        for (x, y) in xs.iter().zip(ys) {
+            let u = unpack(x);
+            let l = ilanes(&u, y);
+            // The 8 lanes' exact integer sum.
+            let s = _mm_add_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256::<1>(l));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            let isum = _mm_cvtsi128_si32(s);
+            acc = (isum as f32).mul_add(F::scale(x, y), acc);
+            if F::HAS_MIN {
+                summ += min(&u, x, y);
+            }
+        }
+        acc + summ
+    }
+
+    /// [`dot_rows_order_body`] with the AVX2 kernels.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_rows_order<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+        dot_rows_order_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack(x),
+            |u, y| F::ilanes(u, y),
+            |u, x, y| F::min_u(u, x, y),
+        )
+    }
+
+    /// [`dot_rows_order_body`] with the VNNI kernels.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(crate) unsafe fn dot_rows_order512<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
+        dot_rows_order_body::<F, _>(
+            xs,
+            ys,
+            |x| F::unpack512(x),
+            |u, y| F::ilanes512(u, y),
+            |u, x, y| F::min512(u, x, y),
+        )
+    }
+
     /// 64 bytes as a vector.
     #[inline(always)]
     pub(crate) fn load64<T: bytemuck::Pod>(a: &[T]) -> __m512i {

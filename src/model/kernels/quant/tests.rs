@@ -564,6 +564,52 @@ mod tiles {
         tiles_equal_the_row_reference::<Q3K>(&[108]);
     }
 
+    /// The grid i-quants' staged tiles (made by `Tiled::pack` from the blocks, as a matmul
+    /// stages them) against the row reference, at every level, on blocks of random bytes.
+    #[test]
+    fn grid_i_quant_tiles_equal_the_row_reference_bit_for_bit() {
+        tiles_equal_the_row_reference::<IQ2XXS>(&[0]);
+        tiles_equal_the_row_reference::<IQ2XS>(&[0]);
+        tiles_equal_the_row_reference::<IQ2S>(&[0]);
+        tiles_equal_the_row_reference::<IQ3XXS>(&[0]);
+        tiles_equal_the_row_reference::<IQ3S>(&[0]);
+        tiles_equal_the_row_reference::<IQ1S>(&[0]);
+        tiles_equal_the_row_reference::<IQ1M>(&[]);
+    }
+
+    /// A staged matrix (rows in 16s) gives each output the bits of the row reference in the
+    /// tiles' order, for one token and for many.
+    #[test]
+    fn a_staged_grid_matrix_sums_as_the_tile_reference() {
+        if level() < Level::Avx2 {
+            return;
+        }
+        let (n, k) = (32, 512);
+        let (bytes, _) = gguf_matrix(WeightType::IQ2_XS, n, k);
+        let m = QMatrix::from_bytes(WeightType::IQ2_XS, n, k, &bytes)
+            .unwrap()
+            .unwrap();
+        let blocks: &[<IQ2XS as Format>::Block] = bytemuck::cast_slice(&bytes);
+        let x = seeded(109, (1, 6, k));
+        let got = flat(&m.forward(&x).unwrap());
+        let xs = flat(&x);
+        let mut q = vec![BlockQ8K::zeroed(); 6 * 2];
+        for (x, q) in xs.chunks_exact(k).zip(q.chunks_exact_mut(2)) {
+            BlockQ8K::quantize(x, q);
+        }
+        for t in 0..6 {
+            for r in 0..n {
+                let want =
+                    dot_rows_scalar::<IQ2XS>(&blocks[2 * r..2 * r + 2], &q[2 * t..2 * t + 2]);
+                assert_eq!(
+                    got[t * n + r].to_bits(),
+                    want.to_bits(),
+                    "token {t} row {r}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn iq4_nl_tiles_equal_the_row_reference_bit_for_bit() {
         tiles_equal_the_row_reference::<IQ4NL>(&[0]);

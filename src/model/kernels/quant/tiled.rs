@@ -17,8 +17,8 @@
 use super::iquants::{scale_xs, BlockIQ4NL, BlockIQ4XS, KVALUES};
 use super::legacy::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1};
 use super::{
-    BlockQ8K, BlockQ8_0, BlockQ8_1, Format, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0,
-    Q5_1, Q6K, Q8_0,
+    BlockQ8K, BlockQ8_0, BlockQ8_1, Format, IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4NL,
+    IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0,
 };
 use anyhow::Result;
 use bytemuck::{Pod, Zeroable};
@@ -254,6 +254,53 @@ impl Tiled for Q3K {
         }
     }
 }
+
+/// A grid i-quant's super-block for 16 rows, staged for the tile kernels during a matmul (never
+/// stored: the unpacked values are 4× the bytes of IQ2's blocks): each row's d·2^-k, its 16
+/// integer scales, and its 256 signed values + 128 as a Q8_0 tile holds them (`q[g]`: values
+/// 4g..4g+4 of the 16 rows, row r's at bytes 4r..4r+4).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct TileGrid {
+    pub d: [f32; TR],
+    pub sc: [[i16; TR]; 16],
+    pub q: [[u8; 4 * TR]; 64],
+}
+
+/// `Tiled` for the grid i-quants: `pack` stages a row group (each block unpacked once),
+/// `dequantize_row` gives ggml's bits ((d·2^-k·scale)·value and ggml's (d·(0.5 + s)·2^-j)·value are
+/// the same real number, rounded once each).
+macro_rules! staged_tiles {
+    ($($f:ty),*) => {$(
+        impl Tiled for $f {
+            type Tile = TileGrid;
+            const YSUM: bool = false;
+            fn pack(rows: [&<$f as Format>::Block; TR], t: &mut TileGrid) {
+                use super::iqgrid::Grid;
+                for (r, x) in rows.iter().enumerate() {
+                    let g = <$f as Grid>::unpack(x);
+                    t.d[r] = <$f as Grid>::d(x);
+                    for (row, s) in t.sc.iter_mut().zip(g.sc) {
+                        row[r] = s;
+                    }
+                    let q: &[u8] = bytemuck::cast_slice(&g.q);
+                    for (group, four) in t.q.iter_mut().zip(q.chunks_exact(4)) {
+                        let w = word(four) ^ 0x8080_8080;
+                        group[4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
+                    }
+                }
+            }
+            fn dequantize_row(t: &TileGrid, r: usize, out: &mut [f32]) {
+                for (e, o) in out.iter_mut().enumerate() {
+                    let q = (t.q[e / 4][4 * r + e % 4] ^ 0x80) as i8;
+                    *o = t.d[r] * t.sc[e / 16][r] as f32 * q as f32;
+                }
+            }
+        }
+    )*};
+}
+
+staged_tiles!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
 
 /// IQ4_NL tile: `d` of each row; `qs[g]` holds the table indices of values 8g..8g+8 of the 16
 /// rows as a Q4_0 tile holds its nibbles (the kernels look the values up).
@@ -913,4 +960,94 @@ impl<F: Tiled> TiledMatrix<F> {
     pub(super) fn matmul(&self, _: &[f32], _: usize, _: &mut [f32]) {
         unreachable!("tiles are made only where AVX2 runs")
     }
+}
+
+/// The 16 rows' dot products with T tokens by `level`'s tile kernel.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn dot16_at<F: TileKernels, const T: usize>(
+    level: super::Level,
+    w: &[F::Tile],
+    ys: [&[F::Act]; T],
+    ysums: [&[i32]; T],
+) -> [[f32; TR]; T] {
+    assert!(level >= super::Level::Avx2 && level <= super::level());
+    // SAFETY: the CPU runs `level` (asserted above, against `level()`'s run-time check).
+    unsafe {
+        if level == super::Level::Vnni {
+            vnni::dot16::<F, T>(w, ys, ysums)
+        } else {
+            avx2::dot16::<F, T>(w, ys, ysums)
+        }
+    }
+}
+
+/// `xs [m, cols]` times the transposed `[rows, cols]` matrix whose row `r` is `row(r)` (GGUF
+/// blocks; rows a multiple of 16) into `out [m, rows]`, staging each group of 16 rows into tiles
+/// once ([`Tiled::pack`]) and running the tile kernels of `level` over every token: the tiles'
+/// summation order, so the result is [`dot_rows_scalar`]'s. Work items are row groups, each with
+/// all the tokens, so every block is unpacked once per matmul.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn staged_matmul<'a, F: TileKernels>(
+    level: super::Level,
+    row: impl Fn(usize) -> &'a [F::Block] + Sync,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    m: usize,
+    out: &mut [f32],
+) where
+    F::Block: 'a,
+{
+    use super::Act;
+    let kb = cols / F::N;
+    let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
+    let ysums: Vec<i32> = if F::YSUM {
+        q.iter().map(F::ysum).collect()
+    } else {
+        Vec::new()
+    };
+    let act = |t: usize| &q[t * kb..(t + 1) * kb];
+    let ysum = |t: usize| {
+        if F::YSUM {
+            &ysums[t * kb..(t + 1) * kb]
+        } else {
+            &[][..]
+        }
+    };
+    let dst = super::DisjointOut::new(out);
+    let pool = candle_core::utils::barrier_pool();
+    pool.execute_chunked(rows / TR, |range| {
+        let mut tiles: Vec<F::Tile> = bytemuck::zeroed_vec(kb);
+        for g in range {
+            let group: [&[F::Block]; TR] = std::array::from_fn(|r| row(g * TR + r));
+            for (b, tile) in tiles.iter_mut().enumerate() {
+                *tile = F::Tile::zeroed();
+                F::pack(std::array::from_fn(|r| &group[r][b]), tile);
+            }
+            let put = |t: usize, v: [f32; TR]| {
+                // SAFETY (DisjointOut's contract): rows 16g..16g+16 of token t belong to this
+                // item alone.
+                let o = unsafe { dst.slice(t * rows + g * TR, TR) };
+                o.copy_from_slice(&v);
+            };
+            let mut t = 0;
+            while t + 4 <= m {
+                let v = dot16_at::<F, 4>(
+                    level,
+                    &tiles,
+                    [act(t), act(t + 1), act(t + 2), act(t + 3)],
+                    [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)],
+                );
+                for (i, v) in v.into_iter().enumerate() {
+                    put(t + i, v);
+                }
+                t += 4;
+            }
+            for t in t..m {
+                let [v] = dot16_at::<F, 1>(level, &tiles, [act(t)], [ysum(t)]);
+                put(t, v);
+            }
+        }
+    });
 }

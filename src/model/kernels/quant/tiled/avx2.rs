@@ -537,6 +537,68 @@ impl TileKernel for Q3K {
     }
 }
 
+/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a staged grid tile. Per 16 values: the values back
+/// as i8 (xor 0x80), the sign trick, two maddubs steps summed in i16 (|q| ≤ 62: ≤ 2·2·62·127 =
+/// 31 496), widened by `madd` with the rows' i16 scales, twice.
+#[inline(always)]
+unsafe fn isum_grid<const H: usize, const T: usize>(
+    t: &TileGrid,
+    h0: usize,
+    ys: [&BlockQ8K; T],
+) -> [[__m256i; T]; H] {
+    let flip = _mm256_set1_epi8(0x80u8 as i8);
+    let mut acc = [[_mm256_setzero_si256(); T]; H];
+    for j in 0..16 {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let h = h0 + k;
+            // Row r's i16 scale in both i16 halves of its i32 lane.
+            let s = _mm256_cvtepi16_epi32(load16(&t.sc[j][8 * h..]));
+            let sc = _mm256_or_si256(
+                _mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
+                _mm256_slli_epi32::<16>(s),
+            );
+            for pair in 0..2 {
+                let mut p16 = [_mm256_setzero_si256(); T];
+                for n in 0..2 {
+                    let g = 4 * j + 2 * pair + n;
+                    let w = _mm256_xor_si256(half(&t.q[g], h), flip);
+                    let aw = _mm256_sign_epi8(w, w);
+                    for (p, y) in p16.iter_mut().zip(&ys) {
+                        let sy = _mm256_sign_epi8(bcast4(&y.qs[4 * g..]), w);
+                        *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(aw, sy));
+                    }
+                }
+                for (a, p) in acc.iter_mut().zip(p16) {
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(p, sc));
+                }
+            }
+        }
+    }
+    acc
+}
+
+macro_rules! grid_tile_kernel {
+    ($($f:ty),*) => {$(
+        impl TileKernel for $f {
+            #[inline(always)]
+            unsafe fn isum<const H: usize, const T: usize>(
+                t: &TileGrid,
+                h0: usize,
+                ys: [&BlockQ8K; T],
+                _: [i32; T],
+            ) -> [[__m256i; T]; H] {
+                isum_grid(t, h0, ys)
+            }
+            #[inline(always)]
+            unsafe fn scale(t: &TileGrid, h: usize, y: &BlockQ8K) -> __m256 {
+                _mm256_mul_ps(_mm256_set1_ps(y.d), _mm256_loadu_ps(t.d[8 * h..].as_ptr()))
+            }
+        }
+    )*};
+}
+
+grid_tile_kernel!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
+
 /// Halves `h0..h0+H`: per 32-value group run of table indices (`qs[g]`: values 8g..8g+8 of each
 /// row), the values looked up (signed KVALUES) and multiplied by `y` with the sign trick
 /// (|v| times y with v's sign: a pair ≤ 2·127·127 = 32 258, so each is widened by `madd` at

@@ -371,6 +371,49 @@ impl TileKernel for Q3K {
     }
 }
 
+/// The 16 rows' Σ_j sc_j · Σ q·y over a staged grid tile: per 16 values, 4 dpbusd of the values
+/// + 128, less 128 · bsum_j, times the rows' scales.
+#[inline(always)]
+unsafe fn isum_grid<const T: usize>(t: &TileGrid, ys: [&BlockQ8K; T]) -> [__m512i; T] {
+    let mut total = [_mm512_setzero_si512(); T];
+    for j in 0..16 {
+        let mut part = [_mm512_setzero_si512(); T];
+        for k in 0..4 {
+            let w = load64(&t.q[4 * j + k]);
+            for i in 0..T {
+                part[i] = _mm512_dpbusd_epi32(part[i], w, bcast4(&ys[i].qs[16 * j + 4 * k..]));
+            }
+        }
+        let sc = _mm512_cvtepi16_epi32(_mm256_loadu_si256(t.sc[j].as_ptr() as *const __m256i));
+        for i in 0..T {
+            let p = _mm512_sub_epi32(part[i], _mm512_set1_epi32(128 * ys[i].bsums[j] as i32));
+            total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(p, sc));
+        }
+    }
+    total
+}
+
+macro_rules! grid_tile_kernel {
+    ($($f:ty),*) => {$(
+        impl TileKernel for $f {
+            #[inline(always)]
+            unsafe fn isum<const T: usize>(
+                t: &TileGrid,
+                ys: [&BlockQ8K; T],
+                _: [i32; T],
+            ) -> [__m512i; T] {
+                isum_grid(t, ys)
+            }
+            #[inline(always)]
+            unsafe fn scale(t: &TileGrid, y: &BlockQ8K) -> __m512 {
+                _mm512_mul_ps(_mm512_set1_ps(y.d), _mm512_loadu_ps(t.d.as_ptr()))
+            }
+        }
+    )*};
+}
+
+grid_tile_kernel!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
+
 /// KVALUES + 128 (as u8, for dpbusd's unsigned operand) in each 128-bit lane.
 #[inline(always)]
 unsafe fn table_u8() -> __m512i {
