@@ -642,7 +642,7 @@ mod avx2 {
     }
 
     #[inline(always)]
-    pub unsafe fn unpack_signed<G: SignedGrid>(x: &G::Block) -> SignedRegs {
+    pub unsafe fn unpack_signed<G: SignedGrid + Gather>(x: &G::Block) -> SignedRegs {
         let sc = G::scales(x);
         let mut u = SignedRegs {
             g: [_mm256_setzero_si256(); 8],
@@ -650,12 +650,61 @@ mod avx2 {
             sc: [_mm256_setzero_si256(); 8],
         };
         for c in 0..8 {
-            let (w, signs) = G::chunk(x, c);
-            u.g[c] = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
+            let (g, signs) = G::chunk_vec(x, c);
+            u.g[c] = g;
             u.m[c] = bit_bytes(signs);
             u.sc[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
         }
         u
+    }
+
+    /// A signed grid's chunk c as one vector of its 32 grid values, and its sign bits: by
+    /// default from [`SignedGrid::chunk`]'s words; the IQ3 types gather their 4-value entries
+    /// with one `vpgatherdd` per 32 values instead (indices computed in registers: 8 bits for
+    /// IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every gathered load is inside its table).
+    pub trait Gather: SignedGrid {
+        /// # Safety
+        /// AVX2 runs (the contract of [`Avx2`]).
+        #[inline(always)]
+        unsafe fn chunk_vec(x: &Self::Block, c: usize) -> (__m256i, u32) {
+            let (w, signs) = Self::chunk(x, c);
+            let g = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
+            (g, signs)
+        }
+    }
+
+    impl Gather for IQ2XXS {}
+    impl Gather for IQ2XS {}
+    impl Gather for IQ2S {}
+
+    /// 8 bytes zero-extended to 8 i32 lanes.
+    #[inline(always)]
+    unsafe fn bytes8(b: &[u8]) -> __m256i {
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(b[..8].as_ptr() as *const __m128i))
+    }
+
+    impl Gather for IQ3XXS {
+        #[inline(always)]
+        unsafe fn chunk_vec(x: &BlockIQ3XXS, c: usize) -> (__m256i, u32) {
+            let idx = bytes8(&x.qs[8 * c..]);
+            let g = _mm256_i32gather_epi32::<4>(IQ3XXS_GRID.as_ptr() as *const i32, idx);
+            (g, ksigns4(u32_at(&x.qs, 64 + 4 * c)))
+        }
+    }
+
+    impl Gather for IQ3S {
+        /// Entry j's ninth index bit is bit j of `qh[c]`.
+        #[inline(always)]
+        unsafe fn chunk_vec(x: &BlockIQ3S, c: usize) -> (__m256i, u32) {
+            let hi = _mm256_srlv_epi32(
+                _mm256_set1_epi32(x.qh[c] as i32),
+                _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+            );
+            let hi = _mm256_slli_epi32::<8>(_mm256_and_si256(hi, _mm256_set1_epi32(1)));
+            let idx = _mm256_or_si256(bytes8(&x.qs[8 * c..]), hi);
+            let g = _mm256_i32gather_epi32::<4>(IQ3S_GRID.as_ptr() as *const i32, idx);
+            (g, u32_at(&x.signs, 4 * c))
+        }
     }
 
     /// Σ_c madd(scales_c, maddubs(g_c, ±y_c)): the signs applied to the activations ((y ^ m) −
