@@ -43,13 +43,6 @@ fn gguf_matrix(dtype: WeightType, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
         );
     }
     let w = flat(&seeded(101, (n, k)));
-    fn of<F: Format>(blocks: Vec<F::Block>) -> (Vec<u8>, Vec<f32>) {
-        let mut deq = vec![0f32; blocks.len() * F::N];
-        for (b, o) in blocks.iter().zip(deq.chunks_exact_mut(F::N)) {
-            F::dequantize(b, o);
-        }
-        (bytemuck::cast_slice(&blocks).to_vec(), deq)
-    }
     match dtype {
         WeightType::IQ4_NL => of::<IQ4NL>(iquants::reference::iq4_nl(&w)),
         WeightType::IQ4_XS => of::<IQ4XS>(iquants::reference::iq4_xs(&w)),
@@ -61,15 +54,17 @@ fn gguf_matrix(dtype: WeightType, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     }
 }
 
+/// Blocks of `F` as GGUF bytes, and their values as the format dequantizes them.
+fn of<F: Format>(blocks: Vec<F::Block>) -> (Vec<u8>, Vec<f32>) {
+    let mut deq = vec![0f32; blocks.len() * F::N];
+    for (b, o) in blocks.iter().zip(deq.chunks_exact_mut(F::N)) {
+        F::dequantize(b, o);
+    }
+    (bytemuck::cast_slice(&blocks).to_vec(), deq)
+}
+
 /// `count` random blocks of a grid i-quant as GGUF bytes and their dequantization.
 fn grid_blocks(dtype: WeightType, count: usize) -> (Vec<u8>, Vec<f32>) {
-    fn of<F: Format>(blocks: Vec<F::Block>) -> (Vec<u8>, Vec<f32>) {
-        let mut deq = vec![0f32; blocks.len() * F::N];
-        for (b, o) in blocks.iter().zip(deq.chunks_exact_mut(F::N)) {
-            F::dequantize(b, o);
-        }
-        (bytemuck::cast_slice(&blocks).to_vec(), deq)
-    }
     match dtype {
         WeightType::IQ2_XXS => of::<IQ2XXS>(random_blocks::<IQ2XXS>(count, &[0])),
         WeightType::IQ2_XS => of::<IQ2XS>(random_blocks::<IQ2XS>(count, &[0])),
