@@ -74,11 +74,7 @@ impl Format for IQ4NL {
     }
     #[inline(always)]
     fn lanes(x: &BlockIQ4NL, y: &BlockQ8_0) -> [i32; 8] {
-        let mut l = [0i32; 8];
-        for (i, &y) in y.qs.iter().enumerate() {
-            l[lane(i)] += value(&x.qs, i) * y as i32;
-        }
-        l
+        super::legacy::lanes32(|i| value(&x.qs, i), &y.qs)
     }
     #[inline(always)]
     fn scale(x: &BlockIQ4NL, y: &BlockQ8_0) -> f32 {

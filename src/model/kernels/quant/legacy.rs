@@ -71,7 +71,7 @@ fn fifth(qh: &[u8; 4], i: usize) -> i32 {
 
 /// The 8 lanes of Σ w(i)·y(i) over a 32-value block.
 #[inline(always)]
-fn lanes32(w: impl Fn(usize) -> i32, y: &[i8; 32]) -> [i32; 8] {
+pub(super) fn lanes32(w: impl Fn(usize) -> i32, y: &[i8; 32]) -> [i32; 8] {
     let mut l = [0i32; 8];
     for (i, &y) in y.iter().enumerate() {
         l[lane(i)] += w(i) * y as i32;

@@ -900,13 +900,7 @@ impl<F: TileKernels> TiledMatrix<F> {
         ) -> [[f32; TR]; T] {
             // SAFETY: the CPU runs `level` (asserted in `matmul_at`, from `level()`'s run-time
             // check; this fn is private to it).
-            unsafe {
-                if level == Level::Vnni {
-                    vnni::dot16::<F, T>(w, ys, ysums)
-                } else {
-                    avx2::dot16::<F, T>(w, ys, ysums)
-                }
-            }
+            unsafe { dot16_at::<F, T>(level, w, ys, ysums) }
         }
         let (n, kb) = (self.rows, self.kb());
         let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
@@ -962,23 +956,24 @@ impl<F: Tiled> TiledMatrix<F> {
     }
 }
 
-/// The 16 rows' dot products with T tokens by `level`'s tile kernel.
+/// The 16 rows' dot products with T tokens by `level`'s tile kernel (the one dispatch for
+/// stored and staged tiles).
+///
+/// # Safety
+/// `level` is at least `Avx2` and at most what [`super::level()`] reports (callers assert it
+/// once per matmul).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dot16_at<F: TileKernels, const T: usize>(
+unsafe fn dot16_at<F: TileKernels, const T: usize>(
     level: super::Level,
     w: &[F::Tile],
     ys: [&[F::Act]; T],
     ysums: [&[i32]; T],
 ) -> [[f32; TR]; T] {
-    assert!(level >= super::Level::Avx2 && level <= super::level());
-    // SAFETY: the CPU runs `level` (asserted above, against `level()`'s run-time check).
-    unsafe {
-        if level == super::Level::Vnni {
-            vnni::dot16::<F, T>(w, ys, ysums)
-        } else {
-            avx2::dot16::<F, T>(w, ys, ysums)
-        }
+    if level == super::Level::Vnni {
+        vnni::dot16::<F, T>(w, ys, ysums)
+    } else {
+        avx2::dot16::<F, T>(w, ys, ysums)
     }
 }
 
@@ -1000,6 +995,8 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
     F::Block: 'a,
 {
     use super::Act;
+    // The tile kernels' SAFETY condition, checked once per matmul.
+    assert!(level >= super::Level::Avx2 && level <= super::level());
     let kb = cols / F::N;
     let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
     let ysums: Vec<i32> = if F::YSUM {
@@ -1033,19 +1030,18 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
             };
             let mut t = 0;
             while t + 4 <= m {
-                let v = dot16_at::<F, 4>(
-                    level,
-                    &tiles,
-                    [act(t), act(t + 1), act(t + 2), act(t + 3)],
-                    [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)],
-                );
+                let ys = [act(t), act(t + 1), act(t + 2), act(t + 3)];
+                let sums = [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)];
+                // SAFETY: `level` is asserted above.
+                let v = unsafe { dot16_at::<F, 4>(level, &tiles, ys, sums) };
                 for (i, v) in v.into_iter().enumerate() {
                     put(t + i, v);
                 }
                 t += 4;
             }
             for t in t..m {
-                let [v] = dot16_at::<F, 1>(level, &tiles, [act(t)], [ysum(t)]);
+                // SAFETY: `level` is asserted above.
+                let [v] = unsafe { dot16_at::<F, 1>(level, &tiles, [act(t)], [ysum(t)]) };
                 put(t, v);
             }
         }

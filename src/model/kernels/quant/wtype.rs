@@ -10,40 +10,41 @@ use candle_core::quantized::GgmlDType;
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WeightType(pub u32);
 
-/// Every type ggml defines (retired ids left out): id, name, values per block, bytes per block.
-const TABLE: &[(u32, &str, usize, usize)] = &[
-    (0, "F32", 1, 4),
-    (1, "F16", 1, 2),
-    (2, "Q4_0", 32, 18),
-    (3, "Q4_1", 32, 20),
-    (6, "Q5_0", 32, 22),
-    (7, "Q5_1", 32, 24),
-    (8, "Q8_0", 32, 34),
-    (9, "Q8_1", 32, 36),
-    (10, "Q2_K", 256, 84),
-    (11, "Q3_K", 256, 110),
-    (12, "Q4_K", 256, 144),
-    (13, "Q5_K", 256, 176),
-    (14, "Q6_K", 256, 210),
-    (15, "Q8_K", 256, 292),
-    (16, "IQ2_XXS", 256, 66),
-    (17, "IQ2_XS", 256, 74),
-    (18, "IQ3_XXS", 256, 98),
-    (19, "IQ1_S", 256, 50),
-    (20, "IQ4_NL", 32, 18),
-    (21, "IQ3_S", 256, 110),
-    (22, "IQ2_S", 256, 82),
-    (23, "IQ4_XS", 256, 136),
-    (24, "I8", 1, 1),
-    (25, "I16", 1, 2),
-    (26, "I32", 1, 4),
-    (27, "I64", 1, 8),
-    (28, "F64", 1, 8),
-    (29, "IQ1_M", 256, 56),
-    (30, "BF16", 1, 2),
-    (34, "TQ1_0", 256, 54),
-    (35, "TQ2_0", 256, 66),
-    (39, "MXFP4", 32, 17),
+/// Every type ggml defines (retired ids left out): id, name, values per block, bytes per block,
+/// and candle's name for it where candle's reader and QMatMul know it.
+const TABLE: &[(u32, &str, usize, usize, Option<GgmlDType>)] = &[
+    (0, "F32", 1, 4, Some(GgmlDType::F32)),
+    (1, "F16", 1, 2, Some(GgmlDType::F16)),
+    (2, "Q4_0", 32, 18, Some(GgmlDType::Q4_0)),
+    (3, "Q4_1", 32, 20, Some(GgmlDType::Q4_1)),
+    (6, "Q5_0", 32, 22, Some(GgmlDType::Q5_0)),
+    (7, "Q5_1", 32, 24, Some(GgmlDType::Q5_1)),
+    (8, "Q8_0", 32, 34, Some(GgmlDType::Q8_0)),
+    (9, "Q8_1", 32, 36, Some(GgmlDType::Q8_1)),
+    (10, "Q2_K", 256, 84, Some(GgmlDType::Q2K)),
+    (11, "Q3_K", 256, 110, Some(GgmlDType::Q3K)),
+    (12, "Q4_K", 256, 144, Some(GgmlDType::Q4K)),
+    (13, "Q5_K", 256, 176, Some(GgmlDType::Q5K)),
+    (14, "Q6_K", 256, 210, Some(GgmlDType::Q6K)),
+    (15, "Q8_K", 256, 292, Some(GgmlDType::Q8K)),
+    (16, "IQ2_XXS", 256, 66, None),
+    (17, "IQ2_XS", 256, 74, None),
+    (18, "IQ3_XXS", 256, 98, None),
+    (19, "IQ1_S", 256, 50, None),
+    (20, "IQ4_NL", 32, 18, None),
+    (21, "IQ3_S", 256, 110, None),
+    (22, "IQ2_S", 256, 82, None),
+    (23, "IQ4_XS", 256, 136, None),
+    (24, "I8", 1, 1, None),
+    (25, "I16", 1, 2, None),
+    (26, "I32", 1, 4, None),
+    (27, "I64", 1, 8, None),
+    (28, "F64", 1, 8, None),
+    (29, "IQ1_M", 256, 56, None),
+    (30, "BF16", 1, 2, Some(GgmlDType::BF16)),
+    (34, "TQ1_0", 256, 54, None),
+    (35, "TQ2_0", 256, 66, None),
+    (39, "MXFP4", 32, 17, None),
 ];
 
 impl WeightType {
@@ -70,7 +71,7 @@ impl WeightType {
     pub const IQ1_M: Self = Self(29);
     pub const BF16: Self = Self(30);
 
-    fn row(self) -> Option<&'static (u32, &'static str, usize, usize)> {
+    fn row(self) -> Option<&'static (u32, &'static str, usize, usize, Option<GgmlDType>)> {
         TABLE.iter().find(|t| t.0 == self.0)
     }
 
@@ -97,47 +98,13 @@ impl WeightType {
 
     /// candle's name for this type, where candle's reader and QMatMul know it.
     pub fn candle(self) -> Option<GgmlDType> {
-        use GgmlDType as G;
-        Some(match self.0 {
-            0 => G::F32,
-            1 => G::F16,
-            2 => G::Q4_0,
-            3 => G::Q4_1,
-            6 => G::Q5_0,
-            7 => G::Q5_1,
-            8 => G::Q8_0,
-            9 => G::Q8_1,
-            10 => G::Q2K,
-            11 => G::Q3K,
-            12 => G::Q4K,
-            13 => G::Q5K,
-            14 => G::Q6K,
-            15 => G::Q8K,
-            30 => G::BF16,
-            _ => return None,
-        })
+        self.row().and_then(|t| t.4)
     }
 
     /// The type candle calls `t`.
     pub fn from_candle(t: GgmlDType) -> Self {
-        use GgmlDType as G;
-        Self(match t {
-            G::F32 => 0,
-            G::F16 => 1,
-            G::Q4_0 => 2,
-            G::Q4_1 => 3,
-            G::Q5_0 => 6,
-            G::Q5_1 => 7,
-            G::Q8_0 => 8,
-            G::Q8_1 => 9,
-            G::Q2K => 10,
-            G::Q3K => 11,
-            G::Q4K => 12,
-            G::Q5K => 13,
-            G::Q6K => 14,
-            G::Q8K => 15,
-            G::BF16 => 30,
-        })
+        let row = TABLE.iter().find(|r| r.4 == Some(t));
+        Self(row.expect("every candle type is a row of the table").0)
     }
 }
 
@@ -159,7 +126,7 @@ mod tests {
 
     #[test]
     fn every_type_candle_knows_maps_back_to_itself_with_candles_block_sizes() {
-        for &(id, name, block, bytes) in TABLE {
+        for &(id, name, block, bytes, _) in TABLE {
             let t = WeightType(id);
             if let Some(c) = t.candle() {
                 assert_eq!(WeightType::from_candle(c), t, "{name}");
