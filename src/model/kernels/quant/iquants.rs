@@ -6,6 +6,10 @@
 //! integer weight of a value is its table entry (times its sub-block scale for IQ4_XS), so the
 //! driver's one summation order applies unchanged; the AVX2 paths look the table up with one
 //! byte shuffle (`pshufb`) per 32 values.
+//!
+//! MXFP4 (OCP microscaling FP4, gpt-oss's expert weights; ggml's `block_mxfp4`) is the same
+//! 32-value layout with another table (E2M1's values, doubled: [`KVALUES_MXFP4`]) and a power of
+//! two for a scale (one E8M0 byte, halved to undo the doubling: [`e8m0_half`]).
 
 use super::{lane, Avx2, BlockQ8K, BlockQ8_0, Format, WeightType};
 use bytemuck::{Pod, Zeroable};
@@ -15,6 +19,30 @@ use half::f16;
 pub static KVALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// MXFP4's 16 values: E2M1's 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, doubled (ggml's
+/// `kvalues_mxfp4`), so that they are integers.
+pub static KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// 2^(e − 128): an E8M0 scale 2^(e − 127) halved, undoing the table's doubling (ggml's
+/// `GGML_E8M0_TO_FP32_HALF`; e = 0 and 1 give subnormals).
+#[inline(always)]
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
+/// MXFP4: `{e: u8, qs: [u8; 16]}`, w = e8m0_half(e)·KVALUES_MXFP4[q], nibbles in Q4_0's order.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct BlockMXFP4 {
+    pub e: u8,
+    pub qs: [u8; 16],
+}
 
 /// IQ4_NL: `{d: f16, qs: [u8; 16]}`, w = d·KVALUES[q]; low nibbles hold elements 0..16, high
 /// 16..32 (Q4_0's order).
@@ -38,15 +66,21 @@ pub struct BlockIQ4XS {
     pub qs: [u8; 128],
 }
 
-/// Element `i`'s table value in a 32-value run of nibbles.
+/// Element `i`'s value in `table` from a 32-value run of nibbles.
 #[inline(always)]
-fn value(qs: &[u8], i: usize) -> i32 {
+fn value_in(table: &[i8; 16], qs: &[u8], i: usize) -> i32 {
     let q = if i < 16 {
         qs[i] & 0x0F
     } else {
         qs[i - 16] >> 4
     };
-    KVALUES[q as usize] as i32
+    table[q as usize] as i32
+}
+
+/// Element `i`'s IQ4 table value in a 32-value run of nibbles.
+#[inline(always)]
+fn value(qs: &[u8], i: usize) -> i32 {
+    value_in(&KVALUES, qs, i)
 }
 
 /// Sub-block `ib`'s scale of an IQ4_XS super-block, less 32 (−32..=31).
@@ -59,6 +93,35 @@ pub fn scale_xs(x: &BlockIQ4XS, ib: usize) -> i32 {
 
 pub struct IQ4NL;
 pub struct IQ4XS;
+pub struct MXFP4;
+
+impl Format for MXFP4 {
+    type Block = BlockMXFP4;
+    type Act = BlockQ8_0;
+    const N: usize = 32;
+    const DTYPE: WeightType = WeightType::MXFP4;
+    const HAS_MIN: bool = false;
+    fn dequantize(x: &BlockMXFP4, out: &mut [f32]) {
+        let d = e8m0_half(x.e);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = d * value_in(&KVALUES_MXFP4, &x.qs, i) as f32;
+        }
+    }
+    #[inline(always)]
+    fn lanes(x: &BlockMXFP4, y: &BlockQ8_0) -> [i32; 8] {
+        super::legacy::lanes32(|i| value_in(&KVALUES_MXFP4, &x.qs, i), &y.qs)
+    }
+    /// A power of two times the activations' scale: exact, so ggml's order of the two factors
+    /// gives the same bits.
+    #[inline(always)]
+    fn scale(x: &BlockMXFP4, y: &BlockQ8_0) -> f32 {
+        e8m0_half(x.e) * y.d
+    }
+    #[inline(always)]
+    fn min_term(_: &BlockMXFP4, _: &BlockQ8_0) -> f32 {
+        0.0
+    }
+}
 
 impl Format for IQ4NL {
     type Block = BlockIQ4NL;
@@ -160,6 +223,36 @@ pub mod reference {
             .collect()
     }
 
+    /// gguf-py's MXFP4 quantizer: e = ⌊log2 amax⌋ − 2 + 127 (amax then maps near the table's
+    /// 12 · 2^(e − 128) = 1.5 · 2^⌊log2 amax⌋), each value its nearest entry.
+    pub fn mxfp4(xs: &[f32]) -> Vec<BlockMXFP4> {
+        xs.chunks_exact(32)
+            .map(|x| {
+                let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let mut b = BlockMXFP4::zeroed();
+                b.e = if amax > 0.0 {
+                    (amax.log2().floor() - 2.0 + 127.0).clamp(0.0, 255.0) as u8
+                } else {
+                    0
+                };
+                let d = e8m0_half(b.e);
+                let near = |v: f32| {
+                    (0..16u8)
+                        .min_by(|&a, &c| {
+                            let da = (d * KVALUES_MXFP4[a as usize] as f32 - v).abs();
+                            let dc = (d * KVALUES_MXFP4[c as usize] as f32 - v).abs();
+                            da.total_cmp(&dc)
+                        })
+                        .expect("16 entries")
+                };
+                for j in 0..16 {
+                    b.qs[j] = near(x[j]) | (near(x[j + 16]) << 4);
+                }
+                b
+            })
+            .collect()
+    }
+
     pub fn iq4_xs(xs: &[f32]) -> Vec<BlockIQ4XS> {
         xs.chunks_exact(256)
             .map(|x| {
@@ -198,21 +291,48 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The table in both 128-bit lanes (`pshufb` looks up within each lane).
+    /// `table` in both 128-bit lanes (`pshufb` looks up within each lane).
     #[inline(always)]
-    unsafe fn table() -> __m256i {
-        let t = load16(&KVALUES);
+    unsafe fn table(table: &[i8; 16]) -> __m256i {
+        let t = load16(table);
         _mm256_set_m128i(t, t)
     }
 
-    /// 32 values of a 16-byte run of nibbles (low nibbles, then high), looked up.
+    /// 32 values of a 16-byte run of nibbles (low nibbles, then high), looked up in `t`.
     #[inline(always)]
-    unsafe fn values(qs: &[u8]) -> __m256i {
+    unsafe fn values_in(t: &[i8; 16], qs: &[u8]) -> __m256i {
         let mask = _mm_set1_epi8(0x0F);
         let q = load16(qs);
         let lo = _mm_and_si128(q, mask);
         let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-        _mm256_shuffle_epi8(table(), _mm256_set_m128i(hi, lo))
+        _mm256_shuffle_epi8(table(t), _mm256_set_m128i(hi, lo))
+    }
+
+    /// 32 IQ4 table values of a run of nibbles.
+    #[inline(always)]
+    unsafe fn values(qs: &[u8]) -> __m256i {
+        values_in(&KVALUES, qs)
+    }
+
+    impl Avx2 for MXFP4 {
+        type Unpacked = __m256i;
+        #[inline(always)]
+        unsafe fn unpack(x: &BlockMXFP4) -> __m256i {
+            values_in(&KVALUES_MXFP4, &x.qs)
+        }
+        #[inline(always)]
+        unsafe fn ilanes(u: &__m256i, y: &BlockQ8_0) -> __m256i {
+            idot_i8(*u, load32(&y.qs))
+        }
+        type U512 = __m256i;
+        #[inline(always)]
+        unsafe fn unpack512(x: &BlockMXFP4) -> __m256i {
+            Self::unpack(x)
+        }
+        #[inline(always)]
+        unsafe fn ilanes512(u: &__m256i, y: &BlockQ8_0) -> __m256i {
+            idot_i8_vnni(*u, load32(&y.qs))
+        }
     }
 
     impl Avx2 for IQ4NL {
@@ -284,3 +404,5 @@ mod avx2 {
 impl Avx2 for IQ4NL {}
 #[cfg(not(target_arch = "x86_64"))]
 impl Avx2 for IQ4XS {}
+#[cfg(not(target_arch = "x86_64"))]
+impl Avx2 for MXFP4 {}

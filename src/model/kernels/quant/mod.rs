@@ -57,7 +57,7 @@ pub use wtype::WeightType;
 
 pub use floats::{dot_ref, Floats};
 pub use iqgrid::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
-pub use iquants::{IQ4NL, IQ4XS};
+pub use iquants::{IQ4NL, IQ4XS, MXFP4};
 pub use kquants::{Q2K, Q3K, Q4K, Q5K, Q6K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use tiled::TileArena;
@@ -208,6 +208,7 @@ weight_types! {$
         29 "IQ1_M" IQ1_M => IQ1M;
     }
     per_row {
+        39 "MXFP4" MXFP4 => MXFP4;
         0 "F32" F32 => Floats<f32>;
         1 "F16" F16 => Floats<f16>;
         30 "BF16" BF16 => Floats<half::bf16>;

@@ -46,6 +46,7 @@ fn gguf_matrix(dtype: WeightType, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     match dtype {
         WeightType::IQ4_NL => of::<IQ4NL>(iquants::reference::iq4_nl(&w)),
         WeightType::IQ4_XS => of::<IQ4XS>(iquants::reference::iq4_xs(&w)),
+        WeightType::MXFP4 => of::<MXFP4>(iquants::reference::mxfp4(&w)),
         // The grid types: blocks of random bytes (every index is in its grid) with a finite
         // scale, from the same seed.
         other => tiled_format!(other, |F| unreachable!("{other} has tiles"), else {
@@ -88,6 +89,11 @@ fn random_blocks<F: Format>(n: usize, halves: &[usize]) -> Vec<F::Block> {
         for &o in halves {
             let h = f16::from_f32(r.random_range(-0.1f32..0.1));
             bytes[o..o + 2].copy_from_slice(&h.to_le_bytes());
+        }
+        // MXFP4's scale is a power of two, 2^(e − 128): kept within 2^-13..2^2 so that sums of
+        // products stay finite.
+        if F::DTYPE == WeightType::MXFP4 {
+            bytes[0] = r.random_range(115..=130);
         }
         // IQ1_M's f16 d is the top nibbles of its four scale words (bytes 48..56).
         if F::DTYPE == WeightType::IQ1_M {
@@ -1043,9 +1049,10 @@ macro_rules! iquant_tests {
         mod $name {
             use super::*;
 
-            /// Where the block's f16 `d` lies (IQ1_M has none: `random_blocks` makes its scale).
+            /// Where the block's f16 `d` lies (IQ1_M and MXFP4 have none: `random_blocks` makes
+            /// their scales).
             fn halves() -> &'static [usize] {
-                if <$f as Format>::DTYPE == WeightType::IQ1_M {
+                if [WeightType::IQ1_M, WeightType::MXFP4].contains(&<$f as Format>::DTYPE) {
                     &[]
                 } else {
                     &[0]
@@ -1097,6 +1104,33 @@ iquant_tests!(iq3_xxs, IQ3XXS, act = q8_k);
 iquant_tests!(iq3_s, IQ3S, act = q8_k);
 iquant_tests!(iq1_s, IQ1S, act = q8_k);
 iquant_tests!(iq1_m, IQ1M, act = q8_k);
+iquant_tests!(mxfp4, MXFP4, act = q8_0);
+
+/// MXFP4 dequantizes a block as gguf-py's `quants.dequantize` does: bytes `(37·i + 11) mod 256`
+/// with e = 120 (a scale of 2^-8) give these 32 values × 256; e = 1 gives subnormal scales
+/// (6 · 2^-127 has bits 0x01400000). From (gguf-py of the vendored llama.cpp 0.3.36):
+///   PYTHONPATH=…/vendor/llama.cpp/gguf-py python3 -c 'import numpy as np, gguf; from gguf import
+///   quants; t=gguf.GGMLQuantizationType.MXFP4; bs,ts=gguf.GGML_QUANT_SIZES[t]; b=np.array(
+///   [(i*37+11)%256 for i in range(ts)],np.uint8); b[0]=120; v=quants.dequantize(b.reshape(1,ts),
+///   t).reshape(-1); print([float(x)*256 for x in v])'
+#[test]
+fn an_mxfp4_block_dequantizes_as_gguf_py_does() {
+    let mut bytes: Vec<u8> = (0..17).map(|i| ((i * 37 + 11) % 256) as u8).collect();
+    bytes[0] = 120;
+    let mut block: iquants::BlockMXFP4 = bytemuck::pod_read_unaligned(&bytes);
+    let mut out = [0f32; 32];
+    <MXFP4 as Format>::dequantize(&block, &mut out);
+    let want = [
+        0.0, 6.0, -2.0, -12.0, 4.0, -1.0, -8.0, 3.0, 0.0, -6.0, 2.0, 12.0, -4.0, 1.0, 8.0, -3.0,
+        3.0, 6.0, 12.0, -1.0, -4.0, -8.0, 0.0, 3.0, 6.0, 12.0, -2.0, -4.0, -8.0, 1.0, 3.0, 6.0,
+    ];
+    assert_eq!(out.map(|v| v * 256.0), want);
+    block.e = 1;
+    <MXFP4 as Format>::dequantize(&block, &mut out);
+    assert_eq!(out[1].to_bits(), 0x0140_0000);
+    assert_eq!(iquants::e8m0_half(0).to_bits(), 0x0020_0000);
+    assert_eq!(iquants::e8m0_half(255), 2f32.powi(127));
+}
 
 /// IQ4_NL as the format defines it: value j of a block is d · KVALUES[nibble j], low nibbles
 /// first.

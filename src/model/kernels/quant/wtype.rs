@@ -70,6 +70,7 @@ impl WeightType {
     pub const IQ4_XS: Self = Self(23);
     pub const IQ1_M: Self = Self(29);
     pub const BF16: Self = Self(30);
+    pub const MXFP4: Self = Self(39);
 
     fn row(self) -> Option<&'static (u32, &'static str, usize, usize, Option<GgmlDType>)> {
         TABLE.iter().find(|t| t.0 == self.0)
