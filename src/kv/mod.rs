@@ -753,6 +753,8 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         rope_base_local: None,
         attn_scale: 0.125,
         block: crate::model::config::Block::of("llama").unwrap(),
+        yarn: None,
+        experts: None,
     }
 }
 

@@ -17,7 +17,7 @@ pub enum RopeStyle {
 const MAX_DIM: u64 = 1 << 31;
 
 /// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt-oss"];
 
 /// The FFN's gate activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +26,9 @@ pub enum Activation {
     Silu,
     /// GeGLU with the tanh approximation of GELU: gelu_tanh(gate) · up (Gemma).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: x·σ(1.702·x) · (y + 1), x = min(gate, 7), y = up clamped to ±7
+    /// (ggml's `swiglu_oai`).
+    SwigluOai,
 }
 
 /// The optional pieces of a decoder block. One decoder grows by configuration: each architecture
@@ -42,6 +45,13 @@ pub struct Block {
     pub act: Activation,
     /// RoPE pairs dimensions (x_i, x_{i+d/2}) in GGUF files (llama.cpp's NEOX mode).
     pub neox_rope: bool,
+    /// The name of the FFN's input norm (`ffn_norm`; gpt-oss: `post_attention_norm`).
+    pub ffn_norm: &'static str,
+    /// A learned logit per query head joins every softmax, with no value (`attn_sinks`: gpt-oss).
+    pub attn_sinks: bool,
+    /// The FFN is a mixture of experts with a router (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`:
+    /// gpt-oss), instead of one gate/up/down.
+    pub moe: bool,
 }
 
 impl Block {
@@ -53,6 +63,9 @@ impl Block {
             embed_scale: false,
             act: Activation::Silu,
             neox_rope: false,
+            ffn_norm: "ffn_norm",
+            attn_sinks: false,
+            moe: false,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -71,10 +84,39 @@ impl Block {
                 embed_scale: true,
                 act: Activation::GeluTanh,
                 neox_rope: true,
+                ..plain
+            },
+            "gpt-oss" => Block {
+                act: Activation::SwigluOai,
+                neox_rope: true,
+                ffn_norm: "post_attention_norm",
+                attn_sinks: true,
+                moe: true,
+                ..plain
             },
             _ => return None,
         })
     }
+}
+
+/// YaRN's rotation (gpt-oss): frequencies between interpolation (positions ÷ `factor`) and
+/// extrapolation, by a ramp over the dimensions whose wavelengths fit the original context
+/// between `beta_slow` and `beta_fast` turns; cos and sin scaled by 1 + 0.1·ln(factor). As
+/// ggml's `rope_yarn` with llama.cpp's defaults (ext_factor 1, attn_factor 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub orig_ctx: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+}
+
+/// A mixture-of-experts FFN's sizes: `count` experts of `ffn` rows each, `used` per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Experts {
+    pub count: usize,
+    pub used: usize,
+    pub ffn: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -106,6 +148,10 @@ pub struct Config {
     pub attn_scale: f32,
     /// Which optional pieces the blocks use.
     pub block: Block,
+    /// YaRN scaling of the rotation, when the file asks for it (then `rope_linear_scale` is 1).
+    pub yarn: Option<Yarn>,
+    /// The experts of a mixture-of-experts FFN (`block.moe`).
+    pub experts: Option<Experts>,
 }
 
 impl Config {
@@ -174,12 +220,24 @@ impl Config {
         let rms_eps = get_f("attention.layer_norm_rms_epsilon")? as f64;
         let rope_base = get_f("rope.freq_base").unwrap_or(10_000.0);
         let rope_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
+        let mut yarn = None;
         let rope_linear_scale = match md.get(&format!("{arch}.rope.scaling.type")) {
             None => 1.0,
             Some(t) => match t.to_string()?.as_str() {
                 "none" => 1.0,
                 "linear" => get_f("rope.scaling.factor")?,
-                other => bail!("unsupported RoPE scaling type '{other}' (supported: none, linear)"),
+                "yarn" => {
+                    yarn = Some(Yarn {
+                        factor: get_f("rope.scaling.factor")?,
+                        orig_ctx: get_u("rope.scaling.original_context_length")?,
+                        beta_fast: get_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+                        beta_slow: get_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+                    });
+                    1.0
+                }
+                other => {
+                    bail!("unsupported RoPE scaling type '{other}' (supported: none, linear, yarn)")
+                }
             },
         };
         // The embedding matrix is the authority on vocabulary size; metadata is the fallback.
@@ -208,7 +266,21 @@ impl Config {
         if n_layer > 4096 {
             bail!("model block_count = {n_layer} is beyond any real model's (at most 4096); the file is damaged");
         }
-        let (sliding_window, rope_base_local) = if arch == "gemma3" {
+        let experts = if block.moe {
+            Some(Experts {
+                count: get_u("expert_count")?,
+                used: get_u("expert_used_count")?,
+                ffn: get_u("expert_feed_forward_length")?,
+            })
+        } else {
+            None
+        };
+        let (sliding_window, rope_base_local) = if arch == "gpt-oss" {
+            // Every other layer attends within the window, starting with the first (llama.cpp's
+            // swa pattern 2), at the global layers' base.
+            let w = get_u("attention.sliding_window")?;
+            (Some((w, (0..n_layer).map(|i| i % 2 == 0).collect())), None)
+        } else if arch == "gemma3" {
             let w = get_u("attention.sliding_window")?;
             if w == 0 {
                 bail!("GGUF {arch}.attention.sliding_window is 0");
@@ -263,6 +335,8 @@ impl Config {
             rope_base_local,
             attn_scale,
             block,
+            yarn,
+            experts,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -341,6 +415,8 @@ impl Config {
             rope_base_local: None,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             block: Block::of(&arch).expect("a supported arch"),
+            yarn: None,
+            experts: None,
             arch,
         };
         cfg.validate()?;
@@ -436,6 +512,30 @@ impl Config {
                     "sliding window of {w} over {} of {} layers is not a usable pattern",
                     layers.len(),
                     self.n_layer
+                );
+            }
+        }
+        if let Some(y) = &self.yarn {
+            if !(y.factor.is_finite() && y.factor >= 1.0) || y.orig_ctx == 0 {
+                bail!(
+                    "YaRN scaling factor {} over an original context of {} is not usable (factor ≥ 1, context > 0)",
+                    y.factor,
+                    y.orig_ctx
+                );
+            }
+        }
+        if let Some(e) = &self.experts {
+            if e.count == 0 || e.used == 0 || e.used > e.count || e.count > 4096 {
+                bail!(
+                    "model expert_count = {} with expert_used_count = {} is not usable (1 ≤ used ≤ count ≤ 4096)",
+                    e.count,
+                    e.used
+                );
+            }
+            if e.ffn == 0 || e.ffn > 1 << 20 {
+                bail!(
+                    "model expert_feed_forward_length = {} is out of range",
+                    e.ffn
                 );
             }
         }

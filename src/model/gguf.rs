@@ -3,7 +3,8 @@
 
 use super::config::Config;
 use super::kernels::quant::{Kernels, Packer, QMatrix, WeightType};
-use super::llama::{expect_dims, Block, Embedding, Linear, Llama, Weight};
+use super::llama::{expect_dims, Block, Embedding, Ffn, Linear, Llama, Weight};
+use super::moe::{Expert, GateUp, Moe};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -111,6 +112,7 @@ fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
 }
 
 /// A matrix in the file: `[rows, cols]` of `dtype`, `size` bytes from byte `start`.
+#[derive(Clone)]
 struct Located {
     dtype: WeightType,
     rows: usize,
@@ -382,6 +384,115 @@ impl GgufFile {
         Ok(read.into_iter().zip(packer.finish()).collect())
     }
 
+    /// A vector of `n` values (sink logits, a bias) as f32 on the host.
+    fn vector(&mut self, name: &str, n: usize, device: &Device) -> Result<Vec<f32>> {
+        let v = self.dense(name, device)?;
+        expect_dims(name, v.dims(), &[n])?;
+        Ok(v.to_vec1()?)
+    }
+
+    /// Layer `p`'s mixture of experts (gpt-oss): the router, and each expert's rows of the
+    /// `[n_expert, rows, cols]` tensors `ffn_{gate,up,down}_exps` read as matrices of their own
+    /// (each expert's bytes are contiguous in the file), its gate and up stacked; the biases
+    /// `ffn_*_exps.bias` where the file has them. The experts run on our CPU kernels only.
+    fn moe(&mut self, p: &str, cfg: &Config, device: &Device) -> Result<Moe> {
+        let e = cfg
+            .experts
+            .context("a mixture-of-experts block without expert sizes")?;
+        let (h, f, n) = (cfg.hidden, e.ffn, e.count);
+        let router_bias = self.has_tensor(&format!("{p}.ffn_gate_inp.bias"));
+        let router = self.linear(&format!("{p}.ffn_gate_inp"), router_bias, [n, h], device)?;
+        if self.dense.is_some() || !device.is_cpu() {
+            bail!(
+                "{}: its experts run on kvchat's CPU kernels only, with their weights as stored (no --dtype, no GPU device yet)",
+                self.path.display()
+            );
+        }
+        let mut parts = Vec::with_capacity(3 * n);
+        let mut names = Vec::with_capacity(3 * n);
+        for (which, rows, cols) in [("gate", f, h), ("up", f, h), ("down", h, f)] {
+            let name = format!("{p}.ffn_{which}_exps.weight");
+            let info = self.content.tensor_infos.get(&name).with_context(|| {
+                format!("{}: the model has no tensor {name}", self.path.display())
+            })?;
+            expect_dims(&name, info.shape.dims(), &[n, rows, cols])?;
+            let ty = self.tensor_type(&name).unwrap_or(PLACEHOLDER);
+            if !super::kernels::quant::FORMATS.contains(&ty) {
+                bail!(
+                    "tensor {name} in {} has {ty}, which kvchat's expert kernels cannot run",
+                    self.path.display()
+                );
+            }
+            let all = self.locate_as(&name, ty, n * rows, cols)?;
+            let size = all.size / n as u64;
+            for x in 0..n {
+                names.push(format!("{name}#{x}"));
+                parts.push(Located {
+                    dtype: ty,
+                    rows,
+                    cols,
+                    start: all.start + x as u64 * size,
+                    size,
+                });
+            }
+        }
+        // Gate and up of each expert end to end in the store, so stacking them copies nothing.
+        let order: Vec<usize> = (0..n)
+            .flat_map(|x| [x, n + x])
+            .chain(2 * n..3 * n)
+            .collect();
+        let found: Vec<(&str, Located)> = order
+            .iter()
+            .map(|&i| (names[i].as_str(), parts[i].clone()))
+            .collect();
+        let mut read = self.read_located(&found)?;
+        let mut take = |i: usize| {
+            read.remove(&names[i])
+                .with_context(|| format!("{} was not read for the experts", names[i]))
+        };
+        let bias = |me: &mut Self, which: &str, len: usize| -> Result<Option<Vec<f32>>> {
+            let name = format!("{p}.ffn_{which}_exps.bias");
+            if !me.has_tensor(&name) {
+                return Ok(None);
+            }
+            let v = me.dense(&name, device)?;
+            expect_dims(&name, v.dims(), &[n, len])?;
+            Ok(Some(v.flatten_all()?.to_vec1()?))
+        };
+        let (bg, bu, bd) = (
+            bias(self, "gate", f)?,
+            bias(self, "up", f)?,
+            bias(self, "down", h)?,
+        );
+        let mut experts = Vec::with_capacity(n);
+        for x in 0..n {
+            let (gate, up, down) = (take(x)?, take(n + x)?, take(2 * n + x)?);
+            let gate_up = match QMatrix::stack(&[&gate, &up])? {
+                Some((all, _)) => GateUp::Stacked(all),
+                None => GateUp::Apart(gate, up),
+            };
+            let slice = |b: &Option<Vec<f32>>, len: usize| {
+                b.as_ref()
+                    .map_or_else(|| vec![0f32; len], |b| b[x * len..][..len].to_vec())
+            };
+            let mut gate_up_b = slice(&bg, f);
+            gate_up_b.extend(slice(&bu, f));
+            experts.push(Expert {
+                gate_up,
+                gate_up_b,
+                down,
+                down_b: slice(&bd, h),
+            });
+        }
+        Ok(Moe {
+            router,
+            experts,
+            used: e.used,
+            ffn: f,
+            act: cfg.block.act,
+        })
+    }
+
     /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.
     fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         Ok(self.tensor(name, device)?.dequantize(device)?)
@@ -457,7 +568,14 @@ impl GgufFile {
         // end there, so stacking them below copies nothing).
         let mut wanted = vec![("token_embd.weight".to_string(), [cfg.vocab, h])];
         for i in 0..cfg.n_layer {
-            wanted.extend(layer_matrices(&cfg, i).map(|(p, want)| (format!("{p}.weight"), want)));
+            // A mixture of experts has no dense FFN matrices (its experts are read below).
+            let n = if cfg.block.moe { 4 } else { 7 };
+            wanted.extend(
+                layer_matrices(&cfg, i)
+                    .into_iter()
+                    .take(n)
+                    .map(|(p, want)| (format!("{p}.weight"), want)),
+            );
         }
         if self.has_tensor("output.weight") {
             wanted.push(("output.weight".to_string(), [cfg.vocab, h]));
@@ -486,18 +604,31 @@ impl GgufFile {
             let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
             let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
             let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
+            let o_bias = self.has_tensor(&format!("{p}.attn_output.bias"));
+            let sinks = match block.attn_sinks {
+                true => Some(self.vector(&format!("{p}.attn_sinks.weight"), cfg.n_head, device)?),
+                false => None,
+            };
+            let ffn = if block.moe {
+                Ffn::Moe(self.moe(&p, &cfg, device)?)
+            } else {
+                Ffn::Dense {
+                    gate_up: None,
+                    gate: self.linear(&gate.0, false, gate.1, device)?,
+                    up: self.linear(&up.0, false, up.1, device)?,
+                    down: self.linear(&down.0, false, down.1, device)?,
+                }
+            };
             let mut layer = Block {
                 qkv: None,
-                gate_up: None,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
                 wq: self.linear(&q.0, qkv_bias, q.1, device)?,
                 wk: self.linear(&k.0, qkv_bias, k.1, device)?,
                 wv: self.linear(&v.0, qkv_bias, v.1, device)?,
-                wo: self.linear(&o.0, false, o.1, device)?,
-                ffn_norm: self.dense(&format!("{p}.ffn_norm.weight"), device)?,
-                w_gate: self.linear(&gate.0, false, gate.1, device)?,
-                w_up: self.linear(&up.0, false, up.1, device)?,
-                w_down: self.linear(&down.0, false, down.1, device)?,
+                wo: self.linear(&o.0, o_bias, o.1, device)?,
+                sinks,
+                ffn_norm: self.dense(&format!("{p}.{}.weight", block.ffn_norm), device)?,
+                ffn,
                 q_norm,
                 k_norm,
                 post_attn_norm,

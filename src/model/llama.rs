@@ -11,6 +11,7 @@ use super::config::{Activation, Config};
 use super::kernels::glu::Gate;
 use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
+use super::moe::Moe;
 use super::rope::Rope;
 use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -33,7 +34,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.w {
             Weight::Quantized(w) => w.forward(x)?,
             Weight::Cpu(w) => w.forward(x)?,
@@ -52,22 +53,34 @@ impl Linear {
     }
 }
 
+/// A block's feed-forward network.
+pub enum Ffn {
+    /// down · act(gate·x) ⊙ (up·x).
+    Dense {
+        /// gate and up stacked into one matrix (CPU kernels, one format): one pass instead of two.
+        gate_up: Option<QMatrix>,
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// A mixture of experts (gpt-oss).
+    Moe(Moe),
+}
+
 /// One decoder block's weights: attention (q, k, v, o and their norms) and the feed-forward network.
 pub struct Block {
     /// q, k and v stacked into one matrix (CPU kernels, one format, no biases): one pass instead
     /// of three.
     pub qkv: Option<QMatrix>,
-    /// gate and up stacked likewise.
-    pub gate_up: Option<QMatrix>,
     pub attn_norm: Tensor,
     pub wq: Linear,
     pub wk: Linear,
     pub wv: Linear,
     pub wo: Linear,
+    /// A logit per query head that joins each softmax (gpt-oss's `attn_sinks`), `[nh]`.
+    pub sinks: Option<Vec<f32>>,
     pub ffn_norm: Tensor,
-    pub w_gate: Linear,
-    pub w_up: Linear,
-    pub w_down: Linear,
+    pub ffn: Ffn,
     /// Per-head RMSNorm weights of q and k, `[hd]` (qwen3, gemma3).
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
@@ -125,11 +138,17 @@ impl Block {
                 self.qkv = Some(all);
             }
         }
-        if let (Weight::Cpu(g), Weight::Cpu(u)) = (&self.w_gate.w, &self.w_up.w) {
+        let Ffn::Dense {
+            gate_up, gate, up, ..
+        } = &mut self.ffn
+        else {
+            return Ok(());
+        };
+        if let (Weight::Cpu(g), Weight::Cpu(u)) = (&gate.w, &up.w) {
             if let Some((all, mut parts)) = QMatrix::stack(&[g, u])? {
-                self.w_up.w = Weight::Cpu(parts.pop().expect("up"));
-                self.w_gate.w = Weight::Cpu(parts.pop().expect("gate"));
-                self.gate_up = Some(all);
+                up.w = Weight::Cpu(parts.pop().expect("up"));
+                gate.w = Weight::Cpu(parts.pop().expect("gate"));
+                *gate_up = Some(all);
             }
         }
         Ok(())
@@ -300,22 +319,31 @@ impl Llama {
         }
         let x = (x + att)?;
         let h = rms_norm(&x, &layer.ffn_norm, eps)?;
-        let mut ffn = {
-            let (gate, up) = match &layer.gate_up {
-                Some(w) => {
-                    let gu = w.forward(&h)?; // [1, t, 2 * ffn]
-                    let f = self.cfg.ffn;
-                    (gu.narrow(2, 0, f)?, gu.narrow(2, f, f)?)
-                }
-                None => (layer.w_gate.forward(&h)?, layer.w_up.forward(&h)?), // [1, t, ffn] each
-            };
-            // act(gate) · up in one pass.
-            let act = match self.cfg.block.act {
-                Activation::Silu => Gate::Silu,
-                Activation::GeluTanh => Gate::GeluTanh, // GELU's tanh approximation
-            };
-            let act = super::kernels::glu::gated(act, &gate, &up)?; // [1, t, ffn]
-            layer.w_down.forward(&act)? // [1, t, hidden]
+        let mut ffn = match &layer.ffn {
+            Ffn::Dense {
+                gate_up,
+                gate,
+                up,
+                down,
+            } => {
+                let (gate, up) = match gate_up {
+                    Some(w) => {
+                        let gu = w.forward(&h)?; // [1, t, 2 * ffn]
+                        let f = self.cfg.ffn;
+                        (gu.narrow(2, 0, f)?, gu.narrow(2, f, f)?)
+                    }
+                    None => (gate.forward(&h)?, up.forward(&h)?), // [1, t, ffn] each
+                };
+                // act(gate) · up in one pass.
+                let act = match self.cfg.block.act {
+                    Activation::Silu => Gate::Silu,
+                    Activation::GeluTanh => Gate::GeluTanh, // GELU's tanh approximation
+                    Activation::SwigluOai => bail!("gpt-oss's activation runs in its experts only"),
+                };
+                let act = super::kernels::glu::gated(act, &gate, &up)?; // [1, t, ffn]
+                down.forward(&act)? // [1, t, hidden]
+            }
+            Ffn::Moe(moe) => moe.forward(&h)?, // [1, t, hidden]
         };
         if let Some(n) = &layer.post_ffn_norm {
             ffn = rms_norm(&ffn, n, eps)?;
@@ -372,12 +400,14 @@ impl Llama {
         let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
         let out = match cache {
             StepCache::One(cache, apart) if !apart || t == 1 => {
-                self.attend(&q, &k, &v, cache, rope)? // [1, nh, t, hd]
+                self.attend(&q, &k, &v, cache, rope, layer)? // [1, nh, t, hd]
             }
             // Each row attended as a step of its own (a verified draft: `DecoderCache::rows_apart`).
             StepCache::One(cache, _) => {
                 let rows = (0..t)
-                    .map(|r| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope))
+                    .map(|r| {
+                        self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope, layer)
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
             }
@@ -386,7 +416,9 @@ impl Llama {
                 let rows = caches
                     .into_iter()
                     .enumerate()
-                    .map(|(r, c)| self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, c, rope))
+                    .map(|(r, c)| {
+                        self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, c, rope, layer)
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
             }
@@ -408,6 +440,7 @@ impl Llama {
         v: &Tensor,
         cache: &mut dyn LayerCache,
         rope: &Rope,
+        layer: &Block,
     ) -> Result<Tensor> {
         let (_, nh, t, hd) = q.dims4()?;
         let nkv = self.cfg.n_kv_head;
@@ -425,6 +458,7 @@ impl Llama {
             &att.view,
             t,
             self.cfg.attn_scale,
+            layer.sinks.as_deref(),
             att.observe,
         )?; // [nkv, g*t, hd]; weights [nkv, L] when the cache asked
         if att.observe > 0 {

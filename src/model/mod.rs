@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_types;
 pub mod kernels;
 pub mod llama;
+pub mod moe;
 pub mod rope;
 pub mod safetensors;
 pub mod sampling;

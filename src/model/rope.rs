@@ -21,6 +21,47 @@ pub struct Rope {
     max_positions: usize,
     inv_freq: Vec<f32>,
     linear_scale: f32,
+    /// YaRN's blend of interpolated and extrapolated frequencies, when the model asks for it.
+    yarn: Option<YarnMix>,
+}
+
+/// YaRN as ggml's `rope_yarn` computes it: frequency pair i turns at
+/// θ = θ_interp·(1 − r_i) + θ_extrap·r_i, θ_interp = θ_extrap / factor, r_i a ramp falling from
+/// 1 to 0 between the correction dimensions `low` and `high`; cos and sin times `mscale`.
+#[derive(Debug, Clone, Copy)]
+struct YarnMix {
+    freq_scale: f32,
+    low: f32,
+    high: f32,
+    mscale: f32,
+}
+
+impl YarnMix {
+    fn new(y: &crate::model::config::Yarn, rope_dim: usize, base: f32) -> Self {
+        // The dimension whose wavelength turns `turns` times over the original context
+        // (ggml's `ggml_rope_yarn_corr_dim`).
+        let dim = |turns: f32| {
+            rope_dim as f32 * (y.orig_ctx as f32 / (turns * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let freq_scale = 1.0 / y.factor;
+        Self {
+            freq_scale,
+            low: dim(y.beta_fast).floor().max(0.0),
+            high: dim(y.beta_slow).ceil().min(rope_dim as f32 - 1.0),
+            mscale: 1.0 + 0.1 * (1.0 / freq_scale).ln(),
+        }
+    }
+
+    /// cos and sin of pair `i` at angle `theta_extrap` (position × frequency).
+    fn cos_sin(&self, i: usize, theta_extrap: f32) -> (f32, f32) {
+        let y = (i as f32 - self.low) / (self.high - self.low).max(0.001);
+        let mix = 1.0 - y.clamp(0.0, 1.0);
+        let theta_interp = self.freq_scale * theta_extrap;
+        let theta = theta_interp * (1.0 - mix) + theta_extrap * mix;
+        let (s, c) = theta.sin_cos();
+        (c * self.mscale, s * self.mscale)
+    }
 }
 
 impl Rope {
@@ -32,14 +73,18 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        Self::with_base(
+        let mut rope = Self::with_base(
             cfg,
             (cfg.rope_base, cfg.rope_linear_scale),
             max_positions,
             freq_factors,
             dtype,
             device,
-        )
+        )?;
+        rope.yarn = cfg
+            .yarn
+            .map(|y| YarnMix::new(&y, cfg.rope_dim, cfg.rope_base));
+        Ok(rope)
     }
 
     /// The rotation of the model's sliding-window layers when they have a base of their own
@@ -90,6 +135,7 @@ impl Rope {
             max_positions,
             inv_freq,
             linear_scale,
+            yarn: None,
         })
     }
 
@@ -124,8 +170,14 @@ impl Rope {
         sin.reserve(n * self.inv_freq.len());
         for p in from..to {
             let p = p as f32 / self.linear_scale;
-            for f in &self.inv_freq {
-                let (s, c) = (p * f).sin_cos();
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (c, s) = match &self.yarn {
+                    Some(y) => y.cos_sin(i, p * f),
+                    None => {
+                        let (s, c) = (p * f).sin_cos();
+                        (c, s)
+                    }
+                };
                 cos.push(c);
                 sin.push(s);
             }
@@ -190,6 +242,8 @@ mod tests {
             rope_base_local: None,
             attn_scale: 0.125,
             block: crate::model::config::Block::of("llama").unwrap(),
+            yarn: None,
+            experts: None,
         }
     }
 
@@ -222,5 +276,50 @@ mod tests {
             let (a, b): (Vec<f32>, Vec<f32>) = (a.to_vec1().unwrap(), b.to_vec1().unwrap());
             assert_eq!(a, b, "position {pos}");
         }
+    }
+}
+
+#[cfg(test)]
+mod yarn_tests {
+    use super::*;
+    use crate::model::config::Yarn;
+
+    /// gpt-oss's YaRN (factor 32 over 4,096 positions, base 150,000, 64 dimensions): pairs below
+    /// the fast correction dimension (⌊8.09⌋ = 8) turn as unscaled, pairs from the slow one
+    /// (⌈17.4⌉ = 18) at 1/32 of their speed, with cos and sin times 1 + 0.1·ln 32 (ggml's
+    /// `rope_yarn`).
+    #[test]
+    fn yarn_extrapolates_fast_pairs_interpolates_slow_ones_and_scales_both() {
+        let mut cfg = crate::kv::test_config(1, 64);
+        cfg.rope_base = 150_000.0;
+        cfg.yarn = Some(Yarn {
+            factor: 32.0,
+            orig_ctx: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        });
+        let rope = Rope::new(&cfg, 1024, None, DType::F32, &Device::Cpu).unwrap();
+        let y = rope.yarn.unwrap();
+        assert_eq!((y.low, y.high), (8.0, 18.0));
+        let (cos, sin) = rope.angles(300, 301).unwrap();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = (
+            cos.flatten_all().unwrap().to_vec1().unwrap(),
+            sin.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        let mscale = 1.0 + 0.1 * 32f32.ln();
+        let freq = |i: usize| 1.0 / 150_000f32.powf(2.0 * i as f32 / 64.0);
+        for i in [0, 5, 8] {
+            let theta = 300.0 * freq(i);
+            assert_eq!(cos[i], theta.cos() * mscale, "pair {i}");
+            assert_eq!(sin[i], theta.sin() * mscale, "pair {i}");
+        }
+        for i in [18, 31] {
+            let theta = (1.0 / 32.0) * (300.0 * freq(i));
+            assert_eq!(cos[i], theta.cos() * mscale, "pair {i}");
+        }
+        // Between: a blend.
+        let (ex, ip) = (300.0 * freq(13), 300.0 * freq(13) / 32.0);
+        let mix = 1.0 - (13.0 - 8.0) / 10.0;
+        assert!((cos[13] - (ip * (1.0 - mix) + ex * mix).cos() * mscale).abs() < 1e-6);
     }
 }

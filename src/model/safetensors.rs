@@ -7,7 +7,7 @@
 
 use super::config::Config;
 use super::files::HfFiles;
-use super::llama::{expect_dims, Block, Embedding, Linear, Llama, Weight};
+use super::llama::{expect_dims, Block, Embedding, Ffn, Linear, Llama, Weight};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -144,16 +144,19 @@ impl HfCheckpoint {
             let lin = |n: &str, want| self.linear(&format!("{p}.{n}"), want, dtype, device);
             layers.push(Block {
                 qkv: None,
-                gate_up: None,
                 attn_norm: norm("input_layernorm")?,
                 wq: lin("self_attn.q_proj", [nh * hd, h])?,
                 wk: lin("self_attn.k_proj", [nkv * hd, h])?,
                 wv: lin("self_attn.v_proj", [nkv * hd, h])?,
                 wo: lin("self_attn.o_proj", [h, nh * hd])?,
+                sinks: None,
                 ffn_norm: norm("post_attention_layernorm")?,
-                w_gate: lin("mlp.gate_proj", [ffn, h])?,
-                w_up: lin("mlp.up_proj", [ffn, h])?,
-                w_down: lin("mlp.down_proj", [h, ffn])?,
+                ffn: Ffn::Dense {
+                    gate_up: None,
+                    gate: lin("mlp.gate_proj", [ffn, h])?,
+                    up: lin("mlp.up_proj", [ffn, h])?,
+                    down: lin("mlp.down_proj", [h, ffn])?,
+                },
                 q_norm: None,
                 k_norm: None,
                 post_attn_norm: None,

@@ -65,7 +65,7 @@ fn step_salted(c: &mut Layer, rope: &Rope, from: usize, t: usize, salt: f32) -> 
     let q1 = att.sink_q_pos.map(rot);
     let qs: Vec<&Tensor> = std::iter::once(&q0).chain(q1.as_ref()).collect();
     let observe = att.observe;
-    let (out, weights) = attend_view_observed(&qs, &att.view, t, 0.125, observe).unwrap();
+    let (out, weights) = attend_view_observed(&qs, &att.view, t, 0.125, None, observe).unwrap();
     drop(att);
     // As the decoder does: the scores to a cache that asked for them.
     if observe > 0 {

@@ -364,3 +364,208 @@ pub fn retype(path: &std::path::Path, from: u32, to: u32) {
         f.write_all(&to.to_le_bytes()).unwrap();
     }
 }
+
+/// A random-weight `gpt-oss` model in a small shape (2 layers, hidden 256, 4 query heads of 64
+/// over 2 KV heads, 8 experts of 256 rows with 4 used per token, a 64-position window on layer 0,
+/// learned sinks, biases everywhere gpt-oss has them, YaRN ×32 over 4,096 positions) with the
+/// real model's SmolLM2 tokenizer. Attention matrices Q8_0, router and expert biases F32, experts
+/// MXFP4 (candle cannot write MXFP4: the experts are written as Q8_0 of the same shape, then
+/// retyped and their first bytes overwritten with MXFP4 blocks, see `overwrite_tensor`).
+/// Bit-identical on every machine, so llama.cpp's perplexity of it is a constant tests hold.
+pub fn write_random_gpt_oss(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    let (hidden, heads, kv_heads, hd, layers) = (256usize, 4usize, 2usize, 64usize, 2usize);
+    let (experts, used, ffn) = (8usize, 4usize, 256usize);
+    let mut f = std::fs::File::open(tokenizer_from).unwrap();
+    let src = gguf_file::Content::read(&mut f).unwrap();
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len(),
+        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
+    };
+    let dev = Device::Cpu;
+    let mut rng = Rng(0x0005_eed0_9055);
+    // Uniform(offset - scale, offset + scale) values of `dims`, quantized.
+    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
+        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
+    };
+    let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
+    // Uniform(-s, s) has standard deviation s/√3: s = √3/√in keeps activations at unit scale;
+    // q and k twice that, so that attention is sharp and positions, windows and sinks matter.
+    let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        (
+            "token_embd.weight".into(),
+            tensor(&[vocab, hidden], 0.27, 0.0, q8),
+        ),
+        (
+            "output_norm.weight".into(),
+            tensor(&[hidden], 0.2, 1.0, f32t),
+        ),
+        // gpt-oss has its own output matrix (llama.cpp requires it).
+        (
+            "output.weight".into(),
+            tensor(&[vocab, hidden], 0.27, 0.0, q8),
+        ),
+    ];
+    let mut mxfp4 = Vec::new();
+    for i in 0..layers {
+        let p = format!("blk.{i}");
+        let mut push = |name: &str, t: QTensor| tensors.push((format!("{p}.{name}"), t));
+        push("attn_norm.weight", tensor(&[hidden], 0.2, 1.0, f32t));
+        push(
+            "post_attention_norm.weight",
+            tensor(&[hidden], 0.2, 1.0, f32t),
+        );
+        for (name, rows, cols, sc) in [
+            ("attn_q", heads * hd, hidden, 2.0 * s(hidden)),
+            ("attn_k", kv_heads * hd, hidden, 2.0 * s(hidden)),
+            ("attn_v", kv_heads * hd, hidden, s(hidden)),
+            ("attn_output", hidden, heads * hd, s(heads * hd)),
+        ] {
+            push(
+                &format!("{name}.weight"),
+                tensor(&[rows, cols], sc, 0.0, q8),
+            );
+            push(&format!("{name}.bias"), tensor(&[rows], 0.2, 0.0, f32t));
+        }
+        push("attn_sinks.weight", tensor(&[heads], 2.0, 0.0, f32t));
+        push(
+            "ffn_gate_inp.weight",
+            tensor(&[experts, hidden], s(hidden), 0.0, f32t),
+        );
+        push("ffn_gate_inp.bias", tensor(&[experts], 0.5, 0.0, f32t));
+        for (name, rows, cols) in [
+            ("gate", ffn, hidden),
+            ("up", ffn, hidden),
+            ("down", hidden, ffn),
+        ] {
+            // A Q8_0 stand-in of the same shape (twice MXFP4's bytes), replaced below.
+            let name = format!("ffn_{name}_exps");
+            push(
+                &format!("{name}.weight"),
+                tensor(&[experts, rows, cols], 0.0, 0.0, q8),
+            );
+            push(
+                &format!("{name}.bias"),
+                tensor(&[experts, rows], 0.2, 0.0, f32t),
+            );
+            mxfp4.push((format!("{p}.{name}.weight"), experts * rows * cols / 32));
+        }
+    }
+    let mut md: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String("gpt-oss".into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String("kvchat random gpt-oss".into()),
+        ),
+        ("gpt-oss.block_count".into(), Value::U32(layers as u32)),
+        ("gpt-oss.context_length".into(), Value::U32(131072)),
+        ("gpt-oss.embedding_length".into(), Value::U32(hidden as u32)),
+        ("gpt-oss.feed_forward_length".into(), Value::U32(ffn as u32)),
+        (
+            "gpt-oss.expert_feed_forward_length".into(),
+            Value::U32(ffn as u32),
+        ),
+        ("gpt-oss.expert_count".into(), Value::U32(experts as u32)),
+        ("gpt-oss.expert_used_count".into(), Value::U32(used as u32)),
+        (
+            "gpt-oss.attention.head_count".into(),
+            Value::U32(heads as u32),
+        ),
+        (
+            "gpt-oss.attention.head_count_kv".into(),
+            Value::U32(kv_heads as u32),
+        ),
+        ("gpt-oss.attention.key_length".into(), Value::U32(hd as u32)),
+        (
+            "gpt-oss.attention.value_length".into(),
+            Value::U32(hd as u32),
+        ),
+        (
+            "gpt-oss.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
+        ("gpt-oss.attention.sliding_window".into(), Value::U32(64)),
+        ("gpt-oss.rope.freq_base".into(), Value::F32(150_000.0)),
+        (
+            "gpt-oss.rope.scaling.type".into(),
+            Value::String("yarn".into()),
+        ),
+        ("gpt-oss.rope.scaling.factor".into(), Value::F32(32.0)),
+        (
+            "gpt-oss.rope.scaling.original_context_length".into(),
+            Value::U32(4096),
+        ),
+    ];
+    md.extend(
+        src.metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer.") && *k != "tokenizer.chat_template")
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    {
+        let mut out = std::fs::File::create(path).unwrap();
+        let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
+    }
+    // The experts as MXFP4: per block a scale byte in 118..=121 (2^-10..2^-7) and random nibbles.
+    let mut bits = Rng(0x0005_eed0_f4f4);
+    let mut patches = Vec::new();
+    for (name, blocks) in mxfp4 {
+        let mut bytes = Vec::with_capacity(blocks * 17);
+        for _ in 0..blocks {
+            bytes.push(118 + ((bits.next() + 1.0) * 2.0) as u8);
+            bytes.extend((0..16).map(|_| ((bits.next() + 1.0) * 128.0) as u8));
+        }
+        patches.push((name, 39, bytes));
+    }
+    overwrite_tensors(path, &patches);
+}
+
+/// Gives each tensor `name` of the GGUF at `path` the type `ty` (a ggml id) and the data
+/// `bytes` (no more than it had), and lays the tensors out again end to end (at GGUF's alignment
+/// of 32, as llama.cpp checks): tensors of a type candle cannot write, in a file candle wrote.
+pub fn overwrite_tensors(path: &std::path::Path, patches: &[(String, u32, Vec<u8>)]) {
+    let content = gguf_file::Content::read(&mut std::fs::File::open(path).unwrap()).unwrap();
+    let types = kvchat::model::gguf_types::tensor_types(path).expect("a readable header");
+    let old = std::fs::read(path).unwrap();
+    let base = content.tensor_data_offset as usize;
+    let mut header = old[..base].to_vec();
+    // Tensors in file order, each with its data (patched or as it was).
+    let mut infos: Vec<_> = content.tensor_infos.iter().collect();
+    infos.sort_by_key(|(_, i)| i.offset);
+    let mut data = Vec::new();
+    for (name, info) in infos {
+        let d = info.ggml_dtype;
+        let size = info.shape.elem_count() / d.block_size() * d.type_size();
+        let from = base + info.offset as usize;
+        let at = types
+            .iter()
+            .find(|t| &t.name == name)
+            .expect("the tensor")
+            .at as usize;
+        let bytes = match patches.iter().find(|p| &p.0 == name) {
+            Some((_, ty, bytes)) => {
+                assert!(
+                    bytes.len() <= size,
+                    "{name}: {} bytes for {size}",
+                    bytes.len()
+                );
+                header[at..at + 4].copy_from_slice(&ty.to_le_bytes());
+                &bytes[..]
+            }
+            None => &old[from..from + size],
+        };
+        header[at + 4..at + 12].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        data.extend_from_slice(bytes);
+        data.resize(data.len().next_multiple_of(32), 0);
+    }
+    header.extend(data);
+    std::fs::write(path, header).unwrap();
+}

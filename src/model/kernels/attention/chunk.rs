@@ -11,10 +11,13 @@ use super::*;
 pub(super) const CHUNK: usize = 256;
 
 /// One row's output from its chunk partials `[m, s, acc(hd)]` (each `w` = hd + 2 long), in order.
-pub(super) fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
+/// A `sink` logit joins the softmax's denominator (no value): Σ_c s_c·e^(m_c−M) + e^(sink−M), M
+/// the largest of the chunks' maxima and the sink, as ggml's softmax with sinks.
+pub(super) fn combine(partials: &[f32], w: usize, sink: Option<f32>, o: &mut [f32]) {
     let chunks = partials.chunks_exact(w).filter(|p| p[1] > 0.0);
     let m = chunks.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p[0]));
-    let mut s = 0f32;
+    let m = sink.map_or(m, |x| m.max(x));
+    let mut s = sink.map_or(0.0, |x| exp_nonpositive(x - m));
     o.fill(0.0);
     for p in chunks {
         let scale = exp_nonpositive(p[0] - m);
@@ -34,6 +37,20 @@ pub(super) fn combine(partials: &[f32], w: usize, o: &mut [f32]) {
 pub(super) type ChunkFn<'a> =
     dyn Fn(usize, usize, usize, usize, &mut [f32], &mut [f32]) + Sync + 'a;
 
+/// A sink logit per query head, and the step's t rows per head: row r of KV head h is query
+/// head h·(gt/t) + r/t.
+#[derive(Clone, Copy)]
+pub(super) struct Sinks<'a> {
+    pub logits: &'a [f32],
+    pub t: usize,
+}
+
+impl Sinks<'_> {
+    fn of(s: Option<Self>, gt: usize, h: usize, r: usize) -> Option<f32> {
+        s.map(|s| s.logits[h * (gt / s.t) + r / s.t])
+    }
+}
+
 /// Runs `chunk` over every (tile, key chunk) of `[nkv, gt]` query rows and `kv_len` keys on candle's
 /// pool, and combines each row's chunks in order into the output `[nkv, gt, hd]`. A prefill has
 /// plenty of tiles: an item is a tile with all its chunks. A decode has few rows: an item is a
@@ -43,6 +60,7 @@ pub(super) fn chunked_attention(
     gt: usize,
     hd: usize,
     kv_len: usize,
+    sinks: Option<Sinks<'_>>,
     chunk: &ChunkFn<'_>,
 ) -> Vec<f32> {
     let tiles_per_head = gt.div_ceil(TILE);
@@ -74,7 +92,8 @@ pub(super) fn chunked_attention(
                 for r in 0..rows {
                     // SAFETY (DisjointOut's contract): row (h, r0 + r) belongs to this tile alone.
                     let o = unsafe { dst.slice((h * gt + r0 + r) * hd, hd) };
-                    combine(&partials[r * n_chunks * w..][..n_chunks * w], w, o);
+                    let sink = Sinks::of(sinks, gt, h, r0 + r);
+                    combine(&partials[r * n_chunks * w..][..n_chunks * w], w, sink, o);
                 }
             }
         });
@@ -96,7 +115,8 @@ pub(super) fn chunked_attention(
             }
         });
         for (row, o) in out.chunks_exact_mut(hd).enumerate() {
-            combine(&partials[row * n_chunks * w..][..n_chunks * w], w, o);
+            let sink = Sinks::of(sinks, gt, row / gt, row % gt);
+            combine(&partials[row * n_chunks * w..][..n_chunks * w], w, sink, o);
         }
     }
     out

@@ -34,18 +34,21 @@ use candle_core::Tensor;
 /// Attention of the queries over a layer's view. `qs[0]` is rotated at the step's position, `qs[1]`
 /// (when a part asks for it) where a window's sinks need it.
 pub fn attend_view(qs: &[&Tensor], view: &KvView<'_>, t: usize, scale: f32) -> Result<Tensor> {
-    Ok(attend_view_observed(qs, view, t, scale, 0)?.0)
+    Ok(attend_view_observed(qs, view, t, scale, None, 0)?.0)
 }
 
 /// [`attend_view`], and the attention the step's last `observe` queries pay each key: their
 /// softmax weights summed over those queries and the g query heads of each KV head, `[nkv, L]`
 /// (empty when `observe` is 0). What a cache that evicts by score (`Retention::Budget`) ranks
 /// positions by; the weights are the ones the softmax computes anyway, not a second pass.
+/// `sinks` (gpt-oss): one logit per query head that joins each of its rows' softmax, with no
+/// value, so a row may attend to nothing (the observed weights are then those with the sink).
 pub fn attend_view_observed(
     qs: &[&Tensor],
     view: &KvView<'_>,
     t: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     observe: usize,
 ) -> Result<(Tensor, Vec<f32>)> {
     ensure!(!qs.is_empty(), "attention needs queries");
@@ -63,8 +66,17 @@ pub fn attend_view_observed(
         .parts
         .iter()
         .all(|p| !matches!(p.rows, Rows::Dense { .. }));
+    if let Some(s) = sinks {
+        let (nkv, gt, _) = qs[0].dims3()?;
+        ensure!(
+            t > 0 && gt % t == 0 && s.len() == nkv * (gt / t),
+            "attention: {} sink logits for {} query heads",
+            s.len(),
+            nkv * (gt / t.max(1))
+        );
+    }
     if host && qs[0].device().is_cpu() {
-        return attend_host_at(qs, view, t, scale, observe, false);
+        return attend_host_at(qs, view, t, scale, sinks, observe, false);
     }
     // Device: scores per part with its queries, then one softmax over them all. Rows stored
     // Hadamard-rotated (quantized caches) meet rotated queries, and the output is rotated back:
@@ -89,7 +101,7 @@ pub fn attend_view_observed(
     }
     let scores = Tensor::cat(&scores, 2)?;
     let values = Tensor::cat(&values, 1)?.contiguous()?;
-    let probs = softmax_probs(scores, t, scale, view.window)?; // [nkv, g*t, L]
+    let probs = softmax_probs(scores, t, scale, view.window, sinks)?; // [nkv, g*t, L]
     let observed = if observe > 0 {
         let (nkv, gt, l) = probs.dims3()?;
         probs
@@ -118,6 +130,7 @@ fn attend_host_at(
     view: &KvView<'_>,
     t: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     observe: usize,
     portable: bool,
 ) -> Result<(Tensor, Vec<f32>)> {
@@ -202,11 +215,19 @@ fn attend_host_at(
         |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
             run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
         };
-    let mut out = chunked_attention(nkv, gt, hd, shift + kv_len, &chunk);
+    let sinks = sinks.map(|logits| Sinks { logits, t });
+    let mut out = chunked_attention(nkv, gt, hd, shift + kv_len, sinks, &chunk);
     if let Some(b) = view.hadamard {
         kvrows::hadamard(&mut out, b);
     }
-    let observed = observed_weights(&nums, &ms, (nkv, g * observe, kv_len, n_chunks), shift);
+    let sink_logits = sinks.map(|s| s.logits);
+    let observed = observed_weights(
+        &nums,
+        &ms,
+        (nkv, g * observe, kv_len, n_chunks),
+        shift,
+        sink_logits,
+    );
     Ok((
         Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?,
         observed,
@@ -217,11 +238,14 @@ fn attend_host_at(
 /// row's numerators exp(x − m_c) (`nums`, `[nkv, rows, L]`) and its chunks' `[m_c, s_c]` (`ms`,
 /// `[nkv, rows, n_chunks, 2]`): weight = exp(x − m_c) · exp(m_c − M) / Σ_c s_c · exp(m_c − M),
 /// M the row's largest m_c, as [`combine`] weighs the chunks; key j is in chunk (j + shift) / CHUNK.
+/// With `sinks` (one per query head; `rows` = g heads × the observed rows) the sink joins the
+/// denominator as it does in [`combine`].
 fn observed_weights(
     nums: &[f32],
     ms: &[f32],
     (nkv, rows, kv_len, n_chunks): (usize, usize, usize, usize),
     shift: usize,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     if rows == 0 {
         return Vec::new();
@@ -234,7 +258,16 @@ fn observed_weights(
             let chunks = &ms[row * n_chunks * 2..][..n_chunks * 2];
             let seen = || chunks.chunks_exact(2).filter(|c| c[1] > 0.0);
             let m = seen().fold(f32::NEG_INFINITY, |m, c| m.max(c[0]));
-            let s: f32 = seen().map(|c| c[1] * exp_nonpositive(c[0] - m)).sum();
+            // Query head of row r: h·g + r / (rows / g), g = sinks per KV head.
+            let sink = sinks.map(|s| {
+                let g = s.len() / nkv;
+                s[h * g + r / (rows / g).max(1)]
+            });
+            let m = sink.map_or(m, |x| m.max(x));
+            let s: f32 = seen()
+                .map(|c| c[1] * exp_nonpositive(c[0] - m))
+                .sum::<f32>()
+                + sink.map_or(0.0, |x| exp_nonpositive(x - m));
             if s <= 0.0 {
                 continue;
             }

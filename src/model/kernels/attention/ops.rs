@@ -82,7 +82,7 @@ pub(super) fn softmax_weighted(
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    Ok(softmax_probs(scores, t, scale, window)?.matmul(v)?)
+    Ok(softmax_probs(scores, t, scale, window, None)?.matmul(v)?)
 }
 
 /// softmax(scale · scores + causal mask), scores `[nkv, g*t, L]`: the weights of
@@ -92,6 +92,7 @@ pub(super) fn softmax_probs(
     t: usize,
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) -> Result<Tensor> {
     let (nkv, gt, kv_len) = scores.dims3()?;
     let scores = (scores * scale as f64)?;
@@ -104,7 +105,17 @@ pub(super) fn softmax_probs(
     } else {
         scores
     };
-    Ok(candle_nn::ops::softmax_last_dim(&scores)?)
+    let Some(sinks) = sinks else {
+        return Ok(candle_nn::ops::softmax_last_dim(&scores)?);
+    };
+    // Each row's sink logit as one more column, dropped after the softmax.
+    let g = gt / t;
+    let col: Vec<f32> = (0..nkv * gt)
+        .map(|r| sinks[(r / gt) * g + (r % gt) / t])
+        .collect();
+    let col = Tensor::from_vec(col, (nkv, gt, 1), scores.device())?.to_dtype(scores.dtype())?;
+    let probs = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&scores, &col], 2)?)?;
+    Ok(probs.narrow(2, 0, kv_len)?)
 }
 
 /// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future

@@ -206,16 +206,24 @@ fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
         let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
         let mut view = view_of(&kr, &vr, l, hd, &[l / 3], Rows::F16);
         view.window = w;
-        let simd = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
-        let portable = attend_host_at(&[&q], &view, t, 0.125, 0, true).unwrap().0;
+        let simd = attend_host_at(&[&q], &view, t, 0.125, None, 0, false)
+            .unwrap()
+            .0;
+        let portable = attend_host_at(&[&q], &view, t, 0.125, None, 0, true)
+            .unwrap()
+            .0;
         assert_eq!(bits(&simd), bits(&portable), "f16 t={t} L={l} hd={hd}");
         if hd % kvrows::QK != 0 {
             continue;
         }
         let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
         let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Int8);
-        let simd = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
-        let portable = attend_host_at(&[&q], &view, t, 0.125, 0, true).unwrap().0;
+        let simd = attend_host_at(&[&q], &view, t, 0.125, None, 0, false)
+            .unwrap()
+            .0;
+        let portable = attend_host_at(&[&q], &view, t, 0.125, None, 0, true)
+            .unwrap()
+            .0;
         assert_eq!(bits(&simd), bits(&portable), "int8 t={t} L={l} hd={hd}");
     }
 }
@@ -440,10 +448,10 @@ fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_he
         let (kr, vr, kd, vd) = encoded::<kvrows::F32>(&k, &v);
         let mut view = view_of(&kr, &vr, l, hd, &[l / 2], Rows::F32);
         view.window = w;
-        let (out, got) = attend_host_at(&[&q], &view, t, 0.125, observe, false).unwrap();
+        let (out, got) = attend_host_at(&[&q], &view, t, 0.125, None, observe, false).unwrap();
         // The reference: candle's softmax over the masked scores, rows summed.
         let scores = q.matmul(&kd.t().unwrap()).unwrap();
-        let probs = softmax_probs(scores, t, 0.125, w).unwrap(); // [nkv, g*t, L]
+        let probs = softmax_probs(scores, t, 0.125, w, None).unwrap(); // [nkv, g*t, L]
         let want: Vec<f32> = probs
             .reshape((nkv, g, t, l))
             .unwrap()
@@ -468,10 +476,12 @@ fn observed_weights_are_the_softmax_weights_of_the_last_queries_summed_per_kv_he
             );
         }
         // Observing changes no output bit, and the device path reports the same weights.
-        let plain = attend_host_at(&[&q], &view, t, 0.125, 0, false).unwrap().0;
+        let plain = attend_host_at(&[&q], &view, t, 0.125, None, 0, false)
+            .unwrap()
+            .0;
         assert_eq!(bits(&out), bits(&plain));
         let dense = dense_view(&kd, &vd, w);
-        let (_, dev) = attend_view_observed(&[&q], &dense, t, 0.125, observe).unwrap();
+        let (_, dev) = attend_view_observed(&[&q], &dense, t, 0.125, None, observe).unwrap();
         for (a, b) in dev.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "device path t={t}");
         }
@@ -505,7 +515,9 @@ fn key_chunks_sit_at_absolute_positions_so_a_row_has_its_bits_wherever_its_view_
         window: Some(w),
         first,
     };
-    let all = attend_host_at(&[&q], &whole, t, 0.125, 0, false).unwrap().0;
+    let all = attend_host_at(&[&q], &whole, t, 0.125, None, 0, false)
+        .unwrap()
+        .0;
     // Against candle's ops over the same keys.
     let qs: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
     let scores = q.matmul(&kd.t().unwrap()).unwrap();
@@ -523,11 +535,73 @@ fn key_chunks_sit_at_absolute_positions_so_a_row_has_its_bits_wherever_its_view_
         for gi in 0..g {
             let row = &qs[(gi * t + r) * hd..][..hd];
             let q1 = Tensor::from_vec(row.to_vec(), (nkv, 1, hd), &Device::Cpu).unwrap();
-            let one = attend_host_at(&[&q1], &alone, 1, 0.125, 0, false)
+            let one = attend_host_at(&[&q1], &alone, 1, 0.125, None, 0, false)
                 .unwrap()
                 .0;
             let got = all.narrow(1, gi * t + r, 1).unwrap();
             assert_eq!(bits(&one), bits(&got), "row {r} head {gi}");
         }
     }
+}
+
+/// A sink logit per query head joins the softmax with no value: each row's output is the plain
+/// attention times Σe^x / (Σe^x + e^sink) — computed here from the scores themselves — in the
+/// fused kernel (over several key chunks, prefill and decode rows) and in the device path.
+#[test]
+fn sink_logits_scale_each_heads_attention_by_the_weight_the_sink_leaves_it() {
+    let (nkv, g, hd) = (2, 3, 64);
+    let sinks: Vec<f32> = vec![-30.0, 0.0, 1.5, 3.0, -1.0, 40.0];
+    for (t, l) in [(1, 300), (4, 40), (1, 9)] {
+        let (k, v, q) = (
+            rand((nkv, l, hd)),
+            rand((nkv, l, hd)),
+            rand((nkv, g * t, hd)),
+        );
+        let (kr, vr, _, _) = encoded::<kvrows::F32>(&k, &v);
+        let view = view_of(&kr, &vr, l, hd, &[l / 2], Rows::F32);
+        let plain = attend_view(&[&q], &view, t, 0.125).unwrap();
+        let (fused, _) = attend_view_observed(&[&q], &view, t, 0.125, Some(&sinks), 0).unwrap();
+        let scores: Vec<f32> = (q.matmul(&k.t().unwrap()).unwrap() * 0.125)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap(); // [nkv, g*t, L]
+        let (plain_v, fused_v): (Vec<f32>, Vec<f32>) = (
+            plain.flatten_all().unwrap().to_vec1().unwrap(),
+            fused.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        for row in 0..nkv * g * t {
+            let (h, r) = (row / (g * t), row % (g * t));
+            let sink = sinks[h * g + r / t] as f64;
+            // Row r sees keys 0..=L − t + (r mod t).
+            let seen = l - t + r % t + 1;
+            let xs = &scores[row * l..][..seen];
+            let m = xs.iter().fold(sink, |m, &x| m.max(x as f64));
+            let s: f64 = xs.iter().map(|&x| (x as f64 - m).exp()).sum();
+            let keep = s / (s + (sink - m).exp());
+            for e in 0..hd {
+                let (p, f) = (plain_v[row * hd + e] as f64, fused_v[row * hd + e] as f64);
+                assert!(
+                    (f - p * keep).abs() < 1e-5 * (1.0 + p.abs()),
+                    "t={t} L={l} row {row}: {f} vs {p}·{keep}"
+                );
+            }
+        }
+        let dense = dense_view(&k, &v, None);
+        let (device, _) = attend_view_observed(&[&q], &dense, t, 0.125, Some(&sinks), 0).unwrap();
+        assert!(max_diff(&device, &fused) < 1e-5, "device path t={t} L={l}");
+    }
+}
+
+#[test]
+fn a_sink_count_other_than_the_query_heads_is_refused() {
+    let (k, v, q) = (rand((1, 4, 64)), rand((1, 4, 64)), rand((1, 2, 64)));
+    let (kr, vr, _, _) = encoded::<kvrows::F32>(&k, &v);
+    let view = view_of(&kr, &vr, 4, 64, &[], Rows::F32);
+    let err = attend_view_observed(&[&q], &view, 1, 0.125, Some(&[0.0]), 0).unwrap_err();
+    assert!(
+        err.to_string().contains("1 sink logits for 2 query heads"),
+        "{err}"
+    );
 }

@@ -1,0 +1,133 @@
+//! gpt-oss (issue 34) against llama.cpp and against itself, on a random-weight `gpt-oss` model the
+//! test writes (`crate::common::tiny::write_random_gpt_oss`: the same bytes on every machine,
+//! checked by sha256): MXFP4 experts routed 4 of 8, learned sinks, a window on every other layer,
+//! biases, YaRN.
+
+use candle_core::Device;
+use kvchat::engine::{Engine, LoadOptions};
+use kvchat::kv::CacheSpec;
+use kvchat::model::gguf::GgufFile;
+use kvchat::model::{Llama, Logits};
+use kvchat::session::Session;
+
+/// sha256 of the file `write_random_gpt_oss` writes: if it changes, the reference below must be
+/// measured again on the new file.
+const FILE_SHA256: &str = "4d0faa81dd3a231ce2a55508882625bd290d7ad117e7620e036cc96a3741caff";
+
+/// The random model, written once per test run (the tests of this file share it).
+fn random_gpt_oss() -> std::path::PathBuf {
+    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("random-gpt-oss.gguf");
+        crate::common::tiny::write_random_gpt_oss(&p, &crate::common::model_path());
+        p
+    })
+    .clone()
+}
+
+#[test]
+fn gpt_oss_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_file() {
+    let path = random_gpt_oss();
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(
+        crate::common::hub::sha256_hex(&bytes),
+        FILE_SHA256,
+        "the random model changed"
+    );
+    let e = Engine::load(&LoadOptions {
+        ctx: Some(256),
+        ..LoadOptions::for_path(&path)
+    })
+    .unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
+    let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
+        .unwrap()
+        .ppl;
+    // llama-perplexity -m target/tmp/random-gpt-oss.gguf -f assets/bench-text.txt -c 256 -t 2 --no-repack
+    //   → Final estimate: PPL = 1051637.1563 +/- 82289.48022 (8 chunks; kvchat measured 1051754.61)
+    // (Its repacked default crashes on this VM's AMX now and then.) The figure depends on each
+    // piece: llama.cpp itself gives 1,178,455 (+12 %) with --rope-scaling none (no YaRN),
+    // 1,126,515 (+7.1 %) with the window widened past the text, 1,053,444 (+0.17 %) with 3
+    // experts a token instead of 4.
+    let reference = 1051637.1563;
+    assert!(
+        (p / reference - 1.0).abs() < 0.005,
+        "kvchat {p:.4} vs llama.cpp {reference}"
+    );
+}
+
+fn load() -> Llama {
+    GgufFile::open(&random_gpt_oss())
+        .unwrap()
+        .load_llama(&Device::Cpu, 256)
+        .unwrap()
+}
+
+/// Logits at every position of `tokens`: one prefill, then token by token, through `spec`.
+fn prefill_and_decode(
+    m: &Llama,
+    spec: &CacheSpec,
+    tokens: &[u32],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let session = || Session::new(m, spec.build(&m.cfg, None), 256);
+    let all = session().feed_with(tokens, Logits::All).unwrap();
+    let prefill = (0..tokens.len())
+        .map(|i| all.get(i).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let mut s = session();
+    let decode = tokens
+        .iter()
+        .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    (prefill, decode)
+}
+
+#[test]
+fn gpt_oss_reads_its_pieces_from_the_table_and_the_file() {
+    let m = load();
+    let c = &m.cfg;
+    assert!(c.block.moe && c.block.attn_sinks);
+    assert_eq!(c.block.ffn_norm, "post_attention_norm");
+    let e = c.experts.unwrap();
+    assert_eq!((e.count, e.used, e.ffn), (8, 4, 256));
+    assert_eq!(c.sliding_window, Some((64, vec![true, false])));
+    let y = c.yarn.unwrap();
+    assert_eq!(
+        (y.factor, y.orig_ctx, y.beta_fast, y.beta_slow),
+        (32.0, 4096, 32.0, 1.0)
+    );
+    let l = &m.layers[0];
+    assert_eq!(l.sinks.as_ref().map(Vec::len), Some(4));
+    assert!(l.wq.b.is_some() && l.wo.b.is_some());
+    match &l.ffn {
+        kvchat::model::llama::Ffn::Moe(moe) => {
+            assert_eq!(moe.experts.len(), 8);
+            let x = &moe.experts[3];
+            assert_eq!(
+                x.down.dtype(),
+                kvchat::model::kernels::quant::WeightType::MXFP4
+            );
+            assert_eq!(x.down.dims(), (256, 256));
+            assert_eq!((x.gate_up_b.len(), x.down_b.len()), (512, 256));
+        }
+        _ => panic!("layer 0's FFN is not a mixture of experts"),
+    }
+}
+
+#[test]
+fn gpt_oss_past_its_window_prefill_decode_and_recompute_give_the_same_logits() {
+    // 150 positions: past layer 0's window of 64 and the 64 spare positions its cache keeps.
+    let m = load();
+    let tokens: Vec<u32> = (0..150).map(|i| (i * 7919 % 49152) as u32).collect();
+    let full = CacheSpec::full(kvchat::kv::Precision::F32, 256);
+    let (prefill, decode) = prefill_and_decode(&m, &full, &tokens);
+    let none = CacheSpec::none(kvchat::kv::Precision::F32);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    for i in 0..tokens.len() {
+        assert_eq!(prefill[i], decode[i], "position {i}: prefill vs decode");
+        assert_eq!(decode[i], recompute[i], "position {i}: decode vs recompute");
+    }
+}
