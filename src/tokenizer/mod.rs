@@ -38,6 +38,11 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// Qwen2's: like Llama 3's, but digits one at a time.
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-4o's (o200k, gpt-oss's tokenizer): words keep a leading mark and split at case runs,
+/// contractions attach, digits in threes (tokenizer.json's regex; llama.cpp rewrites it without
+/// Unicode classes, with the same splits).
+const GPT4O_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// The regexes, applied in order, that llama.cpp uses for each `tokenizer.ggml.pre`.
 fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
     Ok(match pre {
@@ -50,9 +55,10 @@ fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
             vec![LLAMA3_REGEX]
         }
         "qwen2" | "deepseek-r1-qwen" | "megrez" => vec![QWEN2_REGEX],
+        "gpt-4o" | "minimax-m2" => vec![GPT4O_REGEX],
         other => bail!(
             "unsupported tokenizer.ggml.pre '{other}' (supported: default, gpt2, smollm, starcoder, \
-             llama-bpe, qwen2 and their aliases); give a tokenizer.json instead"
+             llama-bpe, qwen2, gpt-4o and their aliases); give a tokenizer.json instead"
         ),
     })
 }
@@ -601,5 +607,53 @@ impl std::fmt::Display for Length {
             Length::Counted(n) => write!(f, "{n} tokens"),
             Length::AtLeast(n, bytes) => write!(f, "{bytes} bytes, at least {n} tokens"),
         }
+    }
+}
+
+#[cfg(test)]
+mod pre_tokenizer_tests {
+    use super::*;
+    use tokenizers::PreTokenizer;
+
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        let pres: Vec<PreTokenizerWrapper> = pre_tokenizer_regexes(pre)
+            .unwrap()
+            .iter()
+            .map(|re| {
+                let isolated = SplitDelimiterBehavior::Isolated;
+                Split::new(SplitPattern::Regex(re.to_string()), isolated, false)
+                    .unwrap()
+                    .into()
+            })
+            .collect();
+        let mut s = tokenizers::PreTokenizedString::from(text);
+        PreSequence::new(pres).pre_tokenize(&mut s).unwrap();
+        s.get_splits(
+            tokenizers::OffsetReferential::Original,
+            tokenizers::OffsetType::Byte,
+        )
+        .into_iter()
+        .map(|(p, _, _)| p.to_string())
+        .collect()
+    }
+
+    /// The splits of Python's `regex.findall` with tokenizer.json's pattern.
+    #[test]
+    fn gpt_4o_keeps_case_runs_contractions_and_digit_triples_as_o200k_splits_them() {
+        assert_eq!(
+            pieces("gpt-4o", "Hello WORLDwide don't 12345!\n\n x  ÉCOLE"),
+            [
+                "Hello",
+                " WORLDwide",
+                " don't",
+                " ",
+                "123",
+                "45",
+                "!\n\n",
+                " x",
+                " ",
+                " ÉCOLE"
+            ]
+        );
     }
 }

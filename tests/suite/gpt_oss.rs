@@ -131,3 +131,60 @@ fn gpt_oss_past_its_window_prefill_decode_and_recompute_give_the_same_logits() {
         assert_eq!(decode[i], recompute[i], "position {i}: decode vs recompute");
     }
 }
+
+/// A copy of the random model, changed by `damage`, for a hostile-input test.
+fn damaged(name: &str, damage: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
+    let mut bytes = std::fs::read(random_gpt_oss()).unwrap();
+    damage(&mut bytes);
+    let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.gguf"));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Sets the u32 metadata value of `key` (a GGUF key string, then its type, then the value).
+fn set_u32(bytes: &mut [u8], key: &str, v: u32) {
+    let at = bytes
+        .windows(key.len() + 4)
+        .position(|w| &w[..key.len()] == key.as_bytes() && w[key.len()..] == 4u32.to_le_bytes())
+        .unwrap_or_else(|| panic!("no u32 key {key}"))
+        + key.len()
+        + 4;
+    bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn run(path: &std::path::Path) -> std::process::Output {
+    crate::common::kvchat(
+        &[
+            "run",
+            "-m",
+            path.to_str().unwrap(),
+            "--raw",
+            "-n",
+            "2",
+            "hi",
+        ],
+        "",
+    )
+}
+
+#[test]
+fn an_expert_count_of_zero_or_fewer_experts_than_routed_is_refused_in_one_line() {
+    let zero = damaged("goss-zero-experts", |b| {
+        set_u32(b, "gpt-oss.expert_count", 0)
+    });
+    crate::common::assert_refused(&run(&zero), "expert_count = 0 with expert_used_count = 4");
+    let over = damaged("goss-topk-over", |b| {
+        set_u32(b, "gpt-oss.expert_used_count", 9)
+    });
+    crate::common::assert_refused(&run(&over), "expert_count = 8 with expert_used_count = 9");
+}
+
+#[test]
+fn mxfp4_experts_cut_short_are_named_with_their_tensor_and_type() {
+    // The file ends with blk.1's down experts (8 × 256 × 256 in MXFP4: 278,528 bytes) and their
+    // bias (8 KiB).
+    let short = damaged("goss-short", |b| b.truncate(b.len() - 20_000));
+    let o = run(&short);
+    crate::common::assert_refused(&o, "cannot read tensor blk.1.ffn_down_exps.weight");
+    crate::common::assert_refused(&o, "its MXFP4 blocks need 278528 bytes at offset");
+}
