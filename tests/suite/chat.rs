@@ -509,7 +509,17 @@ fn a_chat_that_compacts_when_full_never_errors_and_keeps_its_system_message() {
 fn cache_shows_what_a_budget_holds_and_dropped_and_what_the_turn_reused() {
     let long = "Remember this list of fruits: apple, pear, plum, fig, kiwi, lime. ".repeat(20);
     let out = kvchat(
-        &["chat", "--temperature", "0", "-n", "8", "--kv-budget", "96"],
+        // No prefix store: what the first turn reuses must not depend on the runs before.
+        &[
+            "chat",
+            "--temperature",
+            "0",
+            "-n",
+            "8",
+            "--kv-budget",
+            "96",
+            "--no-kv-store",
+        ],
         &format!("{long}\n/cache\nAnd one more?\n/cache\n"),
     );
     let said = String::from_utf8_lossy(&out.stdout);

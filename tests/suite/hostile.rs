@@ -1032,7 +1032,7 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
     kvs.push(("tokenizer.ggml.model", Val::Str("llama".into())));
     for (ty, name) in [
         (35u32, "type TQ2_0"),
-        (39, "type MXFP4"),
+        (34, "type TQ1_0"),
         (9, "type Q8_1"),
         (99, "type 99 (unknown to kvchat)"),
     ] {
