@@ -73,30 +73,24 @@ fn load(path: &Path, kernels: Kernels, dense: bool) -> Engine {
     .unwrap()
 }
 
-/// Perplexity of the first 512 tokens of bench-text, in chunks of 256 (254 tokens scored).
+/// Perplexity of the first 512 tokens of bench-text, in chunks of 256 (254 tokens scored), each
+/// chunk in one forward (`perplexity_prefilled`: the tokens token-by-token scoring scores; on our
+/// kernels the same bits, since a prefill row equals that token decoded alone, which
+/// `quant::tests` checks per format). Decoding them one by one took 11 of this test's ~17 s per
+/// type, most of it through candle's kernels.
 fn ppl(e: &Engine) -> Perplexity {
     let ids = e
         .tokenizer()
         .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
-    let ids = &ids[..ids.len().min(512)];
-    kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), ids, 256, 0, false).unwrap()
+    kvchat::eval::ppl::perplexity_prefilled(e, &ids[..ids.len().min(512)], 256, 0).unwrap()
 }
 
 fn check(dtype: GgmlDType) {
     let path = requantized(dtype);
     let ours = ppl(&load(&path, Kernels::Ours, false));
     let candle = ppl(&load(&path, Kernels::Candle, false));
-    // The reference scores each chunk in one forward: dense f32 weights decoded token by token
-    // took 13 of this test's ~21 s per type.
-    let dense = {
-        let e = load(&path, Kernels::Candle, true);
-        let ids = e
-            .tokenizer()
-            .encode(kvchat::eval::bench::BENCH_TEXT)
-            .unwrap();
-        kvchat::eval::ppl::perplexity_prefilled(&e, &ids[..ids.len().min(512)], 256, 0).unwrap()
-    };
+    let dense = ppl(&load(&path, Kernels::Candle, true));
     let vs_dense = paired(&ours, &dense, "f32").unwrap();
     let vs_candle = paired(&ours, &candle, "candle").unwrap();
     let figures = format!(
@@ -185,7 +179,9 @@ fn the_default_model_perplexity_is_within_half_a_percent_of_llama_perplexity() {
         .tokenizer()
         .encode(include_str!("../../assets/gpl-3.txt"))
         .unwrap();
-    let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 512, 0, false)
+    // Each chunk in one forward: on our kernels the bits of `kvchat ppl`'s token-by-token
+    // scoring (`ppl`'s doc), in a fifth of the time.
+    let p = kvchat::eval::ppl::perplexity_prefilled(&e, &ids, 512, 0)
         .unwrap()
         .ppl;
     assert!(
