@@ -188,3 +188,29 @@ fn mxfp4_experts_cut_short_are_named_with_their_tensor_and_type() {
     crate::common::assert_refused(&o, "cannot read tensor blk.1.ffn_down_exps.weight");
     crate::common::assert_refused(&o, "its MXFP4 blocks need 278528 bytes at offset");
 }
+
+/// kv-size by kind, against the file's metadata by hand: 2 layers × 2 KV heads × 64 × (K and V)
+/// × 2 bytes = 1,024 bytes a token; at 4,096 tokens the full layer holds 4096 × 512 B = 2 MiB and
+/// the windowed one its 64 positions plus the 64 spare the cache keeps, 128 × 512 B = 64 KiB:
+/// 2.0625 MiB against 4 MiB uniform.
+#[test]
+fn kv_size_counts_the_windowed_layers_by_what_they_keep() {
+    let path = random_gpt_oss();
+    let o = crate::common::kvchat(
+        &["kv-size", "-m", path.to_str().unwrap(), "--ctx", "4096"],
+        "",
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("f16: 1,024 bytes (1.00 KiB) per token, 4.00 MiB per user"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "sliding-window layers: 1 of 2 attend within 64 positions (and keep 128): 2.06 MiB per user at 4096 tokens against 4.00 MiB"
+        ),
+        "{out}"
+    );
+    assert_eq!(kvchat::kv::DECLARED_WINDOW_SPARE, 64);
+}
