@@ -388,7 +388,14 @@ impl GgufFile {
     fn vector(&mut self, name: &str, n: usize, device: &Device) -> Result<Vec<f32>> {
         let v = self.dense(name, device)?;
         expect_dims(name, v.dims(), &[n])?;
-        Ok(v.to_vec1()?)
+        let v: Vec<f32> = v.to_vec1()?;
+        if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+            bail!(
+                "tensor {name} in {} holds {x}, not a number a model can use; is the file damaged?",
+                self.path.display()
+            );
+        }
+        Ok(v)
     }
 
     /// Layer `p`'s mixture of experts (gpt-oss): the router, and each expert's rows of the

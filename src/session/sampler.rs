@@ -159,6 +159,17 @@ impl Sampler {
     /// Picks the next token from `logits` [vocab]; `recent` are the tokens the repeat penalty looks at.
     pub fn sample(&mut self, logits: &Tensor, recent: &[u32]) -> Result<u32> {
         let mut logits: Vec<f32> = logits.to_vec1()?;
+        // NaN or +∞ comes only from weights that hold them (a damaged or hostile file): any
+        // token picked from such logits would be a silent wrong answer.
+        if let Some(i) = logits
+            .iter()
+            .position(|x| x.is_nan() || *x == f32::INFINITY)
+        {
+            anyhow::bail!(
+                "the model computed a non-finite logit ({} for token {i}): its weights hold non-finite values; is the model file damaged?",
+                logits[i]
+            );
+        }
         let p = &self.p;
         if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
             let start = recent.len().saturating_sub(p.repeat_last_n);
@@ -246,6 +257,24 @@ mod tests {
 
     fn logits(xs: &[f32]) -> Tensor {
         Tensor::new(xs, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_nan_or_infinite_logit_is_an_error_naming_the_token_not_a_pick() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        let err = s.sample(&logits(&[0.1, f32::NAN, 2.0]), &[]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("non-finite logit (NaN for token 1)"),
+            "{err}"
+        );
+        let err = s.sample(&logits(&[f32::INFINITY, 1.0]), &[]).unwrap_err();
+        assert!(err.to_string().contains("(inf for token 0)"), "{err}");
+        // −∞ is a token ruled out, not damage.
+        assert_eq!(
+            s.sample(&logits(&[f32::NEG_INFINITY, 1.0]), &[]).unwrap(),
+            1
+        );
     }
 
     #[test]

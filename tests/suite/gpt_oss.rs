@@ -214,3 +214,31 @@ fn kv_size_counts_the_windowed_layers_by_what_they_keep() {
     );
     assert_eq!(kvchat::kv::DECLARED_WINDOW_SPARE, 64);
 }
+
+/// Sets the first f32 of tensor `name` in a copy of the random model to NaN.
+fn with_nan(name: &str) -> std::path::PathBuf {
+    let types = kvchat::model::gguf_types::tensor_types(&random_gpt_oss()).unwrap();
+    // Each tensor's type field is followed by its data offset (u64); the data starts at the
+    // first multiple of the alignment (32) after the last tensor's entry.
+    let start = (types.iter().map(|t| t.at).max().unwrap() + 12).next_multiple_of(32);
+    let field = types.iter().find(|t| t.name == name).unwrap().at as usize;
+    damaged(&format!("goss-nan-{name}"), |b| {
+        let off = u64::from_le_bytes(b[field + 4..][..8].try_into().unwrap());
+        let at = (start + off) as usize;
+        b[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    })
+}
+
+#[test]
+fn a_nan_sink_logit_is_named_at_load() {
+    let o = run(&with_nan("blk.0.attn_sinks.weight"));
+    crate::common::assert_refused(&o, "tensor blk.0.attn_sinks.weight in ");
+    crate::common::assert_refused(&o, "holds NaN, not a number a model can use");
+}
+
+#[test]
+fn a_nan_in_the_weights_is_refused_at_the_first_token_not_answered() {
+    // A NaN weight of the final norm makes one dimension NaN, and so every logit.
+    let o = run(&with_nan("output_norm.weight"));
+    crate::common::assert_refused(&o, "non-finite logit (NaN for token 0)");
+}

@@ -36,8 +36,14 @@ pub struct BlockQ8K {
 /// (computed as llama.cpp computes it; 1 / d differs from it in the last bit at times, and on
 /// SmolLM2, where one flipped activation quant moves a logit by percents, such bits move a
 /// perplexity by ±0.2 %).
+/// A block holding a NaN gets a NaN scale, so that the NaN reaches the output: `max` passes
+/// over NaNs and [`round_i8`] makes them 0, and a damaged weight upstream would otherwise vanish
+/// into a silently wrong answer.
 pub(super) fn q8_scale(x: &[f32]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if x.iter().any(|v| v.is_nan()) {
+        return (f32::NAN, 0.0);
+    }
     let d = amax / 127.0;
     (d, if amax != 0.0 { 127.0 / amax } else { 0.0 })
 }
@@ -54,7 +60,8 @@ pub(super) fn q8_row(x: &[f32], qs: &mut [i8; 32]) -> f32 {
     d
 }
 
-/// `v` rounded to the nearest integer, ties to even, clamped to ±127, NaN to 0: what
+/// `v` rounded to the nearest integer, ties to even, clamped to ±127, NaN to 0 (its block's
+/// scale is then NaN: `q8_scale`): what
 /// `v.round_ties_even().clamp(-127.0, 127.0) as i8` gives, written so that a loop of it
 /// vectorizes (the compiler leaves an `as` cast from float scalar, lane by lane). Adding
 /// 1.5·2^23 rounds to an integer in the current (nearest-even) mode, and leaves it in the low
@@ -98,6 +105,12 @@ impl Act for BlockQ8K {
     /// llama.cpp's `quantize_row_q8_K_ref`: scale from the value of largest magnitude, sign kept.
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(256).zip(ys) {
+            // A NaN input: a NaN scale carries it to the output (as `q8_scale` does).
+            if x.iter().any(|v| v.is_nan()) {
+                *y = Zeroable::zeroed();
+                y.d = f32::NAN;
+                continue;
+            }
             let (mut max, mut amax) = (0f32, 0f32);
             for &v in x {
                 if v.abs() > amax {

@@ -1268,3 +1268,29 @@ fn every_i_quant_dequantizes_a_block_as_gguf_py_does() {
         -5502.5,
     );
 }
+
+/// A NaN in a token's input makes that token's outputs NaN in every type and layout (a damaged
+/// weight upstream must reach the logits, where sampling refuses it), and leaves the other
+/// tokens' outputs alone.
+#[test]
+fn a_nan_input_gives_that_tokens_outputs_nan_in_every_type() {
+    for (_, name, dtype) in WEIGHT_TYPES {
+        for (n, m) in [(48, 2), (48, 6), (17, 2)] {
+            let k = 512;
+            let (bytes, _) = gguf_matrix(dtype, n, k);
+            let w = QMatrix::from_bytes(dtype, n, k, &bytes).unwrap().unwrap();
+            let mut x = flat(&seeded(7, (1, m, k)));
+            x[5] = f32::NAN;
+            let x = Tensor::from_vec(x, (1, m, k), &Device::Cpu).unwrap();
+            let out = flat(&w.forward(&x).unwrap());
+            assert!(
+                out[..n].iter().all(|v| v.is_nan()),
+                "{name} {n}×{m}: token 0"
+            );
+            assert!(
+                out[n..].iter().all(|v| v.is_finite()),
+                "{name} {n}×{m}: the others"
+            );
+        }
+    }
+}
