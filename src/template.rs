@@ -129,6 +129,39 @@ fn over_limit(why: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(OverLimit(why.into()))
 }
 
+/// `strftime_now(fmt)` for templates that print today's date (Llama 3.1's "%d %b %Y",
+/// gpt-oss's "%Y-%m-%d"): a fixed, documented date, Friday 26 July 2024, keeps output
+/// reproducible; the common format codes give its fields, others stay as written.
+fn fixed_date(fmt: &str) -> String {
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str("2024"),
+            Some('y') => out.push_str("24"),
+            Some('m') => out.push_str("07"),
+            Some('d') => out.push_str("26"),
+            Some('e') => out.push_str("26"),
+            Some('b') | Some('h') => out.push_str("Jul"),
+            Some('B') => out.push_str("July"),
+            Some('a') => out.push_str("Fri"),
+            Some('A') => out.push_str("Friday"),
+            Some('j') => out.push_str("208"),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
 impl ChatTemplate {
     /// Whether `spec` (a `--chat-template` value) names a template that parses and renders, checked
     /// before any model is loaded (placeholder BOS/EOS text stands in for the model's).
@@ -198,11 +231,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_function("strftime_now", |fmt: String| -> String {
-            // Templates use this to print today's date; a fixed, documented date keeps output reproducible.
-            let _ = fmt;
-            "26 Jul 2024".to_string()
-        });
+        env.add_function("strftime_now", |fmt: String| -> String { fixed_date(&fmt) });
         env.add_template_owned("chat", self.source.clone())
             .map_err(|e| anyhow!("chat template does not parse: {e}"))?;
         Ok(env)
@@ -316,6 +345,16 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strftime_now_prints_the_fixed_date_in_the_templates_format() {
+        assert_eq!(fixed_date("%d %b %Y"), "26 Jul 2024"); // Llama 3.1's
+        assert_eq!(fixed_date("%Y-%m-%d"), "2024-07-26"); // gpt-oss's
+        assert_eq!(
+            fixed_date("%A %B %e, %y: %Q 100%%"),
+            "Friday July 26, 24: %Q 100%"
+        );
+    }
 
     #[test]
     fn the_gemma_template_folds_the_system_message_into_the_first_user_turn() {

@@ -242,3 +242,28 @@ fn a_nan_in_the_weights_is_refused_at_the_first_token_not_answered() {
     let o = run(&with_nan("output_norm.weight"));
     crate::common::assert_refused(&o, "non-finite logit (NaN for token 0)");
 }
+
+/// gpt-oss's chat template (OpenAI's Harmony format, from the vendored llama.cpp's
+/// models/templates/openai-gpt-oss-120b.jinja; Apache-2.0 as the model's repository).
+const GPT_OSS_TEMPLATE: &str = include_str!("../data/gpt-oss-chat-template.jinja");
+
+#[test]
+fn gpt_oss_chat_template_renders_through_minijinja_as_jinja2_does() {
+    use kvchat::template::{ChatTemplate, Message};
+    let t = ChatTemplate::new(GPT_OSS_TEMPLATE, "", "").unwrap();
+    let messages = [
+        Message::new("system", "S"),
+        Message::new("user", "hi"),
+        Message::new("assistant", "Hello!"),
+        Message::new("user", "again"),
+    ];
+    // Python's jinja2 (transformers' settings: ImmutableSandboxedEnvironment, trim_blocks,
+    // lstrip_blocks, loopcontrols; strftime_now giving kvchat's fixed date) renders exactly this.
+    let want = "<|start|>system<|message|>You are ChatGPT, a large language model trained by \
+                OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: 2024-07-26\n\nReasoning: medium\
+                \n\n# Valid channels: analysis, commentary, final. Channel must be included for \
+                every message.<|end|><|start|>developer<|message|># Instructions\n\nS\n\n<|end|>\
+                <|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>\
+                Hello!<|end|><|start|>user<|message|>again<|end|><|start|>assistant";
+    assert_eq!(t.render(&messages, true).unwrap(), want);
+}
