@@ -3,12 +3,11 @@
 //! checked by sha256): MXFP4 experts routed 4 of 8, learned sinks, a window on every other layer,
 //! biases, YaRN.
 
+use crate::common::tiny::prefill_and_decode;
 use candle_core::Device;
-use kvchat::engine::{Engine, LoadOptions};
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
-use kvchat::model::{Llama, Logits};
-use kvchat::session::Session;
+use kvchat::model::Llama;
 
 /// sha256 of the file `write_random_gpt_oss` writes: if it changes, the reference below must be
 /// measured again on the new file.
@@ -17,35 +16,16 @@ const FILE_SHA256: &str = "4d0faa81dd3a231ce2a55508882625bd290d7ad117e7620e036cc
 /// The random model, written once per test run (the tests of this file share it).
 fn random_gpt_oss() -> std::path::PathBuf {
     static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("random-gpt-oss.gguf");
-        crate::common::tiny::write_random_gpt_oss(&p, &crate::common::model_path());
-        p
-    })
-    .clone()
+    crate::common::tiny::written_once(
+        &PATH,
+        "random-gpt-oss.gguf",
+        crate::common::tiny::write_random_gpt_oss,
+    )
 }
 
 #[test]
 fn gpt_oss_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_file() {
-    let path = random_gpt_oss();
-    let bytes = std::fs::read(&path).unwrap();
-    assert_eq!(
-        crate::common::hub::sha256_hex(&bytes),
-        FILE_SHA256,
-        "the random model changed"
-    );
-    let e = Engine::load(&LoadOptions {
-        ctx: Some(256),
-        ..LoadOptions::for_path(&path)
-    })
-    .unwrap();
-    let ids = e
-        .tokenizer()
-        .encode(kvchat::eval::bench::BENCH_TEXT)
-        .unwrap();
-    let p = kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
-        .unwrap()
-        .ppl;
+    let p = crate::common::tiny::pinned_perplexity(&random_gpt_oss(), FILE_SHA256);
     // llama-perplexity -m target/tmp/random-gpt-oss.gguf -f assets/bench-text.txt -c 256 -t 2 --no-repack
     //   → Final estimate: PPL = 1051637.1563 +/- 82289.48022 (8 chunks; kvchat measured 1051754.61)
     // (Its repacked default crashes on this VM's AMX now and then.) The figure depends on each
@@ -64,25 +44,6 @@ fn load() -> Llama {
         .unwrap()
         .load_llama(&Device::Cpu, 256)
         .unwrap()
-}
-
-/// Logits at every position of `tokens`: one prefill, then token by token, through `spec`.
-fn prefill_and_decode(
-    m: &Llama,
-    spec: &CacheSpec,
-    tokens: &[u32],
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let session = || Session::new(m, spec.build(&m.cfg, None), 256);
-    let all = session().feed_with(tokens, Logits::All).unwrap();
-    let prefill = (0..tokens.len())
-        .map(|i| all.get(i).unwrap().to_vec1::<f32>().unwrap())
-        .collect();
-    let mut s = session();
-    let decode = tokens
-        .iter()
-        .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
-        .collect();
-    (prefill, decode)
 }
 
 #[test]
@@ -123,9 +84,9 @@ fn gpt_oss_past_its_window_prefill_decode_and_recompute_give_the_same_logits() {
     let m = load();
     let tokens: Vec<u32> = (0..150).map(|i| (i * 7919 % 49152) as u32).collect();
     let full = CacheSpec::full(kvchat::kv::Precision::F32, 256);
-    let (prefill, decode) = prefill_and_decode(&m, &full, &tokens);
+    let (prefill, decode) = prefill_and_decode(&m, &full, &tokens, 256);
     let none = CacheSpec::none(kvchat::kv::Precision::F32);
-    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens, 256);
     for i in 0..tokens.len() {
         assert_eq!(prefill[i], decode[i], "position {i}: prefill vs decode");
         assert_eq!(decode[i], recompute[i], "position {i}: decode vs recompute");

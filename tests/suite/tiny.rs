@@ -144,31 +144,13 @@ fn qwen3_and_gemma3_read_their_block_pieces_from_the_table() {
     assert!(g.rope_local.is_some());
 }
 
-/// Logits at every position of `tokens`: one prefill, then token by token through `spec`.
-fn prefill_and_decode(
-    m: &Llama,
-    spec: &CacheSpec,
-    tokens: &[u32],
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let all = session(m, spec).feed_with(tokens, Logits::All).unwrap();
-    let prefill = (0..tokens.len())
-        .map(|i| all.get(i).unwrap().to_vec1::<f32>().unwrap())
-        .collect();
-    let mut s = session(m, spec);
-    let decode = tokens
-        .iter()
-        .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
-        .collect();
-    (prefill, decode)
-}
-
 #[test]
 fn qwen3_prefill_decode_and_recompute_give_the_same_logits() {
     let m = load_arch("eq-qwen3", "qwen3");
     let tokens: Vec<u32> = (0..20).map(|i| (i * 7 % VOCAB) as u32).collect();
-    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens);
+    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens, 128);
     let none = CacheSpec::none(kvchat::kv::Precision::F32);
-    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens, 128);
     for i in 0..tokens.len() {
         assert_eq!(prefill[i], decode[i], "position {i}");
         assert_eq!(decode[i], recompute[i], "position {i}");
@@ -181,9 +163,9 @@ fn gemma3_past_its_window_prefill_decode_and_recompute_agree() {
     // recompute keeps none and masks the same window per query row, a prefill does it in one step.
     let m = load_arch("eq-gemma3", "gemma3");
     let tokens: Vec<u32> = (0..100).map(|i| (i * 11 % VOCAB) as u32).collect();
-    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens);
+    let (prefill, decode) = prefill_and_decode(&m, &FULL, &tokens, 128);
     let none = CacheSpec::none(kvchat::kv::Precision::F32);
-    let (_, recompute) = prefill_and_decode(&m, &none, &tokens);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens, 128);
     for i in 0..tokens.len() {
         let d = crate::common::rel_diff(&decode[i], &recompute[i]);
         assert!(d < 1e-5, "position {i}: decode vs recompute differ by {d}");
@@ -207,8 +189,8 @@ fn gemma3_window_changes_the_answer_once_the_sequence_outgrows_it() {
     let mut wide = open();
     wide.cfg.sliding_window = Some((1000, vec![true, false]));
     let tokens: Vec<u32> = (0..16).map(|i| (i * 5 % VOCAB) as u32).collect();
-    let (a, _) = prefill_and_decode(&windowed, &FULL, &tokens);
-    let (b, _) = prefill_and_decode(&wide, &FULL, &tokens);
+    let (a, _) = prefill_and_decode(&windowed, &FULL, &tokens, 128);
+    let (b, _) = prefill_and_decode(&wide, &FULL, &tokens, 128);
     for i in 0..tokens.len() {
         let d = crate::common::rel_diff(&a[i], &b[i]);
         if i < TINY_WINDOW {

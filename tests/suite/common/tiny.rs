@@ -313,7 +313,7 @@ pub fn write_random_qwen3(path: &std::path::Path, tokenizer_from: &std::path::Pa
         "output_norm.weight".into(),
         QTensor::quantize(&ones, f32t).unwrap(),
     ));
-    let mut md: Vec<(String, Value)> = vec![
+    let md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String("qwen3".into())),
         (
             "general.name".into(),
@@ -339,6 +339,17 @@ pub fn write_random_qwen3(path: &std::path::Path, tokenizer_from: &std::path::Pa
         ),
         ("qwen3.rope.freq_base".into(), Value::F32(1_000_000.0)),
     ];
+    write_with_tokenizer(path, md, &src, &tensors);
+}
+
+/// Writes a GGUF of `md` plus the tokenizer of `src` (less its chat template), metadata in
+/// sorted order (so that the bytes are the same on every machine), and `tensors`.
+fn write_with_tokenizer(
+    path: &std::path::Path,
+    mut md: Vec<(String, Value)>,
+    src: &gguf_file::Content,
+    tensors: &[(String, QTensor)],
+) {
     md.extend(
         src.metadata
             .iter()
@@ -453,7 +464,7 @@ pub fn write_random_gpt_oss(path: &std::path::Path, tokenizer_from: &std::path::
             mxfp4.push((format!("{p}.{name}.weight"), experts * rows * cols / 32));
         }
     }
-    let mut md: Vec<(String, Value)> = vec![
+    let md: Vec<(String, Value)> = vec![
         (
             "general.architecture".into(),
             Value::String("gpt-oss".into()),
@@ -501,19 +512,7 @@ pub fn write_random_gpt_oss(path: &std::path::Path, tokenizer_from: &std::path::
             Value::U32(4096),
         ),
     ];
-    md.extend(
-        src.metadata
-            .iter()
-            .filter(|(k, _)| k.starts_with("tokenizer.") && *k != "tokenizer.chat_template")
-            .map(|(k, v)| (k.clone(), v.clone())),
-    );
-    md.sort_by(|a, b| a.0.cmp(&b.0));
-    {
-        let mut out = std::fs::File::create(path).unwrap();
-        let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
-    }
+    write_with_tokenizer(path, md, &src, &tensors);
     // The experts as MXFP4: per block a scale byte in 118..=121 (2^-10..2^-7) and random nibbles.
     let mut bits = Rng(0x0005_eed0_f4f4);
     let mut patches = Vec::new();
@@ -568,4 +567,67 @@ pub fn overwrite_tensors(path: &std::path::Path, patches: &[(String, u32, Vec<u8
     }
     header.extend(data);
     std::fs::write(path, header).unwrap();
+}
+
+/// A random model written once per test run by `write` (from the real model's tokenizer) at
+/// target/tmp/`name`; `cell` keeps its path for the tests that share it.
+pub fn written_once(
+    cell: &'static std::sync::OnceLock<PathBuf>,
+    name: &str,
+    write: fn(&std::path::Path, &std::path::Path),
+) -> PathBuf {
+    cell.get_or_init(|| {
+        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        write(&p, &crate::common::model_path());
+        p
+    })
+    .clone()
+}
+
+/// The perplexity of the pinned random model at `path` (its sha256 checked first: a reference
+/// measured on other bytes says nothing) over bench-text in chunks of 256, as
+/// `llama-perplexity -f assets/bench-text.txt -c 256` scores it.
+pub fn pinned_perplexity(path: &std::path::Path, sha256: &str) -> f64 {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(
+        crate::common::hub::sha256_hex(&bytes),
+        sha256,
+        "the random model changed"
+    );
+    let e = kvchat::engine::Engine::load(&kvchat::engine::LoadOptions {
+        ctx: Some(256),
+        ..kvchat::engine::LoadOptions::for_path(path)
+    })
+    .unwrap();
+    let ids = e
+        .tokenizer()
+        .encode(kvchat::eval::bench::BENCH_TEXT)
+        .unwrap();
+    kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
+        .unwrap()
+        .ppl
+}
+
+/// Logits at every position of `tokens`: one prefill, then token by token, through `spec` (a
+/// session of `max_positions`).
+pub fn prefill_and_decode(
+    m: &kvchat::model::Llama,
+    spec: &kvchat::kv::CacheSpec,
+    tokens: &[u32],
+    max_positions: usize,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    use kvchat::session::Session;
+    let session = || Session::new(m, spec.build(&m.cfg, None), max_positions);
+    let all = session()
+        .feed_with(tokens, kvchat::model::Logits::All)
+        .unwrap();
+    let prefill = (0..tokens.len())
+        .map(|i| all.get(i).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let mut s = session();
+    let decode = tokens
+        .iter()
+        .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    (prefill, decode)
 }

@@ -206,24 +206,19 @@ fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
         let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
         let mut view = view_of(&kr, &vr, l, hd, &[l / 3], Rows::F16);
         view.window = w;
-        let simd = attend_host_at(&[&q], &view, t, 0.125, None, 0, false)
-            .unwrap()
-            .0;
-        let portable = attend_host_at(&[&q], &view, t, 0.125, None, 0, true)
-            .unwrap()
-            .0;
+        // The SIMD build's output and the portable one's, over `view`.
+        let both = |view: &KvView<'_>| {
+            let run = |portable| attend_host_at(&[&q], view, t, 0.125, None, 0, portable);
+            (run(false).unwrap().0, run(true).unwrap().0)
+        };
+        let (simd, portable) = both(&view);
         assert_eq!(bits(&simd), bits(&portable), "f16 t={t} L={l} hd={hd}");
         if hd % kvrows::QK != 0 {
             continue;
         }
         let (kr, vr, _, _) = encoded::<kvrows::Q8>(&k, &v);
         let view = view_of(&kr, &vr, l, kvrows::Q8::row_len(hd), &[], Rows::Int8);
-        let simd = attend_host_at(&[&q], &view, t, 0.125, None, 0, false)
-            .unwrap()
-            .0;
-        let portable = attend_host_at(&[&q], &view, t, 0.125, None, 0, true)
-            .unwrap()
-            .0;
+        let (simd, portable) = both(&view);
         assert_eq!(bits(&simd), bits(&portable), "int8 t={t} L={l} hd={hd}");
     }
 }
