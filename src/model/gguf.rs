@@ -411,7 +411,7 @@ impl GgufFile {
         let router = self.linear(&format!("{p}.ffn_gate_inp"), router_bias, [n, h], device)?;
         if self.dense.is_some() || !device.is_cpu() {
             bail!(
-                "{}: its experts run on kvchat's CPU kernels only, with their weights as stored (no --dtype, no GPU device yet)",
+                "{}: its experts run on kvchat's CPU kernels only, with their weights as stored: a mixture-of-experts model cannot be dequantized to another dtype or run on a GPU yet",
                 self.path.display()
             );
         }

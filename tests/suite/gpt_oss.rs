@@ -228,3 +228,21 @@ fn gpt_oss_chat_template_renders_through_minijinja_as_jinja2_does() {
                 Hello!<|end|><|start|>user<|message|>again<|end|><|start|>assistant";
     assert_eq!(t.render(&messages, true).unwrap(), want);
 }
+
+#[test]
+fn experts_asked_to_run_dequantized_are_refused_in_one_line() {
+    let path = random_gpt_oss();
+    let o = crate::common::kvchat(
+        &[
+            "run",
+            "-m",
+            path.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--raw",
+            "hi",
+        ],
+        "",
+    );
+    crate::common::assert_refused(&o, "a mixture-of-experts model cannot be dequantized");
+}
