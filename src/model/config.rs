@@ -19,17 +19,8 @@ const MAX_DIM: u64 = 1 << 31;
 /// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
 pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt-oss"];
 
-/// The FFN's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// SwiGLU: silu(gate) · up.
-    Silu,
-    /// GeGLU with the tanh approximation of GELU: gelu_tanh(gate) · up (Gemma).
-    GeluTanh,
-    /// gpt-oss's clamped SwiGLU: x·σ(1.702·x) · (y + 1), x = min(gate, 7), y = up clamped to ±7
-    /// (ggml's `swiglu_oai`).
-    SwigluOai,
-}
+/// The FFN's gate activation: the kernel's own enum (`kernels::glu`), one list of them.
+pub use super::kernels::glu::Gate as Activation;
 
 /// The optional pieces of a decoder block. One decoder grows by configuration: each architecture
 /// is a row of [`Block::of`], saying which pieces it uses.

@@ -7,8 +7,7 @@
 //! `nh` = query heads, `nkv` = KV heads, `g = nh / nkv` query heads per KV head, `hd` = head size.
 
 use super::cache::{DecoderCache, LayerCache};
-use super::config::{Activation, Config};
-use super::kernels::glu::Gate;
+use super::config::Config;
 use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
 use super::moe::Moe;
@@ -334,13 +333,8 @@ impl Llama {
                     }
                     None => (gate.forward(&h)?, up.forward(&h)?), // [1, t, ffn] each
                 };
-                // act(gate) · up in one pass.
-                let act = match self.cfg.block.act {
-                    Activation::Silu => Gate::Silu,
-                    Activation::GeluTanh => Gate::GeluTanh, // GELU's tanh approximation
-                    Activation::SwigluOai => bail!("gpt-oss's activation runs in its experts only"),
-                };
-                let act = super::kernels::glu::gated(act, &gate, &up)?; // [1, t, ffn]
+                // act(gate, up) in one pass.
+                let act = super::kernels::glu::gated(self.cfg.block.act, &gate, &up)?; // [1, t, ffn]
                 down.forward(&act)? // [1, t, hidden]
             }
             Ffn::Moe(moe) => moe.forward(&h)?, // [1, t, hidden]

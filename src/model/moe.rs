@@ -14,6 +14,7 @@
 //! `down [hidden, ffn]`; the biases `[2·ffn]` and `[hidden]`.
 
 use super::config::Activation;
+use super::kernels::glu;
 use super::kernels::quant::QMatrix;
 use super::llama::Linear;
 use anyhow::{bail, Result};
@@ -37,14 +38,26 @@ pub enum GateUp {
 }
 
 impl GateUp {
-    /// `x [1, n, hidden]` → gate then up of each row, `[n, 2·ffn]`.
-    fn forward(&self, x: &Tensor) -> Result<Vec<f32>> {
-        Ok(match self {
-            GateUp::Stacked(w) => w.forward(x)?.flatten_all()?.to_vec1()?,
-            GateUp::Apart(g, u) => Tensor::cat(&[g.forward(x)?, u.forward(x)?], 2)?
-                .flatten_all()?
-                .to_vec1()?,
-        })
+    /// `xs [n, hidden]` → gate then up of each row, `[n, 2·ffn]`.
+    fn matmul(&self, xs: &[f32], n: usize, ffn: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; n * 2 * ffn];
+        match self {
+            GateUp::Stacked(w) => w.matmul(xs, n, &mut out)?,
+            GateUp::Apart(g, u) => {
+                let (mut gate, mut up) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
+                g.matmul(xs, n, &mut gate)?;
+                u.matmul(xs, n, &mut up)?;
+                for ((o, g), u) in out
+                    .chunks_exact_mut(2 * ffn)
+                    .zip(gate.chunks_exact(ffn))
+                    .zip(up.chunks_exact(ffn))
+                {
+                    o[..ffn].copy_from_slice(g);
+                    o[ffn..].copy_from_slice(u);
+                }
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -56,17 +69,6 @@ pub struct Moe {
     pub used: usize,
     pub ffn: usize,
     pub act: Activation,
-}
-
-/// gpt-oss's gated activation (ggml's `swiglu_oai`, α = 1.702, limit 7): x = min(gate, 7),
-/// y = up clamped to ±7, x·σ(αx)·(y + 1).
-#[inline]
-pub fn swiglu_oai(gate: f32, up: f32) -> f32 {
-    const ALPHA: f32 = 1.702;
-    const LIMIT: f32 = 7.0;
-    let x = gate.min(LIMIT);
-    let y = up.clamp(-LIMIT, LIMIT);
-    x / (1.0 + (ALPHA * -x).exp()) * (y + 1.0)
 }
 
 /// The `k` experts with the largest logits, in descending order (ties: the lower index first),
@@ -92,7 +94,8 @@ impl Moe {
         let n_expert = self.experts.len();
         let logits = self.router.forward(x)?.flatten_all()?.to_vec1::<f32>()?; // [t, n_expert]
         let xs = x.flatten_all()?.to_vec1::<f32>()?; // [t, hidden]
-                                                     // Each token's experts and weights; each expert's (token, slot) list.
+
+        // Each token's experts and weights; each expert's (token, slot) list.
         let mut routed: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n_expert];
         let mut weights = vec![0f32; t * self.used];
         for tok in 0..t {
@@ -115,23 +118,17 @@ impl Moe {
             for &(tok, _) in rows {
                 xe.extend_from_slice(&xs[tok * hidden..][..hidden]);
             }
-            let xe = Tensor::from_vec(xe, (1, n, hidden), &Device::Cpu)?;
-            let gu = expert.gate_up.forward(&xe)?; // [n, 2f]
-            let mut act = Vec::with_capacity(n * f);
-            for row in gu.chunks_exact(2 * f) {
-                let (gate, up) = row.split_at(f);
-                let (bg, bu) = expert.gate_up_b.split_at(f);
-                for j in 0..f {
-                    let (g, u) = (gate[j] + bg[j], up[j] + bu[j]);
-                    act.push(match self.act {
-                        Activation::SwigluOai => swiglu_oai(g, u),
-                        Activation::Silu => g / (1.0 + (-g).exp()) * u,
-                        Activation::GeluTanh => super::kernels::glu::gelu_tanh(g) * u,
-                    });
+            let mut gu = expert.gate_up.matmul(&xe, n, f)?; // [n, 2f]
+            let mut act = vec![0f32; n * f];
+            for (row, a) in gu.chunks_exact_mut(2 * f).zip(act.chunks_exact_mut(f)) {
+                for (v, b) in row.iter_mut().zip(&expert.gate_up_b) {
+                    *v += b;
                 }
+                let (gate, up) = row.split_at(f);
+                glu::row(self.act, gate, up, a);
             }
-            let act = Tensor::from_vec(act, (1, n, f), &Device::Cpu)?;
-            let y = expert.down.forward(&act)?.flatten_all()?.to_vec1::<f32>()?; // [n, hidden]
+            let mut y = vec![0f32; n * hidden];
+            expert.down.matmul(&act, n, &mut y)?; // [n, hidden]
             for (&(tok, slot), y) in rows.iter().zip(y.chunks_exact(hidden)) {
                 let w = weights[tok * self.used + slot];
                 let out = &mut slots[(tok * self.used + slot) * hidden..][..hidden];
@@ -164,14 +161,5 @@ mod tests {
         assert_eq!(e, vec![1, 3, 4]);
         let z = 1.0 + 1.0 + (-1f32).exp();
         assert_eq!(w, vec![1.0 / z, 1.0 / z, (-1f32).exp() / z]);
-    }
-
-    #[test]
-    fn swiglu_oai_clamps_the_gate_above_and_the_up_both_ways() {
-        let glu = |x: f32| x / (1.0 + (-1.702 * x).exp());
-        assert_eq!(swiglu_oai(1.0, 2.0), glu(1.0) * 3.0);
-        assert_eq!(swiglu_oai(9.0, 2.0), glu(7.0) * 3.0);
-        assert_eq!(swiglu_oai(1.0, -9.0), glu(1.0) * -6.0);
-        assert_eq!(swiglu_oai(-3.0, 9.0), glu(-3.0) * 8.0);
     }
 }

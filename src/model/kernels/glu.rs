@@ -76,25 +76,43 @@ pub fn silu(v: f32) -> f32 {
     v / (1.0 + expf_ggml(-v))
 }
 
-/// The activation a gated FFN applies to its gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gate {
-    GeluTanh,
-    Silu,
+/// gpt-oss's gated activation (ggml's `swiglu_oai`, α = 1.702, limit 7): x = min(gate, 7),
+/// y = up clamped to ±7, x·σ(αx)·(y + 1), computed as ggml computes it.
+#[inline(always)]
+pub fn swiglu_oai(gate: f32, up: f32) -> f32 {
+    let x = gate.min(OAI_LIMIT);
+    let y = up.clamp(-OAI_LIMIT, OAI_LIMIT);
+    x / (1.0 + (OAI_ALPHA * -x).exp()) * (y + 1.0)
 }
 
-/// One row: `out[i] = act(gate[i]) · up[i]` (the loop written once per activation, so each
+const OAI_ALPHA: f32 = 1.702;
+const OAI_LIMIT: f32 = 7.0;
+
+/// The activation a gated FFN applies to its gate and up (the architectures' table,
+/// `config::Block::of`, names it as `config::Activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// SwiGLU: silu(gate) · up.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU: gelu_tanh(gate) · up (Gemma).
+    GeluTanh,
+    /// gpt-oss's clamped SwiGLU ([`swiglu_oai`]).
+    SwigluOai,
+}
+
+/// One row: `out[i] = act(gate[i], up[i])` (the loop written once per activation, so each
 /// vectorizes with its function inlined).
-fn row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+pub fn row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[inline(always)]
-    fn each(act: impl Fn(f32) -> f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn each(act: impl Fn(f32, f32) -> f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = act(g) * u;
+            *o = act(g, u);
         }
     }
     match act {
-        Gate::GeluTanh => each(gelu_tanh, gate, up, out),
-        Gate::Silu => each(silu, gate, up, out),
+        Gate::GeluTanh => each(|g, u| gelu_tanh(g) * u, gate, up, out),
+        Gate::Silu => each(|g, u| silu(g) * u, gate, up, out),
+        Gate::SwigluOai => each(swiglu_oai, gate, up, out),
     }
 }
 
@@ -109,11 +127,15 @@ const ROWS_PER_ITEM: usize = 4;
 pub fn gated(act: Gate, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (b, t, f) = gate.dims3()?;
     let fallback = || -> Result<Tensor> {
-        let a = match act {
-            Gate::GeluTanh => gate.gelu()?,
-            Gate::Silu => gate.silu()?,
-        };
-        Ok((a * up)?)
+        Ok(match act {
+            Gate::GeluTanh => (gate.gelu()? * up)?,
+            Gate::Silu => (gate.silu()? * up)?,
+            Gate::SwigluOai => {
+                let x = gate.minimum(OAI_LIMIT as f64)?;
+                let y = (up.clamp(-OAI_LIMIT, OAI_LIMIT)? + 1.0)?;
+                ((&x * candle_nn::ops::sigmoid(&(&x * OAI_ALPHA as f64)?)?)? * y)?
+            }
+        })
     };
     if b != 1 || up.dims3()? != (b, t, f) || !gate.device().is_cpu() {
         return fallback();
@@ -169,6 +191,15 @@ mod tests {
         assert_eq!(gelu_tanh(100.0), 100.0);
         assert_eq!(gelu_tanh(-100.0), -0.0);
         assert!(gelu_tanh(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn swiglu_oai_clamps_the_gate_above_and_the_up_both_ways() {
+        let glu = |x: f32| x / (1.0 + (-1.702 * x).exp());
+        assert_eq!(swiglu_oai(1.0, 2.0), glu(1.0) * 3.0);
+        assert_eq!(swiglu_oai(9.0, 2.0), glu(7.0) * 3.0);
+        assert_eq!(swiglu_oai(1.0, -9.0), glu(1.0) * -6.0);
+        assert_eq!(swiglu_oai(-3.0, 9.0), glu(-3.0) * 8.0);
     }
 
     #[test]

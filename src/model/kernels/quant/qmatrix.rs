@@ -222,10 +222,29 @@ impl QMatrix {
         let m = x.elem_count() / k;
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let mut out = vec![0f32; m * n];
-        self.0.matmul(&xs, m, &mut out);
+        self.matmul(&xs, m, &mut out)?;
         let mut out_dims = dims;
         *out_dims.last_mut().expect("at least one dim") = n;
         Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?)
+    }
+
+    /// `xs [m, cols]` (row-major) times the transposed matrix into `out [m, rows]`: [`forward`]
+    /// on slices, for callers that keep their rows on the host (a mixture of experts gathers
+    /// each expert's tokens).
+    ///
+    /// [`forward`]: QMatrix::forward
+    pub fn matmul(&self, xs: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+        let (n, k) = self.dims();
+        if xs.len() != m * k || out.len() != m * n {
+            bail!(
+                "{:?} matmul of [{n}, {k}]: {} inputs and {} outputs for {m} rows",
+                self.dtype(),
+                xs.len(),
+                out.len()
+            );
+        }
+        self.0.matmul(xs, m, out);
+        Ok(())
     }
 
     /// The rows `ids` dequantized: `[ids.len(), cols]` (an embedding lookup; nothing else of the
