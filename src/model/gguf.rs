@@ -384,11 +384,12 @@ impl GgufFile {
         Ok(read.into_iter().zip(packer.finish()).collect())
     }
 
-    /// A vector of `n` values (sink logits, a bias) as f32 on the host.
-    fn vector(&mut self, name: &str, n: usize, device: &Device) -> Result<Vec<f32>> {
+    /// A small tensor of shape `dims` (sink logits, expert biases) as f32 values on the host,
+    /// every one finite.
+    fn values(&mut self, name: &str, dims: &[usize], device: &Device) -> Result<Vec<f32>> {
         let v = self.dense(name, device)?;
-        expect_dims(name, v.dims(), &[n])?;
-        let v: Vec<f32> = v.to_vec1()?;
+        expect_dims(name, v.dims(), dims)?;
+        let v: Vec<f32> = v.flatten_all()?.to_vec1()?;
         if let Some(x) = v.iter().find(|x| !x.is_finite()) {
             bail!(
                 "tensor {name} in {} holds {x}, not a number a model can use; is the file damaged?",
@@ -419,9 +420,10 @@ impl GgufFile {
         let mut names = Vec::with_capacity(3 * n);
         for (which, rows, cols) in [("gate", f, h), ("up", f, h), ("down", h, f)] {
             let name = format!("{p}.ffn_{which}_exps.weight");
-            let info = self.content.tensor_infos.get(&name).with_context(|| {
-                format!("{}: the model has no tensor {name}", self.path.display())
-            })?;
+            let info =
+                self.content.tensor_infos.get(&name).ok_or_else(|| {
+                    self.unreadable(&name, "the file has no such tensor".to_string())
+                })?;
             expect_dims(&name, info.shape.dims(), &[n, rows, cols])?;
             let ty = self.tensor_type(&name).unwrap_or(PLACEHOLDER);
             if !super::kernels::quant::FORMATS.contains(&ty) {
@@ -459,12 +461,9 @@ impl GgufFile {
         };
         let bias = |me: &mut Self, which: &str, len: usize| -> Result<Option<Vec<f32>>> {
             let name = format!("{p}.ffn_{which}_exps.bias");
-            if !me.has_tensor(&name) {
-                return Ok(None);
-            }
-            let v = me.dense(&name, device)?;
-            expect_dims(&name, v.dims(), &[n, len])?;
-            Ok(Some(v.flatten_all()?.to_vec1()?))
+            me.has_tensor(&name)
+                .then(|| me.values(&name, &[n, len], device))
+                .transpose()
         };
         let (bg, bu, bd) = (
             bias(self, "gate", f)?,
@@ -613,7 +612,9 @@ impl GgufFile {
             let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
             let o_bias = self.has_tensor(&format!("{p}.attn_output.bias"));
             let sinks = match block.attn_sinks {
-                true => Some(self.vector(&format!("{p}.attn_sinks.weight"), cfg.n_head, device)?),
+                true => {
+                    Some(self.values(&format!("{p}.attn_sinks.weight"), &[cfg.n_head], device)?)
+                }
                 false => None,
             };
             let ffn = if block.moe {

@@ -246,3 +246,47 @@ fn experts_asked_to_run_dequantized_are_refused_in_one_line() {
     );
     crate::common::assert_refused(&o, "a mixture-of-experts model cannot be dequantized");
 }
+
+/// Sets the f32 metadata value of `key` (GGUF value type 6).
+fn set_f32(bytes: &mut [u8], key: &str, v: f32) {
+    let at = bytes
+        .windows(key.len() + 4)
+        .position(|w| &w[..key.len()] == key.as_bytes() && w[key.len()..] == 6u32.to_le_bytes())
+        .unwrap_or_else(|| panic!("no f32 key {key}"))
+        + key.len()
+        + 4;
+    bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+#[test]
+fn unusable_yarn_or_window_metadata_is_refused_in_one_line() {
+    let shrink = damaged("goss-yarn-half", |b| {
+        set_f32(b, "gpt-oss.rope.scaling.factor", 0.5)
+    });
+    crate::common::assert_refused(
+        &run(&shrink),
+        "YaRN scaling factor 0.5 over an original context of 4096 is not usable",
+    );
+    let no_ctx = damaged("goss-yarn-ctx0", |b| {
+        set_u32(b, "gpt-oss.rope.scaling.original_context_length", 0)
+    });
+    crate::common::assert_refused(&run(&no_ctx), "over an original context of 0 is not usable");
+    let no_window = damaged("goss-window0", |b| {
+        set_u32(b, "gpt-oss.attention.sliding_window", 0)
+    });
+    crate::common::assert_refused(
+        &run(&no_window),
+        "sliding window of 0 over 2 of 2 layers is not a usable pattern",
+    );
+}
+
+#[test]
+fn experts_of_another_shape_than_the_metadata_says_are_named() {
+    let wide = damaged("goss-expert-ffn", |b| {
+        set_u32(b, "gpt-oss.expert_feed_forward_length", 128)
+    });
+    crate::common::assert_refused(
+        &run(&wide),
+        "tensor blk.0.ffn_gate_exps.weight has shape [8, 256, 256], expected [8, 128, 256]",
+    );
+}
