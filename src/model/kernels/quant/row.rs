@@ -111,54 +111,6 @@ pub(super) mod avx2 {
         [0, 1, 2, 3].map(|i| hsum_ps(acc[i]) + summ[i])
     }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
-        dot_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack(x),
-            |u, y| F::ilanes(u, y),
-            |u, x, y| F::min_u(u, x, y),
-        )
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
-        dot_x4_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack(x),
-            |u, y| F::ilanes(u, y),
-            |u, x, y| F::min_u(u, x, y),
-        )
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dot512<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
-        dot_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack512(x),
-            |u, y| F::ilanes512(u, y),
-            |u, x, y| F::min512(u, x, y),
-        )
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dot512_x4<F: Avx2>(xs: &[F::Block], ys: [&[F::Act]; 4]) -> [f32; 4] {
-        dot_x4_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack512(x),
-            |u, y| F::ilanes512(u, y),
-            |u, x, y| F::min512(u, x, y),
-        )
-    }
-
     /// One row with one activation row in the tiles' order ([`super::dot_rows_scalar`]'s: per
     /// block the exact integer sum of its lanes, times its scale, fused into one accumulator),
     /// given a level's unpack, lanes and min: for a matrix whose prefill runs as tiles (staged)
@@ -189,31 +141,39 @@ pub(super) mod avx2 {
         acc + summ
     }
 
-    /// [`dot_rows_order_body`] with the AVX2 kernels.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot_rows_order<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
-        dot_rows_order_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack(x),
-            |u, y| F::ilanes(u, y),
-            |u, x, y| F::min_u(u, x, y),
-        )
+    /// Each body at both SIMD levels: `$avx2` runs it with the AVX2 kernels, `$vnni` with the
+    /// VNNI ones (AVX-512: `unpack512`, `ilanes512`, `min512`).
+    macro_rules! at_both_levels {
+        ($body:ident => $avx2:ident, $vnni:ident ($ys:ident: $yty:ty) -> $ret:ty) => {
+            #[inline]
+            #[target_feature(enable = "avx2,fma")]
+            pub(crate) unsafe fn $avx2<F: Avx2>(xs: &[F::Block], $ys: $yty) -> $ret {
+                $body::<F, _>(
+                    xs,
+                    $ys,
+                    |x| F::unpack(x),
+                    |u, y| F::ilanes(u, y),
+                    |u, x, y| F::min_u(u, x, y),
+                )
+            }
+
+            #[inline]
+            #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+            pub(crate) unsafe fn $vnni<F: Avx2>(xs: &[F::Block], $ys: $yty) -> $ret {
+                $body::<F, _>(
+                    xs,
+                    $ys,
+                    |x| F::unpack512(x),
+                    |u, y| F::ilanes512(u, y),
+                    |u, x, y| F::min512(u, x, y),
+                )
+            }
+        };
     }
 
-    /// [`dot_rows_order_body`] with the VNNI kernels.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(crate) unsafe fn dot_rows_order512<F: Avx2>(xs: &[F::Block], ys: &[F::Act]) -> f32 {
-        dot_rows_order_body::<F, _>(
-            xs,
-            ys,
-            |x| F::unpack512(x),
-            |u, y| F::ilanes512(u, y),
-            |u, x, y| F::min512(u, x, y),
-        )
-    }
+    at_both_levels!(dot_body => dot, dot512 (ys: &[F::Act]) -> f32);
+    at_both_levels!(dot_x4_body => dot_x4, dot512_x4 (ys: [&[F::Act]; 4]) -> [f32; 4]);
+    at_both_levels!(dot_rows_order_body => dot_rows_order, dot_rows_order512 (ys: &[F::Act]) -> f32);
 
     /// 64 bytes as a vector.
     #[inline(always)]
