@@ -46,8 +46,10 @@ impl Perplexity {
     }
 }
 
-/// llama-perplexity's chunks of `tokens`: at most `max_chunks` (0 = all) of `chunk` tokens, each
-/// starting with BOS when the model adds one.
+/// llama-perplexity's chunks of `tokens` (the text's, without BOS): at most `max_chunks` (0 =
+/// all) of `chunk` tokens, each starting with BOS when the model adds one. As llama-perplexity,
+/// the text is BOS and its tokens, cut into chunks whose first token is then made BOS: chunk c
+/// holds the text's tokens from c·chunk − 1 on.
 fn chunks(
     engine: &Engine,
     tokens: &[u32],
@@ -57,6 +59,14 @@ fn chunks(
     if chunk < 4 {
         bail!("a chunk of {chunk} tokens is too short (at least 4)");
     }
+    let with_bos: Vec<u32>;
+    let tokens = match bos(engine) {
+        Some(b) => {
+            with_bos = std::iter::once(b).chain(tokens.iter().copied()).collect();
+            &with_bos[..]
+        }
+        None => tokens,
+    };
     let available = tokens.len() / chunk;
     if available == 0 {
         bail!(

@@ -205,15 +205,33 @@ impl Tokenizer {
                 .context("GGUF llama tokenizer")?;
                 Backend::Spm(spm)
             }
+            // SentencePiece-style BPE: "▁" for spaces, raw UTF-8, merges by rank (`spm.rs`).
+            "gemma4" => {
+                let n = tokens.len();
+                let types = types.map(|t| t.iter().map(|&x| x as u8).collect());
+                let spm = spm::Spm::new(
+                    &tokens,
+                    vec![0.0; n],
+                    types,
+                    md_u32(ct, "tokenizer.ggml.unknown_token_id"),
+                    md_bool(ct, "tokenizer.ggml.add_space_prefix").unwrap_or(false),
+                )
+                .context("GGUF gemma4 tokenizer")?
+                .with_merges(&md_strings(ct, "tokenizer.ggml.merges")?)
+                .context("GGUF gemma4 tokenizer")?;
+                Backend::Spm(spm)
+            }
             other => bail!(
-                "unsupported tokenizer.ggml.model '{other}' (supported: gpt2, llama); give a tokenizer.json instead"
+                "unsupported tokenizer.ggml.model '{other}' (supported: gpt2, llama, gemma4); give a tokenizer.json instead"
             ),
         };
         Ok(Self {
             backend,
             bos_id: md_u32(ct, "tokenizer.ggml.bos_token_id"),
             eos_id: md_u32(ct, "tokenizer.ggml.eos_token_id"),
-            add_bos: md_bool(ct, "tokenizer.ggml.add_bos_token").unwrap_or(model == "llama"),
+            // Gemma 4 always starts with BOS, whatever the file says (llama.cpp overrides it).
+            add_bos: model == "gemma4"
+                || md_bool(ct, "tokenizer.ggml.add_bos_token").unwrap_or(model == "llama"),
             longest: Default::default(),
         })
     }
@@ -435,7 +453,9 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.to_string(), i as u32))
             .collect();
-        let merges = spm_merges(&tokens, scores, types);
+        let merges = spm
+            .merge_list()
+            .unwrap_or_else(|| spm_merges(&tokens, scores, types));
         let mut builder = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .byte_fallback(true)

@@ -12,6 +12,12 @@
 //! 4. A symbol that is not a token (a character outside the vocabulary) becomes its bytes' `<0xXX>`
 //!    tokens, or the unknown token.
 //!
+//! Gemma 4's tokenizer (`tokenizer.ggml.model = gemma4`, llama.cpp's BPE with its `gemma4`
+//! pre-tokenizer) is the same with a merge list ([`Spm::with_merges`]): in step 3 the pair of
+//! lowest merge rank merges first (ties: the leftmost), whether or not the scores say anything;
+//! and each piece is first cut into runs of newlines and runs of other characters, merged apart,
+//! a run of newlines that is a token being that token whole.
+//!
 //! Decoding is the reverse per token: "▁" → space, a byte token → its byte, a control token →
 //! nothing (or its text when asked for), the bytes joined as UTF-8.
 
@@ -45,6 +51,8 @@ pub struct Spm {
     /// the id of pattern i.
     matcher: Option<AhoCorasick>,
     special: Vec<u32>,
+    /// BPE merge ranks keyed by "left right" (Gemma 4): merging follows them instead of scores.
+    merges: Option<std::collections::HashMap<String, u32>>,
 }
 
 /// A piece of text to tokenize, or a special token already cut out of it.
@@ -102,7 +110,22 @@ impl Spm {
             add_space_prefix,
             matcher,
             special,
+            merges: None,
         })
+    }
+
+    /// The same vocabulary merged by BPE ranks: `merges[r]` is "left right", rank r (Gemma 4).
+    pub fn with_merges(mut self, merges: &[&str]) -> Result<Self> {
+        let mut ranks = std::collections::HashMap::with_capacity(merges.len());
+        for (r, m) in merges.iter().enumerate() {
+            if !m.contains(' ') {
+                return Err(anyhow!("merge '{m}' is not two tokens"));
+            }
+            // The first rank of a pair listed twice, as llama.cpp's map keeps.
+            ranks.entry(m.to_string()).or_insert(r as u32);
+        }
+        self.merges = Some(ranks);
+        Ok(self)
     }
 
     pub fn len(&self) -> usize {
@@ -113,6 +136,19 @@ impl Spm {
     pub fn vocabulary(&self) -> (Vec<&str>, &[f32], &[u8]) {
         let texts = (0..self.len() as u32).map(|i| self.vocab.text(i)).collect();
         (texts, &self.scores, &self.types)
+    }
+
+    /// The merge list in rank order, for a vocabulary merged by BPE ranks (Gemma 4).
+    pub fn merge_list(&self) -> Option<Vec<(String, String)>> {
+        let ranks = self.merges.as_ref()?;
+        let mut list: Vec<(&String, &u32)> = ranks.iter().collect();
+        list.sort_by_key(|(_, &r)| r);
+        Some(
+            list.into_iter()
+                .filter_map(|(m, _)| m.split_once(' '))
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        )
     }
 
     pub fn unknown(&self) -> Option<u32> {
@@ -163,7 +199,11 @@ impl Spm {
                         piece.push(' ');
                     }
                     piece.push_str(t);
-                    self.merge(&piece.replace(' ', SPACE_MARK), &mut out);
+                    let piece = piece.replace(' ', SPACE_MARK);
+                    match self.merges {
+                        None => self.merge(&piece, &mut out),
+                        Some(_) => self.merge_lines(&piece, &mut out),
+                    }
                     after_special = false;
                 }
             }
@@ -217,6 +257,46 @@ impl Spm {
         out
     }
 
+    /// Gemma 4: runs of newlines and runs of other characters merged apart (llama.cpp's
+    /// `[^\n]+|[\n]+` split); a run of newlines that is a token is that token.
+    fn merge_lines(&self, text: &str, out: &mut Vec<u32>) {
+        let mut rest = text;
+        while let Some(c) = rest.chars().next() {
+            let newlines = c == '\n';
+            let end = rest
+                .find(|c: char| (c == '\n') != newlines)
+                .unwrap_or(rest.len());
+            let (run, after) = rest.split_at(end);
+            match self.token_id(run).filter(|_| newlines) {
+                Some(id) => out.push(id),
+                None => self.merge(run, out),
+            }
+            rest = after;
+        }
+    }
+
+    /// The priority of merging the neighbours `left` and `right` (texts), if they merge: the
+    /// score of their concatenation's token, or with a merge list minus the pair's rank.
+    fn pair_score(&self, left: &str, right: &str, key: &mut String) -> Option<f32> {
+        match &self.merges {
+            None => {
+                key.clear();
+                key.push_str(left);
+                key.push_str(right);
+                let id = self.token_id(key)?;
+                Some(self.scores[id as usize])
+            }
+            Some(ranks) => {
+                key.clear();
+                key.push_str(left);
+                key.push(' ');
+                key.push_str(right);
+                // Ranks stay below 2^24, exact in f32.
+                ranks.get(key.as_str()).map(|&r| -(r as f32))
+            }
+        }
+    }
+
     /// The score-ordered merging of one piece (spaces already "▁") into ids.
     fn merge(&self, text: &str, out: &mut Vec<u32>) {
         // Symbols: byte ranges of `text` in a doubly linked list; a merged-away symbol has len 0.
@@ -241,11 +321,12 @@ impl Spm {
         last.next = None;
 
         let mut queue = BinaryHeap::new();
-        let bigram = |symbols: &[Symbol], left: usize, right: usize| -> Option<Bigram> {
+        let mut key = String::new();
+        let mut bigram = |symbols: &[Symbol], left: usize, right: usize| -> Option<Bigram> {
             let (l, r) = (&symbols[left], &symbols[right]);
-            let id = self.token_id(&text[l.start..r.start + r.len])?;
+            let (lt, rt) = (&text[l.start..][..l.len], &text[r.start..][..r.len]);
             Some(Bigram {
-                score: self.scores[id as usize],
+                score: self.pair_score(lt, rt, &mut key)?,
                 left,
                 right,
                 len: l.len + r.len,
@@ -424,6 +505,44 @@ mod tests {
             add_space_prefix,
         )
         .unwrap()
+    }
+
+    /// Gemma 4's merging: by rank, whatever the scores; newline runs apart.
+    fn ranked() -> Spm {
+        let v = [
+            ("<unk>", 0.0, UNKNOWN),
+            ("a", 0.0, NORMAL),
+            ("b", 0.0, NORMAL),
+            ("c", 0.0, NORMAL),
+            ("ab", 5.0, NORMAL),
+            ("bc", 0.0, NORMAL),
+            ("\n", 0.0, NORMAL),
+            ("\n\n", 0.0, NORMAL),
+            ("▁a", 0.0, NORMAL),
+        ];
+        spm(&v, false)
+            .with_merges(&["b c", "a b", "▁ a", "\n \n"])
+            .unwrap()
+    }
+
+    #[test]
+    fn with_merges_the_lowest_ranked_pair_merges_first_whatever_the_scores() {
+        // "b c" has rank 0: it merges before "a b" (rank 1), though "ab" scores higher.
+        assert_eq!(ranked().encode("abc", false), vec![1, 5]);
+    }
+
+    #[test]
+    fn with_merges_runs_of_newlines_are_merged_apart_and_taken_whole_when_a_token() {
+        // "a\n\nb": "a", then the run "\n\n" (a token), then "b"; "▁" is never merged into a
+        // run of newlines (there is no "▁" token: it becomes the unknown token's bytes).
+        assert_eq!(ranked().encode("a\n\nb", false), vec![1, 7, 2]);
+        assert_eq!(ranked().encode("\n\n\n a", false), vec![7, 6, 8]);
+    }
+
+    #[test]
+    fn a_merge_that_is_not_two_tokens_is_refused_naming_it() {
+        let err = ranked().with_merges(&["ab"]).err().unwrap().to_string();
+        assert_eq!(err, "merge 'ab' is not two tokens");
     }
 
     fn letters(extra: &[(&'static str, f32, u8)]) -> Spm {
