@@ -338,18 +338,18 @@ impl Engine {
         if let Some(why) = args
             .kv_precisions
             .iter()
-            .find_map(|p| p.unfit(cfg.head_dim))
+            .find_map(|p| (0..cfg.kv_layers()).find_map(|i| p.unfit(cfg.layer_kv_shape(i).1)))
         {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }
-        let row = args
+        let kv = args
             .kv_precisions
             .iter()
             .chain(args.kv_precisions.is_empty().then_some(&DEFAULT_PRECISION))
-            .map(|p: &Precision| p.row_bytes(cfg.head_dim))
+            .map(|&p: &Precision| crate::kv::size::KvDims::model_bytes_per_token(cfg, p) as usize)
             .max()
             .unwrap_or(0);
-        let per_token = (cfg.n_layer * 2 * cfg.n_kv_head * row + cfg.rope_dim * 4) as u64;
+        let per_token = (kv + cfg.rope_dim * 4) as u64;
         let avail = available_memory();
         let fits = |c: usize| (c as u64).saturating_mul(per_token) <= avail;
         match args.ctx {

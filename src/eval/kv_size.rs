@@ -29,6 +29,9 @@ pub struct KvSizeReport {
     /// A model whose layers declare sliding windows: (window, layers that declare it, bytes per
     /// user at `ctx` in `dtype` with those layers kept to their window, the same for a uniform cache).
     pub declared_windows: Option<DeclaredWindows>,
+    /// A model whose layers differ in shape or share keys and values (Gemma 4): what each kind
+    /// keeps, in words (the dims above are then its widest layer's).
+    pub layer_kinds: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -122,13 +125,27 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         bail!("the context and the users must each be at least 1");
     }
     let headline = args.precision;
+    // Bytes a token adds over the layers that keep keys and values, each of its own shape
+    // (`KvDims::bytes_per_token` for a model whose layers are alike).
+    let per_token = |p: Precision| match &cfg {
+        Some(c) => KvDims::model_bytes_per_token(c, p),
+        None => dims.bytes_per_token(p),
+    };
+    let bytes_for = |p: Precision, n: usize| {
+        let resid = if p.quantized() {
+            n.min(args.residual)
+        } else {
+            0
+        };
+        n as f64 * per_token(p) + resid as f64 * per_token(Precision::F16)
+    };
     let mut modes: Vec<ModeRow> = Precision::ALL
         .iter()
         .map(|&m| {
-            let per_ctx = dims.bytes_for(m, args.ctx, args.residual);
+            let per_ctx = bytes_for(m, args.ctx);
             ModeRow {
                 mode: m.name().to_string(),
-                bytes_per_token: dims.bytes_per_token(m),
+                bytes_per_token: per_token(m),
                 bytes_per_context: per_ctx,
                 bytes_all_users: per_ctx * args.users as f64,
             }
@@ -136,10 +153,10 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         .collect();
     // A retention that holds at most `most` positions, at the headline precision.
     let bounded = |mode: String, most: usize| {
-        let per_ctx = dims.bytes_for(headline, args.ctx.min(most), args.residual);
+        let per_ctx = bytes_for(headline, args.ctx.min(most));
         ModeRow {
             mode,
-            bytes_per_token: dims.bytes_per_token(headline),
+            bytes_per_token: per_token(headline),
             bytes_per_context: per_ctx,
             bytes_all_users: per_ctx * args.users as f64,
         }
@@ -159,12 +176,23 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         modes.push(bounded(mode, b));
     }
     let gqa = args.heads.or(model_heads).map(|h| {
-        let mha = KvDims {
-            kv_heads: h,
-            ..dims
-        }
-        .bytes_per_token(headline);
-        (h, mha, mha / dims.bytes_per_token(headline))
+        let mha = match &cfg {
+            Some(c) => (0..c.kv_layers())
+                .map(|i| {
+                    KvDims {
+                        kv_heads: h,
+                        ..KvDims::layer(c, i)
+                    }
+                    .bytes_per_token(headline)
+                })
+                .sum(),
+            None => KvDims {
+                kv_heads: h,
+                ..dims
+            }
+            .bytes_per_token(headline),
+        };
+        (h, mha, mha / per_token(headline))
     });
     let declared_windows = cfg.as_ref().and_then(|cfg| {
         let (w, layers) = cfg.window_layers()?;
@@ -176,13 +204,18 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
             },
             max_positions: args.ctx,
         };
+        // Every layer keeping every position of its own (shared layers too).
+        let uniform = (0..cfg.n_layer)
+            .map(|i| KvDims::layer(cfg, i).bytes_for_mode(&spec.mode, args.ctx))
+            .sum();
         Some(DeclaredWindows {
             window: w,
             layers,
             bytes_per_context: KvDims::bytes_for_spec(&spec, cfg, args.ctx),
-            uniform_bytes_per_context: dims.bytes_for_mode(&spec.mode, args.ctx),
+            uniform_bytes_per_context: uniform,
         })
     });
+    let layer_kinds = cfg.as_ref().filter(|c| c.layers.is_some()).map(layer_kinds);
     Ok(KvSizeReport {
         dims,
         ctx: args.ctx,
@@ -192,15 +225,56 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         modes,
         gqa,
         declared_windows,
+        layer_kinds,
     })
+}
+
+/// What each kind of layer of a model whose layers differ keeps, in words: "4 of 6 layers keep
+/// keys and values: 2 window layers of 2 KV heads × 32, 2 global of 1 × 64; layers 4–5 keep
+/// none, reading those of layers 2 and 3".
+pub fn layer_kinds(cfg: &crate::model::Config) -> String {
+    let own = cfg.kv_layers();
+    let kind = |window: bool| {
+        let layers: Vec<usize> = (0..own)
+            .filter(|&i| cfg.layer_window(i).is_some() == window)
+            .collect();
+        let mut shapes: Vec<(usize, usize)> =
+            layers.iter().map(|&i| cfg.layer_kv_shape(i)).collect();
+        shapes.dedup();
+        let shapes: Vec<String> = shapes.iter().map(|(k, d)| format!("{k} × {d}")).collect();
+        (layers.len(), shapes.join(" or "))
+    };
+    let ((nw, sw), (ng, sg)) = (kind(true), kind(false));
+    let mut s = format!(
+        "{own} of {} layers keep keys and values: {nw} window layers of (KV heads × head dim) {sw}, {ng} global of {sg}",
+        cfg.n_layer
+    );
+    if own < cfg.n_layer {
+        let mut sources: Vec<usize> = (own..cfg.n_layer).map(|i| cfg.kv_source(i)).collect();
+        sources.sort();
+        sources.dedup();
+        let sources: Vec<String> = sources.iter().map(|s| s.to_string()).collect();
+        s += &format!(
+            "; layers {own}–{} keep none, reading those of layers {}",
+            cfg.n_layer - 1,
+            sources.join(" and ")
+        );
+    }
+    s
 }
 
 pub fn render(r: &KvSizeReport) -> String {
     let d = r.dims;
-    let mut s = format!(
-        "KV cache of {} layers × {} KV heads × {} head dim, context {} tokens, {} user(s)\n",
-        d.layers, d.kv_heads, d.head_dim, r.ctx, r.users
-    );
+    let mut s = match &r.layer_kinds {
+        Some(_) => format!(
+            "KV cache of {} layers of different shapes (by kind below), context {} tokens, {} user(s)\n",
+            d.layers, r.ctx, r.users
+        ),
+        None => format!(
+            "KV cache of {} layers × {} KV heads × {} head dim, context {} tokens, {} user(s)\n",
+            d.layers, d.kv_heads, d.head_dim, r.ctx, r.users
+        ),
+    };
     let head = r
         .modes
         .iter()
@@ -216,10 +290,16 @@ pub fn render(r: &KvSizeReport) -> String {
         human(head.bytes_all_users),
         r.users
     );
+    if let Some(k) = &r.layer_kinds {
+        s += &format!("layers by kind: {k}\n");
+    }
     if let Some((h, mha, saving)) = r.gqa {
+        let kv = match r.layer_kinds {
+            Some(_) => "fewer".to_string(),
+            None => d.kv_heads.to_string(),
+        };
         s += &format!(
-            "GQA: {} KV heads serve {h} query heads; full multi-head attention would hold {} bytes ({}) per token, {saving:.1}× more\n",
-            d.kv_heads,
+            "GQA: {kv} KV heads serve {h} query heads; full multi-head attention would hold {} bytes ({}) per token, {saving:.1}× more\n",
             grouped(mha),
             human(mha)
         );

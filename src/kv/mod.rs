@@ -70,7 +70,7 @@ impl CacheMode {
         else {
             anyhow::bail!("a budget in bytes needs a budget retention");
         };
-        let per = size::KvDims::of(cfg).bytes_per_token(self.precision);
+        let per = size::KvDims::model_bytes_per_token(cfg, self.precision);
         let budget = (bytes as f64 / per).floor() as usize;
         if let Some(why) = budget_unfit(budget, sinks, self.newest_kept()) {
             anyhow::bail!(
@@ -486,7 +486,7 @@ impl CacheSpec {
 
     /// Why this cache cannot hold rows of this model, if it cannot.
     pub fn unfit(&self, cfg: &Config) -> Option<String> {
-        self.mode.precision.unfit(cfg.head_dim)
+        (0..cfg.kv_layers()).find_map(|i| self.mode.precision.unfit(cfg.layer_kv_shape(i).1))
     }
 
     /// Layer i's axes: the configured ones, except that a layer the model declares a sliding
@@ -539,14 +539,11 @@ impl CacheSpec {
     /// kernel (`tensors_on` None), or as tensors on a device (a GPU, or the CPU running the GPU's
     /// path: `Engine::kv_device`).
     pub fn build(&self, cfg: &Config, tensors_on: Option<&Device>) -> KvCache {
-        let layers = (0..cfg.n_layer)
+        // Layers that share an earlier layer's keys and values (Gemma 4) keep none.
+        let layers = (0..cfg.kv_layers())
             .map(|i| {
-                Layer::new(
-                    &self.layer_spec(cfg, i),
-                    cfg.n_kv_head,
-                    cfg.head_dim,
-                    tensors_on,
-                )
+                let (nkv, hd) = cfg.layer_kv_shape(i);
+                Layer::new(&self.layer_spec(cfg, i), nkv, hd, tensors_on)
             })
             .collect();
         KvCache {
@@ -562,7 +559,7 @@ impl CacheSpec {
 /// average; never below `least` ([`budget_least`]). Layers with a declared window
 /// keep their window and take no share.
 pub fn pyramid_budget(budget: usize, least: usize, i: usize, cfg: &Config) -> usize {
-    let budgeted: Vec<usize> = (0..cfg.n_layer)
+    let budgeted: Vec<usize> = (0..cfg.kv_layers())
         .filter(|&l| cfg.layer_window(l).is_none())
         .collect();
     let n = budgeted.len();
@@ -714,9 +711,12 @@ impl KvCache {
     }
 
     /// What a cache of the same axes would hold for the positions seen if no layer kept less than
-    /// the others (the model's declared windows ignored): the saving's reference.
+    /// the others (the model's declared windows ignored, and every layer keeping its own keys
+    /// and values, shared or not): the saving's reference.
     pub fn bytes_uniform(&self, cfg: &crate::model::Config) -> f64 {
-        size::KvDims::of(cfg).bytes_for_mode(&self.spec.mode, self.seen())
+        (0..cfg.n_layer)
+            .map(|i| size::KvDims::layer(cfg, i).bytes_for_mode(&self.spec.mode, self.seen()))
+            .sum()
     }
 }
 
@@ -755,6 +755,9 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         block: crate::model::config::Block::of("llama").unwrap(),
         yarn: None,
         experts: None,
+        layers: None,
+        per_layer_embd: 0,
+        final_softcap: None,
     }
 }
 

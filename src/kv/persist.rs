@@ -37,9 +37,8 @@ pub struct Snapshot {
 pub struct Expect<'a> {
     pub model_digest: &'a str,
     pub cache_key: &'a str,
-    pub n_layers: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
+    /// Per layer of the cache: its KV heads and head size (Gemma 4's layers differ).
+    pub shapes: Vec<(usize, usize)>,
     /// The most positions the cache may hold (`--ctx`).
     pub max_positions: usize,
 }
@@ -48,7 +47,8 @@ impl Expect<'_> {
     /// The largest file that can hold such a state: f32 keys and values of every layer at full
     /// context, the token ids, and room for the header and the conversation's text.
     fn max_file_bytes(&self) -> u64 {
-        let per_pos = (self.n_layers * 2 * self.n_kv_heads * self.head_dim * 4 + 4) as u64;
+        let rows: usize = self.shapes.iter().map(|(nkv, hd)| nkv * hd).sum();
+        let per_pos = (2 * rows * 4 + 4) as u64;
         per_pos
             .saturating_mul(self.max_positions as u64)
             .saturating_add((64 << 20) + 64 * self.max_positions as u64)
@@ -270,9 +270,8 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
     let residual_from: usize = get("residual_from")
         .parse()
         .map_err(|_| anyhow!("{} has no valid residual_from", path.display()))?;
-    let nkv = expect.n_kv_heads;
-    let mut layers = Vec::with_capacity(expect.n_layers);
-    let mut take = |name: String, required: bool| -> Result<Vec<u8>> {
+    let mut layers = Vec::with_capacity(expect.shapes.len());
+    let mut take = |name: String, nkv: usize, required: bool| -> Result<Vec<u8>> {
         let Some(t) = tensors.remove(&name) else {
             if required {
                 bail!("{} lacks {name} (a layer's keys or values)", path.display());
@@ -289,11 +288,14 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
         }
         Ok(t.flatten_all()?.to_vec1::<u8>()?)
     };
-    for i in 0..expect.n_layers {
-        let (k, v) = (take(format!("k.{i}"), true)?, take(format!("v.{i}"), true)?);
+    for (i, &(nkv, _)) in expect.shapes.iter().enumerate() {
+        let (k, v) = (
+            take(format!("k.{i}"), nkv, true)?,
+            take(format!("v.{i}"), nkv, true)?,
+        );
         let (residual_k, residual_v) = (
-            take(format!("rk.{i}"), false)?,
-            take(format!("rv.{i}"), false)?,
+            take(format!("rk.{i}"), nkv, false)?,
+            take(format!("rv.{i}"), nkv, false)?,
         );
         layers.push(RawState {
             k,

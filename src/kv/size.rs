@@ -23,21 +23,37 @@ impl KvDims {
         }
     }
 
+    /// Bytes one token adds to a model's cache over its layers that keep keys and values (Gemma 4's
+    /// layers differ in shape, and its shared layers hold none): `bytes_per_token` for a model
+    /// whose layers are alike.
+    pub fn model_bytes_per_token(cfg: &Config, p: Precision) -> f64 {
+        (0..cfg.kv_layers())
+            .map(|i| Self::layer(cfg, i).bytes_per_token(p))
+            .sum()
+    }
+
+    /// Layer `i` of a model alone (Gemma 4's layers differ in shape).
+    pub fn layer(cfg: &Config, i: usize) -> Self {
+        let (kv_heads, head_dim) = cfg.layer_kv_shape(i);
+        Self {
+            layers: 1,
+            kv_heads,
+            head_dim,
+        }
+    }
+
     /// Bytes a cache built from `spec` for the model `cfg` holds after `n` positions, layer by
     /// layer: a layer the model declares a sliding window for keeps only that window
     /// (`CacheSpec::layer_spec`). Equals `bytes_for_mode` for a model without declared windows.
     pub fn bytes_for_spec(spec: &CacheSpec, cfg: &Config, n: usize) -> f64 {
-        let one = KvDims {
-            layers: 1,
-            ..Self::of(cfg)
-        };
-        (0..cfg.n_layer)
+        // Layers sharing an earlier layer's keys and values (Gemma 4) hold none.
+        (0..cfg.kv_layers())
             .map(|i| {
                 let layer = CacheMode {
                     retention: spec.layer_spec(cfg, i).retention,
                     ..spec.mode
                 };
-                one.bytes_for_mode(&layer, n)
+                Self::layer(cfg, i).bytes_for_mode(&layer, n)
             })
             .sum()
     }
@@ -51,12 +67,8 @@ impl KvDims {
     /// budget the whole prompt until its first eviction, then its budget and slack; a quantized
     /// layer also its f16 residual.
     pub fn bytes_at_most(spec: &CacheSpec, cfg: &Config, prompt: usize, chunk: usize) -> f64 {
-        let one = KvDims {
-            layers: 1,
-            ..Self::of(cfg)
-        };
         let n = spec.max_positions;
-        (0..cfg.n_layer)
+        (0..cfg.kv_layers())
             .map(|i| {
                 let held = match spec.layer_spec(cfg, i).retention {
                     Retention::None => 0,
@@ -69,7 +81,7 @@ impl KvDims {
                         prompt.max(budget + crate::kv::SLACK + 1).min(n)
                     }
                 };
-                one.bytes_for(spec.mode.precision, held, spec.mode.residual.min(n))
+                Self::layer(cfg, i).bytes_for(spec.mode.precision, held, spec.mode.residual.min(n))
             })
             .sum()
     }

@@ -265,6 +265,9 @@ pub trait LayerCache: Send {
     /// Stores this step's keys `k` (not yet rotated) and values `v`, both `[1, n_kv_heads, t, head_dim]`,
     /// and returns what the step's queries attend over.
     fn append(&mut self, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Attend<'_>>;
+    /// What the last [`LayerCache::append`] (of `t` positions) returned, again, storing nothing:
+    /// a layer that shares this one's keys and values (Gemma 4) attends over it.
+    fn attend_again(&mut self, t: usize) -> Result<Attend<'_>>;
     /// Positions held.
     fn len(&self) -> usize;
     /// Positions of the sequence seen so far (more than `len` once a window has dropped some).

@@ -17,7 +17,9 @@ pub enum RopeStyle {
 const MAX_DIM: u64 = 1 << 31;
 
 /// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt-oss"];
+pub const SUPPORTED_ARCHS: &[&str] = &[
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gpt-oss",
+];
 
 /// The FFN's gate activation: the kernel's own enum (`kernels::glu`), one list of them.
 pub use super::kernels::glu::Gate as Activation;
@@ -43,6 +45,11 @@ pub struct Block {
     /// The FFN is a mixture of experts with a router (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`:
     /// gpt-oss), instead of one gate/up/down.
     pub moe: bool,
+    /// Values are RMS-normed without a weight after their projection, and a layer without
+    /// `attn_v` uses its keys' projection (before `attn_k_norm`) as values (gemma4).
+    pub v_norm: bool,
+    /// Each block's output is multiplied by a learned scalar (`layer_output_scale`: gemma4).
+    pub out_scale: bool,
 }
 
 impl Block {
@@ -57,6 +64,8 @@ impl Block {
             ffn_norm: "ffn_norm",
             attn_sinks: false,
             moe: false,
+            v_norm: false,
+            out_scale: false,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -75,6 +84,16 @@ impl Block {
                 embed_scale: true,
                 act: Activation::GeluTanh,
                 neox_rope: true,
+                ..plain
+            },
+            "gemma4" => Block {
+                qk_norm: true,
+                post_norms: true,
+                embed_scale: true,
+                act: Activation::GeluTanh,
+                neox_rope: true,
+                v_norm: true,
+                out_scale: true,
                 ..plain
             },
             "gpt-oss" => Block {
@@ -143,6 +162,29 @@ pub struct Config {
     pub yarn: Option<Yarn>,
     /// The experts of a mixture-of-experts FFN (`block.moe`).
     pub experts: Option<Experts>,
+    /// Where layers differ in shape (Gemma 4): the sliding-window layers' head size and rotated
+    /// dimensions, each layer's KV heads and FFN width, and how many last layers read an earlier
+    /// layer's keys and values instead of keeping their own. None: every layer as above.
+    pub layers: Option<LayerShapes>,
+    /// Per-layer token embeddings of this width (Gemma 4 E2B/E4B's `per_layer_token_embd`); 0: none.
+    pub per_layer_embd: usize,
+    /// Logits pass through c·tanh(x / c) (Gemma 4's `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
+}
+
+/// How layers differ in shape (Gemma 4). Each vector has one entry per layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerShapes {
+    /// Head size of the sliding-window layers (`attention.key_length_swa`); the others have
+    /// `Config::head_dim`.
+    pub head_dim_local: usize,
+    /// Dimensions rotated on the sliding-window layers (`rope.dimension_count_swa`).
+    pub rope_dim_local: usize,
+    pub kv_heads: Vec<usize>,
+    pub ffn: Vec<usize>,
+    /// The last `shared_kv` layers keep no keys and values: each attends over those of the last
+    /// earlier layer of its kind (window or global), as llama.cpp's `n_layer_kv_from_start`.
+    pub shared_kv: usize,
 }
 
 impl Config {
@@ -157,6 +199,42 @@ impl Config {
     pub fn layer_window(&self, i: usize) -> Option<usize> {
         let (w, layers) = self.sliding_window.as_ref()?;
         layers.get(i).copied().unwrap_or(false).then_some(*w)
+    }
+
+    /// Layer `i`'s KV heads and head size.
+    pub fn layer_kv_shape(&self, i: usize) -> (usize, usize) {
+        match &self.layers {
+            Some(l) => {
+                let hd = match self.layer_window(i) {
+                    Some(_) => l.head_dim_local,
+                    None => self.head_dim,
+                };
+                (l.kv_heads[i], hd)
+            }
+            None => (self.n_kv_head, self.head_dim),
+        }
+    }
+
+    /// Layer `i`'s FFN width.
+    pub fn layer_ffn(&self, i: usize) -> usize {
+        self.layers.as_ref().map_or(self.ffn, |l| l.ffn[i])
+    }
+
+    /// Layers that keep keys and values of their own: the first `kv_layers()` (the rest share).
+    pub fn kv_layers(&self) -> usize {
+        self.n_layer - self.layers.as_ref().map_or(0, |l| l.shared_kv)
+    }
+
+    /// The layer whose keys and values layer `i` attends over: itself, or for a shared layer
+    /// llama.cpp's choice for Gemma 4: layer `kv_layers − 2` for a window layer, `kv_layers − 1`
+    /// for a global one (`validate` checks that it is of the same kind and shape).
+    pub fn kv_source(&self, i: usize) -> usize {
+        let own = self.kv_layers();
+        match (i < own, self.layer_window(i)) {
+            (true, _) => i,
+            (false, Some(_)) => own - 2,
+            (false, None) => own - 1,
+        }
     }
 
     /// Reads the hyperparameters from GGUF metadata (`{arch}.block_count`, …).
@@ -177,9 +255,9 @@ impl Config {
             md.get(&format!("{arch}.{key}"))
                 .with_context(|| format!("GGUF metadata lacks {arch}.{key}"))
         };
-        let get_u = |key: &str| -> Result<usize> {
+        let as_u = |key: &str, v: &gguf_file::Value| -> Result<usize> {
             use gguf_file::Value as V;
-            let n: i128 = match get(key)? {
+            let n: i128 = match v {
                 V::U8(x) => (*x).into(),
                 V::U16(x) => (*x).into(),
                 V::U32(x) => (*x).into(),
@@ -195,18 +273,40 @@ impl Config {
                 .filter(|&n| n as u64 <= MAX_DIM)
                 .with_context(|| format!("GGUF {arch}.{key} = {n} is out of range"))
         };
+        let get_u = |key: &str| -> Result<usize> { as_u(key, get(key)?) };
+        // An integer per layer: an array of `n` of them, or one for every layer.
+        let get_per_layer = |key: &str, n: usize| -> Result<Vec<usize>> {
+            match get(key)? {
+                gguf_file::Value::Array(a) => {
+                    if a.len() != n {
+                        bail!("GGUF {arch}.{key} has {} entries for {n} layers", a.len());
+                    }
+                    a.iter().map(|v| as_u(key, v)).collect()
+                }
+                v => Ok(vec![as_u(key, v)?; n]),
+            }
+        };
         let get_f = |key: &str| -> Result<f32> {
             let v = get(key)?;
             v.to_f32()
                 .or_else(|_| v.to_f64().map(|x| x as f32))
                 .with_context(|| format!("GGUF {arch}.{key} is not a float"))
         };
-        let n_layer = get_u("block_count")?;
         let hidden = get_u("embedding_length")?;
         let n_head = get_u("attention.head_count")?;
-        let n_kv_head = get_u("attention.head_count_kv").unwrap_or(n_head);
+        let n_layer = get_u("block_count")?;
+        if n_layer > 4096 {
+            bail!("model block_count = {n_layer} is beyond any real model's (at most 4096); the file is damaged");
+        }
+        // Gemma 4 states KV heads and FFN width per layer.
+        let kv_heads = match md.contains_key(&format!("{arch}.attention.head_count_kv")) {
+            true => get_per_layer("attention.head_count_kv", n_layer)?,
+            false => vec![n_head; n_layer],
+        };
+        let ffns = get_per_layer("feed_forward_length", n_layer)?;
+        let n_kv_head = kv_heads.iter().copied().max().unwrap_or(n_head);
         let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_head.max(1));
-        let ffn = get_u("feed_forward_length")?;
+        let ffn = ffns.iter().copied().max().unwrap_or(0);
         let ctx_train = get_u("context_length")?;
         let rms_eps = get_f("attention.layer_norm_rms_epsilon")? as f64;
         let rope_base = get_f("rope.freq_base").unwrap_or(10_000.0);
@@ -254,10 +354,9 @@ impl Config {
         // Gemma 3: five sliding-window layers for every global one (llama.cpp's swa pattern 6:
         // layer i is global when i % 6 == 5), unless the file states its pattern; local layers
         // rotate with base 10,000 (llama.cpp's rope_freq_base_train_swa for gemma3).
-        if n_layer > 4096 {
-            bail!("model block_count = {n_layer} is beyond any real model's (at most 4096); the file is damaged");
-        }
-        let experts = if block.moe {
+        // Gemma 4 26B-A4B: experts beside each dense FFN.
+        let beside = arch == "gemma4" && md.contains_key(&format!("{arch}.expert_count"));
+        let experts = if block.moe || beside {
             Some(Experts {
                 count: get_u("expert_count")?,
                 used: get_u("expert_used_count")?,
@@ -271,7 +370,7 @@ impl Config {
             // swa pattern 2), at the global layers' base.
             let w = get_u("attention.sliding_window")?;
             (Some((w, (0..n_layer).map(|i| i % 2 == 0).collect())), None)
-        } else if arch == "gemma3" {
+        } else if arch == "gemma3" || arch == "gemma4" {
             let w = get_u("attention.sliding_window")?;
             if w == 0 {
                 bail!("GGUF {arch}.attention.sliding_window is 0");
@@ -297,15 +396,46 @@ impl Config {
                 }
                 None => (0..n_layer).map(|i| i % 6 < 5).collect(),
             };
-            (Some((w, pattern)), Some(10_000.0))
+            let local_base = match arch.as_str() {
+                "gemma4" => get_f("rope.freq_base_swa").unwrap_or(10_000.0),
+                _ => 10_000.0,
+            };
+            (Some((w, pattern)), Some(local_base))
         } else {
             (None, None)
         };
         // llama.cpp: Gemma 3 27B scales by 1/√(hidden / heads), every other size by 1/√head_dim.
         let attn_scale = if arch == "gemma3" && n_layer == 62 {
             1.0 / ((hidden / n_head.max(1)) as f32).sqrt()
+        } else if arch == "gemma4" {
+            // Gemma 4 norms q and scales its scores by 1 (llama.cpp's f_attention_scale).
+            1.0
         } else {
             1.0 / (head_dim as f32).sqrt()
+        };
+        let uniform = kv_heads.iter().all(|&k| k == n_kv_head) && ffns.iter().all(|&f| f == ffn);
+        let layers = if arch == "gemma4" {
+            Some(LayerShapes {
+                head_dim_local: get_u("attention.key_length_swa").unwrap_or(head_dim),
+                rope_dim_local: get_u("rope.dimension_count_swa").unwrap_or(rope_dim),
+                kv_heads,
+                ffn: ffns,
+                shared_kv: get_u("attention.shared_kv_layers").unwrap_or(0),
+            })
+        } else if !uniform {
+            bail!(
+                "GGUF {arch}: layers of different KV heads or FFN widths are read for gemma4 only"
+            );
+        } else {
+            None
+        };
+        let per_layer_embd = match arch.as_str() {
+            "gemma4" => get_u("embedding_length_per_layer_input").unwrap_or(0),
+            _ => 0,
+        };
+        let final_softcap = match arch.as_str() {
+            "gemma4" => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
+            _ => None,
         };
         let cfg = Self {
             arch,
@@ -328,6 +458,9 @@ impl Config {
             block,
             yarn,
             experts,
+            layers,
+            per_layer_embd,
+            final_softcap,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -408,6 +541,9 @@ impl Config {
             block: Block::of(&arch).expect("a supported arch"),
             yarn: None,
             experts: None,
+            layers: None,
+            per_layer_embd: 0,
+            final_softcap: None,
             arch,
         };
         cfg.validate()?;
@@ -455,6 +591,55 @@ impl Config {
                 })
                 .collect(),
         ))
+    }
+
+    /// Gemma 4's per-layer shapes: sizes in range, and each shared layer's source of its own
+    /// kind and shape.
+    fn validate_layers(&self, l: &LayerShapes) -> Result<()> {
+        let (hl, rl) = (l.head_dim_local, l.rope_dim_local);
+        if hl == 0 || hl > 4096 || rl == 0 || rl > hl || !rl.is_multiple_of(2) {
+            bail!(
+                "sliding-window layers' head size {hl} with {rl} rotated dimensions is not usable"
+            );
+        }
+        for (i, (&k, &f)) in l.kv_heads.iter().zip(&l.ffn).enumerate() {
+            if k == 0 || k > 4096 || !self.n_head.is_multiple_of(k) {
+                bail!(
+                    "layer {i}'s head_count_kv = {k} does not divide its {} attention heads",
+                    self.n_head
+                );
+            }
+            if f == 0 || f > 1 << 20 {
+                bail!("layer {i}'s feed_forward_length = {f} is out of range");
+            }
+        }
+        if l.shared_kv == 0 {
+            return Ok(());
+        }
+        let own = self
+            .n_layer
+            .checked_sub(l.shared_kv)
+            .filter(|&own| own >= 2);
+        let Some(own) = own else {
+            bail!(
+                "GGUF {}.attention.shared_kv_layers = {} leaves fewer than 2 of {} layers with KV of their own",
+                self.arch,
+                l.shared_kv,
+                self.n_layer
+            );
+        };
+        for i in own..self.n_layer {
+            let s = self.kv_source(i);
+            let kind = |l: usize| self.layer_window(l).is_some();
+            if kind(s) != kind(i) || self.layer_kv_shape(s) != self.layer_kv_shape(i) {
+                bail!(
+                    "layer {i} shares the keys and values of layer {s} (GGUF {}.attention.shared_kv_layers = {}), which is not of its kind and shape",
+                    self.arch,
+                    l.shared_kv
+                );
+            }
+        }
+        Ok(())
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -529,6 +714,21 @@ impl Config {
                     e.ffn
                 );
             }
+        }
+        if let Some(l) = &self.layers {
+            self.validate_layers(l)?;
+        }
+
+        if let Some(c) = self.final_softcap {
+            if !(c.is_finite() && c > 0.0) {
+                bail!("model final_logit_softcapping = {c} is not a positive number");
+            }
+        }
+        if self.per_layer_embd > 1 << 16 {
+            bail!(
+                "model embedding_length_per_layer_input = {} is out of range",
+                self.per_layer_embd
+            );
         }
         if !(self.rope_linear_scale.is_finite() && self.rope_linear_scale > 0.0) {
             bail!(

@@ -3,7 +3,10 @@
 
 use super::config::Config;
 use super::kernels::quant::{Kernels, Packer, QMatrix, WeightType};
-use super::llama::{expect_dims, Block, Embedding, Ffn, Linear, Llama, Weight};
+use super::llama::{
+    expect_dims, Block, Embedding, Ffn, Linear, Llama, MoeBeside, PerLayerBlock,
+    PerLayerEmbeddings, Weight,
+};
 use super::moe::{Expert, GateUp, Moe};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
@@ -98,7 +101,8 @@ const PLACEHOLDER: WeightType = WeightType(15);
 /// v, output, gate, up, down (the order [`GgufFile::pack_all`] keeps, so that q, k, v and gate,
 /// up lie end to end).
 fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
-    let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
+    let (h, nh, ffn) = (cfg.hidden, cfg.n_head, cfg.layer_ffn(i));
+    let (nkv, hd) = cfg.layer_kv_shape(i);
     let p = format!("blk.{i}");
     [
         (format!("{p}.attn_q"), [nh * hd, h]),
@@ -416,9 +420,16 @@ impl GgufFile {
                 self.path.display()
             );
         }
-        let mut parts = Vec::with_capacity(3 * n);
-        let mut names = Vec::with_capacity(3 * n);
-        for (which, rows, cols) in [("gate", f, h), ("up", f, h), ("down", h, f)] {
+        // Gate and up apart, or stacked per expert in the file (`ffn_gate_up_exps`: Gemma 4).
+        let fused = self.has_tensor(&format!("{p}.ffn_gate_up_exps.weight"));
+        let kinds: &[(&str, usize, usize)] = match fused {
+            true => &[("gate_up", 2 * f, h), ("down", h, f)],
+            false => &[("gate", f, h), ("up", f, h), ("down", h, f)],
+        };
+        let k = kinds.len();
+        let mut parts = Vec::with_capacity(k * n);
+        let mut names = Vec::with_capacity(k * n);
+        for &(which, rows, cols) in kinds {
             let name = format!("{p}.ffn_{which}_exps.weight");
             let info =
                 self.content.tensor_infos.get(&name).ok_or_else(|| {
@@ -446,10 +457,13 @@ impl GgufFile {
             }
         }
         // Gate and up of each expert end to end in the store, so stacking them copies nothing.
-        let order: Vec<usize> = (0..n)
-            .flat_map(|x| [x, n + x])
-            .chain(2 * n..3 * n)
-            .collect();
+        let order: Vec<usize> = match fused {
+            true => (0..2 * n).collect(),
+            false => (0..n)
+                .flat_map(|x| [x, n + x])
+                .chain(2 * n..3 * n)
+                .collect(),
+        };
         let found: Vec<(&str, Located)> = order
             .iter()
             .map(|&i| (names[i].as_str(), parts[i].clone()))
@@ -470,12 +484,25 @@ impl GgufFile {
             bias(self, "up", f)?,
             bias(self, "down", h)?,
         );
+        let scales = {
+            let name = format!("{p}.ffn_down_exps.scale");
+            match self.has_tensor(&name) {
+                true => Some(self.values(&name, &[n], device)?),
+                false => None,
+            }
+        };
         let mut experts = Vec::with_capacity(n);
         for x in 0..n {
-            let (gate, up, down) = (take(x)?, take(n + x)?, take(2 * n + x)?);
-            let gate_up = match QMatrix::stack(&[&gate, &up])? {
-                Some((all, _)) => GateUp::Stacked(all),
-                None => GateUp::Apart(gate, up),
+            let (gate_up, down) = match fused {
+                true => (GateUp::Stacked(take(x)?), take(n + x)?),
+                false => {
+                    let (gate, up, down) = (take(x)?, take(n + x)?, take(2 * n + x)?);
+                    let gate_up = match QMatrix::stack(&[&gate, &up])? {
+                        Some((all, _)) => GateUp::Stacked(all),
+                        None => GateUp::Apart(gate, up),
+                    };
+                    (gate_up, down)
+                }
             };
             let slice = |b: &Option<Vec<f32>>, len: usize| {
                 b.as_ref()
@@ -488,6 +515,7 @@ impl GgufFile {
                 gate_up_b,
                 down,
                 down_b: slice(&bd, h),
+                scale: scales.as_ref().map_or(1.0, |s| s[x]),
             });
         }
         Ok(Moe {
@@ -550,6 +578,17 @@ impl GgufFile {
         Ok(Read::Candle(Arc::new(t)))
     }
 
+    /// Whether layer `i`'s decoder reads the matrix `name`: not the keys' and values' of a layer
+    /// sharing an earlier one's (Gemma 4), nor values a Gemma 4 layer takes from its keys'
+    /// projection when the file has none.
+    fn layer_reads(&self, cfg: &Config, i: usize, name: &str) -> bool {
+        let kv = name.ends_with(".attn_k.weight") || name.ends_with(".attn_v.weight");
+        let v_from_k =
+            cfg.block.v_norm && name.ends_with(".attn_v.weight") && !self.has_tensor(name);
+        let shared = kv && i >= cfg.kv_layers();
+        !shared && !v_from_k
+    }
+
     /// The hyperparameters in this file's metadata.
     pub fn config(&self) -> Result<Config> {
         Config::from_gguf(&self.content)
@@ -569,7 +608,7 @@ impl GgufFile {
         device: &Device,
         max_positions: usize,
     ) -> Result<Llama> {
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let h = cfg.hidden;
         // Every matrix our kernels run, read first into one store (q, k, v and gate, up end to
         // end there, so stacking them below copies nothing).
         let mut wanted = vec![("token_embd.weight".to_string(), [cfg.vocab, h])];
@@ -580,8 +619,19 @@ impl GgufFile {
                 layer_matrices(&cfg, i)
                     .into_iter()
                     .take(n)
-                    .map(|(p, want)| (format!("{p}.weight"), want)),
+                    .map(|(p, want)| (format!("{p}.weight"), want))
+                    .filter(|(name, _)| self.layer_reads(&cfg, i, name)),
             );
+            if cfg.per_layer_embd > 0 {
+                let ple = cfg.per_layer_embd;
+                wanted.push((format!("blk.{i}.inp_gate.weight"), [ple, h]));
+                wanted.push((format!("blk.{i}.proj.weight"), [h, ple]));
+            }
+        }
+        let ple_all = cfg.n_layer * cfg.per_layer_embd;
+        if ple_all > 0 {
+            wanted.push(("per_layer_token_embd.weight".into(), [cfg.vocab, ple_all]));
+            wanted.push(("per_layer_model_proj.weight".into(), [ple_all, h]));
         }
         if self.has_tensor("output.weight") {
             wanted.push(("output.weight".to_string(), [cfg.vocab, h]));
@@ -605,8 +655,10 @@ impl GgufFile {
                 expect_dims(&name, w.dims(), &[n])?;
                 Ok(Some(w))
             };
+            let hd = cfg.layer_kv_shape(i).1;
+            let own_kv = i < cfg.kv_layers();
             let q_norm = norm(block.qk_norm, "attn_q_norm", hd)?;
-            let k_norm = norm(block.qk_norm, "attn_k_norm", hd)?;
+            let k_norm = norm(block.qk_norm && own_kv, "attn_k_norm", hd)?;
             let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
             let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
             let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
@@ -627,13 +679,74 @@ impl GgufFile {
                     down: self.linear(&down.0, false, down.1, device)?,
                 }
             };
+            let wk = match own_kv {
+                true => Some(self.linear(&k.0, qkv_bias, k.1, device)?),
+                false => None,
+            };
+            let wv = match own_kv && self.layer_reads(&cfg, i, &format!("{}.weight", v.0)) {
+                true => Some(self.linear(&v.0, qkv_bias, v.1, device)?),
+                false => None,
+            };
+            let out_scale = match block.out_scale {
+                true => {
+                    let name = format!("{p}.layer_output_scale.weight");
+                    match self.has_tensor(&name) {
+                        true => Some(self.values(&name, &[1], device)?[0]),
+                        false => None,
+                    }
+                }
+                false => None,
+            };
+            let per_layer = match cfg.per_layer_embd {
+                0 => None,
+                ple => Some(PerLayerBlock {
+                    gate: self.linear(&format!("{p}.inp_gate"), false, [ple, h], device)?,
+                    proj: self.linear(&format!("{p}.proj"), false, [h, ple], device)?,
+                    post_norm: {
+                        let name = format!("{p}.post_norm.weight");
+                        let w = self.dense(&name, device)?;
+                        expect_dims(&name, w.dims(), &[h])?;
+                        w
+                    },
+                }),
+            };
+            // Experts beside the dense FFN, on the layers that have a router (Gemma 4 26B-A4B).
+            let moe_beside = match cfg.experts.is_some()
+                && !block.moe
+                && self.has_tensor(&format!("{p}.ffn_gate_inp.weight"))
+            {
+                true => {
+                    let mut norm = |name: &str| -> Result<Tensor> {
+                        let name = format!("{p}.{name}");
+                        let w = self.dense(&name, device)?;
+                        expect_dims(&name, w.dims(), &[h])?;
+                        Ok(w)
+                    };
+                    let scale = norm("ffn_gate_inp.scale")?;
+                    Some(MoeBeside {
+                        post_norm_dense: norm("post_ffw_norm_1.weight")?,
+                        pre_norm: norm("pre_ffw_norm_2.weight")?,
+                        post_norm: norm("post_ffw_norm_2.weight")?,
+                        router_scale: (scale / (h as f64).sqrt())?,
+                        moe: self.moe(&p, &cfg, device)?,
+                    })
+                }
+                false => None,
+            };
             let mut layer = Block {
                 qkv: None,
+                moe_beside,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
                 wq: self.linear(&q.0, qkv_bias, q.1, device)?,
-                wk: self.linear(&k.0, qkv_bias, k.1, device)?,
-                wv: self.linear(&v.0, qkv_bias, v.1, device)?,
+                wk,
+                wv,
                 wo: self.linear(&o.0, o_bias, o.1, device)?,
+                v_norm: match block.v_norm {
+                    true => Some(Tensor::ones(hd, DType::F32, device)?),
+                    false => None,
+                },
+                out_scale,
+                per_layer,
                 sinks,
                 ffn_norm: self.dense(&format!("{p}.{}.weight", block.ffn_norm), device)?,
                 ffn,
@@ -671,6 +784,25 @@ impl GgufFile {
             device,
         )?;
         let rope_local = Rope::local(&cfg, max_positions, DType::F32, device)?;
+        let per_layer = match cfg.n_layer * cfg.per_layer_embd {
+            0 => None,
+            all => Some(PerLayerEmbeddings {
+                table: match self.matrix("per_layer_token_embd.weight", [cfg.vocab, all], device)? {
+                    Read::Ours(m) => Embedding::Cpu(m),
+                    Read::Candle(t) => Embedding::Quantized(t),
+                },
+                model_proj: self.linear("per_layer_model_proj", false, [all, h], device)?,
+                proj_norm: {
+                    let w = self.dense("per_layer_proj_norm.weight", device)?;
+                    expect_dims(
+                        "per_layer_proj_norm.weight",
+                        w.dims(),
+                        &[cfg.per_layer_embd],
+                    )?;
+                    w
+                },
+            }),
+        };
         let embed = match embed {
             Read::Ours(m) => Embedding::Cpu(m),
             Read::Candle(t) => match (t.dtype(), self.dense) {
@@ -687,6 +819,7 @@ impl GgufFile {
             layers,
             norm,
             output,
+            per_layer,
             rope,
             rope_local,
             device: device.clone(),

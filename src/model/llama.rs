@@ -1,7 +1,9 @@
-//! The llama-family decoder (llama, mistral, qwen2, smollm, qwen3, gemma3), written on candle ops.
-//! One block with optional pieces (`Config::block`): q/k norms (qwen3, gemma3), norms after
-//! attention and FFN (gemma3), GeGLU (gemma3), embeddings scaled by √hidden (gemma3), and per layer
-//! a RoPE base and a sliding window (gemma3's local layers).
+//! The llama-family decoder (llama, mistral, qwen2, smollm, qwen3, gemma3, gemma4, gpt-oss),
+//! written on candle ops. One block with optional pieces (`Config::block`): q/k norms (qwen3,
+//! gemma3/4), norms after attention and FFN (gemma3/4), GeGLU (gemma3/4), embeddings scaled by
+//! √hidden (gemma3/4), per layer a RoPE base, a sliding window and a head size (gemma3/4's local
+//! layers), value norms, keys and values shared with an earlier layer, per-layer token embeddings
+//! and a scaled output (gemma4), sinks and experts (gpt-oss).
 //!
 //! Reads top to bottom like the math. Shapes: `t` = tokens in this step, `L` = positions attended over,
 //! `nh` = query heads, `nkv` = KV heads, `g = nh / nkv` query heads per KV head, `hd` = head size.
@@ -73,9 +75,20 @@ pub struct Block {
     pub qkv: Option<QMatrix>,
     pub attn_norm: Tensor,
     pub wq: Linear,
-    pub wk: Linear,
-    pub wv: Linear,
+    /// None: the layer keeps no keys and values of its own and attends over those of
+    /// `Config::kv_source` (Gemma 4's shared-KV layers).
+    pub wk: Option<Linear>,
+    /// None beside a `wk`: the values are the keys' projection (Gemma 4 without `attn_v`).
+    pub wv: Option<Linear>,
     pub wo: Linear,
+    /// The values' RMSNorm, which has no weight: ones `[hd]` (gemma4).
+    pub v_norm: Option<Tensor>,
+    /// The block's output is multiplied by this (gemma4's `layer_output_scale`).
+    pub out_scale: Option<f32>,
+    /// This layer's part of the per-layer token embeddings (gemma4 E2B/E4B).
+    pub per_layer: Option<PerLayerBlock>,
+    /// Experts beside the dense FFN (gemma4 26B-A4B).
+    pub moe_beside: Option<MoeBeside>,
     /// A logit per query head that joins each softmax (gpt-oss's `attn_sinks`), `[nh]`.
     pub sinks: Option<Vec<f32>>,
     pub ffn_norm: Tensor,
@@ -86,6 +99,37 @@ pub struct Block {
     /// RMSNorm weights applied to the attention and FFN outputs before the residual adds (gemma3).
     pub post_attn_norm: Option<Tensor>,
     pub post_ffn_norm: Option<Tensor>,
+}
+
+/// A mixture of experts beside a block's dense FFN (Gemma 4 26B-A4B): the dense FFN's output is
+/// normed (`post_ffw_norm_1`), the experts run on `pre_ffw_norm_2(x)`, routed by
+/// `router_scale ⊙ rms(x) / √hidden`, their sum normed (`post_ffw_norm_2`); the two are added.
+pub struct MoeBeside {
+    pub moe: Moe,
+    pub post_norm_dense: Tensor,
+    pub pre_norm: Tensor,
+    pub post_norm: Tensor,
+    /// `[hidden]`, × 1/√hidden folded in.
+    pub router_scale: Tensor,
+}
+
+/// A block's use of its per-layer input (Gemma 4): x + norm(proj(gelu(gate·x) ⊙ input_i)).
+pub struct PerLayerBlock {
+    /// `[ple, hidden]`.
+    pub gate: Linear,
+    /// `[hidden, ple]`.
+    pub proj: Linear,
+    pub post_norm: Tensor,
+}
+
+/// The per-layer token embeddings (Gemma 4 E2B/E4B): each token's row of `table`
+/// `[vocab, n_layer·ple]`, plus a projection of its embedding, give each layer an input of `ple`.
+pub struct PerLayerEmbeddings {
+    pub table: Embedding,
+    /// `[n_layer·ple, hidden]`.
+    pub model_proj: Linear,
+    /// `[ple]`.
+    pub proj_norm: Tensor,
 }
 
 /// Token embeddings: kept quantized when the file has them quantized, rows dequantized on lookup.
@@ -112,6 +156,7 @@ pub struct Llama {
     pub layers: Vec<Block>,
     pub norm: Tensor,
     pub output: Linear,
+    pub per_layer: Option<PerLayerEmbeddings>,
     pub rope: Rope,
     /// The rotation of the sliding-window layers when their base differs (gemma3).
     pub rope_local: Option<Rope>,
@@ -121,19 +166,38 @@ pub struct Llama {
     pub prefill_chunk: usize,
 }
 
+impl Embedding {
+    /// The rows of `tokens` (`ids` on the device), f32: `[t, width]`.
+    pub fn rows(&self, ids: &Tensor, tokens: &[u32]) -> Result<Tensor> {
+        Ok(match self {
+            Embedding::Quantized(q) => q.embedding(ids)?,
+            Embedding::Cpu(q) => q.rows(tokens)?,
+            Embedding::Dense(e) => e.embedding(ids)?.to_dtype(candle_core::DType::F32)?,
+        })
+    }
+}
+
 impl Block {
     /// Stacks q/k/v and gate/up into one matrix each where all run on our CPU kernels in one
     /// format, without biases; the separate weights become views of the stacked ones (nothing is
     /// stored twice).
     pub fn stack_projections(&mut self) -> Result<()> {
-        let no_bias = self.wq.b.is_none() && self.wk.b.is_none() && self.wv.b.is_none();
-        if let (true, Weight::Cpu(q), Weight::Cpu(k), Weight::Cpu(v)) =
-            (no_bias, &self.wq.w, &self.wk.w, &self.wv.w)
-        {
-            if let Some((all, mut parts)) = QMatrix::stack(&[q, k, v])? {
-                self.wv.w = Weight::Cpu(parts.pop().expect("v"));
-                self.wk.w = Weight::Cpu(parts.pop().expect("k"));
-                self.wq.w = Weight::Cpu(parts.pop().expect("q"));
+        // q, k and v, or q and k (values from the keys' projection), each ours and unbiased.
+        let mut projections = vec![&mut self.wq];
+        projections.extend(self.wk.as_mut());
+        projections.extend(self.wv.as_mut());
+        let mats: Option<Vec<&QMatrix>> = projections
+            .iter()
+            .map(|l| match (&l.w, &l.b) {
+                (Weight::Cpu(m), None) => Some(m),
+                _ => None,
+            })
+            .collect();
+        if let Some(mats) = mats.filter(|m| m.len() > 1) {
+            if let Some((all, parts)) = QMatrix::stack(&mats)? {
+                for (l, part) in projections.into_iter().zip(parts) {
+                    l.w = Weight::Cpu(part);
+                }
                 self.qkv = Some(all);
             }
         }
@@ -243,33 +307,59 @@ impl Llama {
         }
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed(&ids, tokens)?; // [1, n, hidden]
+        let per_layer = self.per_layer_inputs(&x, tokens)?;
         for c in caches.iter_mut() {
             c.layer(0).prefetch()?;
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            if i + 1 < self.layers.len() {
+            if i + 1 < self.cfg.kv_layers() {
                 for c in caches.iter_mut() {
                     c.layer(i + 1).prefetch()?;
                 }
             }
-            let per_row = caches.iter_mut().map(|c| c.layer(i)).collect();
-            x = self.block(i, layer, &x, StepCache::PerRow(per_row))?;
+            let src = self.cfg.kv_source(i);
+            let per_row = caches.iter_mut().map(|c| c.layer(src)).collect();
+            x = self.block(i, layer, &x, StepCache::PerRow(per_row), per_layer.as_ref())?;
         }
         for c in caches.iter_mut() {
             c.step_done();
         }
         let x = rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
-        Ok(self.output.forward(&x)?.squeeze(0)?) // [n, vocab]
+        self.softcap(self.output.forward(&x)?.squeeze(0)?) // [n, vocab]
+    }
+
+    /// Logits through c·tanh(x / c) where the model caps them (gemma4).
+    fn softcap(&self, logits: Tensor) -> Result<Tensor> {
+        Ok(match self.cfg.final_softcap {
+            Some(c) => ((logits / c as f64)?.tanh()? * c as f64)?,
+            None => logits,
+        })
+    }
+
+    /// Each layer's per-layer input (Gemma 4), `[1, t, n_layer, ple]`, from the tokens' rows of
+    /// the per-layer table (× √ple) and a projection of their scaled embeddings `x`
+    /// `[1, t, hidden]` (× 1/√hidden, RMS-normed per layer), added and × 1/√2; None for models
+    /// without them.
+    fn per_layer_inputs(&self, x: &Tensor, tokens: &[u32]) -> Result<Option<Tensor>> {
+        let Some(pl) = &self.per_layer else {
+            return Ok(None);
+        };
+        let (n, ple, t) = (self.cfg.n_layer, self.cfg.per_layer_embd, tokens.len());
+        let ids = Tensor::new(tokens, &self.device)?;
+        let table = (pl.table.rows(&ids, tokens)? * (ple as f64).sqrt())?; // [t, n·ple]
+        let table = table.reshape((1, t, n, ple))?;
+        let proj = (pl.model_proj.forward(x)? / (self.cfg.hidden as f64).sqrt())?; // [1, t, n·ple]
+        let proj = rms_norm(
+            &proj.reshape((1, t, n, ple))?,
+            &pl.proj_norm,
+            self.cfg.rms_eps as f32,
+        )?;
+        Ok(Some(((proj + table)? * std::f64::consts::FRAC_1_SQRT_2)?))
     }
 
     /// The embeddings of `tokens` (`ids` on the device), scaled where the model says: `[1, t, hidden]`.
     fn embed(&self, ids: &Tensor, tokens: &[u32]) -> Result<Tensor> {
-        let mut x = match &self.embed {
-            Embedding::Quantized(q) => q.embedding(ids)?,
-            Embedding::Cpu(q) => q.rows(tokens)?,
-            Embedding::Dense(e) => e.embedding(ids)?.to_dtype(candle_core::DType::F32)?,
-        }
-        .unsqueeze(0)?; // [1, t, hidden]
+        let mut x = self.embed.rows(ids, tokens)?.unsqueeze(0)?; // [1, t, hidden]
         if self.cfg.block.embed_scale {
             x = (x * (self.cfg.hidden as f64).sqrt())?;
         }
@@ -285,14 +375,17 @@ impl Llama {
         let t = tokens.len();
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed(&ids, tokens)?; // [1, t, hidden]
+        let per_layer = self.per_layer_inputs(&x, tokens)?; // [1, t, n_layer, ple]
         cache.layer(0).prefetch()?;
         for (i, layer) in self.layers.iter().enumerate() {
             // Offload: the next layer's cache starts its way to the device before this layer computes.
-            if i + 1 < self.layers.len() {
+            if i + 1 < self.cfg.kv_layers() {
                 cache.layer(i + 1).prefetch()?;
             }
             let apart = cache.rows_apart();
-            x = self.block(i, layer, &x, StepCache::One(cache.layer(i), apart))?;
+            let src = self.cfg.kv_source(i);
+            let step = StepCache::One(cache.layer(src), apart);
+            x = self.block(i, layer, &x, step, per_layer.as_ref())?;
         }
         cache.step_done();
         let x = match which {
@@ -300,16 +393,24 @@ impl Llama {
             Logits::All => x,
         };
         let x = rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
-        let logits = self.output.forward(&x)?.squeeze(0)?; // [t or 1, vocab]
+        let logits = self.softcap(self.output.forward(&x)?.squeeze(0)?)?; // [t or 1, vocab]
         Ok(match which {
             Logits::Last => logits.squeeze(0)?, // [vocab]
             Logits::All => logits,
         })
     }
 
-    /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)); with post norms (gemma3)
-    /// each branch's output is normed again before its add.
-    fn block(&self, i: usize, layer: &Block, x: &Tensor, cache: StepCache<'_>) -> Result<Tensor> {
+    /// One transformer block: x + attn(norm(x)), then + ffn(norm(x)); with post norms (gemma3/4)
+    /// each branch's output is normed again before its add; then (gemma4) + the layer's part of
+    /// the per-layer inputs `[1, t, n_layer, ple]`, and × the layer's output scale.
+    fn block(
+        &self,
+        i: usize,
+        layer: &Block,
+        x: &Tensor,
+        cache: StepCache<'_>,
+        per_layer: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
         let h = rms_norm(x, &layer.attn_norm, eps)?;
         let mut att = self.attention(i, layer, &h, cache)?;
@@ -328,7 +429,7 @@ impl Llama {
                 let (gate, up) = match gate_up {
                     Some(w) => {
                         let gu = w.forward(&h)?; // [1, t, 2 * ffn]
-                        let f = self.cfg.ffn;
+                        let f = self.cfg.layer_ffn(i);
                         (gu.narrow(2, 0, f)?, gu.narrow(2, f, f)?)
                     }
                     None => (gate.forward(&h)?, up.forward(&h)?), // [1, t, ffn] each
@@ -339,10 +440,30 @@ impl Llama {
             }
             Ffn::Moe(moe) => moe.forward(&h)?, // [1, t, hidden]
         };
+        if let Some(mb) = &layer.moe_beside {
+            let dense = rms_norm(&ffn, &mb.post_norm_dense, eps)?;
+            // rms(x) ⊙ router_scale is an RMSNorm whose weight is router_scale.
+            let router_x = rms_norm(&x, &mb.router_scale, eps)?;
+            let experts = mb
+                .moe
+                .forward_routed_by(&rms_norm(&x, &mb.pre_norm, eps)?, &router_x)?;
+            ffn = (dense + rms_norm(&experts, &mb.post_norm, eps)?)?; // [1, t, hidden]
+        }
         if let Some(n) = &layer.post_ffn_norm {
             ffn = rms_norm(&ffn, n, eps)?;
         }
-        Ok((x + ffn)?)
+        let mut x = (x + ffn)?;
+        if let (Some(pl), Some(inputs)) = (&layer.per_layer, per_layer) {
+            let (_, t, _, ple) = inputs.dims4()?;
+            let input = inputs.narrow(2, i, 1)?.reshape((1, t, ple))?; // [1, t, ple]
+            let gated = (pl.gate.forward(&x)?.gelu()? * input)?; // [1, t, ple]
+            let y = rms_norm(&pl.proj.forward(&gated)?, &pl.post_norm, eps)?; // [1, t, hidden]
+            x = (x + y)?;
+        }
+        if let Some(s) = layer.out_scale {
+            x = (x * s as f64)?;
+        }
+        Ok(x)
     }
 
     fn attention(
@@ -354,53 +475,73 @@ impl Llama {
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
-        let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let (nh, (nkv, hd)) = (cfg.n_head, cfg.layer_kv_shape(i));
 
-        let (q, k, v) = match &layer.qkv {
+        // q, and the step's keys and values unless the layer shares an earlier layer's.
+        let (q, kv) = match &layer.qkv {
             Some(w) => {
-                let qkv = w.forward(h)?; // [1, t, (nh + 2 nkv) * hd]
-                (
-                    qkv.narrow(2, 0, nh * hd)?,
-                    qkv.narrow(2, nh * hd, nkv * hd)?,
-                    qkv.narrow(2, (nh + nkv) * hd, nkv * hd)?,
-                )
+                let qkv = w.forward(h)?; // [1, t, (nh + nkv (+ nkv)) * hd]
+                let k = qkv.narrow(2, nh * hd, nkv * hd)?;
+                let v = match layer.wv {
+                    Some(_) => qkv.narrow(2, (nh + nkv) * hd, nkv * hd)?,
+                    None => k.clone(),
+                };
+                (qkv.narrow(2, 0, nh * hd)?, Some((k, v)))
             }
-            None => (
-                layer.wq.forward(h)?,
-                layer.wk.forward(h)?,
-                layer.wv.forward(h)?,
-            ),
+            None => {
+                let kv = match &layer.wk {
+                    Some(wk) => {
+                        let k = wk.forward(h)?;
+                        let v = match &layer.wv {
+                            Some(wv) => wv.forward(h)?,
+                            None => k.clone(),
+                        };
+                        Some((k, v))
+                    }
+                    None => None,
+                };
+                (layer.wq.forward(h)?, kv)
+            }
         };
-        // [1, t, n*hd] -> [1, t, n, hd]
-        let q = q.reshape((1, t, nh, hd))?;
-        let k = k.reshape((1, t, nkv, hd))?;
-        // Per-head RMSNorm over hd (qwen3, gemma3), before the rotation.
+        // Per-head RMSNorm over hd (qwen3, gemma3/4), before the rotation; values' (gemma4).
         let eps = cfg.rms_eps as f32;
-        let q = match &layer.q_norm {
-            Some(n) => rms_norm(&q, n, eps)?,
-            None => q,
+        let norm = |x: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
+            Ok(match w {
+                Some(w) => rms_norm(&x, w, eps)?,
+                None => x,
+            })
         };
-        let k = match &layer.k_norm {
-            Some(n) => rms_norm(&k, n, eps)?,
-            None => k,
+        // [1, t, n*hd] -> [1, t, n, hd] -> [1, n, t, hd]
+        let q = norm(q.reshape((1, t, nh, hd))?, &layer.q_norm)?.transpose(1, 2)?;
+        let kv = match kv {
+            Some((k, v)) => {
+                let k = norm(k.reshape((1, t, nkv, hd))?, &layer.k_norm)?.transpose(1, 2)?;
+                let v = norm(v.reshape((1, t, nkv, hd))?, &layer.v_norm)?;
+                Some((k, v.transpose(1, 2)?.contiguous()?))
+            }
+            None => None,
         };
-        // [1, t, n, hd] -> [1, n, t, hd]
-        let q = q.transpose(1, 2)?;
-        let k = k.transpose(1, 2)?;
-        let v = v.reshape((1, t, nkv, hd))?.transpose(1, 2)?;
-        let v = v.contiguous()?;
 
         let rope = self.layer_rope(i);
         let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
+        let kv_row = |r: usize| -> Result<Option<(Tensor, Tensor)>> {
+            kv.as_ref()
+                .map(|(k, v)| Ok((row(k, r)?, row(v, r)?)))
+                .transpose()
+        };
         let out = match cache {
             StepCache::One(cache, apart) if !apart || t == 1 => {
-                self.attend(&q, &k, &v, cache, rope, layer)? // [1, nh, t, hd]
+                self.attend(&q, kv.as_ref(), nkv, cache, rope, layer)? // [1, nh, t, hd]
             }
             // Each row attended as a step of its own (a verified draft: `DecoderCache::rows_apart`).
             StepCache::One(cache, _) => {
+                if kv.is_none() {
+                    bail!("a draft verified row by row cannot run on layers that share keys and values (gemma4) yet: use a cache whose rows need not be apart (f16 or wider, no window or budget)");
+                }
                 let rows = (0..t)
                     .map(|r| {
-                        self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, cache, rope, layer)
+                        let kv = kv_row(r)?;
+                        self.attend(&row(&q, r)?, kv.as_ref(), nkv, cache, rope, layer)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
@@ -411,7 +552,8 @@ impl Llama {
                     .into_iter()
                     .enumerate()
                     .map(|(r, c)| {
-                        self.attend(&row(&q, r)?, &row(&k, r)?, &row(&v, r)?, c, rope, layer)
+                        let kv = kv_row(r)?;
+                        self.attend(&row(&q, r)?, kv.as_ref(), nkv, c, rope, layer)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
@@ -426,20 +568,23 @@ impl Llama {
     /// One step's attention: the cache stores the step's keys and values (`[1, nkv, t, hd]`, keys
     /// not yet rotated) and returns everything to attend over (on a layer with a declared window,
     /// each query row sees only its last `window` positions); the queries `[1, nh, t, hd]`, not
-    /// yet rotated, attend over it. Returns `[1, nh, t, hd]`.
+    /// yet rotated, attend over it. Without keys and values (a layer sharing an earlier one's),
+    /// the cache returns what that layer's queries attended over this step. Returns `[1, nh, t, hd]`.
     fn attend(
         &self,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        kv: Option<&(Tensor, Tensor)>,
+        nkv: usize,
         cache: &mut dyn LayerCache,
         rope: &Rope,
         layer: &Block,
     ) -> Result<Tensor> {
         let (_, nh, t, hd) = q.dims4()?;
-        let nkv = self.cfg.n_kv_head;
         let g = nh / nkv;
-        let att = cache.append(k, v, rope)?;
+        let att = match kv {
+            Some((k, v)) => cache.append(k, v, rope)?,
+            None => cache.attend_again(t)?,
+        };
         // Grouped-query attention without copying K/V per query head: the g query heads that share a
         // KV head are stacked as rows. [1, nh, t, hd] = [nkv, g*t, hd]
         let rotated =
@@ -455,7 +600,7 @@ impl Llama {
             layer.sinks.as_deref(),
             att.observe,
         )?; // [nkv, g*t, hd]; weights [nkv, L] when the cache asked
-        if att.observe > 0 {
+        if att.observe > 0 && kv.is_some() {
             drop(att);
             cache.observed(&weights)?;
         }

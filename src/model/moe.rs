@@ -30,6 +30,8 @@ pub struct Expert {
     pub down: QMatrix,
     /// `[hidden]`.
     pub down_b: Vec<f32>,
+    /// The expert's output is multiplied by this (Gemma 4's `ffn_down_exps.scale`; else 1).
+    pub scale: f32,
 }
 
 pub enum GateUp {
@@ -85,14 +87,24 @@ pub fn route(logits: &[f32], k: usize) -> (Vec<usize>, Vec<f32>) {
 }
 
 impl Moe {
-    /// `x [1, t, hidden]` → `[1, t, hidden]`.
+    /// `x [1, t, hidden]` → `[1, t, hidden]`, the router reading `x` too.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_routed_by(x, x)
+    }
+
+    /// `x [1, t, hidden]` → `[1, t, hidden]`, the router reading `router_x [1, t, hidden]`
+    /// (Gemma 4 routes on its own norm of the block's input, the experts run on another).
+    pub fn forward_routed_by(&self, x: &Tensor, router_x: &Tensor) -> Result<Tensor> {
         if !x.device().is_cpu() {
             bail!("a mixture-of-experts FFN runs on the CPU only (kvchat's kernels)");
         }
         let (_, t, hidden) = x.dims3()?;
         let n_expert = self.experts.len();
-        let logits = self.router.forward(x)?.flatten_all()?.to_vec1::<f32>()?; // [t, n_expert]
+        let logits = self
+            .router
+            .forward(router_x)?
+            .flatten_all()?
+            .to_vec1::<f32>()?; // [t, n_expert]
         let xs = x.flatten_all()?.to_vec1::<f32>()?; // [t, hidden]
 
         // Each token's experts and weights; each expert's (token, slot) list.
@@ -133,7 +145,7 @@ impl Moe {
                 let w = weights[tok * self.used + slot];
                 let out = &mut slots[(tok * self.used + slot) * hidden..][..hidden];
                 for ((o, &y), &b) in out.iter_mut().zip(y).zip(&expert.down_b) {
-                    *o = (y + b) * w;
+                    *o = (y + b) * expert.scale * w;
                 }
             }
         }

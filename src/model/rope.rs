@@ -88,15 +88,20 @@ impl Rope {
     }
 
     /// The rotation of the model's sliding-window layers when they have a base of their own
-    /// (`Config::rope_base_local`: no scaling, no frequency factors); None when they do not.
+    /// (`Config::rope_base_local`: no scaling, no frequency factors), over their own head size
+    /// and rotated dimensions where those differ (Gemma 4); None when they do not.
     pub fn local(
         cfg: &Config,
         max_positions: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<Option<Self>> {
+        let mut local = cfg.clone();
+        if let Some(l) = &cfg.layers {
+            (local.head_dim, local.rope_dim) = (l.head_dim_local, l.rope_dim_local);
+        }
         cfg.rope_base_local
-            .map(|base| Self::with_base(cfg, (base, 1.0), max_positions, None, dtype, device))
+            .map(|base| Self::with_base(&local, (base, 1.0), max_positions, None, dtype, device))
             .transpose()
     }
 
@@ -244,6 +249,9 @@ mod tests {
             block: crate::model::config::Block::of("llama").unwrap(),
             yarn: None,
             experts: None,
+            layers: None,
+            per_layer_embd: 0,
+            final_softcap: None,
         }
     }
 

@@ -41,9 +41,9 @@ impl Session<'_> {
         persist::Expect {
             model_digest,
             cache_key,
-            n_layers: self.cache.layers().len(),
-            n_kv_heads: cfg.n_kv_head,
-            head_dim: cfg.head_dim,
+            shapes: (0..self.cache.layers().len())
+                .map(|i| cfg.layer_kv_shape(i))
+                .collect(),
             max_positions: self.max_positions,
         }
     }

@@ -46,6 +46,8 @@ impl Session<'_> {
 
     /// The shape of one block of this session's cache.
     pub fn store_shape(&self) -> Shape {
+        // (The store serves models whose layers are alike: one with sliding-window layers,
+        // Gemma 4's among them, is refused by `store_refusal`.)
         let cfg = &self.model.cfg;
         Shape {
             layers: self.cache.layers().len(),

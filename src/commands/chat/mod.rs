@@ -87,17 +87,28 @@ impl Chat<'_> {
         let c = &self.conv;
         let cfg = &c.engine().model().cfg;
         let cache = &c.session().cache();
+        let layers = match cfg.layers {
+            // Gemma 4: layers of two shapes, some sharing another's keys and values.
+            Some(_) => format!(
+                "layers: {}; K and V {}",
+                crate::eval::kv_size::layer_kinds(cfg),
+                cache.spec().precision().name()
+            ),
+            None => format!(
+                "per layer ({} layers): K and V [1, {}, {}, {}] {}",
+                cfg.n_layer,
+                cfg.n_kv_head,
+                cache.len(),
+                cfg.head_dim,
+                cache.spec().precision().name()
+            ),
+        };
         let mut s = format!(
-            "cache: {} positions held ({} seen), {} used of {} allocated\nper layer ({} layers): K and V [1, {}, {}, {}] {}\ndevice {:?}, activations f32, {} threads",
+            "cache: {} positions held ({} seen), {} used of {} allocated\n{layers}\ndevice {:?}, activations f32, {} threads",
             cache.len(),
             cache.seen(),
             human_bytes(cache.bytes_used() as u64),
             human_bytes(cache.bytes() as u64),
-            cfg.n_layer,
-            cfg.n_kv_head,
-            cache.len(),
-            cfg.head_dim,
-            cache.spec().precision().name(),
             crate::engine::device_name(c.engine().device()),
             candle_core::utils::get_num_threads()
         );
@@ -124,7 +135,7 @@ impl Chat<'_> {
         let cache = c.session().cache();
         let spec = cache.spec();
         let per_position = |p: crate::kv::Precision| {
-            crate::kv::size::KvDims::of(&engine.model().cfg).bytes_per_token(p)
+            crate::kv::size::KvDims::model_bytes_per_token(&engine.model().cfg, p)
         };
         let mut s = format!(
             "axes: {}

@@ -95,7 +95,20 @@ enum Source {
     Shared(usize),
 }
 
+/// What the last append's queries attended over: sinks `0..sink_end`, then `lo..e`, the step
+/// being `b..e` (`Layer::view`); layers sharing this one's keys and values see the same.
+#[derive(Clone, Copy)]
+struct LastStep {
+    sink_end: usize,
+    lo: usize,
+    b: usize,
+    e: usize,
+    dropped: bool,
+}
+
 pub struct Layer {
+    /// See [`LastStep`].
+    last_step: Option<LastStep>,
     nkv: usize,
     hd: usize,
     precision: Precision,
@@ -164,6 +177,7 @@ impl Layer {
                     hi: 0,
                 });
         Self {
+            last_step: None,
             nkv,
             hd,
             precision: spec.precision,
@@ -427,6 +441,17 @@ impl Layer {
         Ok(())
     }
 
+    /// What the last step's queries attend over ([`LastStep`]).
+    fn last_attend(&self) -> Result<Attend<'_>> {
+        let s = self.last_step.expect("a step was appended");
+        Ok(Attend {
+            view: self.view(s.sink_end, s.lo, s.b, s.e, s.dropped)?,
+            q_pos: s.b,
+            sink_q_pos: s.dropped.then_some(s.sink_end + (s.b - s.lo)),
+            observe: 0,
+        })
+    }
+
     /// The view of a step over positions `b..e`: sinks `0..sink_end` (pairing with the queries
     /// rotated for sinks when `dropped`), then `lo..e`.
     fn view(
@@ -615,14 +640,24 @@ impl LayerCache for Layer {
         self.write_residual(b, &k, &v)?;
         self.seen = e;
         self.win_lo = self.win_lo.max(e.saturating_sub(n)).max(s.min(e));
-        let q_pos = b;
-        let sink_q_pos = dropped.then_some(sink_end + (b - lo));
-        Ok(Attend {
-            view: self.view(sink_end, lo, b, e, dropped)?,
-            q_pos,
-            sink_q_pos,
-            observe: 0,
-        })
+        self.last_step = Some(LastStep {
+            sink_end,
+            lo,
+            b,
+            e,
+            dropped,
+        });
+        self.last_attend()
+    }
+
+    fn attend_again(&mut self, t: usize) -> Result<Attend<'_>> {
+        if self.budget.is_some() {
+            bail!("a KV budget cannot serve a model whose layers share keys and values (gemma4) yet: use --kv-window or no retention flag");
+        }
+        match self.last_step {
+            Some(s) if s.e - s.b == t && s.e == self.seen => self.last_attend(),
+            _ => bail!("a layer shares keys and values that were not stored this step"),
+        }
     }
 
     fn observed(&mut self, weights: &[f32]) -> Result<()> {
