@@ -95,37 +95,13 @@ fn gpt_oss_past_its_window_prefill_decode_and_recompute_give_the_same_logits() {
 
 /// A copy of the random model, changed by `damage`, for a hostile-input test.
 fn damaged(name: &str, damage: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
-    let mut bytes = std::fs::read(random_gpt_oss()).unwrap();
-    damage(&mut bytes);
-    let p = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.gguf"));
-    std::fs::write(&p, bytes).unwrap();
-    p
+    crate::common::tiny::damaged(&random_gpt_oss(), name, damage)
 }
 
-/// Sets the u32 metadata value of `key` (a GGUF key string, then its type, then the value).
-fn set_u32(bytes: &mut [u8], key: &str, v: u32) {
-    let at = bytes
-        .windows(key.len() + 4)
-        .position(|w| &w[..key.len()] == key.as_bytes() && w[key.len()..] == 4u32.to_le_bytes())
-        .unwrap_or_else(|| panic!("no u32 key {key}"))
-        + key.len()
-        + 4;
-    bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
-}
+use crate::common::tiny::{set_f32, set_u32};
 
 fn run(path: &std::path::Path) -> std::process::Output {
-    crate::common::kvchat(
-        &[
-            "run",
-            "-m",
-            path.to_str().unwrap(),
-            "--raw",
-            "-n",
-            "2",
-            "hi",
-        ],
-        "",
-    )
+    crate::common::tiny::run_two_tokens(path, &[])
 }
 
 #[test]
@@ -245,17 +221,6 @@ fn experts_asked_to_run_dequantized_are_refused_in_one_line() {
         "",
     );
     crate::common::assert_refused(&o, "a mixture-of-experts model cannot be dequantized");
-}
-
-/// Sets the f32 metadata value of `key` (GGUF value type 6).
-fn set_f32(bytes: &mut [u8], key: &str, v: f32) {
-    let at = bytes
-        .windows(key.len() + 4)
-        .position(|w| &w[..key.len()] == key.as_bytes() && w[key.len()..] == 6u32.to_le_bytes())
-        .unwrap_or_else(|| panic!("no f32 key {key}"))
-        + key.len()
-        + 4;
-    bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
 
 #[test]

@@ -10,6 +10,7 @@ mod chat;
 mod cli;
 mod engine;
 mod gemma;
+mod gemma4;
 mod gpt_oss;
 mod hf_layout;
 mod hostile;

@@ -150,9 +150,7 @@ fn expect() -> persist::Expect<'static> {
     persist::Expect {
         model_digest: "m",
         cache_key: "all, f32",
-        n_layers: 2,
-        n_kv_heads: 2,
-        head_dim: 4,
+        shapes: vec![(2, 4); 2],
         max_positions: 64,
     }
 }

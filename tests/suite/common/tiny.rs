@@ -588,6 +588,11 @@ pub fn written_once(
 /// measured on other bytes says nothing) over bench-text in chunks of 256, as
 /// `llama-perplexity -f assets/bench-text.txt -c 256` scores it.
 pub fn pinned_perplexity(path: &std::path::Path, sha256: &str) -> f64 {
+    pinned_perplexity_in(path, sha256, "full")
+}
+
+/// [`pinned_perplexity`] through a cache of `mode` (`full+f32`, …).
+pub fn pinned_perplexity_in(path: &std::path::Path, sha256: &str, mode: &str) -> f64 {
     let bytes = std::fs::read(path).unwrap();
     assert_eq!(
         crate::common::hub::sha256_hex(&bytes),
@@ -603,7 +608,7 @@ pub fn pinned_perplexity(path: &std::path::Path, sha256: &str) -> f64 {
         .tokenizer()
         .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
-    kvchat::eval::ppl::perplexity(&e, "full".parse().unwrap(), &ids, 256, 0, false)
+    kvchat::eval::ppl::perplexity(&e, mode.parse().unwrap(), &ids, 256, 0, false)
         .unwrap()
         .ppl
 }
@@ -630,4 +635,345 @@ pub fn prefill_and_decode(
         .map(|&t| s.feed(&[t]).unwrap().to_vec1::<f32>().unwrap())
         .collect();
     (prefill, decode)
+}
+
+/// The layers of the random Gemma 4 (`write_random_gemma4`): window layers alternate with global
+/// ones, and the last 2 of 6 share the keys and values of layers 2 (window) and 3 (global), as
+/// llama.cpp maps Gemma 4's shared layers.
+pub const GEMMA4_WINDOW: [bool; 6] = [true, false, true, false, true, false];
+
+/// Writes a random `gemma4` GGUF in Gemma 4 E2B's pieces, small: 6 layers of hidden 256 and 4
+/// query heads; window layers (16 positions) of head size 32 with 2 KV heads, rotated at base
+/// 10,000; global layers of head size 64 with 1 KV head, rotated "proportionally" (only the
+/// first quarter of the pairs turn: `rope_freqs` 1, then 1e30) at base 1,000,000; layer 1 with
+/// no `attn_v` (its values are its keys' projection); the last 2 layers sharing keys and values
+/// and twice as wide in their FFN; per-layer token embeddings of 32; an output scale per layer;
+/// logits soft-capped at 30. Q8_0 matrices, the tokenizer of `tokenizer_from`.
+pub fn write_random_gemma4(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    write_gemma4(path, tokenizer_from, false)
+}
+
+/// `write_random_gemma4`'s model with experts beside each dense FFN, as Gemma 4 26B-A4B: 4
+/// experts of 128 (gate and up stacked in one `ffn_gate_up_exps`, a scale per expert), 2 a
+/// token, routed on `ffn_gate_inp.scale ⊙ rms(x)`.
+pub fn write_random_gemma4_moe(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    write_gemma4(path, tokenizer_from, true)
+}
+
+fn write_gemma4(path: &std::path::Path, tokenizer_from: &std::path::Path, moe: bool) {
+    let (experts, used, expert_ffn) = (4usize, 2usize, 128usize);
+    let (hidden, heads, ple, layers) = (256usize, 4usize, 32usize, GEMMA4_WINDOW.len());
+    let (hd_global, hd_local, shared) = (64usize, 32usize, 2usize);
+    let kv_heads = |i: usize| if GEMMA4_WINDOW[i] { 2usize } else { 1 };
+    let hd = |i: usize| {
+        if GEMMA4_WINDOW[i] {
+            hd_local
+        } else {
+            hd_global
+        }
+    };
+    let ffn = |i: usize| if i >= layers - shared { 512usize } else { 256 };
+    let mut f = std::fs::File::open(tokenizer_from).unwrap();
+    let src = gguf_file::Content::read(&mut f).unwrap();
+    // The vocabulary and its 256 byte tokens (`gemma4_tokenizer`).
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len() + 256,
+        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
+    };
+    let dev = Device::Cpu;
+    let mut rng = Rng(0x0005_eed0_9e44);
+    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
+        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
+    };
+    let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
+    let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
+    let n_rot = hd_global / 4 / 2;
+    let freqs: Vec<f32> = (0..hd_global / 2)
+        .map(|i| if i < n_rot { 1.0 } else { 1e30 })
+        .collect();
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        (
+            "token_embd.weight".into(),
+            tensor(&[vocab, hidden], 0.05, 0.0, q8),
+        ),
+        (
+            "output_norm.weight".into(),
+            tensor(&[hidden], 0.2, 1.0, f32t),
+        ),
+        (
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&Tensor::new(freqs, &dev).unwrap(), f32t).unwrap(),
+        ),
+        (
+            "per_layer_token_embd.weight".into(),
+            tensor(&[vocab, layers * ple], 1.0, 0.0, q8),
+        ),
+        (
+            "per_layer_model_proj.weight".into(),
+            tensor(&[layers * ple, hidden], s(hidden), 0.0, q8),
+        ),
+        (
+            "per_layer_proj_norm.weight".into(),
+            tensor(&[ple], 0.2, 1.0, f32t),
+        ),
+    ];
+    for i in 0..layers {
+        let p = format!("blk.{i}");
+        let mut push = |name: &str, t: QTensor| tensors.push((format!("{p}.{name}"), t));
+        let (nkv, hd, f) = (kv_heads(i), hd(i), ffn(i));
+        for norm in [
+            "attn_norm",
+            "post_attention_norm",
+            "ffn_norm",
+            "post_ffw_norm",
+            "post_norm",
+        ] {
+            push(&format!("{norm}.weight"), tensor(&[hidden], 0.2, 1.0, f32t));
+        }
+        push("attn_q_norm.weight", tensor(&[hd], 0.2, 1.0, f32t));
+        // q and k wide enough that attention is sharp (positions and windows matter).
+        push(
+            "attn_q.weight",
+            tensor(&[heads * hd, hidden], 2.0 * s(hidden), 0.0, q8),
+        );
+        if i < layers - shared {
+            push("attn_k_norm.weight", tensor(&[hd], 0.2, 1.0, f32t));
+            push(
+                "attn_k.weight",
+                tensor(&[nkv * hd, hidden], 2.0 * s(hidden), 0.0, q8),
+            );
+            if i != 1 {
+                push(
+                    "attn_v.weight",
+                    tensor(&[nkv * hd, hidden], s(hidden), 0.0, q8),
+                );
+            }
+        }
+        push(
+            "attn_output.weight",
+            tensor(&[hidden, heads * hd], s(heads * hd), 0.0, q8),
+        );
+        push("ffn_gate.weight", tensor(&[f, hidden], s(hidden), 0.0, q8));
+        push("ffn_up.weight", tensor(&[f, hidden], s(hidden), 0.0, q8));
+        push("ffn_down.weight", tensor(&[hidden, f], s(f), 0.0, q8));
+        push(
+            "inp_gate.weight",
+            tensor(&[ple, hidden], s(hidden), 0.0, q8),
+        );
+        push("proj.weight", tensor(&[hidden, ple], s(ple), 0.0, q8));
+        push("layer_output_scale.weight", tensor(&[1], 0.3, 0.8, f32t));
+        if moe {
+            for norm in ["pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"] {
+                push(&format!("{norm}.weight"), tensor(&[hidden], 0.2, 1.0, f32t));
+            }
+            push(
+                "ffn_gate_inp.weight",
+                tensor(&[experts, hidden], 4.0 * s(hidden), 0.0, f32t),
+            );
+            push("ffn_gate_inp.scale", tensor(&[hidden], 0.2, 1.0, f32t));
+            push(
+                "ffn_gate_up_exps.weight",
+                tensor(&[experts, 2 * expert_ffn, hidden], s(hidden), 0.0, q8),
+            );
+            push(
+                "ffn_down_exps.weight",
+                tensor(&[experts, hidden, expert_ffn], s(expert_ffn), 0.0, q8),
+            );
+            push("ffn_down_exps.scale", tensor(&[experts], 0.3, 1.0, f32t));
+        }
+    }
+    let a = |xs: Vec<Value>| Value::Array(xs);
+    let per_layer =
+        |f: &dyn Fn(usize) -> usize| a((0..layers).map(|i| Value::U32(f(i) as u32)).collect());
+    let g = |k: &str| format!("gemma4.{k}");
+    let mut md: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String("gemma4".into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String("kvchat random gemma4".into()),
+        ),
+        (g("block_count"), Value::U32(layers as u32)),
+        (g("context_length"), Value::U32(131072)),
+        (g("embedding_length"), Value::U32(hidden as u32)),
+        (
+            g("embedding_length_per_layer_input"),
+            Value::U32(ple as u32),
+        ),
+        (g("feed_forward_length"), per_layer(&ffn)),
+        (g("attention.head_count"), Value::U32(heads as u32)),
+        (g("attention.head_count_kv"), per_layer(&kv_heads)),
+        (g("attention.key_length"), Value::U32(hd_global as u32)),
+        (g("attention.value_length"), Value::U32(hd_global as u32)),
+        (g("attention.key_length_swa"), Value::U32(hd_local as u32)),
+        (g("attention.value_length_swa"), Value::U32(hd_local as u32)),
+        (g("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (g("attention.sliding_window"), Value::U32(16)),
+        (
+            g("attention.sliding_window_pattern"),
+            a(GEMMA4_WINDOW.iter().map(|&w| Value::Bool(w)).collect()),
+        ),
+        (g("attention.shared_kv_layers"), Value::U32(shared as u32)),
+        (g("rope.freq_base"), Value::F32(1_000_000.0)),
+        (g("rope.freq_base_swa"), Value::F32(10_000.0)),
+        (g("rope.dimension_count"), Value::U32(hd_global as u32)),
+        (g("rope.dimension_count_swa"), Value::U32(hd_local as u32)),
+        (g("final_logit_softcapping"), Value::F32(30.0)),
+    ];
+    if moe {
+        md.extend([
+            (g("expert_count"), Value::U32(experts as u32)),
+            (g("expert_used_count"), Value::U32(used as u32)),
+            (
+                g("expert_feed_forward_length"),
+                Value::U32(expert_ffn as u32),
+            ),
+        ]);
+    }
+    md.extend(gemma4_tokenizer(&src));
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = std::fs::File::create(path).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
+}
+
+/// A `tokenizer.ggml.model = gemma4` tokenizer (SentencePiece-style BPE over raw UTF-8, "▁" for
+/// spaces, `<0xXX>` byte tokens) made from the byte-level BPE tokenizer of `src` (SmolLM2's):
+/// each token's bytes as UTF-8 text with "▁" for spaces (a token whose bytes are not UTF-8
+/// becomes a private-use placeholder no text contains), the merges between such tokens, and the
+/// 256 byte tokens after them. Control tokens stay as they are.
+pub fn gemma4_tokenizer(src: &gguf_file::Content) -> Vec<(String, Value)> {
+    // GPT-2's bytes_to_unicode, inverted: the character byte-level BPE writes for each byte.
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + n);
+            n += 1;
+        }
+    }
+    let byte_of: HashMap<char, u8> = chars
+        .iter()
+        .zip(&printable)
+        .map(|(&c, &b)| (char::from_u32(c).unwrap(), b as u8))
+        .collect();
+    let text = |t: &str| -> Option<String> {
+        let bytes: Option<Vec<u8>> = t.chars().map(|c| byte_of.get(&c).copied()).collect();
+        String::from_utf8(bytes?)
+            .ok()
+            .map(|s| s.replace(' ', "\u{2581}"))
+    };
+    let strings = |key: &str| -> Vec<String> {
+        match src.metadata.get(key) {
+            Some(Value::Array(a)) => a.iter().map(|v| v.to_string().unwrap().clone()).collect(),
+            _ => panic!("no {key}"),
+        }
+    };
+    let src_types: Vec<i32> = match src.metadata.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(a)) => a.iter().map(|v| v.to_i32().unwrap()).collect(),
+        _ => panic!("no token types"),
+    };
+    let mut tokens = Vec::new();
+    let mut types = Vec::new();
+    for (i, (t, &ty)) in strings("tokenizer.ggml.tokens")
+        .iter()
+        .zip(&src_types)
+        .enumerate()
+    {
+        let converted = match ty {
+            3 => Some(t.clone()),
+            _ => text(t),
+        };
+        tokens.push(converted.unwrap_or_else(|| format!("\u{E000}{i}")));
+        types.push(ty);
+    }
+    for b in 0..256 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    let merges: Vec<String> = strings("tokenizer.ggml.merges")
+        .iter()
+        .filter_map(|m| {
+            let (a, b) = m.split_once(' ')?;
+            Some(format!("{} {}", text(a)?, text(b)?))
+        })
+        .collect();
+    let list = |xs: Vec<Value>| Value::Array(xs);
+    let mut md = vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gemma4".into()),
+        ),
+        ("tokenizer.ggml.pre".into(), Value::String("gemma4".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            list(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            list(types.into_iter().map(Value::I32).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            list(merges.into_iter().map(Value::String).collect()),
+        ),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
+    ];
+    for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"] {
+        if let Some(v) = src.metadata.get(key) {
+            md.push((key.to_string(), v.clone()));
+        }
+    }
+    md
+}
+
+/// A copy of the GGUF at `src`, changed by `damage`, named `name`.gguf in the tests' scratch
+/// directory: a hostile-input test's file.
+pub fn damaged(src: &std::path::Path, name: &str, damage: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let mut bytes = std::fs::read(src).unwrap();
+    damage(&mut bytes);
+    let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.gguf"));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Sets the metadata value of `key` whose GGUF value type is `ty` (the key string, then its type,
+/// then the value) to `value`'s bytes.
+fn set_value(bytes: &mut [u8], key: &str, ty: u32, value: &[u8]) {
+    let at = bytes
+        .windows(key.len() + 4)
+        .position(|w| &w[..key.len()] == key.as_bytes() && w[key.len()..] == ty.to_le_bytes())
+        .unwrap_or_else(|| panic!("no key {key} of type {ty}"))
+        + key.len()
+        + 4;
+    bytes[at..at + value.len()].copy_from_slice(value);
+}
+
+/// Sets the u32 metadata value of `key` (GGUF value type 4).
+pub fn set_u32(bytes: &mut [u8], key: &str, v: u32) {
+    set_value(bytes, key, 4, &v.to_le_bytes())
+}
+
+/// Sets the f32 metadata value of `key` (GGUF value type 6).
+pub fn set_f32(bytes: &mut [u8], key: &str, v: f32) {
+    set_value(bytes, key, 6, &v.to_le_bytes())
+}
+
+/// `kvchat run -m PATH --raw -n 2 FLAGS… hi`.
+pub fn run_two_tokens(path: &std::path::Path, flags: &[&str]) -> std::process::Output {
+    let mut args = vec!["run", "-m", path.to_str().unwrap(), "--raw", "-n", "2"];
+    args.extend(flags);
+    args.push("hi");
+    crate::common::kvchat(&args, "")
 }
