@@ -104,10 +104,14 @@ pub struct Generate {
 /// What a cache holds against a uniform one that keeps every position: a line for a model's
 /// declared windows and one for a budget, where they apply (`--stats`, chat's `/cache`).
 pub(crate) fn cache_savings(engine: &Engine, cache: &KvCache) -> Vec<String> {
-    [window_saving(engine, cache), budget_saving(engine, cache)]
-        .into_iter()
-        .flatten()
-        .collect()
+    [
+        window_saving(engine, cache),
+        budget_saving(engine, cache),
+        recurrent_memory(engine, cache),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// For a budget cache: what it evicted, and what it holds against keeping every position seen.
@@ -135,6 +139,33 @@ fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
         human_bytes(used as u64),
         human_bytes(every as u64),
         if every > 0.0 { used / every } else { 1.0 }
+    ))
+}
+
+/// For a model with recurrent layers (Qwen3.5): its memory by kind, against a cache of keys and
+/// values on every layer.
+fn recurrent_memory(engine: &Engine, cache: &KvCache) -> Option<String> {
+    let cfg = &engine.model().cfg;
+    let r = cfg.recurrent.as_ref()?;
+    let states = cache.states();
+    let (kv, state, snaps) = (
+        cache.bytes_used() as f64,
+        states.bytes() as f64,
+        states.snapshot_bytes() as f64,
+    );
+    let uniform = cache.bytes_uniform(cfg);
+    Some(format!(
+        "memory by kind: attention KV {} on {} of {} layers + recurrent state {} (fixed) on the other {} + {} snapshots of it ({}): {} held against {} for a uniform cache ({:.2}×)",
+        human_bytes(kv as u64),
+        cfg.kv_layers(),
+        cfg.n_layer,
+        human_bytes(state as u64),
+        r.count(),
+        states.counts().1,
+        human_bytes(snaps as u64),
+        human_bytes((kv + state + snaps) as u64),
+        human_bytes(uniform as u64),
+        if uniform > 0.0 { (kv + state + snaps) / uniform } else { 1.0 }
     ))
 }
 

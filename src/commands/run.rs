@@ -124,7 +124,11 @@ pub fn run(opts: RunOptions) -> Result<()> {
     }
     let mut session = engine.session(&spec);
     let sampling = engine.sampling_for(&g.sampling);
-    for n in engine.sampling_notes() {
+    for n in engine
+        .sampling_notes()
+        .iter()
+        .chain(&spec.notes(&engine.model().cfg))
+    {
         eprintln!("note: {n}");
     }
     let mut sampler = Sampler::new(sampling.params.clone());
@@ -132,6 +136,10 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut store = open_store(&g.store, &engine, &session);
     let t0 = Instant::now();
+    if g.prompt_cache.is_some() {
+        // A cache whose state cannot be saved is refused before any work.
+        session.cache().persist_key()?;
+    }
     let reused = match &g.prompt_cache {
         Some(p) if p.exists() => match session.reuse_saved_prefix(p, engine.digest(), &ids) {
             Ok(n) => n,

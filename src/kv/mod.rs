@@ -17,6 +17,7 @@ pub mod store;
 use crate::model::cache::LayerCache;
 pub use crate::model::cache::{Attend, DecoderCache, KvView, Precision};
 use crate::model::config::Config;
+use crate::model::deltanet::RecurrentState;
 #[cfg(test)]
 use crate::model::rope::Rope;
 use anyhow::Result;
@@ -468,6 +469,25 @@ impl CacheSpec {
         format!("precision {precision}; retention {retention}; placement {placement}")
     }
 
+    /// What this cache does on a model of `cfg` that its settings do not say: on a model with
+    /// recurrent layers (Qwen3.5), a window or budget bounds the attention layers' keys and values
+    /// only.
+    pub fn notes(&self, cfg: &Config) -> Vec<String> {
+        let bounded = match self.mode.retention {
+            Retention::Window { .. } => "a window",
+            Retention::Budget { .. } => "a budget",
+            Retention::All | Retention::None => return Vec::new(),
+        };
+        match &cfg.recurrent {
+            Some(r) => vec![format!(
+                "{bounded} applies to the {} attention layers only; the {} DeltaNet layers keep a fixed recurrent state",
+                cfg.kv_layers(),
+                r.count()
+            )],
+            None => Vec::new(),
+        }
+    }
+
     /// Whether the generation loop must feed the whole sequence at every step.
     pub fn recomputes(&self) -> bool {
         self.mode.retention == Retention::None
@@ -539,16 +559,23 @@ impl CacheSpec {
     /// kernel (`tensors_on` None), or as tensors on a device (a GPU, or the CPU running the GPU's
     /// path: `Engine::kv_device`).
     pub fn build(&self, cfg: &Config, tensors_on: Option<&Device>) -> KvCache {
-        // Layers that share an earlier layer's keys and values (Gemma 4) keep none.
+        // Layers that share an earlier layer's keys and values (Gemma 4) keep none; DeltaNet
+        // layers (Qwen3.5) keep a recurrent state instead.
         let layers = (0..cfg.kv_layers())
-            .map(|i| {
+            .map(|c| {
+                let i = cfg.kv_block(c);
                 let (nkv, hd) = cfg.layer_kv_shape(i);
                 Layer::new(&self.layer_spec(cfg, i), nkv, hd, tensors_on)
             })
             .collect();
+        let states = match &cfg.recurrent {
+            Some(r) => States::new(r),
+            None => States::default(),
+        };
         KvCache {
             spec: self.clone(),
             layers,
+            states,
             verifying: false,
         }
     }
@@ -572,10 +599,113 @@ pub fn pyramid_budget(budget: usize, least: usize, i: usize, cfg: &Config) -> us
     ((budget as f64 * share).round() as usize).max(least)
 }
 
+/// The recurrent states of a model's DeltaNet layers (Qwen3.5), and snapshots of them taken where
+/// a forward of several positions begins (a prompt, a chat turn, a verified draft): a state
+/// cannot drop its last positions as keys and values can, so going back restores the newest
+/// snapshot at or before the target and the session computes the rest again (llama.cpp's
+/// context checkpoints).
+#[derive(Default)]
+pub struct States {
+    now: Vec<RecurrentState>,
+    /// The position the states stand at (all positions before it taken in).
+    at: usize,
+    /// A forward changed the states and has not finished its step: `at` no longer says where
+    /// they stand.
+    changed: bool,
+    /// Oldest first, each at a different position; at most [`MAX_SNAPSHOTS`].
+    snapshots: Vec<(usize, Vec<RecurrentState>)>,
+}
+
+/// Snapshots of the recurrent states a cache keeps (llama.cpp's `--ctx-checkpoints` default).
+pub const MAX_SNAPSHOTS: usize = 8;
+
+impl States {
+    fn new(r: &crate::model::config::Recurrent) -> Self {
+        Self {
+            now: vec![RecurrentState::new(r); r.count()],
+            ..Self::default()
+        }
+    }
+
+    /// Clears the states back to before any token, with their snapshots.
+    fn clear(&mut self) {
+        self.now.iter_mut().for_each(RecurrentState::clear);
+        self.at = 0;
+        self.changed = false;
+        self.snapshots.clear();
+    }
+
+    /// Keeps a snapshot of the states as they stand at `pos` (when they do stand there).
+    fn snapshot(&mut self, pos: usize) {
+        if self.now.is_empty() || self.changed || self.at != pos || pos == 0 {
+            return;
+        }
+        if self.snapshots.last().is_some_and(|(p, _)| *p == pos) {
+            return;
+        }
+        if self.snapshots.len() == MAX_SNAPSHOTS {
+            self.snapshots.remove(0);
+        }
+        self.snapshots.push((pos, self.now.clone()));
+    }
+
+    /// The position the states go back to for a sequence cut to `len`: where they stand when
+    /// that is not past `len`, else the newest snapshot at or before it (0: the start).
+    fn back_to(&self, len: usize) -> usize {
+        if !self.changed && self.at <= len {
+            return self.at;
+        }
+        self.snapshots
+            .iter()
+            .rev()
+            .map(|(p, _)| *p)
+            .find(|&p| p <= len)
+            .unwrap_or(0)
+    }
+
+    /// Puts the states back to `pos` (a value [`States::back_to`] gave), dropping later snapshots.
+    fn restore(&mut self, pos: usize) {
+        if !self.changed && self.at == pos {
+            return;
+        }
+        self.snapshots.retain(|(p, _)| *p <= pos);
+        match self.snapshots.last() {
+            Some((p, states)) if *p == pos => self.now.clone_from(states),
+            _ => {
+                debug_assert_eq!(pos, 0, "a restore to a position without a snapshot");
+                self.now.iter_mut().for_each(RecurrentState::clear);
+            }
+        }
+        self.at = pos;
+        self.changed = false;
+    }
+
+    /// Bytes of the states now (fixed, whatever the sequence's length).
+    pub fn bytes(&self) -> usize {
+        self.now.iter().map(RecurrentState::bytes).sum()
+    }
+
+    /// Bytes of the snapshots kept.
+    pub fn snapshot_bytes(&self) -> usize {
+        self.snapshots
+            .iter()
+            .flat_map(|(_, s)| s)
+            .map(RecurrentState::bytes)
+            .sum()
+    }
+
+    /// How many recurrent layers, and how many snapshots are kept.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.now.len(), self.snapshots.len())
+    }
+}
+
 /// All layers' caches for one sequence.
 pub struct KvCache {
     spec: CacheSpec,
     layers: Vec<Layer>,
+    /// The recurrent states of a model's DeltaNet layers (none for other models).
+    states: States,
     /// The forwards under way verify drafts ([`KvCache::verify_drafts`]).
     verifying: bool,
 }
@@ -597,8 +727,25 @@ impl DecoderCache for KvCache {
         for l in &mut self.layers {
             l.step_done();
         }
+        self.states.at = self.seen();
+        self.states.changed = false;
+    }
+    fn state(&mut self, r: usize) -> Result<&mut RecurrentState> {
+        self.states.changed = true;
+        let n = self.states.now.len();
+        self.states
+            .now
+            .get_mut(r)
+            .ok_or_else(|| anyhow::anyhow!("recurrent layer {r} of {n} asked for"))
     }
     fn forward_begins(&mut self, positions: usize) -> Result<()> {
+        if self.spec.recomputes() {
+            // The whole sequence runs again: the states start from nothing.
+            self.states.clear();
+        } else if positions > 1 {
+            let seen = self.seen();
+            self.states.snapshot(seen);
+        }
         let apart = self.rows_apart();
         for l in &mut self.layers {
             if apart {
@@ -667,18 +814,35 @@ impl KvCache {
         self.layers.first().map_or(0, |l| l.seen())
     }
     /// Drops every position from `len` on, in every layer — or, when some layer cannot go back
-    /// that far, in none (an error names why).
+    /// that far, in none (an error names why). A model with recurrent states goes back to the
+    /// newest snapshot at or before `len` ([`States`]): `seen()` then tells where, and the
+    /// positions from there to `len` are to be computed again (`Session::truncate` does).
     pub fn truncate(&mut self, len: usize) -> Result<()> {
-        if let Some(why) = self.layers.iter().find_map(|l| l.truncate_refusal(len)) {
+        let states = !self.states.now.is_empty() && !self.spec.recomputes();
+        let to = match states {
+            true => self.states.back_to(len.min(self.seen())),
+            false => len,
+        };
+        if let Some(why) = self.layers.iter().find_map(|l| l.truncate_refusal(to)) {
             anyhow::bail!(why);
         }
         for l in &mut self.layers {
-            l.truncate(len)?;
+            l.truncate(to)?;
+        }
+        if states {
+            self.states.restore(to);
         }
         Ok(())
     }
+
+    /// The recurrent states (Qwen3.5's DeltaNet layers; empty for other models).
+    pub fn states(&self) -> &States {
+        &self.states
+    }
     pub fn reset(&mut self) -> Result<()> {
-        self.truncate(0)
+        self.truncate(0)?;
+        self.states.clear();
+        Ok(())
     }
     /// What must match for a saved state to be loaded into this cache: the axes, not the capacity.
     pub fn persist_key(&self) -> Result<String> {
@@ -687,6 +851,9 @@ impl KvCache {
                 crate::Fix::FullCache,
                 "with no cache there is no KV state to save".into(),
             ));
+        }
+        if !self.states.now.is_empty() {
+            anyhow::bail!("saving the state of a model with recurrent layers (Qwen3.5's DeltaNet) is not supported yet");
         }
         let m = &self.spec.mode;
         let retention = match m.retention {
@@ -701,9 +868,12 @@ impl KvCache {
         // Placement is not part of it: offloaded or not, the rows are the same.
         Ok(format!("{retention}, {}{residual}", m.precision.name()))
     }
-    /// Bytes resident in all layers now (allocated storage).
+    /// Bytes resident in all layers now (allocated storage), recurrent states and their
+    /// snapshots included.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.bytes()).sum()
+        self.layers.iter().map(|l| l.bytes()).sum::<usize>()
+            + self.states.bytes()
+            + self.states.snapshot_bytes()
     }
     /// Bytes the positions held occupy (what `kv-size` predicts for this many positions).
     pub fn bytes_used(&self) -> usize {
@@ -758,6 +928,7 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         layers: None,
         per_layer_embd: 0,
         final_softcap: None,
+        recurrent: None,
     }
 }
 

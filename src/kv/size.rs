@@ -14,10 +14,14 @@ pub struct KvDims {
 }
 
 impl KvDims {
-    /// A model's dimensions.
+    /// A model's dimensions: its layers that keep keys and values where some keep a recurrent
+    /// state instead (Qwen3.5), else all of them.
     pub fn of(cfg: &Config) -> Self {
         Self {
-            layers: cfg.n_layer,
+            layers: match cfg.recurrent {
+                Some(_) => cfg.kv_layers(),
+                None => cfg.n_layer,
+            },
             kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
         }

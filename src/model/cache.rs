@@ -309,6 +309,11 @@ pub trait DecoderCache {
     fn forward_begins(&mut self, _positions: usize) -> Result<()> {
         Ok(())
     }
+    /// The recurrent state of the model's `r`-th DeltaNet layer (Qwen3.5; `Config::state_index`),
+    /// which the forward reads and leaves after its step.
+    fn state(&mut self, r: usize) -> Result<&mut super::deltanet::RecurrentState> {
+        anyhow::bail!("this cache keeps no recurrent state (asked for layer {r}'s)")
+    }
     /// Whether each row of this forward is to be attended as a step of its own (one
     /// [`LayerCache::append`] a row), while the matmuls still take every row at once: a verified
     /// draft on a cache whose batched step would not give each row the bits of single steps (a

@@ -18,7 +18,7 @@ const MAX_DIM: u64 = 1 << 31;
 
 /// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
 pub const SUPPORTED_ARCHS: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gpt-oss",
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gpt-oss", "qwen35",
 ];
 
 /// The FFN's gate activation: the kernel's own enum (`kernels::glu`), one list of them.
@@ -50,6 +50,9 @@ pub struct Block {
     pub v_norm: bool,
     /// Each block's output is multiplied by a learned scalar (`layer_output_scale`: gemma4).
     pub out_scale: bool,
+    /// The q projection gives each head its queries and, beside them, a gate on its output:
+    /// attention's output × sigmoid(gate) before `attn_output` (qwen35).
+    pub q_gate: bool,
 }
 
 impl Block {
@@ -66,6 +69,7 @@ impl Block {
             moe: false,
             v_norm: false,
             out_scale: false,
+            q_gate: false,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -102,6 +106,14 @@ impl Block {
                 ffn_norm: "post_attention_norm",
                 attn_sinks: true,
                 moe: true,
+                ..plain
+            },
+            // Attention layers between Gated DeltaNet ones (`Config::recurrent`).
+            "qwen35" => Block {
+                qk_norm: true,
+                neox_rope: true,
+                ffn_norm: "post_attention_norm",
+                q_gate: true,
                 ..plain
             },
             _ => return None,
@@ -170,6 +182,58 @@ pub struct Config {
     pub per_layer_embd: usize,
     /// Logits pass through c·tanh(x / c) (Gemma 4's `final_logit_softcapping`).
     pub final_softcap: Option<f32>,
+    /// Layers whose mixer is a Gated DeltaNet with a recurrent state instead of attention
+    /// (Qwen3.5), and the state's sizes. None: every layer attends.
+    pub recurrent: Option<Recurrent>,
+}
+
+/// Qwen3.5's Gated DeltaNet layers (llama.cpp's `ssm.*` keys): a short causal convolution over
+/// the q, k and v channels (`conv` taps; its state the last `conv − 1` inputs), then per value
+/// head a `head_dim × head_dim` state matrix S updated by the delta rule at every token:
+/// S ← S·exp(g); S ← S + k ⊗ β(v − Sᵀk); out = Sᵀq / √head_dim.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recurrent {
+    /// For each layer, whether it is a Gated DeltaNet layer (the rest attend).
+    pub layers: Vec<bool>,
+    /// Convolution taps (`ssm.conv_kernel`).
+    pub conv: usize,
+    /// Key heads (`ssm.group_count`); value head h reads key head h mod `k_heads`.
+    pub k_heads: usize,
+    /// Value heads (`ssm.time_step_rank`), each with a state of its own.
+    pub v_heads: usize,
+    /// Size of a key and of a value head (`ssm.state_size`).
+    pub head_dim: usize,
+}
+
+impl Recurrent {
+    /// Width of the keys (and of the queries).
+    pub fn key_dim(&self) -> usize {
+        self.k_heads * self.head_dim
+    }
+    /// Width of the values (`ssm.inner_size`).
+    pub fn value_dim(&self) -> usize {
+        self.v_heads * self.head_dim
+    }
+    /// Channels the convolution runs over: q, k and v side by side.
+    pub fn channels(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// f32 values of one layer's convolution state: the last `conv − 1` inputs of each channel.
+    pub fn conv_floats(&self) -> usize {
+        (self.conv - 1) * self.channels()
+    }
+    /// f32 values of one layer's delta-rule state: a `head_dim²` matrix per value head.
+    pub fn matrix_floats(&self) -> usize {
+        self.v_heads * self.head_dim * self.head_dim
+    }
+    /// Bytes of one layer's whole state (f32), whatever the sequence's length.
+    pub fn layer_bytes(&self) -> usize {
+        4 * (self.conv_floats() + self.matrix_floats())
+    }
+    /// How many layers keep a recurrent state.
+    pub fn count(&self) -> usize {
+        self.layers.iter().filter(|&&r| r).count()
+    }
 }
 
 /// How layers differ in shape (Gemma 4). Each vector has one entry per layer.
@@ -220,21 +284,50 @@ impl Config {
         self.layers.as_ref().map_or(self.ffn, |l| l.ffn[i])
     }
 
-    /// Layers that keep keys and values of their own: the first `kv_layers()` (the rest share).
-    pub fn kv_layers(&self) -> usize {
-        self.n_layer - self.layers.as_ref().map_or(0, |l| l.shared_kv)
+    /// Whether layer `i` keeps a recurrent state instead of attending (Qwen3.5's DeltaNet layers).
+    pub fn is_recurrent(&self, i: usize) -> bool {
+        self.recurrent
+            .as_ref()
+            .is_some_and(|r| r.layers.get(i).copied().unwrap_or(false))
     }
 
-    /// The layer whose keys and values layer `i` attends over: itself, or for a shared layer
-    /// llama.cpp's choice for Gemma 4: layer `kv_layers − 2` for a window layer, `kv_layers − 1`
-    /// for a global one (`validate` checks that it is of the same kind and shape).
+    /// Whether layer `i` keeps keys and values of its own: an attention layer that shares no
+    /// earlier layer's (Gemma 4's last `shared_kv` layers do).
+    pub fn own_kv(&self, i: usize) -> bool {
+        let shared = self.layers.as_ref().map_or(0, |l| l.shared_kv);
+        i < self.n_layer - shared && !self.is_recurrent(i)
+    }
+
+    /// How many layers keep keys and values of their own: the KV cache's layers.
+    pub fn kv_layers(&self) -> usize {
+        (0..self.n_layer).filter(|&i| self.own_kv(i)).count()
+    }
+
+    /// The block whose keys and values the KV cache's layer `c` holds (the `c`-th layer that
+    /// keeps its own).
+    pub fn kv_block(&self, c: usize) -> usize {
+        (0..self.n_layer)
+            .filter(|&i| self.own_kv(i))
+            .nth(c)
+            .unwrap_or(c)
+    }
+
+    /// The KV cache layer that attention layer `i` attends over: its own (its place among the
+    /// layers that keep theirs), or for a shared layer llama.cpp's choice for Gemma 4: layer
+    /// `kv_layers − 2` for a window layer, `kv_layers − 1` for a global one (`validate` checks
+    /// that it is of the same kind and shape).
     pub fn kv_source(&self, i: usize) -> usize {
         let own = self.kv_layers();
-        match (i < own, self.layer_window(i)) {
-            (true, _) => i,
+        match (self.own_kv(i), self.layer_window(i)) {
+            (true, _) => (0..i).filter(|&j| self.own_kv(j)).count(),
             (false, Some(_)) => own - 2,
             (false, None) => own - 1,
         }
+    }
+
+    /// The recurrent state of DeltaNet layer `i`: its place among the recurrent layers.
+    pub fn state_index(&self, i: usize) -> usize {
+        (0..i).filter(|&j| self.is_recurrent(j)).count()
     }
 
     /// Reads the hyperparameters from GGUF metadata (`{arch}.block_count`, …).
@@ -437,7 +530,53 @@ impl Config {
             "gemma4" => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
             _ => None,
         };
+        let recurrent = match arch.as_str() {
+            "qwen35" => {
+                let r = Recurrent {
+                    layers: Vec::new(),
+                    conv: get_u("ssm.conv_kernel")?,
+                    k_heads: get_u("ssm.group_count")?,
+                    v_heads: get_u("ssm.time_step_rank")?,
+                    head_dim: get_u("ssm.state_size")?,
+                };
+                let inner = get_u("ssm.inner_size")?;
+                if inner != r.value_dim() {
+                    bail!(
+                        "GGUF {arch}.ssm.inner_size = {inner} is not ssm.time_step_rank × ssm.state_size = {} × {}",
+                        r.v_heads,
+                        r.head_dim
+                    );
+                }
+                // Which layers are recurrent: stated per layer, or every layer but each
+                // `full_attention_interval`-th (llama.cpp's default 4).
+                let key = format!("{arch}.attention.recurrent_layers");
+                let layers = match md.get(&key) {
+                    Some(gguf_file::Value::Array(a)) if a.len() == n_layer => a
+                        .iter()
+                        .map(|v| match v {
+                            gguf_file::Value::Bool(b) => Ok(*b),
+                            v => Ok(as_u("attention.recurrent_layers", v)? != 0),
+                        })
+                        .collect::<Result<Vec<bool>>>()?,
+                    Some(_) => bail!("GGUF {key} is not an array of {n_layer} flags"),
+                    None => {
+                        let every = match md.get(&format!("{arch}.full_attention_interval")) {
+                            Some(v) => as_u("full_attention_interval", v)?,
+                            None => 4,
+                        };
+                        if every == 0 {
+                            bail!("GGUF {arch}.full_attention_interval is 0");
+                        }
+                        (0..n_layer).map(|i| (i + 1) % every != 0).collect()
+                    }
+                };
+                check_text_rope_sections(md, &arch, rope_dim)?;
+                Some(Recurrent { layers, ..r })
+            }
+            _ => None,
+        };
         let cfg = Self {
+            recurrent,
             arch,
             n_layer,
             n_head,
@@ -544,6 +683,7 @@ impl Config {
             layers: None,
             per_layer_embd: 0,
             final_softcap: None,
+            recurrent: None,
             arch,
         };
         cfg.validate()?;
@@ -595,6 +735,42 @@ impl Config {
 
     /// Gemma 4's per-layer shapes: sizes in range, and each shared layer's source of its own
     /// kind and shape.
+    fn validate_recurrent(&self, r: &Recurrent) -> Result<()> {
+        if r.layers.len() != self.n_layer {
+            bail!(
+                "recurrent layer flags for {} layers in a model of {}",
+                r.layers.len(),
+                self.n_layer
+            );
+        }
+        if self.kv_layers() == 0 {
+            bail!(
+                "model has no attention layer: every layer is recurrent, which kvchat does not run"
+            );
+        }
+        if !(2..=64).contains(&r.conv) {
+            bail!(
+                "model ssm.conv_kernel = {} is not usable (2 to 64 taps)",
+                r.conv
+            );
+        }
+        if r.head_dim == 0 || r.head_dim > 1024 || r.k_heads == 0 || r.v_heads > 4096 {
+            bail!(
+                "model ssm.state_size = {}, ssm.group_count = {} is not usable (heads of 1 to 1024 values, at least one key head)",
+                r.head_dim,
+                r.k_heads
+            );
+        }
+        if r.v_heads == 0 || !r.v_heads.is_multiple_of(r.k_heads) {
+            bail!(
+                "model ssm.time_step_rank = {} value heads are not a multiple of ssm.group_count = {} key heads",
+                r.v_heads,
+                r.k_heads
+            );
+        }
+        Ok(())
+    }
+
     fn validate_layers(&self, l: &LayerShapes) -> Result<()> {
         let (hl, rl) = (l.head_dim_local, l.rope_dim_local);
         if hl == 0 || hl > 4096 || rl == 0 || rl > hl || !rl.is_multiple_of(2) {
@@ -718,7 +894,9 @@ impl Config {
         if let Some(l) = &self.layers {
             self.validate_layers(l)?;
         }
-
+        if let Some(r) = &self.recurrent {
+            self.validate_recurrent(r)?;
+        }
         if let Some(c) = self.final_softcap {
             if !(c.is_finite() && c > 0.0) {
                 bail!("model final_logit_softcapping = {c} is not a positive number");
@@ -755,4 +933,54 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Qwen3.5 rotates with llama.cpp's interleaved multi-section RoPE (`rope.dimension_sections`:
+/// pairs split between time, height, width and an extra position). A text token has the same
+/// position in the first three and 0 in the fourth, so where every rotated pair falls in one of
+/// the first three, the rotation is the plain half-split one over `rope.dimension_count`
+/// dimensions: that is what kvchat runs, and a file that puts pairs in the fourth is refused.
+fn check_text_rope_sections(
+    md: &std::collections::HashMap<String, gguf_file::Value>,
+    arch: &str,
+    rope_dim: usize,
+) -> Result<()> {
+    let key = format!("{arch}.rope.dimension_sections");
+    let Some(v) = md.get(&key) else {
+        return Ok(());
+    };
+    let sections = match v {
+        gguf_file::Value::Array(a) if a.len() <= 4 => {
+            let mut s = [0i64; 4];
+            for (d, v) in s.iter_mut().zip(a) {
+                *d = v
+                    .to_i32()
+                    .map(i64::from)
+                    .or_else(|_| v.to_u32().map(i64::from))
+                    .map_err(|_| anyhow::anyhow!("GGUF {key} holds a non-integer"))?;
+            }
+            s
+        }
+        _ => bail!("GGUF {key} is not an array of at most 4 integers"),
+    };
+    if sections.iter().any(|&s| !(0..=4096).contains(&s)) {
+        bail!("GGUF {key} = {sections:?} is out of range");
+    }
+    let all: i64 = sections.iter().sum();
+    if all == 0 {
+        bail!("GGUF {key} = {sections:?} gives no pair a section");
+    }
+    // ggml's `ggml_mrope_cache_init` for the interleaved kind: pair i's sector is i mod the
+    // sections' sum; sectors ≡ 1, 2, 0 (mod 3) below 3 × the section's size take the second,
+    // third and first position; every other sector the fourth.
+    for i in 0..(rope_dim / 2) as i64 {
+        let sector = i % all;
+        let first_three = (sector % 3 == 1 && sector < 3 * sections[1])
+            || (sector % 3 == 2 && sector < 3 * sections[2])
+            || (sector % 3 == 0 && sector < 3 * sections[0]);
+        if !first_three {
+            bail!("GGUF {key} = {sections:?} rotates pair {i} by a fourth position (images' or video's): kvchat runs text only, where it would stay at 0 — this rotation is not supported");
+        }
+    }
+    Ok(())
 }

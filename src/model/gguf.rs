@@ -2,9 +2,10 @@
 //! in `kernels::quant`, or candle's QMatMul where those do not run or are slower).
 
 use super::config::Config;
+use super::deltanet::DeltaNet;
 use super::kernels::quant::{Kernels, Packer, QMatrix, WeightType};
 use super::llama::{
-    expect_dims, Block, Embedding, Ffn, Linear, Llama, MoeBeside, PerLayerBlock,
+    expect_dims, Attention, Block, Embedding, Ffn, Linear, Llama, Mixer, MoeBeside, PerLayerBlock,
     PerLayerEmbeddings, Weight,
 };
 use super::moe::{Expert, GateUp, Moe};
@@ -104,8 +105,13 @@ fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
     let (h, nh, ffn) = (cfg.hidden, cfg.n_head, cfg.layer_ffn(i));
     let (nkv, hd) = cfg.layer_kv_shape(i);
     let p = format!("blk.{i}");
+    let q_rows = if cfg.block.q_gate {
+        2 * nh * hd
+    } else {
+        nh * hd
+    };
     [
-        (format!("{p}.attn_q"), [nh * hd, h]),
+        (format!("{p}.attn_q"), [q_rows, h]),
         (format!("{p}.attn_k"), [nkv * hd, h]),
         (format!("{p}.attn_v"), [nkv * hd, h]),
         (format!("{p}.attn_output"), [h, nh * hd]),
@@ -113,6 +119,21 @@ fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
         (format!("{p}.ffn_up"), [ffn, h]),
         (format!("{p}.ffn_down"), [h, ffn]),
     ]
+}
+
+/// The projections of DeltaNet layer `i` (Qwen3.5), as [`layer_matrices`]: the mixed q/k/v,
+/// the output gate, β, α and the output.
+fn delta_net_matrices(cfg: &Config, i: usize) -> Option<[(String, [usize; 2]); 5]> {
+    let r = cfg.recurrent.as_ref().filter(|_| cfg.is_recurrent(i))?;
+    let (h, v) = (cfg.hidden, r.value_dim());
+    let p = format!("blk.{i}");
+    Some([
+        (format!("{p}.attn_qkv"), [r.channels(), h]),
+        (format!("{p}.attn_gate"), [v, h]),
+        (format!("{p}.ssm_beta"), [r.v_heads, h]),
+        (format!("{p}.ssm_alpha"), [r.v_heads, h]),
+        (format!("{p}.ssm_out"), [h, v]),
+    ])
 }
 
 /// A matrix in the file: `[rows, cols]` of `dtype`, `size` bytes from byte `start`.
@@ -403,6 +424,37 @@ impl GgufFile {
         Ok(v)
     }
 
+    /// Layer `p`'s Gated DeltaNet (Qwen3.5): its matrices `m` (from [`delta_net_matrices`]) and
+    /// small tensors, each checked for shape and finite values.
+    fn delta_net(
+        &mut self,
+        p: &str,
+        cfg: &Config,
+        m: [(String, [usize; 2]); 5],
+        device: &Device,
+    ) -> Result<DeltaNet> {
+        let r = cfg
+            .recurrent
+            .as_ref()
+            .context("a DeltaNet layer without its sizes")?;
+        let [qkv, gate, beta, alpha, out] = m;
+        Ok(DeltaNet {
+            qkv: self.linear(&qkv.0, false, qkv.1, device)?,
+            gate: self.linear(&gate.0, false, gate.1, device)?,
+            beta: self.linear(&beta.0, false, beta.1, device)?,
+            alpha: self.linear(&alpha.0, false, alpha.1, device)?,
+            conv: self.values(
+                &format!("{p}.ssm_conv1d.weight"),
+                &[r.channels(), r.conv],
+                device,
+            )?,
+            dt_bias: self.values(&format!("{p}.ssm_dt.bias"), &[r.v_heads], device)?,
+            a: self.values(&format!("{p}.ssm_a"), &[r.v_heads], device)?,
+            norm: self.values(&format!("{p}.ssm_norm.weight"), &[r.head_dim], device)?,
+            out: self.linear(&out.0, false, out.1, device)?,
+        })
+    }
+
     /// Layer `p`'s mixture of experts (gpt-oss): the router, and each expert's rows of the
     /// `[n_expert, rows, cols]` tensors `ffn_{gate,up,down}_exps` read as matrices of their own
     /// (each expert's bytes are contiguous in the file), its gate and up stacked; the biases
@@ -585,7 +637,7 @@ impl GgufFile {
         let kv = name.ends_with(".attn_k.weight") || name.ends_with(".attn_v.weight");
         let v_from_k =
             cfg.block.v_norm && name.ends_with(".attn_v.weight") && !self.has_tensor(name);
-        let shared = kv && i >= cfg.kv_layers();
+        let shared = kv && !cfg.own_kv(i);
         !shared && !v_from_k
     }
 
@@ -613,12 +665,19 @@ impl GgufFile {
         // end there, so stacking them below copies nothing).
         let mut wanted = vec![("token_embd.weight".to_string(), [cfg.vocab, h])];
         for i in 0..cfg.n_layer {
-            // A mixture of experts has no dense FFN matrices (its experts are read below).
-            let n = if cfg.block.moe { 4 } else { 7 };
+            // A mixture of experts has no dense FFN matrices (its experts are read below); a
+            // DeltaNet layer has its own instead of attention's.
+            let (skip, n) = match (cfg.is_recurrent(i), cfg.block.moe) {
+                (true, _) => (4, 3),
+                (false, true) => (0, 4),
+                (false, false) => (0, 7),
+            };
             wanted.extend(
                 layer_matrices(&cfg, i)
                     .into_iter()
+                    .skip(skip)
                     .take(n)
+                    .chain(delta_net_matrices(&cfg, i).into_iter().flatten())
                     .map(|(p, want)| (format!("{p}.weight"), want))
                     .filter(|(name, _)| self.layer_reads(&cfg, i, name)),
             );
@@ -656,14 +715,15 @@ impl GgufFile {
                 Ok(Some(w))
             };
             let hd = cfg.layer_kv_shape(i).1;
-            let own_kv = i < cfg.kv_layers();
-            let q_norm = norm(block.qk_norm, "attn_q_norm", hd)?;
+            let own_kv = cfg.own_kv(i);
+            let attends = !cfg.is_recurrent(i);
+            let q_norm = norm(block.qk_norm && attends, "attn_q_norm", hd)?;
             let k_norm = norm(block.qk_norm && own_kv, "attn_k_norm", hd)?;
             let post_attn_norm = norm(block.post_norms, "post_attention_norm", h)?;
             let post_ffn_norm = norm(block.post_norms, "post_ffw_norm", h)?;
             let [q, k, v, o, gate, up, down] = layer_matrices(&cfg, i);
             let o_bias = self.has_tensor(&format!("{p}.attn_output.bias"));
-            let sinks = match block.attn_sinks {
+            let sinks = match block.attn_sinks && attends {
                 true => {
                     Some(self.values(&format!("{p}.attn_sinks.weight"), &[cfg.n_head], device)?)
                 }
@@ -679,7 +739,7 @@ impl GgufFile {
                     down: self.linear(&down.0, false, down.1, device)?,
                 }
             };
-            let wk = match own_kv {
+            let wk = match own_kv && attends {
                 true => Some(self.linear(&k.0, qkv_bias, k.1, device)?),
                 false => None,
             };
@@ -733,25 +793,31 @@ impl GgufFile {
                 }
                 false => None,
             };
+            let mixer = match delta_net_matrices(&cfg, i) {
+                Some(m) => Mixer::DeltaNet(self.delta_net(&p, &cfg, m, device)?),
+                None => Mixer::Attention(Attention {
+                    qkv: None,
+                    wq: self.linear(&q.0, qkv_bias, q.1, device)?,
+                    wk,
+                    wv,
+                    wo: self.linear(&o.0, o_bias, o.1, device)?,
+                    v_norm: match block.v_norm {
+                        true => Some(Tensor::ones(hd, DType::F32, device)?),
+                        false => None,
+                    },
+                    sinks,
+                    q_norm,
+                    k_norm,
+                }),
+            };
             let mut layer = Block {
-                qkv: None,
                 moe_beside,
                 attn_norm: self.dense(&format!("{p}.attn_norm.weight"), device)?,
-                wq: self.linear(&q.0, qkv_bias, q.1, device)?,
-                wk,
-                wv,
-                wo: self.linear(&o.0, o_bias, o.1, device)?,
-                v_norm: match block.v_norm {
-                    true => Some(Tensor::ones(hd, DType::F32, device)?),
-                    false => None,
-                },
+                mixer,
                 out_scale,
                 per_layer,
-                sinks,
                 ffn_norm: self.dense(&format!("{p}.{}.weight", block.ffn_norm), device)?,
                 ffn,
-                q_norm,
-                k_norm,
                 post_attn_norm,
                 post_ffn_norm,
             };

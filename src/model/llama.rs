@@ -10,6 +10,7 @@
 
 use super::cache::{DecoderCache, LayerCache};
 use super::config::Config;
+use super::deltanet::{DeltaNet, RecurrentState};
 use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
 use super::moe::Moe;
@@ -68,12 +69,20 @@ pub enum Ffn {
     Moe(Moe),
 }
 
-/// One decoder block's weights: attention (q, k, v, o and their norms) and the feed-forward network.
-pub struct Block {
+/// A block's token mixer: attention over the cache's keys and values, or a Gated DeltaNet over
+/// a recurrent state the cache keeps (Qwen3.5's linear-attention layers).
+pub enum Mixer {
+    Attention(Attention),
+    DeltaNet(DeltaNet),
+}
+
+/// An attention mixer's weights: q, k, v, o and their norms, sinks.
+pub struct Attention {
     /// q, k and v stacked into one matrix (CPU kernels, one format, no biases): one pass instead
     /// of three.
     pub qkv: Option<QMatrix>,
-    pub attn_norm: Tensor,
+    /// `[nh·hd, hidden]`, or `[2·nh·hd, hidden]` where each head's queries come with an output
+    /// gate (`Block::q_gate`: per head, hd queries then hd gates).
     pub wq: Linear,
     /// None: the layer keeps no keys and values of its own and attends over those of
     /// `Config::kv_source` (Gemma 4's shared-KV layers).
@@ -83,19 +92,25 @@ pub struct Block {
     pub wo: Linear,
     /// The values' RMSNorm, which has no weight: ones `[hd]` (gemma4).
     pub v_norm: Option<Tensor>,
+    /// A logit per query head that joins each softmax (gpt-oss's `attn_sinks`), `[nh]`.
+    pub sinks: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of q and k, `[hd]` (qwen3, gemma3).
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+}
+
+/// One decoder block's weights: the mixer (attention or DeltaNet) and the feed-forward network.
+pub struct Block {
+    pub attn_norm: Tensor,
+    pub mixer: Mixer,
     /// The block's output is multiplied by this (gemma4's `layer_output_scale`).
     pub out_scale: Option<f32>,
     /// This layer's part of the per-layer token embeddings (gemma4 E2B/E4B).
     pub per_layer: Option<PerLayerBlock>,
     /// Experts beside the dense FFN (gemma4 26B-A4B).
     pub moe_beside: Option<MoeBeside>,
-    /// A logit per query head that joins each softmax (gpt-oss's `attn_sinks`), `[nh]`.
-    pub sinks: Option<Vec<f32>>,
     pub ffn_norm: Tensor,
     pub ffn: Ffn,
-    /// Per-head RMSNorm weights of q and k, `[hd]` (qwen3, gemma3).
-    pub q_norm: Option<Tensor>,
-    pub k_norm: Option<Tensor>,
     /// RMSNorm weights applied to the attention and FFN outputs before the residual adds (gemma3).
     pub post_attn_norm: Option<Tensor>,
     pub post_ffn_norm: Option<Tensor>,
@@ -178,27 +193,37 @@ impl Embedding {
 }
 
 impl Block {
+    /// The block's attention, if its mixer attends.
+    pub fn attention(&self) -> Option<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
+        }
+    }
+
     /// Stacks q/k/v and gate/up into one matrix each where all run on our CPU kernels in one
     /// format, without biases; the separate weights become views of the stacked ones (nothing is
     /// stored twice).
     pub fn stack_projections(&mut self) -> Result<()> {
-        // q, k and v, or q and k (values from the keys' projection), each ours and unbiased.
-        let mut projections = vec![&mut self.wq];
-        projections.extend(self.wk.as_mut());
-        projections.extend(self.wv.as_mut());
-        let mats: Option<Vec<&QMatrix>> = projections
-            .iter()
-            .map(|l| match (&l.w, &l.b) {
-                (Weight::Cpu(m), None) => Some(m),
-                _ => None,
-            })
-            .collect();
-        if let Some(mats) = mats.filter(|m| m.len() > 1) {
-            if let Some((all, parts)) = QMatrix::stack(&mats)? {
-                for (l, part) in projections.into_iter().zip(parts) {
-                    l.w = Weight::Cpu(part);
+        if let Mixer::Attention(a) = &mut self.mixer {
+            // q, k and v, or q and k (values from the keys' projection), each ours and unbiased.
+            let mut projections = vec![&mut a.wq];
+            projections.extend(a.wk.as_mut());
+            projections.extend(a.wv.as_mut());
+            let mats: Option<Vec<&QMatrix>> = projections
+                .iter()
+                .map(|l| match (&l.w, &l.b) {
+                    (Weight::Cpu(m), None) => Some(m),
+                    _ => None,
+                })
+                .collect();
+            if let Some(mats) = mats.filter(|m| m.len() > 1) {
+                if let Some((all, parts)) = QMatrix::stack(&mats)? {
+                    for (l, part) in projections.into_iter().zip(parts) {
+                        l.w = Weight::Cpu(part);
+                    }
+                    a.qkv = Some(all);
                 }
-                self.qkv = Some(all);
             }
         }
         let Ffn::Dense {
@@ -223,6 +248,14 @@ impl Block {
 enum StepCache<'c> {
     One(&'c mut dyn LayerCache, bool),
     PerRow(Vec<&'c mut dyn LayerCache>),
+}
+
+/// What a block's mixer reads and leaves: a layer's KV cache (attention), or a DeltaNet layer's
+/// recurrent state, one sequence's or one per row (a batched decode step).
+enum StepMemory<'c> {
+    Kv(StepCache<'c>),
+    State(&'c mut RecurrentState),
+    StatePerRow(Vec<&'c mut RecurrentState>),
 }
 
 impl Llama {
@@ -312,20 +345,44 @@ impl Llama {
             c.layer(0).prefetch()?;
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            if i + 1 < self.cfg.kv_layers() {
+            if let Some(next) = self.next_prefetch(i) {
                 for c in caches.iter_mut() {
-                    c.layer(i + 1).prefetch()?;
+                    c.layer(next).prefetch()?;
                 }
             }
-            let src = self.cfg.kv_source(i);
-            let per_row = caches.iter_mut().map(|c| c.layer(src)).collect();
-            x = self.block(i, layer, &x, StepCache::PerRow(per_row), per_layer.as_ref())?;
+            let memory = match &layer.mixer {
+                Mixer::Attention(_) => {
+                    let src = self.cfg.kv_source(i);
+                    StepMemory::Kv(StepCache::PerRow(
+                        caches.iter_mut().map(|c| c.layer(src)).collect(),
+                    ))
+                }
+                Mixer::DeltaNet(_) => {
+                    let r = self.cfg.state_index(i);
+                    StepMemory::StatePerRow(
+                        caches
+                            .iter_mut()
+                            .map(|c| c.state(r))
+                            .collect::<Result<_>>()?,
+                    )
+                }
+            };
+            x = self.block(i, layer, &x, memory, per_layer.as_ref())?;
         }
         for c in caches.iter_mut() {
             c.step_done();
         }
         let x = rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
         self.softcap(self.output.forward(&x)?.squeeze(0)?) // [n, vocab]
+    }
+
+    /// The KV cache layer to start moving to the device while block `i` computes (offload): the
+    /// next block's, where it keeps its own and is not the first (moved before the loop).
+    fn next_prefetch(&self, i: usize) -> Option<usize> {
+        let next = i + 1;
+        (next < self.cfg.n_layer && self.cfg.own_kv(next))
+            .then(|| self.cfg.kv_source(next))
+            .filter(|&c| c > 0)
     }
 
     /// Logits through c·tanh(x / c) where the model caps them (gemma4).
@@ -379,13 +436,18 @@ impl Llama {
         cache.layer(0).prefetch()?;
         for (i, layer) in self.layers.iter().enumerate() {
             // Offload: the next layer's cache starts its way to the device before this layer computes.
-            if i + 1 < self.cfg.kv_layers() {
-                cache.layer(i + 1).prefetch()?;
+            if let Some(next) = self.next_prefetch(i) {
+                cache.layer(next).prefetch()?;
             }
-            let apart = cache.rows_apart();
-            let src = self.cfg.kv_source(i);
-            let step = StepCache::One(cache.layer(src), apart);
-            x = self.block(i, layer, &x, step, per_layer.as_ref())?;
+            let memory = match &layer.mixer {
+                Mixer::Attention(_) => {
+                    let apart = cache.rows_apart();
+                    let src = self.cfg.kv_source(i);
+                    StepMemory::Kv(StepCache::One(cache.layer(src), apart))
+                }
+                Mixer::DeltaNet(_) => StepMemory::State(cache.state(self.cfg.state_index(i))?),
+            };
+            x = self.block(i, layer, &x, memory, per_layer.as_ref())?;
         }
         cache.step_done();
         let x = match which {
@@ -408,12 +470,25 @@ impl Llama {
         i: usize,
         layer: &Block,
         x: &Tensor,
-        cache: StepCache<'_>,
+        memory: StepMemory<'_>,
         per_layer: Option<&Tensor>,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
         let h = rms_norm(x, &layer.attn_norm, eps)?;
-        let mut att = self.attention(i, layer, &h, cache)?;
+        let mut att = match (&layer.mixer, memory) {
+            (Mixer::Attention(a), StepMemory::Kv(cache)) => self.attention(i, a, &h, cache)?,
+            (Mixer::DeltaNet(d), StepMemory::State(state)) => self.delta_net(d, &h, state)?,
+            // Row r is the next position of sequence r.
+            (Mixer::DeltaNet(d), StepMemory::StatePerRow(states)) => {
+                let rows = states
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, state)| self.delta_net(d, &h.narrow(1, r, 1)?, state))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 1)? // [1, n, hidden]
+            }
+            _ => bail!("layer {i}'s mixer was given the other kind of memory"),
+        };
         if let Some(n) = &layer.post_attn_norm {
             att = rms_norm(&att, n, eps)?;
         }
@@ -466,27 +541,43 @@ impl Llama {
         Ok(x)
     }
 
+    /// A DeltaNet layer's mixer over `h [1, t, hidden]` from `state` (left after the step).
+    fn delta_net(&self, d: &DeltaNet, h: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
+        let r = self
+            .cfg
+            .recurrent
+            .as_ref()
+            .expect("a DeltaNet layer's sizes");
+        d.forward(r, self.cfg.rms_eps as f32, h, state)
+    }
+
     fn attention(
         &self,
         i: usize,
-        layer: &Block,
+        layer: &Attention,
         h: &Tensor,
         cache: StepCache<'_>,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (_, t, _) = h.dims3()?;
         let (nh, (nkv, hd)) = (cfg.n_head, cfg.layer_kv_shape(i));
+        // Queries, and beside each head's an output gate where the model has them (qwen35).
+        let qw = if cfg.block.q_gate {
+            2 * nh * hd
+        } else {
+            nh * hd
+        };
 
         // q, and the step's keys and values unless the layer shares an earlier layer's.
         let (q, kv) = match &layer.qkv {
             Some(w) => {
-                let qkv = w.forward(h)?; // [1, t, (nh + nkv (+ nkv)) * hd]
-                let k = qkv.narrow(2, nh * hd, nkv * hd)?;
+                let qkv = w.forward(h)?; // [1, t, qw + (nkv (+ nkv)) * hd]
+                let k = qkv.narrow(2, qw, nkv * hd)?;
                 let v = match layer.wv {
-                    Some(_) => qkv.narrow(2, (nh + nkv) * hd, nkv * hd)?,
+                    Some(_) => qkv.narrow(2, qw + nkv * hd, nkv * hd)?,
                     None => k.clone(),
                 };
-                (qkv.narrow(2, 0, nh * hd)?, Some((k, v)))
+                (qkv.narrow(2, 0, qw)?, Some((k, v)))
             }
             None => {
                 let kv = match &layer.wk {
@@ -510,6 +601,15 @@ impl Llama {
                 Some(w) => rms_norm(&x, w, eps)?,
                 None => x,
             })
+        };
+        // [1, t, nh, 2·hd] -> queries and gates, [1, t, nh, hd] each.
+        let (q, gate) = match cfg.block.q_gate {
+            true => {
+                let qg = q.reshape((1, t, nh, 2 * hd))?;
+                let gate = qg.narrow(3, hd, hd)?.reshape((1, t, nh * hd))?;
+                (qg.narrow(3, 0, hd)?.contiguous()?, Some(gate))
+            }
+            false => (q, None),
         };
         // [1, t, n*hd] -> [1, t, n, hd] -> [1, n, t, hd]
         let q = norm(q.reshape((1, t, nh, hd))?, &layer.q_norm)?.transpose(1, 2)?;
@@ -559,9 +659,12 @@ impl Llama {
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
             }
         };
-        let out = out
+        let mut out = out
             .transpose(1, 2)? // [1, t, nh, hd]
             .reshape((1, t, nh * hd))?;
+        if let Some(gate) = gate {
+            out = (out * candle_nn::ops::sigmoid(&gate)?)?;
+        }
         layer.wo.forward(&out)
     }
 
@@ -577,7 +680,7 @@ impl Llama {
         nkv: usize,
         cache: &mut dyn LayerCache,
         rope: &Rope,
-        layer: &Block,
+        layer: &Attention,
     ) -> Result<Tensor> {
         let (_, nh, t, hd) = q.dims4()?;
         let g = nh / nkv;

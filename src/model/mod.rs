@@ -2,6 +2,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod deltanet;
 pub mod export;
 pub mod files;
 pub mod gguf;

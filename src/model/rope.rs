@@ -252,6 +252,7 @@ mod tests {
             layers: None,
             per_layer_embd: 0,
             final_softcap: None,
+            recurrent: None,
         }
     }
 

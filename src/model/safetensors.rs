@@ -7,7 +7,7 @@
 
 use super::config::Config;
 use super::files::HfFiles;
-use super::llama::{expect_dims, Block, Embedding, Ffn, Linear, Llama, Weight};
+use super::llama::{expect_dims, Attention, Block, Embedding, Ffn, Linear, Llama, Mixer, Weight};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -143,17 +143,21 @@ impl HfCheckpoint {
             let norm = |n: &str| self.tensor(&format!("{p}.{n}.weight"), &[h], f32, device);
             let lin = |n: &str, want| self.linear(&format!("{p}.{n}"), want, dtype, device);
             layers.push(Block {
-                qkv: None,
                 attn_norm: norm("input_layernorm")?,
-                wq: lin("self_attn.q_proj", [nh * hd, h])?,
-                wk: Some(lin("self_attn.k_proj", [nkv * hd, h])?),
-                wv: Some(lin("self_attn.v_proj", [nkv * hd, h])?),
-                wo: lin("self_attn.o_proj", [h, nh * hd])?,
-                v_norm: None,
+                mixer: Mixer::Attention(Attention {
+                    qkv: None,
+                    wq: lin("self_attn.q_proj", [nh * hd, h])?,
+                    wk: Some(lin("self_attn.k_proj", [nkv * hd, h])?),
+                    wv: Some(lin("self_attn.v_proj", [nkv * hd, h])?),
+                    wo: lin("self_attn.o_proj", [h, nh * hd])?,
+                    v_norm: None,
+                    sinks: None,
+                    q_norm: None,
+                    k_norm: None,
+                }),
                 out_scale: None,
                 per_layer: None,
                 moe_beside: None,
-                sinks: None,
                 ffn_norm: norm("post_attention_layernorm")?,
                 ffn: Ffn::Dense {
                     gate_up: None,
@@ -161,8 +165,6 @@ impl HfCheckpoint {
                     up: lin("mlp.up_proj", [ffn, h])?,
                     down: lin("mlp.down_proj", [h, ffn])?,
                 },
-                q_norm: None,
-                k_norm: None,
                 post_attn_norm: None,
                 post_ffn_norm: None,
             });

@@ -173,10 +173,19 @@ impl<'m> Session<'m> {
     }
 
     /// Drops every position from `len` on. A cache that can no longer reach `len` (a window that
-    /// dropped it) is an error, and nothing changes.
+    /// dropped it) is an error, and nothing changes. A model with recurrent states goes back to
+    /// their newest snapshot at or before `len` and computes the tokens from there to `len` again.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         self.cache.truncate(len)?;
-        self.tokens.truncate(self.cache.seen());
+        let back = self.cache.seen();
+        let keep = len.min(self.tokens.len());
+        if back < keep {
+            let again = self.tokens[back..keep].to_vec();
+            self.tokens.truncate(back);
+            self.feed(&again)?;
+        } else {
+            self.tokens.truncate(back);
+        }
         Ok(())
     }
 
@@ -235,6 +244,8 @@ impl<'m> Session<'m> {
                 crate::first_line(back)
             )));
         }
+        // Recurrent states go back to a snapshot, which may be before `len`.
+        self.tokens.truncate(self.cache.seen());
         Ok(e)
     }
 

@@ -42,7 +42,7 @@ impl Session<'_> {
             model_digest,
             cache_key,
             shapes: (0..self.cache.layers().len())
-                .map(|i| cfg.layer_kv_shape(i))
+                .map(|c| cfg.layer_kv_shape(cfg.kv_block(c)))
                 .collect(),
             max_positions: self.max_positions,
         }

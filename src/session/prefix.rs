@@ -24,6 +24,11 @@ use anyhow::Result;
 impl Session<'_> {
     /// Why this session's cache cannot use the prefix store, if it cannot.
     pub fn store_refusal(&self) -> Option<&'static str> {
+        if self.model.cfg.recurrent.is_some() {
+            return Some(
+                "this model's recurrent states (DeltaNet layers) are not kept in the store yet",
+            );
+        }
         match self.cache.spec().retention() {
             Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),

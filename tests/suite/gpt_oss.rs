@@ -61,8 +61,9 @@ fn gpt_oss_reads_its_pieces_from_the_table_and_the_file() {
         (32.0, 4096, 32.0, 1.0)
     );
     let l = &m.layers[0];
-    assert_eq!(l.sinks.as_ref().map(Vec::len), Some(4));
-    assert!(l.wq.b.is_some() && l.wo.b.is_some());
+    let a = l.attention().unwrap();
+    assert_eq!(a.sinks.as_ref().map(Vec::len), Some(4));
+    assert!(a.wq.b.is_some() && a.wo.b.is_some());
     match &l.ffn {
         kvchat::model::llama::Ffn::Moe(moe) => {
             assert_eq!(moe.experts.len(), 8);

@@ -16,6 +16,7 @@ mod hf_layout;
 mod hostile;
 mod props;
 mod qwen3;
+mod qwen35;
 mod serve;
 mod sources;
 mod store;

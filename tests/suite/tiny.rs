@@ -38,7 +38,10 @@ fn qwen2_config_is_read_from_metadata() {
         ("qwen2", 2, 4, 2, 16)
     );
     assert_eq!(c.rope_style, kvchat::model::config::RopeStyle::HalfSplit);
-    assert!(m.layers[0].wq.b.is_some(), "qwen2 q bias not loaded");
+    assert!(
+        m.layers[0].attention().unwrap().wq.b.is_some(),
+        "qwen2 q bias not loaded"
+    );
 }
 
 #[test]
@@ -129,7 +132,10 @@ fn load_arch(name: &str, arch: &str) -> Llama {
 fn qwen3_and_gemma3_read_their_block_pieces_from_the_table() {
     let q = load_arch("cfg-qwen3", "qwen3");
     assert!(q.cfg.block.qk_norm && !q.cfg.block.post_norms && !q.cfg.block.embed_scale);
-    assert!(q.layers[0].q_norm.is_some() && q.layers[0].wq.b.is_none());
+    assert!(
+        q.layers[0].attention().unwrap().q_norm.is_some()
+            && q.layers[0].attention().unwrap().wq.b.is_none()
+    );
     assert_eq!(q.cfg.sliding_window, None);
     let g = load_arch("cfg-gemma3", "gemma3");
     let b = g.cfg.block;

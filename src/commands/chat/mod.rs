@@ -265,11 +265,17 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let store = open_store(&g.store, &engine, chat.conv.session());
     chat.conv.set_store(store);
     report_store_problems(chat.conv.store_mut(), g.advice);
-    for n in engine.sampling_notes() {
+    for n in engine
+        .sampling_notes()
+        .iter()
+        .chain(&spec.notes(&engine.model().cfg))
+    {
         eprintln!("note: {n}");
     }
     chat.print_sampling();
     if let Some(pc) = &g.prompt_cache {
+        // A cache whose state cannot be saved is refused before the first turn.
+        chat.conv.session().cache().persist_key()?;
         if pc.exists() {
             match chat.conv.load(pc) {
                 Ok(()) => eprintln!(

@@ -80,6 +80,42 @@ pub fn for_each_row<T: Send>(
     });
 }
 
+/// As [`for_each_row`] over two outputs at once: row r of `a` (rows of `wa`) and row r of `b`
+/// (rows of `wb`) go to the same work item, one row a item, on candle's pool once there are
+/// `parallel_from` rows or more (a recurrent layer's heads: each item updates its head's state
+/// and writes its head's output).
+pub fn for_each_row_pair<A: Send, B: Send>(
+    a: &mut [A],
+    wa: usize,
+    b: &mut [B],
+    wb: usize,
+    parallel_from: usize,
+    row: impl Fn(usize, &mut [A], &mut [B]) + Sync,
+) {
+    if wa == 0 || wb == 0 {
+        return;
+    }
+    let rows = (a.len() / wa).min(b.len() / wb);
+    if rows < parallel_from {
+        for (r, (x, y)) in a
+            .chunks_exact_mut(wa)
+            .zip(b.chunks_exact_mut(wb))
+            .enumerate()
+        {
+            row(r, x, y);
+        }
+        return;
+    }
+    let (da, db) = (DisjointOut::new(a), DisjointOut::new(b));
+    candle_core::utils::barrier_pool().execute_chunked(rows, |items| {
+        for r in items {
+            // SAFETY (the module's contract): row r of each output belongs to this item alone.
+            let (x, y) = unsafe { (da.slice(r * wa, wa), db.slice(r * wb, wb)) };
+            row(r, x, y);
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +134,21 @@ mod tests {
             }
         });
         assert!(out.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    #[test]
+    fn row_pairs_are_filled_alike_on_the_pool_and_on_one_thread() {
+        let fill = |parallel_from: usize| {
+            let (mut a, mut b) = (vec![0u32; 16 * 3], vec![0u64; 16 * 5]);
+            for_each_row_pair(&mut a, 3, &mut b, 5, parallel_from, |r, x, y| {
+                x.iter_mut().for_each(|v| *v = r as u32);
+                y.iter_mut().for_each(|v| *v = 2 * r as u64);
+            });
+            (a, b)
+        };
+        let (a, b) = fill(1);
+        assert_eq!((a.clone(), b.clone()), fill(usize::MAX));
+        assert_eq!((a[47], b[79]), (15, 30));
     }
 
     #[test]

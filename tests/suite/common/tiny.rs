@@ -977,3 +977,138 @@ pub fn run_two_tokens(path: &std::path::Path, flags: &[&str]) -> std::process::O
     args.push("hi");
     crate::common::kvchat(&args, "")
 }
+
+/// The layers of the random Qwen3.5 (`write_random_qwen35`): every third layer attends, the
+/// others are Gated DeltaNet layers with a recurrent state.
+pub const QWEN35_ATTENDS: [bool; 6] = [false, false, true, false, false, true];
+
+/// Writes a random `qwen35` GGUF in Qwen3.5's pieces, small: 6 layers of hidden 256, every third
+/// attending (`full_attention_interval` 3): 4 query heads of 64 over 2 KV heads, each head's
+/// queries with an output gate beside them (`attn_q` twice as tall), q/k norms, a quarter of
+/// each head rotated (16 of 64 dimensions, sections 3/3/2 at base 10,000,000); the others Gated
+/// DeltaNet: a 4-tap convolution over 2 key heads and 4 value heads of 32, decays and β per value
+/// head. Q8_0 matrices, f32 vectors and convolution, the tokenizer of `tokenizer_from`, tied
+/// embeddings. The same bytes on every machine.
+pub fn write_random_qwen35(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    let (hidden, heads, kv_heads, hd, ffn) = (256usize, 4usize, 2usize, 64usize, 512usize);
+    let (conv, k_heads, v_heads, d) = (4usize, 2usize, 4usize, 32usize);
+    let channels = 2 * k_heads * d + v_heads * d;
+    let layers = QWEN35_ATTENDS.len();
+    let mut f = std::fs::File::open(tokenizer_from).unwrap();
+    let src = gguf_file::Content::read(&mut f).unwrap();
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len(),
+        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
+    };
+    let dev = Device::Cpu;
+    let mut rng = Rng(0x0005_eed0_0035);
+    // Uniform(offset - scale, offset + scale) values of `dims`, quantized.
+    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
+        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
+    };
+    let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
+    let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        (
+            "token_embd.weight".into(),
+            tensor(&[vocab, hidden], 0.27, 0.0, q8),
+        ),
+        (
+            "output_norm.weight".into(),
+            tensor(&[hidden], 0.2, 1.0, f32t),
+        ),
+    ];
+    for (i, &attends) in QWEN35_ATTENDS.iter().enumerate() {
+        let p = format!("blk.{i}");
+        let mut push = |name: &str, t: QTensor| tensors.push((format!("{p}.{name}"), t));
+        push("attn_norm.weight", tensor(&[hidden], 0.2, 1.0, f32t));
+        push(
+            "post_attention_norm.weight",
+            tensor(&[hidden], 0.2, 1.0, f32t),
+        );
+        let mats: Vec<(&str, usize, usize)> = match attends {
+            true => vec![
+                ("attn_q", 2 * heads * hd, hidden),
+                ("attn_k", kv_heads * hd, hidden),
+                ("attn_v", kv_heads * hd, hidden),
+                ("attn_output", hidden, heads * hd),
+            ],
+            false => vec![
+                ("attn_qkv", channels, hidden),
+                ("attn_gate", v_heads * d, hidden),
+                ("ssm_beta", v_heads, hidden),
+                ("ssm_alpha", v_heads, hidden),
+                ("ssm_out", hidden, v_heads * d),
+            ],
+        };
+        for (name, rows, cols) in mats {
+            push(
+                &format!("{name}.weight"),
+                tensor(&[rows, cols], s(cols), 0.0, q8),
+            );
+        }
+        if attends {
+            // q/k norm weights of about 2 make attention sharp enough that positions matter.
+            push("attn_q_norm.weight", tensor(&[hd], 0.5, 2.0, f32t));
+            push("attn_k_norm.weight", tensor(&[hd], 0.5, 2.0, f32t));
+        } else {
+            push(
+                "ssm_conv1d.weight",
+                tensor(&[channels, conv], s(conv), 0.0, f32t),
+            );
+            push("ssm_dt.bias", tensor(&[v_heads], 0.5, 0.0, f32t));
+            // −exp(A_log): decays between e^-1.5 and e^-0.5 a unit of softplus.
+            push("ssm_a", tensor(&[v_heads], 0.5, -1.0, f32t));
+            push("ssm_norm.weight", tensor(&[d], 0.2, 1.0, f32t));
+        }
+        push(
+            "ffn_gate.weight",
+            tensor(&[ffn, hidden], s(hidden), 0.0, q8),
+        );
+        push("ffn_up.weight", tensor(&[ffn, hidden], s(hidden), 0.0, q8));
+        push("ffn_down.weight", tensor(&[hidden, ffn], s(ffn), 0.0, q8));
+    }
+    let u = |v: usize| Value::U32(v as u32);
+    let md: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String("qwen35".into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String("kvchat random qwen35".into()),
+        ),
+        ("qwen35.block_count".into(), u(layers)),
+        ("qwen35.context_length".into(), u(262144)),
+        ("qwen35.embedding_length".into(), u(hidden)),
+        ("qwen35.feed_forward_length".into(), u(ffn)),
+        ("qwen35.attention.head_count".into(), u(heads)),
+        ("qwen35.attention.head_count_kv".into(), u(kv_heads)),
+        ("qwen35.attention.key_length".into(), u(hd)),
+        ("qwen35.attention.value_length".into(), u(hd)),
+        (
+            "qwen35.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-6),
+        ),
+        ("qwen35.rope.freq_base".into(), Value::F32(10_000_000.0)),
+        ("qwen35.rope.dimension_count".into(), u(hd / 4)),
+        (
+            "qwen35.rope.dimension_sections".into(),
+            Value::Array(vec![
+                Value::I32(3),
+                Value::I32(3),
+                Value::I32(2),
+                Value::I32(0),
+            ]),
+        ),
+        ("qwen35.full_attention_interval".into(), u(3)),
+        ("qwen35.ssm.conv_kernel".into(), u(conv)),
+        ("qwen35.ssm.inner_size".into(), u(v_heads * d)),
+        ("qwen35.ssm.state_size".into(), u(d)),
+        ("qwen35.ssm.time_step_rank".into(), u(v_heads)),
+        ("qwen35.ssm.group_count".into(), u(k_heads)),
+    ];
+    write_with_tokenizer(path, md, &src, &tensors);
+}

@@ -1,0 +1,219 @@
+//! Qwen3.5 (issue 34) against llama.cpp and against itself, on a random-weight `qwen35` model the
+//! test writes (`crate::common::tiny::write_random_qwen35`: the same bytes on every machine,
+//! checked by sha256): Gated DeltaNet layers whose memory is a recurrent state, between gated
+//! attention layers with a KV cache.
+
+use crate::common::tiny::{prefill_and_decode, run_two_tokens as run, set_u32, QWEN35_ATTENDS};
+use candle_core::Device;
+use kvchat::kv::{CacheSpec, Precision};
+use kvchat::model::gguf::GgufFile;
+use kvchat::model::Llama;
+use kvchat::session::Session;
+
+/// sha256 of the file `write_random_qwen35` writes: if it changes, the reference below must be
+/// measured again on the new file.
+const FILE_SHA256: &str = "a013710782585dcb330b722bb3e38d2120efe4653cef8b0bdcf0ed5631cb1d9a";
+
+fn random_qwen35() -> std::path::PathBuf {
+    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    crate::common::tiny::written_once(
+        &PATH,
+        "random-qwen35.gguf",
+        crate::common::tiny::write_random_qwen35,
+    )
+}
+
+fn load() -> Llama {
+    GgufFile::open(&random_qwen35())
+        .unwrap()
+        .load_llama(&Device::Cpu, 512)
+        .unwrap()
+}
+
+#[test]
+fn qwen35_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_file() {
+    let p = crate::common::tiny::pinned_perplexity(&random_qwen35(), FILE_SHA256);
+    // llama-perplexity -m target/tmp/random-qwen35.gguf -f assets/bench-text.txt -c 256 -t 2 --no-repack
+    //   → Final estimate: PPL = 1198630.8206 +/- 96599.63697 (8 chunks; kvchat measured 1203246.93 with
+    //   its f16 cache, +0.39 %; 1200337.13 with f32, +0.14 %). llama.cpp with -fa off gives
+    //   1202860.5474, 0.03 % from kvchat f16: its flash attention rounds queries to f16.
+    let reference = 1198630.8206;
+    assert!(
+        (p / reference - 1.0).abs() < 0.005,
+        "kvchat {p:.4} vs llama.cpp {reference}"
+    );
+}
+
+#[test]
+fn qwen35_reads_its_recurrent_and_attention_layers_from_the_file() {
+    let m = load();
+    let c = &m.cfg;
+    let r = c.recurrent.as_ref().unwrap();
+    assert_eq!((r.conv, r.k_heads, r.v_heads, r.head_dim), (4, 2, 4, 32));
+    let recurrent: Vec<bool> = QWEN35_ATTENDS.iter().map(|a| !a).collect();
+    assert_eq!(r.layers, recurrent);
+    assert!(c.block.q_gate && c.block.qk_norm);
+    assert_eq!((c.kv_layers(), c.kv_source(2), c.kv_source(5)), (2, 0, 1));
+    assert_eq!((c.state_index(3), c.state_index(4)), (2, 3));
+    assert_eq!(c.rope_dim, 16);
+    for (i, b) in m.layers.iter().enumerate() {
+        assert_eq!(b.attention().is_some(), QWEN35_ATTENDS[i], "layer {i}");
+    }
+}
+
+/// Logits of `n` positions, one prefill, token by token and recomputed, are the same bits: every
+/// token is a step of the recurrence, whatever the step's length.
+#[test]
+fn qwen35_prefill_decode_and_recompute_give_the_same_logits() {
+    let m = load();
+    let tokens: Vec<u32> = (0..120).map(|i| (i * 7919 % 49152) as u32).collect();
+    let full = CacheSpec::full(Precision::F32, 512);
+    let (prefill, decode) = prefill_and_decode(&m, &full, &tokens, 512);
+    let none = CacheSpec::none(Precision::F32);
+    let (_, recompute) = prefill_and_decode(&m, &none, &tokens, 512);
+    for i in 0..tokens.len() {
+        assert_eq!(prefill[i], decode[i], "position {i}: prefill vs decode");
+        assert_eq!(decode[i], recompute[i], "position {i}: decode vs recompute");
+    }
+}
+
+fn tokens(n: usize, seed: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i + seed) * 4099 % 49152) as u32).collect()
+}
+
+/// The logits after `seq` fed in one prefill to a fresh session.
+fn fresh(m: &Llama, seq: &[u32]) -> Vec<f32> {
+    let spec = CacheSpec::full(Precision::F16, 512);
+    let mut s = Session::new(m, spec.build(&m.cfg, None), 512);
+    s.feed(seq).unwrap().to_vec1().unwrap()
+}
+
+/// Going back inside a turn restores the snapshot taken where the turn's prefill began and
+/// computes the rest again: the next logits are those of a session that never went further.
+#[test]
+fn going_back_inside_a_turn_restores_a_snapshot_and_recomputes_exactly() {
+    let m = load();
+    let spec = CacheSpec::full(Precision::F16, 512);
+    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let (a, b) = (tokens(40, 1), tokens(30, 2));
+    s.feed(&a).unwrap();
+    s.feed(&b).unwrap(); // a snapshot at 40, where this prefill began
+    for t in tokens(5, 3) {
+        s.feed(&[t]).unwrap(); // decode steps take no snapshot
+    }
+    assert_eq!(s.cache().states().counts(), (4, 1));
+    s.truncate(52).unwrap(); // back to 40, then 12 positions computed again
+    assert_eq!((s.tokens().len(), s.cache().seen()), (52, 52));
+    let next = s.feed(&[77]).unwrap().to_vec1::<f32>().unwrap();
+    let mut want = [&a[..], &b[..12]].concat();
+    want.push(77);
+    assert_eq!(next, fresh(&m, &want));
+}
+
+/// /undo of a whole turn lands on its snapshot: nothing is computed again.
+#[test]
+fn undoing_a_turn_lands_on_its_snapshot() {
+    let m = load();
+    let spec = CacheSpec::full(Precision::F16, 512);
+    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let (a, b) = (tokens(40, 4), tokens(30, 5));
+    s.feed(&a).unwrap();
+    s.feed(&b).unwrap();
+    s.truncate(40).unwrap();
+    assert_eq!(s.cache().seen(), 40);
+    let next = s.feed(&b[..3]).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(next, fresh(&m, &[&a[..], &b[..3]].concat()));
+}
+
+/// The cache holds keys and values on the 2 attention layers only (2 KV heads × 64, f16:
+/// 2 × 2 × 2 × 64 × 2 = 1,024 bytes a token), and a fixed state on the 4 DeltaNet layers: a
+/// 3-input window of 256 channels and 4 matrices of 32 × 32, f32: 4 × (768 + 4,096) × 4 =
+/// 77,824 bytes, however long the sequence.
+#[test]
+fn the_cache_keeps_kv_on_attention_layers_and_a_fixed_state_on_the_others() {
+    let m = load();
+    let spec = CacheSpec::full(Precision::F16, 512);
+    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    s.feed(&tokens(10, 6)).unwrap();
+    assert_eq!(s.cache().layers().len(), 2);
+    assert_eq!(s.cache().bytes_used(), 10 * 1024);
+    assert_eq!(s.cache().states().bytes(), 77_824);
+    s.feed(&tokens(100, 7)).unwrap();
+    assert_eq!(s.cache().states().bytes(), 77_824);
+}
+
+fn damaged(name: &str, damage: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
+    crate::common::tiny::damaged(&random_qwen35(), name, damage)
+}
+
+#[test]
+fn value_heads_that_are_not_a_multiple_of_the_key_heads_are_refused_in_one_line() {
+    let p = damaged("q35-heads", |b| set_u32(b, "qwen35.ssm.group_count", 3));
+    crate::common::assert_refused(
+        &run(&p, &[]),
+        "ssm.time_step_rank = 4 value heads are not a multiple of ssm.group_count = 3 key heads",
+    );
+}
+
+#[test]
+fn an_inner_size_that_is_not_the_value_heads_is_refused_in_one_line() {
+    let p = damaged("q35-inner", |b| set_u32(b, "qwen35.ssm.inner_size", 96));
+    crate::common::assert_refused(
+        &run(&p, &[]),
+        "qwen35.ssm.inner_size = 96 is not ssm.time_step_rank × ssm.state_size = 4 × 32",
+    );
+}
+
+#[test]
+fn a_convolution_of_one_tap_is_refused_in_one_line() {
+    let p = damaged("q35-conv", |b| set_u32(b, "qwen35.ssm.conv_kernel", 1));
+    crate::common::assert_refused(
+        &run(&p, &[]),
+        "ssm.conv_kernel = 1 is not usable (2 to 64 taps)",
+    );
+}
+
+#[test]
+fn an_attention_interval_of_zero_is_refused_in_one_line() {
+    let p = damaged("q35-interval", |b| {
+        set_u32(b, "qwen35.full_attention_interval", 0)
+    });
+    crate::common::assert_refused(&run(&p, &[]), "qwen35.full_attention_interval is 0");
+}
+
+#[test]
+fn a_window_applies_to_the_attention_layers_and_says_so() {
+    let o = run(&random_qwen35(), &["--kv-window", "32", "--stats"]);
+    assert!(o.status.success(), "{}", crate::common::stderr(&o));
+    let err = crate::common::stderr(&o);
+    assert!(
+        err.contains("note: a window applies to the 2 attention layers only; the 4 DeltaNet layers keep a fixed recurrent state"),
+        "{err}"
+    );
+}
+
+#[test]
+fn saving_a_recurrent_state_is_refused_in_one_line() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("state.kv");
+    let _ = std::fs::remove_file(&file);
+    let o = crate::common::kvchat(
+        &[
+            "run",
+            "-m",
+            random_qwen35().to_str().unwrap(),
+            "--raw",
+            "-n",
+            "2",
+            "--prompt-cache",
+            file.to_str().unwrap(),
+            "hi",
+        ],
+        "",
+    );
+    crate::common::assert_refused(
+        &o,
+        "saving the state of a model with recurrent layers (Qwen3.5's DeltaNet) is not supported yet",
+    );
+}
