@@ -56,6 +56,10 @@ pub struct Cell {
     /// kv_bytes for models that declare none).
     pub kv_bytes_uniform: usize,
     pub kv_bytes_allocated: usize,
+    /// A model with recurrent layers (Qwen3.5): their states and the snapshots kept, beside the
+    /// keys and values of `kv_bytes` (0 for other models).
+    #[serde(default)]
+    pub state_bytes: usize,
     pub rss_bytes: Option<u64>,
     /// The cell hit its time budget.
     pub capped: bool,
@@ -146,6 +150,7 @@ struct Run {
     kv_bytes: usize,
     kv_bytes_uniform: usize,
     kv_bytes_allocated: usize,
+    state_bytes: usize,
 }
 
 /// One prefill + decode, stopping early once `deadline` would be passed.
@@ -184,6 +189,7 @@ fn one_run(
         kv_bytes: s.cache().bytes_used(),
         kv_bytes_uniform: s.cache().bytes_uniform(&engine.model().cfg) as usize,
         kv_bytes_allocated: s.cache().bytes(),
+        state_bytes: s.cache().states().bytes() + s.cache().states().snapshot_bytes(),
     })
 }
 
@@ -262,6 +268,7 @@ pub fn measure_cell(
         kv_bytes: r.kv_bytes,
         kv_bytes_uniform: r.kv_bytes_uniform,
         kv_bytes_allocated: r.kv_bytes_allocated,
+        state_bytes: r.state_bytes,
         rss_bytes: rss().0,
         capped,
     })
@@ -442,20 +449,32 @@ pub fn render_table(r: &BenchReport) -> String {
     let saved: Vec<String> = r
         .cells
         .iter()
-        .filter(|c| c.kv_bytes_uniform > c.kv_bytes)
+        .filter(|c| c.kv_bytes_uniform > c.kv_bytes + c.state_bytes)
         .map(|c| {
+            let held = c.kv_bytes + c.state_bytes;
+            let state = match c.state_bytes {
+                0 => String::new(),
+                b => format!(
+                    " ({} of keys and values + {} of recurrent state)",
+                    crate::source::human_bytes(c.kv_bytes as u64),
+                    crate::source::human_bytes(b as u64)
+                ),
+            };
             format!(
-                "{} @ {}: {} against {} ({:.2}×)",
+                "{} @ {}: {}{state} against {} ({:.2}×)",
                 c.mode,
                 c.context,
-                crate::source::human_bytes(c.kv_bytes as u64),
+                crate::source::human_bytes(held as u64),
                 crate::source::human_bytes(c.kv_bytes_uniform as u64),
-                c.kv_bytes as f64 / c.kv_bytes_uniform as f64
+                held as f64 / c.kv_bytes_uniform as f64
             )
         })
         .collect();
     if !saved.is_empty() {
-        s += "kv mem with the model's sliding-window layers kept to their window, against a uniform cache:\n";
+        s += match r.cells.iter().any(|c| c.state_bytes > 0) {
+            true => "memory by kind (attention layers' keys and values + the DeltaNet layers' fixed state and its snapshots), against keys and values on every layer:\n",
+            false => "kv mem with the model's sliding-window layers kept to their window, against a uniform cache:\n",
+        };
         for l in saved {
             s += &format!("  {l}\n");
         }

@@ -72,22 +72,31 @@ impl KvDims {
     /// layer also its f16 residual.
     pub fn bytes_at_most(spec: &CacheSpec, cfg: &Config, prompt: usize, chunk: usize) -> f64 {
         let n = spec.max_positions;
-        (0..cfg.kv_layers())
-            .map(|i| {
-                let held = match spec.layer_spec(cfg, i).retention {
-                    Retention::None => 0,
-                    Retention::All => n,
-                    Retention::Window { window, sinks } if n > window + sinks => {
-                        window + sinks + chunk.min(n)
-                    }
-                    Retention::Window { .. } => n,
-                    Retention::Budget { budget, .. } => {
-                        prompt.max(budget + crate::kv::SLACK + 1).min(n)
-                    }
-                };
-                Self::layer(cfg, i).bytes_for(spec.mode.precision, held, spec.mode.residual.min(n))
-            })
-            .sum()
+        // Recurrent states (Qwen3.5) and the most snapshots of them a cache keeps.
+        let states = cfg.recurrent.as_ref().map_or(0, |r| {
+            r.count() * r.layer_bytes() * (1 + super::MAX_SNAPSHOTS)
+        }) as f64;
+        states
+            + (0..cfg.kv_layers())
+                .map(|i| {
+                    let held = match spec.layer_spec(cfg, i).retention {
+                        Retention::None => 0,
+                        Retention::All => n,
+                        Retention::Window { window, sinks } if n > window + sinks => {
+                            window + sinks + chunk.min(n)
+                        }
+                        Retention::Window { .. } => n,
+                        Retention::Budget { budget, .. } => {
+                            prompt.max(budget + crate::kv::SLACK + 1).min(n)
+                        }
+                    };
+                    Self::layer(cfg, i).bytes_for(
+                        spec.mode.precision,
+                        held,
+                        spec.mode.residual.min(n),
+                    )
+                })
+                .sum::<f64>()
     }
 
     /// Bytes one token adds: 2 (K and V) × layers × kv_heads × the bytes of a row of head_dim

@@ -18,7 +18,15 @@ const MAX_DIM: u64 = 1 << 31;
 
 /// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
 pub const SUPPORTED_ARCHS: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma4", "gpt-oss", "qwen35",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "gemma4",
+    "gpt-oss",
+    "qwen35",
+    "qwen35moe",
 ];
 
 /// The FFN's gate activation: the kernel's own enum (`kernels::glu`), one list of them.
@@ -108,12 +116,14 @@ impl Block {
                 moe: true,
                 ..plain
             },
-            // Attention layers between Gated DeltaNet ones (`Config::recurrent`).
-            "qwen35" => Block {
+            // Attention layers between Gated DeltaNet ones (`Config::recurrent`); the MoE models'
+            // FFN a mixture of experts with a shared expert beside it.
+            "qwen35" | "qwen35moe" => Block {
                 qk_norm: true,
                 neox_rope: true,
                 ffn_norm: "post_attention_norm",
                 q_gate: true,
+                moe: arch == "qwen35moe",
                 ..plain
             },
             _ => return None,
@@ -133,12 +143,14 @@ pub struct Yarn {
     pub beta_slow: f32,
 }
 
-/// A mixture-of-experts FFN's sizes: `count` experts of `ffn` rows each, `used` per token.
+/// A mixture-of-experts FFN's sizes: `count` experts of `ffn` rows each, `used` per token, and
+/// (Qwen3.5 MoE) a shared expert of `shared` rows that every token runs (0: none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Experts {
     pub count: usize,
     pub used: usize,
     pub ffn: usize,
+    pub shared: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -454,10 +466,29 @@ impl Config {
                 count: get_u("expert_count")?,
                 used: get_u("expert_used_count")?,
                 ffn: get_u("expert_feed_forward_length")?,
+                shared: match md.contains_key(&format!("{arch}.expert_shared_feed_forward_length"))
+                {
+                    true => get_u("expert_shared_feed_forward_length")?,
+                    false => 0,
+                },
             })
         } else {
             None
         };
+        if arch == "qwen35moe" {
+            // kvchat's router is the softmax of the chosen experts' logits, unscaled (what
+            // llama.cpp's softmax, top-k and renormalization give).
+            if let Ok(v) = get_f("expert_weights_scale") {
+                if v != 0.0 && v != 1.0 {
+                    bail!("GGUF {arch}.expert_weights_scale = {v}: scaled expert weights are not supported");
+                }
+            }
+            if let Ok(g) = get_u("expert_gating_func") {
+                if g != 1 {
+                    bail!("GGUF {arch}.expert_gating_func = {g}: only softmax gating (1) is supported");
+                }
+            }
+        }
         let (sliding_window, rope_base_local) = if arch == "gpt-oss" {
             // Every other layer attends within the window, starting with the first (llama.cpp's
             // swa pattern 2), at the global layers' base.
@@ -531,7 +562,7 @@ impl Config {
             _ => None,
         };
         let recurrent = match arch.as_str() {
-            "qwen35" => {
+            "qwen35" | "qwen35moe" => {
                 let r = Recurrent {
                     layers: Vec::new(),
                     conv: get_u("ssm.conv_kernel")?,

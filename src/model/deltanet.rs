@@ -14,7 +14,7 @@
 //!    `d × d` state: S ← S·exp(g); δ = β(v − Sᵀk); S ← S + k ⊗ δ; o = Sᵀq / √d.
 //! 4. `o` RMS-normed per head (weight `ssm_norm`), × SiLU(z), then `ssm_out` `[V → hidden]`.
 //!
-//! Layout, stated once. [`RecurrentState::conv`]: `[C][conv − 1]`, oldest input first.
+//! Layout, stated once. [`RecurrentState::conv`]: `[conv − 1][C]`, the oldest input first.
 //! [`RecurrentState::matrix`]: `[Hv][d][d]`, row j of head h holding column j of S (ggml's
 //! transposed layout: `matrix[h][j][i] = S[i][j]`), so every update and read runs along rows.
 //! Every token is a step of the recurrence, so a prefill, a decode and any split of a sequence
@@ -23,12 +23,16 @@
 use super::config::Recurrent;
 use super::kernels::disjoint::for_each_row_pair;
 use super::kernels::glu::silu;
-use super::llama::Linear;
+use super::kernels::quant::QMatrix;
+use super::llama::{Linear, Weight};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
 /// One DeltaNet layer's weights.
 pub struct DeltaNet {
+    /// qkv, gate, β and α stacked into one matrix (CPU kernels, one format): one pass over the
+    /// input instead of four ([`DeltaNet::stack_projections`]).
+    pub input: Option<QMatrix>,
     /// `[C, hidden]`.
     pub qkv: Linear,
     /// The output gate z, `[V, hidden]`.
@@ -36,7 +40,8 @@ pub struct DeltaNet {
     /// `[Hv, hidden]` each.
     pub beta: Linear,
     pub alpha: Linear,
-    /// The convolution's taps, `[C][conv]`, oldest input's tap first.
+    /// The convolution's taps, `[conv][C]` (tap-major: each tap's weights for every channel in a
+    /// row), the oldest input's tap first.
     pub conv: Vec<f32>,
     /// `[Hv]` each: added to α before softplus; the decay's scale (negative).
     pub dt_bias: Vec<f32>,
@@ -93,14 +98,29 @@ fn sigmoid(x: f32) -> f32 {
 /// x / √(Σx² + eps), as llama.cpp's `build_gdn_l2_norm` (an RMSNorm with eps/n, × 1/√n).
 fn l2_norm(x: &mut [f32], eps: f32) {
     let n = x.len() as f32;
-    let sum2: f32 = x.iter().map(|v| v * v).sum();
+    let sum2 = dot(x, x);
     let scale = 1.0 / (sum2 / n + eps / n).sqrt();
     let unit = 1.0 / n.sqrt();
     x.iter_mut().for_each(|v| *v = *v * scale * unit);
 }
 
+/// Σ aᵢbᵢ in 8 lanes (element i into lane i mod 8), the lanes then added in order: a fixed
+/// order, whatever the caller, that the compiler turns into vector instructions.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// The step's inputs to the recurrence, on the host: per token, the convolved and normed q and
@@ -148,6 +168,68 @@ impl ScanInput<'_> {
 }
 
 impl DeltaNet {
+    /// Stacks the four input projections into one matrix where all run on our CPU kernels in
+    /// one format, without biases (the separate ones become views of it).
+    pub fn stack_projections(&mut self) -> Result<()> {
+        let mats: Option<Vec<&QMatrix>> = [&self.qkv, &self.gate, &self.beta, &self.alpha]
+            .iter()
+            .map(|l| match (&l.w, &l.b) {
+                (Weight::Cpu(m), None) => Some(m),
+                _ => None,
+            })
+            .collect();
+        if let Some(mats) = mats {
+            if let Some((all, mut parts)) = QMatrix::stack(&mats)? {
+                self.alpha.w = Weight::Cpu(parts.pop().expect("alpha"));
+                self.beta.w = Weight::Cpu(parts.pop().expect("beta"));
+                self.gate.w = Weight::Cpu(parts.pop().expect("gate"));
+                self.qkv.w = Weight::Cpu(parts.pop().expect("qkv"));
+                self.input = Some(all);
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's input projections on the host, row-major: qkv `[t, C]`, z `[t, V]`, and the
+    /// raw β and α `[t, Hv]`.
+    #[allow(clippy::type_complexity)]
+    fn project(
+        &self,
+        x: &Tensor,
+        r: &Recurrent,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let host = |y: Tensor| -> Result<Vec<f32>> { Ok(y.flatten_all()?.to_vec1::<f32>()?) };
+        let Some(w) = &self.input else {
+            return Ok((
+                host(self.qkv.forward(x)?)?,
+                host(self.gate.forward(x)?)?,
+                host(self.beta.forward(x)?)?,
+                host(self.alpha.forward(x)?)?,
+            ));
+        };
+        let (_, t, _) = x.dims3()?;
+        let (c, v, hv) = (r.channels(), r.value_dim(), r.v_heads);
+        let width = c + v + 2 * hv;
+        let mut all = vec![0f32; t * width];
+        w.matmul(&host(x.clone())?, t, &mut all)?;
+        let (mut qkv, mut z, mut beta, mut alpha) = (
+            Vec::with_capacity(t * c),
+            Vec::with_capacity(t * v),
+            Vec::with_capacity(t * hv),
+            Vec::with_capacity(t * hv),
+        );
+        for row in all.chunks_exact(width) {
+            let (a, rest) = row.split_at(c);
+            let (b, rest) = rest.split_at(v);
+            let (g, e) = rest.split_at(hv);
+            qkv.extend_from_slice(a);
+            z.extend_from_slice(b);
+            beta.extend_from_slice(g);
+            alpha.extend_from_slice(e);
+        }
+        Ok((qkv, z, beta, alpha))
+    }
+
     /// The mixer over a step `x [1, t, hidden]`, continuing from `state` and leaving it after the
     /// step's last token: `[1, t, hidden]`.
     pub fn forward(
@@ -162,28 +244,25 @@ impl DeltaNet {
         if state.conv.len() != r.conv_floats() || state.matrix.len() != r.matrix_floats() {
             bail!("a recurrent state of another shape was given to a DeltaNet layer");
         }
-        let host = |y: Tensor| -> Result<Vec<f32>> { Ok(y.flatten_all()?.to_vec1::<f32>()?) };
-        let mixed = host(self.qkv.forward(x)?)?; // [t, C]
-        let z = host(self.gate.forward(x)?)?; // [t, V]
-        let beta_raw = host(self.beta.forward(x)?)?; // [t, Hv]
-        let alpha = host(self.alpha.forward(x)?)?; // [t, Hv]
+        let (mixed, z, beta_raw, alpha) = self.project(x, r)?; // [t, C], [t, V], [t, Hv] × 2
 
-        // The causal convolution, channel by channel: taps over the kept inputs, then the new.
+        // The causal convolution: the kept inputs, then the step's, `[conv − 1 + t][C]`; output
+        // row `tok` sums taps 0..conv over rows tok..tok + conv, in that order.
         let k1 = r.conv - 1;
+        let mut window = Vec::with_capacity((k1 + t) * c);
+        window.extend_from_slice(&state.conv);
+        window.extend_from_slice(&mixed);
         let mut qkv = vec![0f32; t * c];
-        let mut window = vec![0f32; k1 + t];
-        for ch in 0..c {
-            let kept = &mut state.conv[ch * k1..(ch + 1) * k1];
-            window[..k1].copy_from_slice(kept);
-            for tok in 0..t {
-                window[k1 + tok] = mixed[tok * c + ch];
+        for (tok, out) in qkv.chunks_exact_mut(c).enumerate() {
+            for (k, taps) in self.conv.chunks_exact(c).enumerate() {
+                let input = &window[(tok + k) * c..(tok + k + 1) * c];
+                for ((o, &w), &v) in out.iter_mut().zip(taps).zip(input) {
+                    *o += w * v;
+                }
             }
-            let taps = &self.conv[ch * r.conv..(ch + 1) * r.conv];
-            for tok in 0..t {
-                qkv[tok * c + ch] = silu(dot(&window[tok..tok + r.conv], taps));
-            }
-            kept.copy_from_slice(&window[t..t + k1]);
+            out.iter_mut().for_each(|o| *o = silu(*o));
         }
+        state.conv.copy_from_slice(&window[t * c..(t + k1) * c]);
         // q and k L2-normed per key head.
         for row in qkv.chunks_exact_mut(c) {
             for head in row[..2 * hk * d].chunks_exact_mut(d) {

@@ -8,7 +8,7 @@ use super::llama::{
     expect_dims, Attention, Block, Embedding, Ffn, Linear, Llama, Mixer, MoeBeside, PerLayerBlock,
     PerLayerEmbeddings, Weight,
 };
-use super::moe::{Expert, GateUp, Moe};
+use super::moe::{Expert, GateUp, Moe, SharedExpert};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -438,21 +438,30 @@ impl GgufFile {
             .as_ref()
             .context("a DeltaNet layer without its sizes")?;
         let [qkv, gate, beta, alpha, out] = m;
-        Ok(DeltaNet {
+        // [C][conv] in the file; tap-major for the kernel.
+        let taps = self.values(
+            &format!("{p}.ssm_conv1d.weight"),
+            &[r.channels(), r.conv],
+            device,
+        )?;
+        let conv = (0..r.conv)
+            .flat_map(|k| (0..r.channels()).map(move |c| (c, k)))
+            .map(|(c, k)| taps[c * r.conv + k])
+            .collect();
+        let mut d = DeltaNet {
+            input: None,
             qkv: self.linear(&qkv.0, false, qkv.1, device)?,
             gate: self.linear(&gate.0, false, gate.1, device)?,
             beta: self.linear(&beta.0, false, beta.1, device)?,
             alpha: self.linear(&alpha.0, false, alpha.1, device)?,
-            conv: self.values(
-                &format!("{p}.ssm_conv1d.weight"),
-                &[r.channels(), r.conv],
-                device,
-            )?,
+            conv,
             dt_bias: self.values(&format!("{p}.ssm_dt.bias"), &[r.v_heads], device)?,
             a: self.values(&format!("{p}.ssm_a"), &[r.v_heads], device)?,
             norm: self.values(&format!("{p}.ssm_norm.weight"), &[r.head_dim], device)?,
             out: self.linear(&out.0, false, out.1, device)?,
-        })
+        };
+        d.stack_projections()?;
+        Ok(d)
     }
 
     /// Layer `p`'s mixture of experts (gpt-oss): the router, and each expert's rows of the
@@ -570,12 +579,52 @@ impl GgufFile {
                 scale: scales.as_ref().map_or(1.0, |s| s[x]),
             });
         }
+        // A shared expert every token runs, gated by sigmoid(gate·x) (Qwen3.5 MoE).
+        let shared = match self.has_tensor(&format!("{p}.ffn_gate_inp_shexp.weight")) {
+            true => {
+                let fs = e.shared.max(1);
+                let mut ours = |which: &str, want: [usize; 2]| -> Result<QMatrix> {
+                    let name = format!("{p}.ffn_{which}_shexp.weight");
+                    match self.matrix(&name, want, device)? {
+                        Read::Ours(m) => Ok(m),
+                        Read::Candle(_) => bail!(
+                            "tensor {name} in {} is of a type kvchat's expert kernels cannot run",
+                            self.path.display()
+                        ),
+                    }
+                };
+                let (gate, up, down) = (
+                    ours("gate", [fs, h])?,
+                    ours("up", [fs, h])?,
+                    ours("down", [h, fs])?,
+                );
+                let gate_up = match QMatrix::stack(&[&gate, &up])? {
+                    Some((all, _)) => GateUp::Stacked(all),
+                    None => GateUp::Apart(gate, up),
+                };
+                Some(SharedExpert {
+                    gate_up,
+                    down,
+                    gate: self.values(&format!("{p}.ffn_gate_inp_shexp.weight"), &[h], device)?,
+                    ffn: fs,
+                })
+            }
+            false => None,
+        };
+        if shared.is_none() && e.shared > 0 {
+            bail!(
+                "{}: {p} has no shared expert (ffn_gate_inp_shexp) though the metadata gives it {} rows",
+                self.path.display(),
+                e.shared
+            );
+        }
         Ok(Moe {
             router,
             experts,
             used: e.used,
             ffn: f,
             act: cfg.block.act,
+            shared,
         })
     }
 
@@ -668,7 +717,8 @@ impl GgufFile {
             // A mixture of experts has no dense FFN matrices (its experts are read below); a
             // DeltaNet layer has its own instead of attention's.
             let (skip, n) = match (cfg.is_recurrent(i), cfg.block.moe) {
-                (true, _) => (4, 3),
+                (true, true) => (4, 0),
+                (true, false) => (4, 3),
                 (false, true) => (0, 4),
                 (false, false) => (0, 7),
             };

@@ -1,6 +1,7 @@
-//! A mixture-of-experts FFN (gpt-oss; llama.cpp's `build_moe_ffn`): a router scores every
-//! expert for each token, the `k` best run, and their outputs are summed weighted by the softmax
-//! of their scores.
+//! A mixture-of-experts FFN (gpt-oss, Gemma 4, Qwen3.5; llama.cpp's `build_moe_ffn`): a router
+//! scores every expert for each token, the `k` best run, and their outputs are summed weighted by
+//! the softmax of their scores; Qwen3.5's shared expert runs on every token beside them, its
+//! output × sigmoid(g·x) added last.
 //!
 //! Per token, as the math reads: logits = router·x + b (`[n_expert]`); the k largest, in
 //! descending order, are its experts; w = softmax(those k logits); each expert e computes
@@ -71,6 +72,46 @@ pub struct Moe {
     pub used: usize,
     pub ffn: usize,
     pub act: Activation,
+    /// An expert every token runs beside the routed ones (Qwen3.5 MoE).
+    pub shared: Option<SharedExpert>,
+}
+
+/// The shared expert: y = down·act(gate·x, up·x), added × sigmoid(g·x) to the routed experts' sum.
+pub struct SharedExpert {
+    /// `[2·ffn, hidden]`.
+    pub gate_up: GateUp,
+    /// `[hidden, ffn]`.
+    pub down: QMatrix,
+    /// `[hidden]`: the gate's weights (`ffn_gate_inp_shexp`).
+    pub gate: Vec<f32>,
+    pub ffn: usize,
+}
+
+impl SharedExpert {
+    /// Adds the gated shared expert's output for `xs [t, hidden]` to `out [t, hidden]`.
+    fn add(&self, xs: &[f32], t: usize, act_kind: Activation, out: &mut [f32]) -> Result<()> {
+        let (f, hidden) = (self.ffn, self.gate.len());
+        let gu = self.gate_up.matmul(xs, t, f)?; // [t, 2f]
+        let mut act = vec![0f32; t * f];
+        for (row, a) in gu.chunks_exact(2 * f).zip(act.chunks_exact_mut(f)) {
+            let (gate, up) = row.split_at(f);
+            glu::row(act_kind, gate, up, a);
+        }
+        let mut y = vec![0f32; t * hidden];
+        self.down.matmul(&act, t, &mut y)?; // [t, hidden]
+        for ((o, y), x) in out
+            .chunks_exact_mut(hidden)
+            .zip(y.chunks_exact(hidden))
+            .zip(xs.chunks_exact(hidden))
+        {
+            let g: f32 = x.iter().zip(&self.gate).map(|(a, b)| a * b).sum();
+            let g = 1.0 / (1.0 + (-g).exp());
+            for (o, &y) in o.iter_mut().zip(y) {
+                *o += y * g;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The `k` experts with the largest logits, in descending order (ties: the lower index first),
@@ -158,6 +199,9 @@ impl Moe {
                     *o += s;
                 }
             }
+        }
+        if let Some(shared) = &self.shared {
+            shared.add(&xs, t, self.act, &mut out)?;
         }
         Ok(Tensor::from_vec(out, (1, t, hidden), &Device::Cpu)?)
     }

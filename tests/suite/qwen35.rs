@@ -217,3 +217,93 @@ fn saving_a_recurrent_state_is_refused_in_one_line() {
         "saving the state of a model with recurrent layers (Qwen3.5's DeltaNet) is not supported yet",
     );
 }
+
+/// kv-size by kind, by hand from the metadata: 2 attention layers × 2 KV heads × 64 × (K and V)
+/// × 2 bytes (f16) = 1,024 bytes a token, 4 MiB at 4,096 tokens; 4 DeltaNet layers each keeping
+/// (4 − 1) × 256 convolution inputs and 4 matrices of 32 × 32, f32: 4 × 19,456 = 77,824 B
+/// (76 KiB) at any context; a uniform cache would keep 6 layers' keys and values: 12 MiB.
+#[test]
+fn kv_size_shows_qwen35_memory_by_kind() {
+    let path = random_qwen35();
+    let o = crate::common::kvchat(
+        &["kv-size", "-m", path.to_str().unwrap(), "--ctx", "4096"],
+        "",
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    for want in [
+        "KV cache of 2 layers × 2 KV heads × 64 head dim, context 4096 tokens",
+        "f16: 1,024 bytes (1.00 KiB) per token, 4.00 MiB per user at 4096 tokens",
+        "memory by kind: attention KV 4.00 MiB on 2 of 6 layers + recurrent state 76.00 KiB (fixed, f32) on the other 4: 4.07 MiB per user at 4096 tokens, against 12.00 MiB for a uniform cache (0.34×)",
+    ] {
+        assert!(out.contains(want), "{want:?} not in:\n{out}");
+    }
+}
+
+#[test]
+fn a_deltanet_layer_missing_its_state_tensor_is_refused_naming_it() {
+    // The name `blk.3.ssm_a` becomes `blk.3.ssm_b`: the layer has no decay scale.
+    let p = damaged("q35-no-ssm-a", |b| {
+        let name = b"blk.3.ssm_a";
+        let at = b.windows(name.len()).position(|w| w == name).unwrap();
+        b[at + name.len() - 1] = b'b';
+    });
+    crate::common::assert_refused(&run(&p, &[]), "blk.3.ssm_a");
+}
+
+/// sha256 of the file `write_random_qwen35_moe` writes.
+const MOE_SHA256: &str = "f5adde3eb3dce45e4b3ef0e0aaae392b43bbe9f586b2136fa5ee2f199f41f7ed";
+
+fn random_qwen35_moe() -> std::path::PathBuf {
+    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    crate::common::tiny::written_once(
+        &PATH,
+        "random-qwen35moe.gguf",
+        crate::common::tiny::write_random_qwen35_moe,
+    )
+}
+
+#[test]
+fn qwen35moe_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_file() {
+    let p = crate::common::tiny::pinned_perplexity(&random_qwen35_moe(), MOE_SHA256);
+    // llama-perplexity -m target/tmp/random-qwen35moe.gguf -f assets/bench-text.txt -c 256 -t 2 --no-repack
+    //   → Final estimate: PPL = 1455561.9700 +/- 112277.52863 (kvchat measured 1458998.82, +0.24 %;
+    //   with -fa off llama.cpp reads 1456447.9507, +0.18 % from kvchat).
+    let reference = 1455561.9700;
+    assert!(
+        (p / reference - 1.0).abs() < 0.005,
+        "kvchat {p:.4} vs llama.cpp {reference}"
+    );
+}
+
+#[test]
+fn qwen35moe_reads_its_routed_and_shared_experts() {
+    let m = GgufFile::open(&random_qwen35_moe())
+        .unwrap()
+        .load_llama(&Device::Cpu, 512)
+        .unwrap();
+    let e = m.cfg.experts.unwrap();
+    assert_eq!((e.count, e.used, e.ffn, e.shared), (8, 2, 128, 256));
+    for (i, b) in m.layers.iter().enumerate() {
+        match &b.ffn {
+            kvchat::model::llama::Ffn::Moe(moe) => {
+                assert_eq!(moe.experts.len(), 8, "layer {i}");
+                let s = moe.shared.as_ref().expect("a shared expert");
+                assert_eq!((s.ffn, s.gate.len()), (256, 256));
+            }
+            _ => panic!("layer {i}'s FFN is not a mixture of experts"),
+        }
+    }
+}
+
+#[test]
+fn qwen35moe_prefill_and_decode_give_the_same_logits() {
+    let m = GgufFile::open(&random_qwen35_moe())
+        .unwrap()
+        .load_llama(&Device::Cpu, 512)
+        .unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 7919 % 49152) as u32).collect();
+    let (prefill, decode) =
+        prefill_and_decode(&m, &CacheSpec::full(Precision::F32, 512), &tokens, 512);
+    assert_eq!(prefill, decode);
+}

@@ -990,7 +990,19 @@ pub const QWEN35_ATTENDS: [bool; 6] = [false, false, true, false, false, true];
 /// head. Q8_0 matrices, f32 vectors and convolution, the tokenizer of `tokenizer_from`, tied
 /// embeddings. The same bytes on every machine.
 pub fn write_random_qwen35(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    write_qwen35(path, tokenizer_from, false)
+}
+
+/// `write_random_qwen35`'s model as Qwen3.5's MoE models (`qwen35moe`): each FFN 8 experts of
+/// 128 rows, 2 a token, and a shared expert of 256 rows gated by sigmoid(`ffn_gate_inp_shexp`·x).
+pub fn write_random_qwen35_moe(path: &std::path::Path, tokenizer_from: &std::path::Path) {
+    write_qwen35(path, tokenizer_from, true)
+}
+
+fn write_qwen35(path: &std::path::Path, tokenizer_from: &std::path::Path, moe: bool) {
     let (hidden, heads, kv_heads, hd, ffn) = (256usize, 4usize, 2usize, 64usize, 512usize);
+    let (experts, used, expert_ffn, shared_ffn) = (8usize, 2usize, 128usize, 256usize);
+    let arch = if moe { "qwen35moe" } else { "qwen35" };
     let (conv, k_heads, v_heads, d) = (4usize, 2usize, 4usize, 32usize);
     let channels = 2 * k_heads * d + v_heads * d;
     let layers = QWEN35_ATTENDS.len();
@@ -1063,39 +1075,67 @@ pub fn write_random_qwen35(path: &std::path::Path, tokenizer_from: &std::path::P
             push("ssm_a", tensor(&[v_heads], 0.5, -1.0, f32t));
             push("ssm_norm.weight", tensor(&[d], 0.2, 1.0, f32t));
         }
-        push(
-            "ffn_gate.weight",
-            tensor(&[ffn, hidden], s(hidden), 0.0, q8),
-        );
-        push("ffn_up.weight", tensor(&[ffn, hidden], s(hidden), 0.0, q8));
-        push("ffn_down.weight", tensor(&[hidden, ffn], s(ffn), 0.0, q8));
+        if moe {
+            push(
+                "ffn_gate_inp.weight",
+                tensor(&[experts, hidden], s(hidden), 0.0, f32t),
+            );
+            for (name, rows, cols) in [
+                ("gate", expert_ffn, hidden),
+                ("up", expert_ffn, hidden),
+                ("down", hidden, expert_ffn),
+            ] {
+                push(
+                    &format!("ffn_{name}_exps.weight"),
+                    tensor(&[experts, rows, cols], s(cols), 0.0, q8),
+                );
+            }
+            push(
+                "ffn_gate_inp_shexp.weight",
+                tensor(&[hidden], s(hidden), 0.0, f32t),
+            );
+            for (name, rows, cols) in [
+                ("gate", shared_ffn, hidden),
+                ("up", shared_ffn, hidden),
+                ("down", hidden, shared_ffn),
+            ] {
+                push(
+                    &format!("ffn_{name}_shexp.weight"),
+                    tensor(&[rows, cols], s(cols), 0.0, q8),
+                );
+            }
+        } else {
+            push(
+                "ffn_gate.weight",
+                tensor(&[ffn, hidden], s(hidden), 0.0, q8),
+            );
+            push("ffn_up.weight", tensor(&[ffn, hidden], s(hidden), 0.0, q8));
+            push("ffn_down.weight", tensor(&[hidden, ffn], s(ffn), 0.0, q8));
+        }
     }
     let u = |v: usize| Value::U32(v as u32);
-    let md: Vec<(String, Value)> = vec![
-        (
-            "general.architecture".into(),
-            Value::String("qwen35".into()),
-        ),
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
         (
             "general.name".into(),
-            Value::String("kvchat random qwen35".into()),
+            Value::String(format!("kvchat random {arch}")),
         ),
-        ("qwen35.block_count".into(), u(layers)),
-        ("qwen35.context_length".into(), u(262144)),
-        ("qwen35.embedding_length".into(), u(hidden)),
-        ("qwen35.feed_forward_length".into(), u(ffn)),
-        ("qwen35.attention.head_count".into(), u(heads)),
-        ("qwen35.attention.head_count_kv".into(), u(kv_heads)),
-        ("qwen35.attention.key_length".into(), u(hd)),
-        ("qwen35.attention.value_length".into(), u(hd)),
+        (format!("{arch}.block_count"), u(layers)),
+        (format!("{arch}.context_length"), u(262144)),
+        (format!("{arch}.embedding_length"), u(hidden)),
+        (format!("{arch}.feed_forward_length"), u(ffn)),
+        (format!("{arch}.attention.head_count"), u(heads)),
+        (format!("{arch}.attention.head_count_kv"), u(kv_heads)),
+        (format!("{arch}.attention.key_length"), u(hd)),
+        (format!("{arch}.attention.value_length"), u(hd)),
         (
-            "qwen35.attention.layer_norm_rms_epsilon".into(),
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-6),
         ),
-        ("qwen35.rope.freq_base".into(), Value::F32(10_000_000.0)),
-        ("qwen35.rope.dimension_count".into(), u(hd / 4)),
+        (format!("{arch}.rope.freq_base"), Value::F32(10_000_000.0)),
+        (format!("{arch}.rope.dimension_count"), u(hd / 4)),
         (
-            "qwen35.rope.dimension_sections".into(),
+            format!("{arch}.rope.dimension_sections"),
             Value::Array(vec![
                 Value::I32(3),
                 Value::I32(3),
@@ -1103,12 +1143,23 @@ pub fn write_random_qwen35(path: &std::path::Path, tokenizer_from: &std::path::P
                 Value::I32(0),
             ]),
         ),
-        ("qwen35.full_attention_interval".into(), u(3)),
-        ("qwen35.ssm.conv_kernel".into(), u(conv)),
-        ("qwen35.ssm.inner_size".into(), u(v_heads * d)),
-        ("qwen35.ssm.state_size".into(), u(d)),
-        ("qwen35.ssm.time_step_rank".into(), u(v_heads)),
-        ("qwen35.ssm.group_count".into(), u(k_heads)),
+        (format!("{arch}.full_attention_interval"), u(3)),
+        (format!("{arch}.ssm.conv_kernel"), u(conv)),
+        (format!("{arch}.ssm.inner_size"), u(v_heads * d)),
+        (format!("{arch}.ssm.state_size"), u(d)),
+        (format!("{arch}.ssm.time_step_rank"), u(v_heads)),
+        (format!("{arch}.ssm.group_count"), u(k_heads)),
     ];
+    if moe {
+        md.extend([
+            (format!("{arch}.expert_count"), u(experts)),
+            (format!("{arch}.expert_used_count"), u(used)),
+            (format!("{arch}.expert_feed_forward_length"), u(expert_ffn)),
+            (
+                format!("{arch}.expert_shared_feed_forward_length"),
+                u(shared_ffn),
+            ),
+        ]);
+    }
     write_with_tokenizer(path, md, &src, &tensors);
 }
