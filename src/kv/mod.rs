@@ -680,6 +680,11 @@ impl States {
         self.changed = false;
     }
 
+    /// The states as they stand.
+    pub fn now(&self) -> &[RecurrentState] {
+        &self.now
+    }
+
     /// Bytes of the states now (fixed, whatever the sequence's length).
     pub fn bytes(&self) -> usize {
         self.now.iter().map(RecurrentState::bytes).sum()
@@ -839,6 +844,28 @@ impl KvCache {
     pub fn states(&self) -> &States {
         &self.states
     }
+
+    /// Puts saved states in, as they stood after the first `at` positions (which the attention
+    /// layers hold): the snapshots go.
+    pub fn restore_states(&mut self, states: Vec<RecurrentState>, at: usize) -> Result<()> {
+        if states.len() != self.states.now.len()
+            || states
+                .iter()
+                .zip(&self.states.now)
+                .any(|(a, b)| a.conv.len() != b.conv.len() || a.matrix.len() != b.matrix.len())
+        {
+            anyhow::bail!(
+                "{} recurrent states given for a model of {} of another shape",
+                states.len(),
+                self.states.now.len()
+            );
+        }
+        self.states.now = states;
+        self.states.at = at;
+        self.states.changed = false;
+        self.states.snapshots.clear();
+        Ok(())
+    }
     pub fn reset(&mut self) -> Result<()> {
         self.truncate(0)?;
         self.states.clear();
@@ -851,9 +878,6 @@ impl KvCache {
                 crate::Fix::FullCache,
                 "with no cache there is no KV state to save".into(),
             ));
-        }
-        if !self.states.now.is_empty() {
-            anyhow::bail!("saving the state of a model with recurrent layers (Qwen3.5's DeltaNet) is not supported yet");
         }
         let m = &self.spec.mode;
         let retention = match m.retention {

@@ -14,6 +14,7 @@
 use super::layer::RawState;
 use super::KvCache;
 use crate::interrupt::TempFile;
+use crate::model::deltanet::RecurrentState;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -29,6 +30,8 @@ pub struct Snapshot {
     pub tokens: Vec<u32>,
     /// Per layer: the stored rows.
     pub layers: Vec<RawState>,
+    /// Per recurrent layer (Qwen3.5's DeltaNet): its state after the last token.
+    pub states: Vec<RecurrentState>,
     /// Whatever the writer added (the chat's messages).
     pub extra: serde_json::Value,
 }
@@ -41,6 +44,8 @@ pub struct Expect<'a> {
     pub shapes: Vec<(usize, usize)>,
     /// The most positions the cache may hold (`--ctx`).
     pub max_positions: usize,
+    /// Per recurrent layer: the f32 values of its convolution window and of its matrices.
+    pub states: Vec<(usize, usize)>,
 }
 
 impl Expect<'_> {
@@ -49,9 +54,10 @@ impl Expect<'_> {
     fn max_file_bytes(&self) -> u64 {
         let rows: usize = self.shapes.iter().map(|(nkv, hd)| nkv * hd).sum();
         let per_pos = (2 * rows * 4 + 4) as u64;
+        let states: usize = self.states.iter().map(|(c, m)| 4 * (c + m)).sum();
         per_pos
             .saturating_mul(self.max_positions as u64)
-            .saturating_add((64 << 20) + 64 * self.max_positions as u64)
+            .saturating_add((64 << 20) + 64 * self.max_positions as u64 + states as u64)
     }
 }
 
@@ -168,6 +174,16 @@ pub fn save(
             tensors.push((format!("rv.{i}"), bytes(st.residual_v)?));
         }
         residual_from.get_or_insert(st.residual_from);
+    }
+    for (r, s) in cache.states().now().iter().enumerate() {
+        tensors.push((
+            format!("sc.{r}"),
+            Tensor::new(s.conv.as_slice(), &Device::Cpu)?,
+        ));
+        tensors.push((
+            format!("sm.{r}"),
+            Tensor::new(s.matrix.as_slice(), &Device::Cpu)?,
+        ));
     }
     let meta: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
@@ -305,6 +321,37 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
             residual_from,
         });
     }
+    let mut states = Vec::with_capacity(expect.states.len());
+    for (r, &(conv, matrix)) in expect.states.iter().enumerate() {
+        let mut take = |name: String, len: usize| -> Result<Vec<f32>> {
+            let t = tensors.remove(&name).ok_or_else(|| {
+                anyhow!(
+                    "{} lacks {name} (a recurrent layer's state)",
+                    path.display()
+                )
+            })?;
+            if t.dtype() != DType::F32 || t.dims() != [len] {
+                bail!(
+                    "{}: {name} is {:?} {:?}, not the [{len}] f32 state this model keeps",
+                    path.display(),
+                    t.dtype(),
+                    t.dims()
+                );
+            }
+            let v = t.to_vec1::<f32>()?;
+            if v.iter().any(|x| !x.is_finite()) {
+                bail!(
+                    "{}: {name} holds a value that is not a finite number",
+                    path.display()
+                );
+            }
+            Ok(v)
+        };
+        states.push(RecurrentState {
+            conv: take(format!("sc.{r}"), conv)?,
+            matrix: take(format!("sm.{r}"), matrix)?,
+        });
+    }
     if !tensors.is_empty() {
         bail!("{} holds more layers than this model has", path.display());
     }
@@ -312,6 +359,7 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
     Ok(Snapshot {
         tokens,
         layers,
+        states,
         extra,
     })
 }

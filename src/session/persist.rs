@@ -27,6 +27,10 @@ impl Session<'_> {
                 return Err(anyhow::anyhow!("layer {i}: {e}"));
             }
         }
+        if let Err(e) = self.cache.restore_states(snap.states.clone(), n) {
+            self.cache.reset()?;
+            return Err(e);
+        }
         self.tokens = snap.tokens.clone();
         Ok(())
     }
@@ -45,6 +49,13 @@ impl Session<'_> {
                 .map(|c| cfg.layer_kv_shape(cfg.kv_block(c)))
                 .collect(),
             max_positions: self.max_positions,
+            states: self
+                .cache
+                .states()
+                .now()
+                .iter()
+                .map(|s| (s.conv.len(), s.matrix.len()))
+                .collect(),
         }
     }
 

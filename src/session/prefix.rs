@@ -96,6 +96,8 @@ impl Session<'_> {
             let snap = Snapshot {
                 tokens: ids[..found.tokens].to_vec(),
                 layers: std::mem::take(&mut found.layers),
+                // (The store refuses models with recurrent states: `store_refusal`.)
+                states: Vec::new(),
                 extra: serde_json::Value::Null,
             };
             if let Err(e) = self.restore(&snap) {

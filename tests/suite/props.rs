@@ -152,6 +152,7 @@ fn expect() -> persist::Expect<'static> {
         cache_key: "all, f32",
         shapes: vec![(2, 4); 2],
         max_positions: 64,
+        states: Vec::new(),
     }
 }
 

@@ -192,30 +192,53 @@ fn a_window_applies_to_the_attention_layers_and_says_so() {
     );
 }
 
+/// A saved state holds the recurrent states: a session that loads it and feeds the rest of
+/// the sequence gets the logits of one prefill of the whole, bit for bit.
 #[test]
-fn saving_a_recurrent_state_is_refused_in_one_line() {
+fn a_saved_state_resumes_with_the_logits_of_one_prefill() {
+    let m = load();
+    let spec = CacheSpec::full(Precision::F16, 512);
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
     std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("state.kv");
+    let file = dir.join("resume.kv");
     let _ = std::fs::remove_file(&file);
-    let o = crate::common::kvchat(
-        &[
-            "run",
-            "-m",
-            random_qwen35().to_str().unwrap(),
-            "--raw",
-            "-n",
-            "2",
-            "--prompt-cache",
-            file.to_str().unwrap(),
-            "hi",
-        ],
-        "",
+    let (a, b) = (tokens(50, 8), tokens(20, 9));
+    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    s.feed(&a).unwrap();
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
+    let mut r = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let whole = [&a[..], &b[..]].concat();
+    assert_eq!(r.reuse_saved_prefix(&file, "digest", &whole).unwrap(), 50);
+    let resumed = r.feed(&b).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(resumed, fresh(&m, &whole));
+}
+
+#[test]
+fn a_saved_state_with_a_damaged_recurrent_state_is_refused() {
+    let m = load();
+    let spec = CacheSpec::full(Precision::F16, 512);
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("nan.kv");
+    let _ = std::fs::remove_file(&file);
+    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    s.feed(&tokens(10, 10)).unwrap();
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
+    // A NaN in the first layer's matrix: its f32 bytes, found by the values saved.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let first = s.cache().states().now()[0].matrix[5].to_le_bytes();
+    let at = bytes.windows(4).position(|w| w == first).unwrap();
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, bytes).unwrap();
+    let mut r = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let e = r.load_state(&file, "digest").unwrap_err().to_string();
+    assert!(
+        e.contains("holds a value that is not a finite number"),
+        "{e}"
     );
-    crate::common::assert_refused(
-        &o,
-        "saving the state of a model with recurrent layers (Qwen3.5's DeltaNet) is not supported yet",
-    );
+    assert!(r.tokens().is_empty());
 }
 
 /// kv-size by kind, by hand from the metadata: 2 attention layers × 2 KV heads × 64 × (K and V)
@@ -306,4 +329,45 @@ fn qwen35moe_prefill_and_decode_give_the_same_logits() {
     let (prefill, decode) =
         prefill_and_decode(&m, &CacheSpec::full(Precision::F32, 512), &tokens, 512);
     assert_eq!(prefill, decode);
+}
+
+/// `run --prompt-cache` on Qwen3.5: a prompt that extends the saved one resumes from the saved
+/// states and answers as a run without the cache does.
+#[test]
+fn the_prompt_cache_resumes_a_hybrid_model_with_the_cold_answer() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("prompt.kvc");
+    let _ = std::fs::remove_file(&file);
+    let model = random_qwen35();
+    let run = |prompt: &str, cache: bool| {
+        let mut args = vec![
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "--raw",
+            "--temperature",
+            "0",
+            "-n",
+            "8",
+            "--stats",
+        ];
+        if cache {
+            args.extend(["--prompt-cache", file.to_str().unwrap()]);
+        }
+        args.push(prompt);
+        let o = crate::common::kvchat(&args, "");
+        assert!(o.status.success(), "{}", crate::common::stderr(&o));
+        o
+    };
+    let first = "The first line of a document that is long enough to be worth keeping.\n";
+    let whole = format!("{first}And a question about it?");
+    run(first, true);
+    let warm = run(&whole, true);
+    let err = crate::common::stderr(&warm);
+    assert!(
+        err.contains("prompt cache: reused 16 of 22 prompt tokens"),
+        "{err}"
+    );
+    assert_eq!(warm.stdout, run(&whole, false).stdout);
 }
