@@ -371,3 +371,21 @@ fn the_prompt_cache_resumes_a_hybrid_model_with_the_cold_answer() {
     );
     assert_eq!(warm.stdout, run(&whole, false).stdout);
 }
+
+/// Sections that would turn a pair by the fourth position (images' and video's, 0 for text) are
+/// refused, not run as if they were text's.
+#[test]
+fn rope_sections_with_a_fourth_position_are_refused_in_one_line() {
+    let p = damaged("q35-sections", |b| {
+        // The key, then its type (9: array), the element type (5: i32), the count (4), values.
+        let key = b"qwen35.rope.dimension_sections";
+        let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 16;
+        assert_eq!(b[at..at + 16], [3, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]);
+        b[at + 8] = 1;
+        b[at + 12] = 1;
+    });
+    crate::common::assert_refused(
+        &run(&p, &[]),
+        "qwen35.rope.dimension_sections = [3, 3, 1, 1] rotates pair 5 by a fourth position",
+    );
+}
