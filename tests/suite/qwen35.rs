@@ -81,11 +81,27 @@ fn tokens(n: usize, seed: usize) -> Vec<u32> {
     (0..n).map(|i| ((i + seed) * 4099 % 49152) as u32).collect()
 }
 
+/// A session of 512 positions over an f16 cache.
+fn session(m: &Llama) -> Session<'_> {
+    Session::new(
+        m,
+        CacheSpec::full(Precision::F16, 512).build(&m.cfg, None),
+        512,
+    )
+}
+
 /// The logits after `seq` fed in one prefill to a fresh session.
 fn fresh(m: &Llama, seq: &[u32]) -> Vec<f32> {
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let mut s = Session::new(m, spec.build(&m.cfg, None), 512);
-    s.feed(seq).unwrap().to_vec1().unwrap()
+    session(m).feed(seq).unwrap().to_vec1().unwrap()
+}
+
+/// A path for a saved state in the tests' scratch directory, nothing there yet.
+fn state_file(name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(name);
+    let _ = std::fs::remove_file(&file);
+    file
 }
 
 /// Going back inside a turn restores the snapshot taken where the turn's prefill began and
@@ -93,8 +109,7 @@ fn fresh(m: &Llama, seq: &[u32]) -> Vec<f32> {
 #[test]
 fn going_back_inside_a_turn_restores_a_snapshot_and_recomputes_exactly() {
     let m = load();
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut s = session(&m);
     let (a, b) = (tokens(40, 1), tokens(30, 2));
     s.feed(&a).unwrap();
     s.feed(&b).unwrap(); // a snapshot at 40, where this prefill began
@@ -114,8 +129,7 @@ fn going_back_inside_a_turn_restores_a_snapshot_and_recomputes_exactly() {
 #[test]
 fn undoing_a_turn_lands_on_its_snapshot() {
     let m = load();
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut s = session(&m);
     let (a, b) = (tokens(40, 4), tokens(30, 5));
     s.feed(&a).unwrap();
     s.feed(&b).unwrap();
@@ -132,8 +146,7 @@ fn undoing_a_turn_lands_on_its_snapshot() {
 #[test]
 fn the_cache_keeps_kv_on_attention_layers_and_a_fixed_state_on_the_others() {
     let m = load();
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut s = session(&m);
     s.feed(&tokens(10, 6)).unwrap();
     assert_eq!(s.cache().layers().len(), 2);
     assert_eq!(s.cache().bytes_used(), 10 * 1024);
@@ -197,17 +210,13 @@ fn a_window_applies_to_the_attention_layers_and_says_so() {
 #[test]
 fn a_saved_state_resumes_with_the_logits_of_one_prefill() {
     let m = load();
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("resume.kv");
-    let _ = std::fs::remove_file(&file);
+    let file = state_file("resume.kv");
     let (a, b) = (tokens(50, 8), tokens(20, 9));
-    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut s = session(&m);
     s.feed(&a).unwrap();
     s.save_state(&file, "digest", serde_json::Value::Null)
         .unwrap();
-    let mut r = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut r = session(&m);
     let whole = [&a[..], &b[..]].concat();
     assert_eq!(r.reuse_saved_prefix(&file, "digest", &whole).unwrap(), 50);
     let resumed = r.feed(&b).unwrap().to_vec1::<f32>().unwrap();
@@ -217,12 +226,8 @@ fn a_saved_state_resumes_with_the_logits_of_one_prefill() {
 #[test]
 fn a_saved_state_with_a_damaged_recurrent_state_is_refused() {
     let m = load();
-    let spec = CacheSpec::full(Precision::F16, 512);
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("nan.kv");
-    let _ = std::fs::remove_file(&file);
-    let mut s = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let file = state_file("nan.kv");
+    let mut s = session(&m);
     s.feed(&tokens(10, 10)).unwrap();
     s.save_state(&file, "digest", serde_json::Value::Null)
         .unwrap();
@@ -232,7 +237,7 @@ fn a_saved_state_with_a_damaged_recurrent_state_is_refused() {
     let at = bytes.windows(4).position(|w| w == first).unwrap();
     bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&file, bytes).unwrap();
-    let mut r = Session::new(&m, spec.build(&m.cfg, None), 512);
+    let mut r = session(&m);
     let e = r.load_state(&file, "digest").unwrap_err().to_string();
     assert!(
         e.contains("holds a value that is not a finite number"),
@@ -335,10 +340,7 @@ fn qwen35moe_prefill_and_decode_give_the_same_logits() {
 /// states and answers as a run without the cache does.
 #[test]
 fn the_prompt_cache_resumes_a_hybrid_model_with_the_cold_answer() {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("q35-state");
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("prompt.kvc");
-    let _ = std::fs::remove_file(&file);
+    let file = state_file("prompt.kvc");
     let model = random_qwen35();
     let run = |prompt: &str, cache: bool| {
         let mut args = vec![
@@ -380,7 +382,10 @@ fn rope_sections_with_a_fourth_position_are_refused_in_one_line() {
         // The key, then its type (9: array), the element type (5: i32), the count (4), values.
         let key = b"qwen35.rope.dimension_sections";
         let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 16;
-        assert_eq!(b[at..at + 16], [3, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            b[at..at + 16],
+            [3, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+        );
         b[at + 8] = 1;
         b[at + 12] = 1;
     });

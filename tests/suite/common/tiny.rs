@@ -213,7 +213,24 @@ pub fn write_tiny_with_tokenizer(name: &str) -> PathBuf {
 /// A deterministic stream of numbers in [-1, 1) (splitmix64): the same file on every machine.
 struct Rng(u64);
 
+/// The GGUF whose tokenizer a random model takes: its content and vocabulary size.
+fn tokenizer_source(path: &std::path::Path) -> (gguf_file::Content, usize) {
+    let src = gguf_file::Content::read(&mut std::fs::File::open(path).unwrap()).unwrap();
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len(),
+        _ => panic!("no tokenizer in {}", path.display()),
+    };
+    (src, vocab)
+}
+
 impl Rng {
+    /// A tensor of `dims` holding Uniform(offset − scale, offset + scale) values in order, quantized.
+    fn tensor(&mut self, dims: &[usize], scale: f32, offset: f32, q: GgmlDType) -> QTensor {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + self.next() * scale).collect();
+        QTensor::quantize(&Tensor::from_vec(v, dims, &Device::Cpu).unwrap(), q).unwrap()
+    }
+
     fn next(&mut self) -> f32 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
@@ -232,12 +249,7 @@ impl Rng {
 pub fn write_random_qwen3(path: &std::path::Path, tokenizer_from: &std::path::Path) {
     let (hidden, heads, kv_heads, hd, ffn, layers) =
         (256usize, 4usize, 2usize, 96usize, 512usize, 2usize);
-    let mut f = std::fs::File::open(tokenizer_from).unwrap();
-    let src = gguf_file::Content::read(&mut f).unwrap();
-    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
-        Some(Value::Array(a)) => a.len(),
-        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
-    };
+    let (src, vocab) = tokenizer_source(tokenizer_from);
     let dev = Device::Cpu;
     let mut rng = Rng(0x0005_eed0_f0e3);
     // Uniform(offset - scale, offset + scale) values, quantized.
@@ -386,20 +398,10 @@ pub fn retype(path: &std::path::Path, from: u32, to: u32) {
 pub fn write_random_gpt_oss(path: &std::path::Path, tokenizer_from: &std::path::Path) {
     let (hidden, heads, kv_heads, hd, layers) = (256usize, 4usize, 2usize, 64usize, 2usize);
     let (experts, used, ffn) = (8usize, 4usize, 256usize);
-    let mut f = std::fs::File::open(tokenizer_from).unwrap();
-    let src = gguf_file::Content::read(&mut f).unwrap();
-    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
-        Some(Value::Array(a)) => a.len(),
-        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
-    };
-    let dev = Device::Cpu;
+    let (src, vocab) = tokenizer_source(tokenizer_from);
     let mut rng = Rng(0x0005_eed0_9055);
-    // Uniform(offset - scale, offset + scale) values of `dims`, quantized.
-    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
-        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
-    };
+    let mut tensor =
+        |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| rng.tensor(dims, scale, offset, q);
     let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
     // Uniform(-s, s) has standard deviation s/√3: s = √3/√in keeps activations at unit scale;
     // q and k twice that, so that attention is sharp and positions, windows and sinks matter.
@@ -673,20 +675,12 @@ fn write_gemma4(path: &std::path::Path, tokenizer_from: &std::path::Path, moe: b
         }
     };
     let ffn = |i: usize| if i >= layers - shared { 512usize } else { 256 };
-    let mut f = std::fs::File::open(tokenizer_from).unwrap();
-    let src = gguf_file::Content::read(&mut f).unwrap();
+    let (src, vocab) = tokenizer_source(tokenizer_from);
     // The vocabulary and its 256 byte tokens (`gemma4_tokenizer`).
-    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
-        Some(Value::Array(a)) => a.len() + 256,
-        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
-    };
-    let dev = Device::Cpu;
+    let vocab = vocab + 256;
     let mut rng = Rng(0x0005_eed0_9e44);
-    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
-        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
-    };
+    let mut tensor =
+        |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| rng.tensor(dims, scale, offset, q);
     let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
     let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
     let n_rot = hd_global / 4 / 2;
@@ -704,7 +698,7 @@ fn write_gemma4(path: &std::path::Path, tokenizer_from: &std::path::Path, moe: b
         ),
         (
             "rope_freqs.weight".into(),
-            QTensor::quantize(&Tensor::new(freqs, &dev).unwrap(), f32t).unwrap(),
+            QTensor::quantize(&Tensor::new(freqs, &Device::Cpu).unwrap(), f32t).unwrap(),
         ),
         (
             "per_layer_token_embd.weight".into(),
@@ -1006,20 +1000,10 @@ fn write_qwen35(path: &std::path::Path, tokenizer_from: &std::path::Path, moe: b
     let (conv, k_heads, v_heads, d) = (4usize, 2usize, 4usize, 32usize);
     let channels = 2 * k_heads * d + v_heads * d;
     let layers = QWEN35_ATTENDS.len();
-    let mut f = std::fs::File::open(tokenizer_from).unwrap();
-    let src = gguf_file::Content::read(&mut f).unwrap();
-    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
-        Some(Value::Array(a)) => a.len(),
-        _ => panic!("no tokenizer in {}", tokenizer_from.display()),
-    };
-    let dev = Device::Cpu;
+    let (src, vocab) = tokenizer_source(tokenizer_from);
     let mut rng = Rng(0x0005_eed0_0035);
-    // Uniform(offset - scale, offset + scale) values of `dims`, quantized.
-    let mut tensor = |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| {
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + rng.next() * scale).collect();
-        QTensor::quantize(&Tensor::from_vec(v, dims, &dev).unwrap(), q).unwrap()
-    };
+    let mut tensor =
+        |dims: &[usize], scale: f32, offset: f32, q: GgmlDType| rng.tensor(dims, scale, offset, q);
     let (q8, f32t) = (GgmlDType::Q8_0, GgmlDType::F32);
     let s = |inputs: usize| (3.0 / inputs as f32).sqrt();
     let mut tensors: Vec<(String, QTensor)> = vec![
