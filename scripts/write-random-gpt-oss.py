@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import gguf
 from gguf_tokenizer import copy_tokenizer
+from gguf_random import Random
 
 src, dst = sys.argv[1], sys.argv[2]
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else 4
@@ -44,15 +45,10 @@ w.add_rope_scaling_orig_ctx_len(4096)
 w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
 copy_tokenizer(r, w)
 vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-rng = np.random.default_rng(1)
+rnd = Random(1)
+rng, normal, q8_0, norm = rnd.rng, rnd.normal, rnd.q8_0, rnd.norm
 
 
-def normal(shape, std):
-    return rng.standard_normal(shape, dtype=np.float32) * std
-
-
-def q8_0(rows, cols, std):
-    return gguf.quants.quantize(normal((rows, cols), std), gguf.GGMLQuantizationType.Q8_0)
 
 
 def mxfp4(n, rows, cols):

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import gguf
 from gguf_tokenizer import copy_tokenizer
+from gguf_random import Random
 
 src, dst = sys.argv[1], sys.argv[2]
 interval = int(sys.argv[3]) if len(sys.argv) > 3 else 4
@@ -47,20 +48,12 @@ w.add_ssm_group_count(k_heads)
 w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 copy_tokenizer(r, w)
 vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-rng = np.random.default_rng(35)
+rnd = Random(35)
+rng, normal, q8_0, norm = rnd.rng, rnd.normal, rnd.q8_0, rnd.norm
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
-def normal(shape, std):
-    return rng.standard_normal(shape, dtype=np.float32) * std
 
-
-def q8_0(rows, cols, std):
-    return gguf.quants.quantize(normal((rows, cols), std), Q8)
-
-
-def norm(n):
-    return 1 + normal(n, 0.1)
 
 
 w.add_tensor("token_embd.weight", q8_0(vocab, hidden, 0.02), raw_dtype=Q8)
