@@ -61,6 +61,9 @@ pub struct Block {
     /// The q projection gives each head its queries and, beside them, a gate on its output:
     /// attention's output × sigmoid(gate) before `attn_output` (qwen35).
     pub q_gate: bool,
+    /// Some layers are Gated DeltaNet layers with a recurrent state (`ssm.*` keys:
+    /// `Config::recurrent`, qwen35).
+    pub delta_net: bool,
 }
 
 impl Block {
@@ -78,6 +81,7 @@ impl Block {
             v_norm: false,
             out_scale: false,
             q_gate: false,
+            delta_net: false,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -123,6 +127,7 @@ impl Block {
                 neox_rope: true,
                 ffn_norm: "post_attention_norm",
                 q_gate: true,
+                delta_net: true,
                 moe: arch == "qwen35moe",
                 ..plain
             },
@@ -561,8 +566,8 @@ impl Config {
             "gemma4" => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
             _ => None,
         };
-        let recurrent = match arch.as_str() {
-            "qwen35" | "qwen35moe" => {
+        let recurrent = match block.delta_net {
+            true => {
                 let r = Recurrent {
                     layers: Vec::new(),
                     conv: get_u("ssm.conv_kernel")?,
@@ -604,7 +609,7 @@ impl Config {
                 check_text_rope_sections(md, &arch, rope_dim)?;
                 Some(Recurrent { layers, ..r })
             }
-            _ => None,
+            false => None,
         };
         let cfg = Self {
             recurrent,

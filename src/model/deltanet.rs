@@ -22,7 +22,8 @@
 
 use super::config::Recurrent;
 use super::kernels::disjoint::for_each_row_pair;
-use super::kernels::glu::silu;
+use super::kernels::glu::{sigmoid, silu};
+use super::kernels::norm;
 use super::kernels::quant::QMatrix;
 use super::llama::{Linear, Weight};
 use anyhow::{bail, Result};
@@ -89,10 +90,6 @@ fn softplus(x: f32) -> f32 {
     } else {
         x.exp().ln_1p()
     }
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 /// x / √(Σx² + eps), as llama.cpp's `build_gdn_l2_norm` (an RMSNorm with eps/n, × 1/√n).
@@ -190,44 +187,22 @@ impl DeltaNet {
         Ok(())
     }
 
-    /// The step's input projections on the host, row-major: qkv `[t, C]`, z `[t, V]`, and the
-    /// raw β and α `[t, Hv]`.
-    #[allow(clippy::type_complexity)]
-    fn project(
-        &self,
-        x: &Tensor,
-        r: &Recurrent,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+    /// The step's input projections on the host, one row a token: qkv `[C]`, z `[V]`, then the
+    /// raw β and α `[Hv]` each — `[t, C + V + 2·Hv]`.
+    fn project(&self, x: &Tensor) -> Result<Vec<f32>> {
         let host = |y: Tensor| -> Result<Vec<f32>> { Ok(y.flatten_all()?.to_vec1::<f32>()?) };
-        let Some(w) = &self.input else {
-            return Ok((
-                host(self.qkv.forward(x)?)?,
-                host(self.gate.forward(x)?)?,
-                host(self.beta.forward(x)?)?,
-                host(self.alpha.forward(x)?)?,
-            ));
-        };
         let (_, t, _) = x.dims3()?;
-        let (c, v, hv) = (r.channels(), r.value_dim(), r.v_heads);
-        let width = c + v + 2 * hv;
-        let mut all = vec![0f32; t * width];
+        let Some(w) = &self.input else {
+            // Four matmuls (weights our kernels do not run, or of several formats), concatenated.
+            let parts = [&self.qkv, &self.gate, &self.beta, &self.alpha]
+                .iter()
+                .map(|l| l.forward(x))
+                .collect::<Result<Vec<_>>>()?;
+            return host(Tensor::cat(&parts, 2)?);
+        };
+        let mut all = vec![0f32; t * w.dims().0];
         w.matmul(&host(x.clone())?, t, &mut all)?;
-        let (mut qkv, mut z, mut beta, mut alpha) = (
-            Vec::with_capacity(t * c),
-            Vec::with_capacity(t * v),
-            Vec::with_capacity(t * hv),
-            Vec::with_capacity(t * hv),
-        );
-        for row in all.chunks_exact(width) {
-            let (a, rest) = row.split_at(c);
-            let (b, rest) = rest.split_at(v);
-            let (g, e) = rest.split_at(hv);
-            qkv.extend_from_slice(a);
-            z.extend_from_slice(b);
-            beta.extend_from_slice(g);
-            alpha.extend_from_slice(e);
-        }
-        Ok((qkv, z, beta, alpha))
+        Ok(all)
     }
 
     /// The mixer over a step `x [1, t, hidden]`, continuing from `state` and leaving it after the
@@ -244,14 +219,17 @@ impl DeltaNet {
         if state.conv.len() != r.conv_floats() || state.matrix.len() != r.matrix_floats() {
             bail!("a recurrent state of another shape was given to a DeltaNet layer");
         }
-        let (mixed, z, beta_raw, alpha) = self.project(x, r)?; // [t, C], [t, V], [t, Hv] × 2
+        let v = r.value_dim();
+        let width = c + v + 2 * hv;
+        let projected = self.project(x)?; // [t, width]: qkv, z, β, α
+        let rows = || projected.chunks_exact(width);
 
         // The causal convolution: the kept inputs, then the step's, `[conv − 1 + t][C]`; output
         // row `tok` sums taps 0..conv over rows tok..tok + conv, in that order.
         let k1 = r.conv - 1;
         let mut window = Vec::with_capacity((k1 + t) * c);
         window.extend_from_slice(&state.conv);
-        window.extend_from_slice(&mixed);
+        rows().for_each(|row| window.extend_from_slice(&row[..c]));
         let mut qkv = vec![0f32; t * c];
         for (tok, out) in qkv.chunks_exact_mut(c).enumerate() {
             for (k, taps) in self.conv.chunks_exact(c).enumerate() {
@@ -269,12 +247,13 @@ impl DeltaNet {
                 l2_norm(head, eps);
             }
         }
-        let mut decay = vec![0f32; t * hv];
-        let mut beta = vec![0f32; t * hv];
-        for i in 0..t * hv {
-            let h = i % hv;
-            decay[i] = (softplus(alpha[i] + self.dt_bias[h]) * self.a[h]).exp();
-            beta[i] = sigmoid(beta_raw[i]);
+        let (mut decay, mut beta) = (Vec::with_capacity(t * hv), Vec::with_capacity(t * hv));
+        for row in rows() {
+            let (beta_raw, alpha) = row[c + v..].split_at(hv);
+            for h in 0..hv {
+                decay.push((softplus(alpha[h] + self.dt_bias[h]) * self.a[h]).exp());
+                beta.push(sigmoid(beta_raw[h]));
+            }
         }
         let input = ScanInput {
             r,
@@ -295,14 +274,11 @@ impl DeltaNet {
 
         // RMS-normed per head, × SiLU(z): [t][Hv][d].
         let mut y = vec![0f32; t * hv * d];
-        for tok in 0..t {
-            for h in 0..hv {
-                let o = &out[(h * t + tok) * d..(h * t + tok + 1) * d];
-                let at = (tok * hv + h) * d;
-                let m = (dot(o, o) / d as f32 + eps).sqrt();
-                for j in 0..d {
-                    y[at + j] = o[j] / m * self.norm[j] * silu(z[at + j]);
-                }
+        for (tok, (yt, row)) in y.chunks_exact_mut(v).zip(rows()).enumerate() {
+            let z = &row[c..c + v];
+            for (h, (yh, zh)) in yt.chunks_exact_mut(d).zip(z.chunks_exact(d)).enumerate() {
+                norm::row(&out[(h * t + tok) * d..][..d], &self.norm, eps, yh);
+                yh.iter_mut().zip(zh).for_each(|(y, &z)| *y *= silu(z));
             }
         }
         let y = Tensor::from_vec(y, (1, t, hv * d), x.device())?; // [1, t, V]

@@ -104,8 +104,7 @@ impl SharedExpert {
             .zip(y.chunks_exact(hidden))
             .zip(xs.chunks_exact(hidden))
         {
-            let g: f32 = x.iter().zip(&self.gate).map(|(a, b)| a * b).sum();
-            let g = 1.0 / (1.0 + (-g).exp());
+            let g = glu::sigmoid(x.iter().zip(&self.gate).map(|(a, b)| a * b).sum());
             for (o, &y) in o.iter_mut().zip(y) {
                 *o += y * g;
             }

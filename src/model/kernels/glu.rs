@@ -66,6 +66,11 @@ pub fn expf_ggml(x: f32) -> f32 {
     }
 }
 
+/// 1 / (1 + e^(−v)): Qwen3.5's gates (DeltaNet's β, the shared expert's weight).
+pub fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + (-v).exp())
+}
+
 /// SiLU as llama.cpp's vectorized `ggml_v_silu`: v / (1 + e^(−v)), e^x by [`expf_ggml`]. Its
 /// SwiGLU (`ggml_vec_swiglu_f32`) multiplies this by up; so does [`gated`], so that the FFN's
 /// input to the down projection is llama.cpp's value for value (where the row length is a

@@ -13,7 +13,7 @@ const PARALLEL_FROM: usize = 1 << 14;
 const ROWS_PER_ITEM: usize = 4;
 
 /// One row: `out = x / sqrt(mean(x²) + eps) · w`, as candle-nn's `rms_norm` computes it.
-fn row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+pub fn row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let sum2 = x.iter().map(|&v| v * v).sum::<f32>();
     let m = (sum2 / x.len() as f32 + eps).sqrt();
     for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
