@@ -394,3 +394,36 @@ fn rope_sections_with_a_fourth_position_are_refused_in_one_line() {
         "qwen35.rope.dimension_sections = [3, 3, 1, 1] rotates pair 5 by a fourth position",
     );
 }
+
+#[test]
+fn a_moe_layer_missing_its_shared_expert_gate_is_refused_in_one_line() {
+    // `blk.0.ffn_gate_inp_shexp` becomes `blk.0.ffn_gate_inp_shexq`: the metadata still gives
+    // the shared expert 256 rows.
+    let p = crate::common::tiny::damaged(&random_qwen35_moe(), "q35moe-no-shexp", |b| {
+        let name = b"blk.0.ffn_gate_inp_shexp";
+        let at = b.windows(name.len()).position(|w| w == name).unwrap();
+        b[at + name.len() - 1] = b'q';
+    });
+    crate::common::assert_refused(
+        &run(&p, &[]),
+        "blk.0 has no shared expert (ffn_gate_inp_shexp) though the metadata gives it 256 rows",
+    );
+}
+
+#[test]
+fn a_saved_state_lacking_a_recurrent_state_is_refused_and_leaves_the_session_empty() {
+    let m = load();
+    let file = state_file("lacking.kv");
+    let mut s = session(&m);
+    s.feed(&tokens(10, 11)).unwrap();
+    s.save_state(&file, "digest", serde_json::Value::Null).unwrap();
+    // The tensor name `sm.3` in the header becomes `xm.3`.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.windows(6).position(|w| w == b"\"sm.3\"").unwrap();
+    bytes[at + 1] = b'x';
+    std::fs::write(&file, bytes).unwrap();
+    let mut r = session(&m);
+    let e = r.load_state(&file, "digest").unwrap_err().to_string();
+    assert!(e.contains("lacks sm.3 (a recurrent layer's state)"), "{e}");
+    assert!(r.tokens().is_empty());
+}
