@@ -416,7 +416,8 @@ fn a_saved_state_lacking_a_recurrent_state_is_refused_and_leaves_the_session_emp
     let file = state_file("lacking.kv");
     let mut s = session(&m);
     s.feed(&tokens(10, 11)).unwrap();
-    s.save_state(&file, "digest", serde_json::Value::Null).unwrap();
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
     // The tensor name `sm.3` in the header becomes `xm.3`.
     let mut bytes = std::fs::read(&file).unwrap();
     let at = bytes.windows(6).position(|w| w == b"\"sm.3\"").unwrap();
