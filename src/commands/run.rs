@@ -158,7 +158,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     // first, and a resumed prompt is compressed the same way after its prefill.
     let hold = session.evicts_by_score() && (store.is_on() || g.prompt_cache.is_some());
     session.hold_evictions(hold);
-    let logits = session.feed(&ids[reused..])?;
+    let logits = store.prefill(&mut session, &ids, reused, &boundaries)?;
     let prefill = t0.elapsed();
     report_store_problems(&mut store, g.advice);
     if let Some(p) = &g.prompt_cache {

@@ -703,6 +703,44 @@ impl States {
     pub fn counts(&self) -> (usize, usize) {
         (self.now.len(), self.snapshots.len())
     }
+
+    /// `states` as bytes, for the prefix store: each layer's convolution window then its matrix,
+    /// f32 little-endian ([`States::bytes`] of them).
+    pub fn encode(states: &[RecurrentState]) -> Vec<u8> {
+        let floats = states.iter().flat_map(|s| s.conv.iter().chain(&s.matrix));
+        floats.flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// States of this model's shapes from [`States::encode`]'s bytes; refused when the length is
+    /// not theirs or a value is not a finite number (a hostile file's checksum can be right).
+    pub fn decode(&self, bytes: &[u8]) -> Result<Vec<RecurrentState>> {
+        if bytes.len() != self.bytes() {
+            anyhow::bail!(
+                "{} bytes of recurrent states, where this model keeps {}",
+                bytes.len(),
+                self.bytes()
+            );
+        }
+        let mut floats = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
+        let mut take = |n: usize| -> Result<Vec<f32>> {
+            let v: Vec<f32> = floats.by_ref().take(n).collect();
+            if v.iter().any(|x| !x.is_finite()) {
+                anyhow::bail!("a recurrent state holds a value that is not a finite number");
+            }
+            Ok(v)
+        };
+        self.now
+            .iter()
+            .map(|s| {
+                Ok(RecurrentState {
+                    conv: take(s.conv.len())?,
+                    matrix: take(s.matrix.len())?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// All layers' caches for one sequence.
@@ -823,7 +861,7 @@ impl KvCache {
     /// newest snapshot at or before `len` ([`States`]): `seen()` then tells where, and the
     /// positions from there to `len` are to be computed again (`Session::truncate` does).
     pub fn truncate(&mut self, len: usize) -> Result<()> {
-        let states = !self.states.now.is_empty() && !self.spec.recomputes();
+        let states = self.goes_back_to_snapshots();
         let to = match states {
             true => self.states.back_to(len.min(self.seen())),
             false => len,
@@ -838,6 +876,12 @@ impl KvCache {
             self.states.restore(to);
         }
         Ok(())
+    }
+
+    /// Whether `truncate` goes back to a snapshot of recurrent states (which may be before its
+    /// target) rather than to the target itself.
+    pub fn goes_back_to_snapshots(&self) -> bool {
+        !self.states.now.is_empty() && !self.spec.recomputes()
     }
 
     /// The recurrent states (Qwen3.5's DeltaNet layers; empty for other models).

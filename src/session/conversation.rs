@@ -371,7 +371,7 @@ impl<'e> Conversation<'e> {
             reused = self.store.restore(&mut self.session, &ids, &boundaries)?;
             lookup = self.store.last;
         }
-        let new = ids[reused..].to_vec();
+        let new = ids.len() - reused;
         let engine = self.engine;
         let mut stream = TextStream::new();
         interrupt.store(false, Ordering::SeqCst);
@@ -381,7 +381,9 @@ impl<'e> Conversation<'e> {
         // A budget compresses the prompt once it is prefilled: its whole rows are stored first.
         let hold = self.session.evicts_by_score() && self.store.is_on();
         self.session.hold_evictions(hold);
-        let logits = self.session.feed(&new)?;
+        let logits = self
+            .store
+            .prefill(&mut self.session, &ids, reused, &boundaries)?;
         let prefill = t0.elapsed();
         if hold {
             self.store
@@ -402,7 +404,7 @@ impl<'e> Conversation<'e> {
                 Ok(!interrupt.load(Ordering::SeqCst))
             },
         )?;
-        gen.prompt_tokens = new.len();
+        gen.prompt_tokens = new;
         gen.prefill = prefill;
         // The prompt's new blocks go to the store while the person reads the answer (not beside
         // the decode, whose threads would lose a core to the writer). Positions the answer added
@@ -422,7 +424,7 @@ impl<'e> Conversation<'e> {
         let stats = TurnStats {
             number: self.shifted_out + self.turns.len(),
             reused,
-            prefilled: new.len(),
+            prefilled: new,
             shifted,
             gen,
             reason,

@@ -515,12 +515,23 @@ impl<'m> Session<'m> {
             .count()
     }
 
-    /// Truncates to `keep` positions, or starts over where the cache cannot go back that far.
+    /// Truncates to `keep` positions, or starts over where the cache cannot go back that far;
+    /// returns the positions held. A model with recurrent states holds fewer when it goes back
+    /// to a snapshot before `keep`: the positions after it are the caller's to feed again (with
+    /// the rest of its sequence), and are not counted as kept.
     fn keep(&mut self, keep: usize) -> Result<usize> {
-        if keep < self.tokens.len() && self.truncate(keep).is_err() {
+        if keep >= self.tokens.len() {
+            return Ok(self.tokens.len());
+        }
+        if self.cache.truncate(keep).is_err() {
             self.reset()?;
             return Ok(0);
         }
-        Ok(self.tokens.len())
+        let back = match self.cache.goes_back_to_snapshots() {
+            true => self.cache.seen().min(keep),
+            false => keep,
+        };
+        self.tokens.truncate(back);
+        Ok(back)
     }
 }

@@ -14,24 +14,34 @@
 //! `residual` before the reader's end and not inside the last `residual` positions of a chunk (there
 //! one prefill reads f16 copies a resumed one would not have), with an empty residual, and (3) stores
 //! only from a state that one prefill made.
+//!
+//! A model with recurrent states (Qwen3.5) needs them where it resumes, and a state cannot be
+//! taken back to an earlier position: a prefill with the store on stops at the positions where
+//! the store is to keep them (`Session::state_marks`) and copies them there. Stopping is exact
+//! where a float cache keeps every position (each row and each scan step is computed alike
+//! whatever the steps); a quantized cache stops only where a prefill step ends anyway.
 
 use super::Session;
 use crate::kv::persist::Snapshot;
-use crate::kv::prefix::{BlockRows, Found, Piece, PrefixStore, Problem, Shape};
-use crate::kv::{Retention, SharedBlock, SHARED_BLOCK};
+use crate::kv::prefix::{Found, Piece, PieceRows, PrefixStore, Problem, Shape, BLOCK};
+use crate::kv::{Retention, SharedBlock, States, SHARED_BLOCK};
+use crate::model::deltanet::RecurrentState;
 use anyhow::Result;
+use candle_core::Tensor;
+
+/// Recurrent states copied where a prefill stopped: (position, each DeltaNet layer's state).
+pub type MarkedStates = Vec<(usize, Vec<RecurrentState>)>;
 
 impl Session<'_> {
     /// Why this session's cache cannot use the prefix store, if it cannot.
     pub fn store_refusal(&self) -> Option<&'static str> {
-        if self.model.cfg.recurrent.is_some() {
-            return Some(
-                "this model's recurrent states (DeltaNet layers) are not kept in the store yet",
-            );
-        }
+        let recurrent = self.model.cfg.recurrent.is_some();
         match self.cache.spec().retention() {
             Retention::None => Some("with no KV cache there is no state to store"),
             Retention::Window { .. } => Some("a window cannot restore a stored prefix exactly"),
+            Retention::Budget { .. } if recurrent => Some(
+                "a budget beside recurrent states (DeltaNet layers) cannot stop its prefill where the states are to be stored",
+            ),
             Retention::Budget { evict, .. }
                 if evict.scoring().queries == crate::kv::Queries::Every =>
             {
@@ -58,7 +68,57 @@ impl Session<'_> {
             layers: self.cache.layers().len(),
             n_kv_heads: cfg.n_kv_head,
             row_bytes: self.cache.spec().precision().row_bytes(cfg.head_dim),
+            state_bytes: self.cache.states().bytes(),
         }
+    }
+
+    /// Where a prefill of a prompt of `len` positions stops to copy the recurrent states for the
+    /// store: the end of the last full block the store may keep, the end of the block before it
+    /// (a rerun of the same prompt resumes at least one position short of its end), and the
+    /// `boundaries` (where prompts part: the end of the system message). A quantized cache stops
+    /// only where its prefill steps end anyway (multiples of the prefill chunk). None for a model
+    /// without states, or a cache the store refuses.
+    pub fn state_marks(&self, len: usize, boundaries: &[usize]) -> Vec<usize> {
+        if self.model.cfg.recurrent.is_none() || self.store_refusal().is_some() {
+            return Vec::new();
+        }
+        let upto = len.saturating_sub(self.residual());
+        let quantized = self.cache.spec().precision().quantized();
+        let step = if quantized {
+            self.model.prefill_chunk.max(BLOCK)
+        } else {
+            BLOCK
+        };
+        let ends = [upto / step * step, upto.saturating_sub(1) / step * step];
+        let splits = |m: &usize| !quantized || m.is_multiple_of(step);
+        let b = boundaries.iter().copied().filter(|&b| b <= upto);
+        let mut marks: Vec<usize> = ends.into_iter().chain(b.filter(splits)).collect();
+        marks.retain(|&m| m > 0);
+        marks.sort_unstable();
+        marks.dedup();
+        marks
+    }
+
+    /// As `feed(new)`, stopping at each of `marks` after what the session holds (up to the end
+    /// of `new`) to copy the recurrent states as they stand there. Bit for bit the state one
+    /// feed gives where `state_marks` chose the marks.
+    pub fn feed_marked(&mut self, new: &[u32], marks: &[usize]) -> Result<(Tensor, MarkedStates)> {
+        let held = self.tokens.len();
+        let end = held + new.len();
+        let mut taken = Vec::new();
+        let mut at = held;
+        for &m in marks.iter().filter(|&&m| m > held && m < end) {
+            if m > at {
+                self.feed(&new[at - held..m - held])?;
+                taken.push((m, self.cache.states().now().to_vec()));
+                at = m;
+            }
+        }
+        let logits = self.feed(&new[at - held..])?;
+        if marks.contains(&end) {
+            taken.push((end, self.cache.states().now().to_vec()));
+        }
+        Ok((logits, taken))
     }
 
     /// The recent positions a quantized cache reads from f16 copies (0 for a float cache).
@@ -93,14 +153,17 @@ impl Session<'_> {
         let ok = |t: usize| r == 0 || t.is_multiple_of(chunk) || t % chunk + r <= chunk;
         let mut found = store.lookup(ids, limit, boundaries, &ok);
         if found.tokens > 0 {
-            let snap = Snapshot {
+            let states = match found.states.take() {
+                Some(b) => self.cache.states().decode(&b),
+                None => Ok(Vec::new()),
+            };
+            let mut snap = |states| Snapshot {
                 tokens: ids[..found.tokens].to_vec(),
                 layers: std::mem::take(&mut found.layers),
-                // (The store refuses models with recurrent states: `store_refusal`.)
-                states: Vec::new(),
+                states,
                 extra: serde_json::Value::Null,
             };
-            if let Err(e) = self.restore(&snap) {
+            if let Err(e) = states.and_then(|s| self.restore(&snap(s))) {
                 self.reset()?;
                 let line = store.discard(&found.paths, &crate::first_line(e));
                 found.problems.push(line.into());
@@ -118,6 +181,9 @@ impl Session<'_> {
     pub fn share_refusal(&self) -> Option<&'static str> {
         if let Some(why) = self.store_refusal() {
             return Some(why);
+        }
+        if self.model.cfg.recurrent.is_some() {
+            return Some("shared blocks do not carry recurrent states (DeltaNet layers) yet");
         }
         if let Some(why) = self.cache.layers().iter().find_map(|l| l.share_refusal()) {
             return Some(why);
@@ -197,7 +263,8 @@ impl Session<'_> {
     }
 
     /// The blocks of the session's first `prompt` positions (a prompt it prefilled; what it
-    /// generated after may follow) not stored yet, and their rows. `one_prefill` says whether the
+    /// generated after may follow) not stored yet, and their rows, with the recurrent states at
+    /// their ends where `states` has them (`feed_marked`). `one_prefill` says whether the
     /// prompt's state was made by one prefill (after at most a restore from the store); a
     /// quantized cache stores nothing otherwise.
     pub fn rows_for_store(
@@ -207,7 +274,8 @@ impl Session<'_> {
         boundaries: &[usize],
         rewrite_from: usize,
         prompt: usize,
-    ) -> Result<(Vec<Piece>, Vec<BlockRows>)> {
+        states: &MarkedStates,
+    ) -> Result<(Vec<Piece>, Vec<PieceRows>)> {
         let quantized = self.cache.spec().precision().quantized();
         // (A budget that has evicted no longer holds positions in order: nothing to store.)
         if self.store_refusal().is_some()
@@ -218,16 +286,23 @@ impl Session<'_> {
         }
         let tokens = &self.tokens[..prompt.min(self.tokens.len())];
         let upto = tokens.len().saturating_sub(self.residual());
-        let which = store.missing(tokens, upto, boundaries, rewrite_from);
+        let states_at: Vec<usize> = states.iter().map(|(at, _)| *at).collect();
+        let which = store.missing(tokens, upto, boundaries, rewrite_from, &states_at);
         let mut rows = Vec::with_capacity(which.len());
         for p in &which {
-            let block: Result<BlockRows> = self
+            let block: Result<_> = self
                 .cache
                 .layers()
                 .iter()
                 .map(|l| l.raw_range(p.start, p.end()))
                 .collect();
-            rows.push(block?);
+            rows.push(PieceRows {
+                rows: block?,
+                states: states
+                    .iter()
+                    .find(|(at, _)| *at == p.end())
+                    .map(|(_, s)| States::encode(s)),
+            });
         }
         Ok((which, rows))
     }
@@ -284,6 +359,8 @@ pub struct PrefixReuse {
     pub wrote: Writes,
     /// A write failed: this process writes no more (lookups go on).
     write_failed: bool,
+    /// The recurrent states the last prefill copied for the store ([`PrefixReuse::prefill`]).
+    states: MarkedStates,
 }
 
 impl PrefixReuse {
@@ -299,6 +376,7 @@ impl PrefixReuse {
             rewrite_from: usize::MAX,
             wrote: Default::default(),
             write_failed: false,
+            states: Vec::new(),
         }
     }
 
@@ -381,6 +459,25 @@ impl PrefixReuse {
         Ok(found.tokens)
     }
 
+    /// Prefills `ids` after the `reused` positions the session holds and returns the next-token
+    /// logits; with the store on, a model with recurrent states stops where the store is to keep
+    /// them (`Session::state_marks`) and they are kept for [`PrefixReuse::store`].
+    pub fn prefill(
+        &mut self,
+        session: &mut Session<'_>,
+        ids: &[u32],
+        reused: usize,
+        boundaries: &[usize],
+    ) -> Result<Tensor> {
+        let marks = match self.is_on() {
+            true => session.state_marks(ids.len(), boundaries),
+            false => Vec::new(),
+        };
+        let (logits, states) = session.feed_marked(&ids[reused..], &marks)?;
+        self.states = states;
+        Ok(logits)
+    }
+
     /// After a prompt of `prompt` positions was prefilled (and maybe answered): copies the rows of
     /// its blocks not stored yet and writes them on a thread of their own (joined by the next call
     /// or [`PrefixReuse::finish`]).
@@ -397,7 +494,15 @@ impl PrefixReuse {
         };
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
         let t0 = std::time::Instant::now();
-        let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from, prompt);
+        let states = std::mem::take(&mut self.states);
+        let rows = session.rows_for_store(
+            store,
+            one_prefill,
+            boundaries,
+            rewrite_from,
+            prompt,
+            &states,
+        );
         self.wrote.copying += t0.elapsed();
         match rows {
             Ok((which, rows)) if !which.is_empty() => {

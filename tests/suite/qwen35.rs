@@ -428,3 +428,193 @@ fn a_saved_state_lacking_a_recurrent_state_is_refused_and_leaves_the_session_emp
     assert!(e.contains("lacks sm.3 (a recurrent layer's state)"), "{e}");
     assert!(r.tokens().is_empty());
 }
+
+/// The random qwen35 model as an engine (the prefix store keys its blocks by the engine's file).
+fn engine() -> &'static kvchat::engine::Engine {
+    static ENGINE: std::sync::OnceLock<kvchat::engine::Engine> = std::sync::OnceLock::new();
+    ENGINE.get_or_init(|| {
+        kvchat::engine::Engine::load(&kvchat::engine::LoadOptions {
+            ctx: Some(1024),
+            ..kvchat::engine::LoadOptions::for_path(random_qwen35())
+        })
+        .unwrap()
+    })
+}
+
+/// A fresh prefix store directory for one test.
+fn fresh_store(name: &str) -> std::path::PathBuf {
+    let d = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("q35-store-{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Prefills `earlier` with the store on (its prefill stops where the states are to be kept) and
+/// stores its blocks; then resumes `ids` from the store in a new session. Returns the logits after
+/// `ids` prefilled whole, those after the resumed prefill, and the positions restored.
+fn stored_then_resumed(
+    spec: &CacheSpec,
+    root: &std::path::Path,
+    (earlier, earlier_bounds): (&[u32], &[usize]),
+    (ids, bounds): (&[u32], &[usize]),
+) -> (Vec<f32>, Vec<f32>, usize) {
+    use kvchat::session::prefix::PrefixReuse;
+    let e = engine();
+    let mut first = e.session(spec);
+    let mut store = PrefixReuse::open(e, &first, root, 1 << 30);
+    assert_eq!(store.off, None);
+    store
+        .prefill(&mut first, earlier, 0, earlier_bounds)
+        .unwrap();
+    store.store(&first, true, earlier_bounds, earlier.len());
+    store.finish();
+    assert!(store.take_problems().is_empty());
+    let whole: Vec<f32> = e.session(spec).feed(ids).unwrap().to_vec1().unwrap();
+    let mut resumed = e.session(spec);
+    let mut store = PrefixReuse::open(e, &resumed, root, 1 << 30);
+    let n = store.restore(&mut resumed, ids, bounds).unwrap();
+    let problems = store.take_problems();
+    assert!(problems.is_empty(), "{problems:?}");
+    let logits = store.prefill(&mut resumed, ids, n, bounds).unwrap();
+    (whole, logits.to_vec1().unwrap(), n)
+}
+
+/// A longer prompt resumes at the last full block the earlier one stored with its states and
+/// gets the logits of one prefill, bit for bit.
+#[test]
+fn a_qwen35_prompt_resumed_from_the_store_has_the_logits_of_one_prefill() {
+    let earlier = tokens(150, 1);
+    let ids = [&earlier[..], &tokens(60, 2)].concat();
+    let spec = CacheSpec::full(Precision::F16, 1024);
+    let root = fresh_store("f16");
+    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[]), (&ids, &[]));
+    assert_eq!(n, 128);
+    assert!(whole == resumed, "the logits differ");
+}
+
+/// A prompt that parts from the stored one at the end of its system message (a boundary inside
+/// a block) resumes there, from the states kept at that boundary.
+#[test]
+fn a_qwen35_prompt_resumes_at_the_stored_system_message_boundary() {
+    let earlier = tokens(150, 1);
+    let ids = [&earlier[..110], &tokens(40, 3)].concat();
+    let spec = CacheSpec::full(Precision::F16, 1024);
+    let root = fresh_store("boundary");
+    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[100]), (&ids, &[100]));
+    assert_eq!(n, 100);
+    assert!(whole == resumed, "the logits differ");
+}
+
+/// The same prompt run again resumes at the block before its end (one position at least is
+/// prefilled), where the first run kept the states too.
+#[test]
+fn a_qwen35_prompt_run_again_resumes_one_block_short_of_its_end() {
+    let ids = tokens(128, 4);
+    let spec = CacheSpec::full(Precision::F16, 1024);
+    let root = fresh_store("again");
+    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&ids, &[]), (&ids, &[]));
+    assert_eq!(n, 64);
+    assert!(whole == resumed, "the logits differ");
+}
+
+/// An int8 cache's prefill stops only where its steps end anyway (512): the states are kept
+/// there, and the resumed prompt has the logits of one prefill.
+#[test]
+fn a_quantized_qwen35_cache_keeps_states_at_prefill_steps_and_resumes_exactly() {
+    let earlier = tokens(600, 5);
+    let ids = [&earlier[..], &tokens(50, 6)].concat();
+    let spec = CacheSpec::full(Precision::Int8, 1024);
+    let root = fresh_store("int8");
+    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[]), (&ids, &[]));
+    assert_eq!(n, 512);
+    assert!(whole == resumed, "the logits differ");
+}
+
+/// A stored state holding a NaN (its checksum made again, as a hostile file would) is refused:
+/// the block is removed, the problem said, and the session left empty.
+#[test]
+fn a_stored_block_whose_recurrent_state_holds_a_nan_is_removed_and_never_restored() {
+    use kvchat::session::prefix::PrefixReuse;
+    use sha2::Digest;
+    let e = engine();
+    let spec = CacheSpec::full(Precision::F16, 1024);
+    let root = fresh_store("nan");
+    let ids = tokens(100, 7);
+    let mut s = e.session(&spec);
+    let mut store = PrefixReuse::open(e, &s, &root, 1 << 30);
+    store.prefill(&mut s, &ids, 0, &[]).unwrap();
+    store.store(&s, true, &[], ids.len());
+    store.finish();
+    // The one block (0..64) keeps the states; they are the file's last bytes before its sha256.
+    let dir = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .find(|d| d.path().is_dir())
+        .unwrap()
+        .path();
+    let block = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|f| f.path())
+        .find(|p| p.extension().is_some_and(|x| x == "kvb"))
+        .unwrap();
+    let mut b = std::fs::read(&block).unwrap();
+    let n = b.len() - 32;
+    b[n - 4..n].copy_from_slice(&f32::NAN.to_le_bytes());
+    let sum = sha2::Sha256::digest(&b[..n]);
+    b[n..].copy_from_slice(&sum);
+    std::fs::write(&block, b).unwrap();
+    let mut r = e.session(&spec);
+    let mut store = PrefixReuse::open(e, &r, &root, 1 << 30);
+    assert_eq!(store.restore(&mut r, &ids, &[]).unwrap(), 0);
+    let problems = store.take_problems();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].text.contains("not a finite number"),
+        "{problems:?}"
+    );
+    assert!(r.tokens().is_empty() && !block.exists());
+}
+
+/// `kvchat run` with the prefix store on a hybrid model: the second run of a longer prompt
+/// reuses the first one's blocks and answers as a run without the store.
+#[test]
+fn kvchat_run_reuses_the_store_on_a_hybrid_model_with_the_answer_unchanged() {
+    let model = random_qwen35();
+    let root = fresh_store("cli");
+    let run = |prompt: &str, store: bool| {
+        let mut args = vec![
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "--raw",
+            "--temperature",
+            "0",
+            "-n",
+            "8",
+            "--stats",
+        ];
+        if !store {
+            args.push("--no-kv-store");
+        }
+        args.push(prompt);
+        let o = crate::common::kvchat_env(&args, "", &[("KVCHAT_KV_STORE", root.as_os_str())]);
+        assert!(o.status.success(), "{}", crate::common::stderr(&o));
+        o
+    };
+    let doc = "The first line of a document that is long enough to be worth keeping. ".repeat(8);
+    run(&doc, true);
+    let whole = format!("{doc}And a question about it?");
+    let warm = run(&whole, true);
+    let err = crate::common::stderr(&warm);
+    let line = err
+        .lines()
+        .find(|l| l.contains("prefix store:"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let reused: usize = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(reused >= 64, "{line}");
+    assert_eq!(warm.stdout, run(&whole, false).stdout);
+}

@@ -5,11 +5,13 @@ use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::Path;
 
-/// A block file read and checked: its bytes, and where its rows start (each layer's keys then
-/// values, `[n_kv_heads, len, row]` each).
+/// A block file read and checked: its bytes, where its rows start (each layer's keys then
+/// values, `[n_kv_heads, len, row]` each), and where the recurrent states at its end start when
+/// it keeps them.
 pub(super) struct BlockFile {
     pub(super) bytes: Vec<u8>,
     pub(super) at: usize,
+    pub(super) states_at: Option<usize>,
 }
 
 /// Why a block could not be used.
@@ -39,7 +41,7 @@ impl PrefixStore {
             Err(e) => return Err(Unreadable(e.to_string())),
         };
         let size = f.metadata().map_err(|e| Unreadable(e.to_string()))?.len() as usize;
-        let most = self.shape.file_bytes(MAX_HEADER, piece.len);
+        let most = self.shape.file_bytes(MAX_HEADER, piece.len, true);
         if size > most {
             return Err(Damaged(format!(
                 "{size} bytes, more than a block of this cache can be ({most})"
@@ -58,17 +60,23 @@ impl PrefixStore {
             return bad("checksum mismatch (damaged)".into());
         }
         let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
-        if hlen > MAX_HEADER || self.shape.file_bytes(hlen, piece.len) != bytes.len() {
+        let sized = |states| self.shape.file_bytes(hlen, piece.len, states) == bytes.len();
+        let states = match (sized(false), self.shape.state_bytes > 0 && sized(true)) {
+            _ if hlen > MAX_HEADER => None,
+            (true, _) => Some(false),
+            (false, with) => with.then_some(true),
+        };
+        let Some(states) = states else {
             return bad(format!(
                 "{} bytes, not a block of this cache's shape",
                 bytes.len()
             ));
-        }
+        };
         let header: serde_json::Value = match serde_json::from_slice(&body[12..12 + hlen]) {
             Ok(h) => h,
             Err(_) => return bad("unreadable header".into()),
         };
-        if header != self.header(key, parent, piece) {
+        if header != self.header(key, parent, piece, states) {
             return bad("made for another model, cache or position (foreign block)".into());
         }
         let at = 12 + hlen;
@@ -79,16 +87,26 @@ impl PrefixStore {
             return bad("holds other tokens than its key says".into());
         }
         let at = at + 4 * piece.len;
-        Ok(Some((BlockFile { bytes, at }, f)))
+        let states_at = states.then(|| at + 2 * self.shape.layers * self.shape.part(piece.len));
+        Ok(Some((
+            BlockFile {
+                bytes,
+                at,
+                states_at,
+            },
+            f,
+        )))
     }
 
+    /// The header of `piece`'s file, which keeps the recurrent states at its end when `states`.
     pub(super) fn header(
         &self,
         key: &[u8; 32],
         parent: Option<&[u8; 32]>,
         piece: Piece,
+        states: bool,
     ) -> serde_json::Value {
-        serde_json::json!({
+        let mut h = serde_json::json!({
             "format": FORMAT,
             "key": hex(key),
             "parent": parent.map(|p| hex(p)).unwrap_or_default(),
@@ -100,18 +118,30 @@ impl PrefixStore {
             "layers": self.shape.layers,
             "n_kv_heads": self.shape.n_kv_heads,
             "row_bytes": self.shape.row_bytes,
-        })
+        });
+        // (A model without states writes the header it always wrote.)
+        if self.shape.state_bytes > 0 {
+            h["state_bytes"] = self.shape.state_bytes.into();
+            h["states"] = states.into();
+        }
+        h
     }
-    /// The exact size of the file of `piece`.
-    pub(super) fn file_size(&self, key: &[u8; 32], parent: Option<[u8; 32]>, piece: Piece) -> u64 {
-        let h =
-            serde_json::to_vec(&self.header(key, parent.as_ref(), piece)).map_or(0, |h| h.len());
-        self.shape.file_bytes(h, piece.len) as u64
+    /// The exact size of the file of `piece`, with the states at its end or without.
+    pub(super) fn file_size(
+        &self,
+        key: &[u8; 32],
+        parent: Option<[u8; 32]>,
+        piece: Piece,
+        states: bool,
+    ) -> u64 {
+        let h = serde_json::to_vec(&self.header(key, parent.as_ref(), piece, states))
+            .map_or(0, |h| h.len());
+        self.shape.file_bytes(h, piece.len, states) as u64
     }
 
     /// Bytes the file of a block of `len` positions takes (at most: the header's numbers may be
     /// a few digits longer than these).
-    pub(super) fn block_bytes(&self, len: usize) -> u64 {
-        self.file_size(&[0; 32], Some([0; 32]), Piece { start: 0, len }) + 16
+    pub(super) fn block_bytes(&self, len: usize, states: bool) -> u64 {
+        self.file_size(&[0; 32], Some([0; 32]), Piece { start: 0, len }, states) + 16
     }
 }

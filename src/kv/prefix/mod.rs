@@ -24,7 +24,11 @@
 //! **A block file**: `"KVCHATB1"`, a u32 (LE) header length, the JSON header (key, parent key,
 //! model, axes, block size, index, shape), the block's B token ids (u32 LE), each layer's key rows
 //! then value rows (`[n_kv_heads, B, row bytes]`, in the cache's precision, as `Layer::raw_range`
-//! gives them), and a sha256 of everything before it. A block is written to a temporary file and
+//! gives them), for a model with recurrent states (Qwen3.5) maybe those states as they stand at the
+//! block's end (`kv::States::encode`; the header says whether), and a sha256 of everything before
+//! it. A state is large (MiBs where a block's rows are KiBs), so only the blocks where a resume is
+//! likely carry one: a prompt's last full block and its boundaries (`Session::state_marks`); a
+//! model with states resumes only at a block that carries them. A block is written to a temporary file and
 //! renamed into place, so a reader sees a whole block or none; one that fails any check (size,
 //! checksum, header, tokens) is removed, reported once, and never used. A block that cannot be read
 //! (permissions, I/O) is reported and left alone.
@@ -85,6 +89,8 @@ pub struct Shape {
     pub n_kv_heads: usize,
     /// Bytes of one stored row (one position of one head).
     pub row_bytes: usize,
+    /// Bytes of the recurrent states at a block's end (0: the model keeps none).
+    pub state_bytes: usize,
 }
 
 impl Shape {
@@ -92,9 +98,11 @@ impl Shape {
     fn part(&self, len: usize) -> usize {
         self.n_kv_heads * len * self.row_bytes
     }
-    /// Bytes of a block file of `len` positions with a header of `header` bytes.
-    fn file_bytes(&self, header: usize, len: usize) -> usize {
-        MAGIC.len() + 4 + header + 4 * len + 2 * self.layers * self.part(len) + 32
+    /// Bytes of a block file of `len` positions with a header of `header` bytes, with the
+    /// recurrent states at its end or without.
+    fn file_bytes(&self, header: usize, len: usize, states: bool) -> usize {
+        let states = if states { self.state_bytes } else { 0 };
+        MAGIC.len() + 4 + header + 4 * len + 2 * self.layers * self.part(len) + states + 32
     }
 }
 
@@ -120,6 +128,13 @@ impl Piece {
 /// One block's rows, per layer `(keys, values)`, each `[n_kv_heads, len, row]`.
 pub type BlockRows = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// What a piece to write holds: its rows, and the recurrent states at its end when it keeps them
+/// (`Shape::state_bytes` bytes).
+pub struct PieceRows {
+    pub rows: BlockRows,
+    pub states: Option<Vec<u8>>,
+}
+
 /// What a lookup found.
 #[derive(Default)]
 pub struct Found {
@@ -127,6 +142,8 @@ pub struct Found {
     pub tokens: usize,
     /// Per layer, the stored rows of positions `0..tokens`, ready for `Layer::restore_raw`.
     pub layers: Vec<RawState>,
+    /// The recurrent states at `tokens` (a model that keeps them resumes only where they are).
+    pub states: Option<Vec<u8>>,
     pub bytes_read: u64,
     pub elapsed: Duration,
     /// Blocks found damaged or foreign (each removed), one line each.

@@ -119,11 +119,20 @@ impl PrefixStore {
                 }
             }
         }
-        // Back to the last end a resume may start from.
-        while read.last().is_some_and(|(p, _, _)| !ok(p.end())) {
+        // Back to the last end a resume may start from: one a quantized cache may resume at,
+        // and, for a model with recurrent states, one that keeps them.
+        let states = self.shape.state_bytes > 0;
+        while read
+            .last()
+            .is_some_and(|(p, _, r)| !ok(p.end()) || (states && r.states_at.is_none()))
+        {
             read.pop();
         }
         found.tokens = read.last().map_or(0, |(p, _, _)| p.end());
+        found.states = read.last().and_then(|(_, _, r)| {
+            let at = r.states_at?;
+            Some(r.bytes[at..at + self.shape.state_bytes].to_vec())
+        });
         // Each layer's keys and values, `[nkv, tokens, row]`, straight from the files' bytes.
         let nkv = self.shape.n_kv_heads;
         let row = self.shape.row_bytes;
@@ -166,14 +175,16 @@ impl PrefixStore {
         )
     }
     /// The pieces of `tokens[..upto]` (see [`PrefixStore::pieces`]) to write: those not stored
-    /// yet or not of their exact size (truncated), and every one from `rewrite_from` on (after a
-    /// damaged block was found there).
+    /// yet or not of their exact size (truncated), those stored without the recurrent states at
+    /// their end when their end is one of `states_at` (where the writer has them), and every one
+    /// from `rewrite_from` on (after a damaged block was found there).
     pub fn missing(
         &self,
         tokens: &[u32],
         upto: usize,
         boundaries: &[usize],
         rewrite_from: usize,
+        states_at: &[usize],
     ) -> Vec<Piece> {
         let upto = upto.min(tokens.len());
         let full = self.keys(&tokens[..upto]);
@@ -182,25 +193,38 @@ impl PrefixStore {
             .filter(|&p| {
                 let (key, parent) = self.key_of(tokens, p, &full);
                 let size = std::fs::symlink_metadata(self.path_of(&key)).map(|m| m.len());
-                p.start >= rewrite_from || size.ok() != Some(self.file_size(&key, parent, p))
+                let size = size.ok();
+                let with_states = Some(self.file_size(&key, parent, p, true));
+                let stored = match self.shape.state_bytes > 0 {
+                    true if states_at.contains(&p.end()) => size == with_states,
+                    true => {
+                        size == with_states || size == Some(self.file_size(&key, parent, p, false))
+                    }
+                    false => size == Some(self.file_size(&key, parent, p, false)),
+                };
+                p.start >= rewrite_from || !stored
             })
             .collect()
     }
     /// Writes `pieces` of `tokens` (`rows[j]` holding `pieces[j]`), after making room for them
     /// within the budget (least recently used blocks first, of any model).
-    pub fn write(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<BlockRows>) -> Written {
+    pub fn write(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<PieceRows>) -> Written {
         let t0 = Instant::now();
         let mut out = self.write_timed(tokens, pieces, rows);
         out.elapsed = t0.elapsed();
         out
     }
 
-    fn write_timed(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<BlockRows>) -> Written {
+    fn write_timed(&self, tokens: &[u32], pieces: &[Piece], rows: Vec<PieceRows>) -> Written {
         let mut out = Written::default();
         if pieces.is_empty() {
             return out;
         }
-        let need: u64 = pieces.iter().map(|p| self.block_bytes(p.len)).sum();
+        let need: u64 = pieces
+            .iter()
+            .zip(&rows)
+            .map(|(p, r)| self.block_bytes(p.len, r.states.is_some()))
+            .sum();
         if need > self.budget {
             out.problems.push(Problem {
                 text: format!(
@@ -220,10 +244,14 @@ impl PrefixStore {
             }
         }
         let upto = pieces.iter().map(|p| p.end()).max().unwrap_or(0);
-        let fits = |p: &Piece, b: &BlockRows| {
-            b.len() == self.shape.layers
-                && b.iter()
+        let fits = |p: &Piece, b: &PieceRows| {
+            b.rows.len() == self.shape.layers
+                && b.rows
+                    .iter()
                     .all(|(k, v)| k.len() == self.shape.part(p.len) && v.len() == k.len())
+                && b.states
+                    .as_ref()
+                    .is_none_or(|s| self.shape.state_bytes > 0 && s.len() == self.shape.state_bytes)
         };
         let all_fit = pieces.iter().zip(&rows).all(|(p, b)| fits(p, b));
         if rows.len() != pieces.len() || upto > tokens.len() || !all_fit {
@@ -235,18 +263,23 @@ impl PrefixStore {
         let now = SystemTime::now();
         for (&piece, block) in pieces.iter().zip(rows) {
             let (key, parent) = self.key_of(tokens, piece, &full);
-            let header = serde_json::to_vec(&self.header(&key, parent.as_ref(), piece))
+            let states = block.states.is_some();
+            let header = serde_json::to_vec(&self.header(&key, parent.as_ref(), piece, states))
                 .expect("a JSON value serializes");
-            let mut body = Vec::with_capacity(self.shape.file_bytes(header.len(), piece.len));
+            let size = self.shape.file_bytes(header.len(), piece.len, states);
+            let mut body = Vec::with_capacity(size);
             body.extend_from_slice(MAGIC);
             body.extend_from_slice(&(header.len() as u32).to_le_bytes());
             body.extend_from_slice(&header);
             for t in &tokens[piece.start..piece.end()] {
                 body.extend_from_slice(&t.to_le_bytes());
             }
-            for (k, v) in &block {
+            for (k, v) in &block.rows {
                 body.extend_from_slice(k);
                 body.extend_from_slice(v);
+            }
+            if let Some(s) = &block.states {
+                body.extend_from_slice(s);
             }
             let sum = Sha256::digest(&body);
             body.extend_from_slice(&sum);

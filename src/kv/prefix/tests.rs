@@ -5,6 +5,7 @@ const SHAPE: Shape = Shape {
     layers: 2,
     n_kv_heads: 2,
     row_bytes: 8,
+    state_bytes: 0,
 };
 
 fn tmp(name: &str) -> PathBuf {
@@ -49,9 +50,18 @@ fn expected(n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
 }
 
 fn write_all(s: &PrefixStore, tokens: &[u32], upto: usize, boundaries: &[usize]) -> Written {
-    let pieces = s.missing(tokens, upto, boundaries, usize::MAX);
-    let r = pieces.iter().map(|&p| rows(p)).collect();
-    s.write(tokens, &pieces, r)
+    let pieces = s.missing(tokens, upto, boundaries, usize::MAX, &[]);
+    s.write(tokens, &pieces, without_states(&pieces))
+}
+
+fn without_states(pieces: &[Piece]) -> Vec<PieceRows> {
+    pieces
+        .iter()
+        .map(|&p| PieceRows {
+            rows: rows(p),
+            states: None,
+        })
+        .collect()
 }
 
 fn prompt(n: usize, seed: u32) -> Vec<u32> {
@@ -178,7 +188,7 @@ fn a_block_of_another_model_under_this_models_key_is_foreign() {
 fn the_budget_evicts_the_least_recently_used_blocks_first() {
     let root = tmp("budget");
     let s0 = store(&root, "m", 1 << 30);
-    let one = s0.block_bytes(BLOCK);
+    let one = s0.block_bytes(BLOCK, false);
     // Room for 5 blocks (and a little).
     let s = store(&root, "m", 5 * one + one / 2);
     let (a, b, c) = (prompt(128, 1), prompt(128, 2), prompt(128, 3));
@@ -251,8 +261,7 @@ fn concurrent_writers_and_readers_see_whole_blocks_or_none() {
                 let s = store(&root, "m", 1 << 30);
                 for _ in 0..5 {
                     let pieces = s.pieces(t.len(), &[]);
-                    let r = pieces.iter().map(|&p| rows(p)).collect();
-                    let out = s.write(&t, &pieces, r);
+                    let out = s.write(&t, &pieces, without_states(&pieces));
                     assert!(out.problems.is_empty(), "writer {w}: {:?}", out.problems);
                 }
             });
@@ -358,4 +367,100 @@ fn a_garbage_totals_file_reads_as_zero_totals() {
     assert_eq!(totals, Totals::default());
     assert_eq!(blocks, 1, "what is on disk is still counted");
     assert!(bytes > 0);
+}
+
+/// A store for a model with recurrent states of 40 bytes.
+fn store_with_states(root: &Path) -> PrefixStore {
+    let ident = Identity {
+        model: "hybrid".into(),
+        file: "/models/hybrid.gguf".into(),
+        axes: "all, f16".into(),
+    };
+    let shape = Shape {
+        state_bytes: 40,
+        ..SHAPE
+    };
+    PrefixStore::open(root, ident, shape, 1 << 30).unwrap()
+}
+
+/// Writes `tokens[..upto]`'s missing pieces, with states (every byte the end's position) at the
+/// ends in `states_at`.
+fn write_with_states(s: &PrefixStore, tokens: &[u32], upto: usize, states_at: &[usize]) -> Written {
+    let pieces = s.missing(tokens, upto, &[], usize::MAX, states_at);
+    let data = pieces
+        .iter()
+        .map(|&p| PieceRows {
+            rows: rows(p),
+            states: states_at
+                .contains(&p.end())
+                .then(|| vec![p.end() as u8; 40]),
+        })
+        .collect();
+    s.write(tokens, &pieces, data)
+}
+
+#[test]
+fn a_model_with_states_resumes_only_at_a_block_that_keeps_them() {
+    let root = tmp("states-resume");
+    let s = store_with_states(&root);
+    let t = prompt(256, 11);
+    assert_eq!(write_with_states(&s, &t, 256, &[128]).blocks, 4);
+    // Four blocks stored, the states only at 128: the lookup stops there, with them.
+    let f = s.lookup(&t, 255, &[], &|_| true);
+    assert_eq!(f.tokens, 128);
+    assert_eq!(f.states, Some(vec![128; 40]));
+    assert_eq!(f.layers[1].k, expected(128)[1].0);
+}
+
+#[test]
+fn a_model_with_states_finds_nothing_where_no_block_keeps_them() {
+    let root = tmp("states-none");
+    let s = store_with_states(&root);
+    let t = prompt(128, 12);
+    write_with_states(&s, &t, 128, &[]);
+    let f = s.lookup(&t, 128, &[], &|_| true);
+    assert_eq!((f.tokens, f.states, f.problems.len()), (0, None, 0));
+}
+
+#[test]
+fn a_block_stored_without_states_is_written_again_where_the_writer_has_them() {
+    let root = tmp("states-add");
+    let s = store_with_states(&root);
+    let t = prompt(192, 13);
+    write_with_states(&s, &t, 192, &[]);
+    assert_eq!(
+        s.missing(&t, 192, &[], usize::MAX, &[128]),
+        [Piece { start: 64, len: 64 }]
+    );
+    write_with_states(&s, &t, 192, &[128]);
+    assert_eq!(s.lookup(&t, 191, &[], &|_| true).tokens, 128);
+    // Kept states are never written over by a writer that has none there.
+    assert!(s.missing(&t, 192, &[], usize::MAX, &[]).is_empty());
+}
+
+#[test]
+fn a_block_whose_states_are_cut_short_is_removed_and_never_used() {
+    let root = tmp("states-cut");
+    let s = store_with_states(&root);
+    let t = prompt(64, 14);
+    write_with_states(&s, &t, 64, &[64]);
+    let path = s.path_of(&s.keys(&t)[0]);
+    let mut b = std::fs::read(&path).unwrap();
+    // Ten bytes of the states gone, the checksum made again: a size no block of this cache has.
+    b.drain(b.len() - 42..b.len() - 32);
+    let n = b.len() - 32;
+    let sum = <sha2::Sha256 as sha2::Digest>::digest(&b[..n]);
+    b.truncate(n);
+    b.extend_from_slice(&sum);
+    std::fs::write(&path, b).unwrap();
+    let f = s.lookup(&t, 64, &[], &|_| true);
+    assert_eq!(f.tokens, 0);
+    assert!(
+        f.problems[0]
+            .text
+            .contains("not a block of this cache's shape"),
+        "{:?}",
+        f.problems
+    );
+    assert!(!path.exists());
 }
