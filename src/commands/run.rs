@@ -158,7 +158,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
     // first, and a resumed prompt is compressed the same way after its prefill.
     let hold = session.evicts_by_score() && (store.is_on() || g.prompt_cache.is_some());
     session.hold_evictions(hold);
-    let logits = store.prefill(&mut session, &ids, reused, &boundaries)?;
+    // A model with recurrent states snapshots them where the store or a later prompt may resume.
+    let snapshots = store.is_on() || g.prompt_cache.is_some();
+    let logits = session.prefill(&ids, reused, &boundaries, snapshots)?;
     let prefill = t0.elapsed();
     report_store_problems(&mut store, g.advice);
     if let Some(p) = &g.prompt_cache {

@@ -699,6 +699,17 @@ impl States {
             .sum()
     }
 
+    /// The snapshots kept, oldest first: (position, each layer's state there).
+    pub fn snapshots(&self) -> &[(usize, Vec<RecurrentState>)] {
+        &self.snapshots
+    }
+
+    /// The snapshot at `pos`, if one is kept there.
+    pub fn snapshot_at(&self, pos: usize) -> Option<&[RecurrentState]> {
+        let found = self.snapshots.iter().find(|(p, _)| *p == pos);
+        found.map(|(_, s)| s.as_slice())
+    }
+
     /// How many recurrent layers, and how many snapshots are kept.
     pub fn counts(&self) -> (usize, usize) {
         (self.now.len(), self.snapshots.len())
@@ -889,25 +900,42 @@ impl KvCache {
         &self.states
     }
 
+    /// Keeps a snapshot of the recurrent states where the sequence stands (none for a model
+    /// without them), so that going back there restores it instead of computing from further back.
+    pub fn snapshot_states(&mut self) {
+        let seen = self.seen();
+        self.states.snapshot(seen);
+    }
+
     /// Puts saved states in, as they stood after the first `at` positions (which the attention
-    /// layers hold): the snapshots go.
-    pub fn restore_states(&mut self, states: Vec<RecurrentState>, at: usize) -> Result<()> {
-        if states.len() != self.states.now.len()
-            || states
-                .iter()
-                .zip(&self.states.now)
-                .any(|(a, b)| a.conv.len() != b.conv.len() || a.matrix.len() != b.matrix.len())
-        {
+    /// layers hold), with snapshots at earlier positions (oldest first) in place of those kept.
+    pub fn restore_states(
+        &mut self,
+        states: Vec<RecurrentState>,
+        at: usize,
+        snapshots: Vec<(usize, Vec<RecurrentState>)>,
+    ) -> Result<()> {
+        let like = |s: &[RecurrentState]| {
+            s.len() == self.states.now.len()
+                && s.iter()
+                    .zip(&self.states.now)
+                    .all(|(a, b)| a.conv.len() == b.conv.len() && a.matrix.len() == b.matrix.len())
+        };
+        if !like(&states) || !snapshots.iter().all(|(_, s)| like(s)) {
             anyhow::bail!(
                 "{} recurrent states given for a model of {} of another shape",
                 states.len(),
                 self.states.now.len()
             );
         }
+        let ordered = snapshots.windows(2).all(|w| w[0].0 < w[1].0);
+        if snapshots.len() > MAX_SNAPSHOTS || !ordered || snapshots.iter().any(|(p, _)| *p > at) {
+            anyhow::bail!("snapshots of recurrent states out of order or past position {at}");
+        }
         self.states.now = states;
         self.states.at = at;
         self.states.changed = false;
-        self.states.snapshots.clear();
+        self.states.snapshots = snapshots;
         Ok(())
     }
     pub fn reset(&mut self) -> Result<()> {

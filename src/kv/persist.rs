@@ -2,7 +2,10 @@
 //! `/save`/`/load`. The container is safetensors: each layer's stored rows as bytes (`k.{i}`,
 //! `v.{i}`, `[n_kv_heads, positions held, row bytes]`, u8, in the cache's precision, oldest
 //! first), a quantized cache's f16 residual (`rk.{i}`, `rv.{i}`, positions `residual_from..`), and
-//! the token ids (`tokens`), with a JSON header naming the format, the model (a digest of its GGUF
+//! the token ids (`tokens`), a model with recurrent states' states at the end (`sc.{r}`, `sm.{r}`:
+//! each DeltaNet layer's convolution window and matrices, f32) and the snapshots of them the cache
+//! kept (`snap.pos`, u32 `[K]`, and `snap.{k}.sc.{r}`, `snap.{k}.sm.{r}`: going back to a shorter
+//! prefix restores the nearest), with a JSON header naming the format, the model (a digest of its GGUF
 //! metadata and tensor layout) and the cache's axes, which must match to load.
 //!
 //! Files are handled as if hostile: only a regular file is read (never a link, pipe or device), its
@@ -32,6 +35,8 @@ pub struct Snapshot {
     pub layers: Vec<RawState>,
     /// Per recurrent layer (Qwen3.5's DeltaNet): its state after the last token.
     pub states: Vec<RecurrentState>,
+    /// Snapshots of the states at earlier positions (oldest first; `kv::States`).
+    pub snapshots: Vec<(usize, Vec<RecurrentState>)>,
     /// Whatever the writer added (the chat's messages).
     pub extra: serde_json::Value,
 }
@@ -55,6 +60,7 @@ impl Expect<'_> {
         let rows: usize = self.shapes.iter().map(|(nkv, hd)| nkv * hd).sum();
         let per_pos = (2 * rows * 4 + 4) as u64;
         let states: usize = self.states.iter().map(|(c, m)| 4 * (c + m)).sum();
+        let states = states * (1 + super::MAX_SNAPSHOTS);
         per_pos
             .saturating_mul(self.max_positions as u64)
             .saturating_add((64 << 20) + 64 * self.max_positions as u64 + states as u64)
@@ -175,15 +181,23 @@ pub fn save(
         }
         residual_from.get_or_insert(st.residual_from);
     }
-    for (r, s) in cache.states().now().iter().enumerate() {
-        tensors.push((
-            format!("sc.{r}"),
-            Tensor::new(s.conv.as_slice(), &Device::Cpu)?,
-        ));
-        tensors.push((
-            format!("sm.{r}"),
-            Tensor::new(s.matrix.as_slice(), &Device::Cpu)?,
-        ));
+    let mut states = |prefix: &str, states: &[RecurrentState]| -> Result<()> {
+        for (r, s) in states.iter().enumerate() {
+            let conv = Tensor::new(s.conv.as_slice(), &Device::Cpu)?;
+            tensors.push((format!("{prefix}sc.{r}"), conv));
+            let matrix = Tensor::new(s.matrix.as_slice(), &Device::Cpu)?;
+            tensors.push((format!("{prefix}sm.{r}"), matrix));
+        }
+        Ok(())
+    };
+    states("", cache.states().now())?;
+    let snapshots = cache.states().snapshots();
+    for (k, (_, s)) in snapshots.iter().enumerate() {
+        states(&format!("snap.{k}."), s)?;
+    }
+    if !snapshots.is_empty() {
+        let at: Vec<u32> = snapshots.iter().map(|(p, _)| *p as u32).collect();
+        tensors.push(("snap.pos".into(), Tensor::new(at, &Device::Cpu)?));
     }
     let meta: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
@@ -321,8 +335,8 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
             residual_from,
         });
     }
-    let mut states = Vec::with_capacity(expect.states.len());
-    for (r, &(conv, matrix)) in expect.states.iter().enumerate() {
+    let snap_pos = tensors.remove("snap.pos");
+    let mut take_states = |prefix: &str| -> Result<Vec<RecurrentState>> {
         let mut take = |name: String, len: usize| -> Result<Vec<f32>> {
             let t = tensors.remove(&name).ok_or_else(|| {
                 anyhow!(
@@ -347,10 +361,38 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
             }
             Ok(v)
         };
-        states.push(RecurrentState {
-            conv: take(format!("sc.{r}"), conv)?,
-            matrix: take(format!("sm.{r}"), matrix)?,
-        });
+        expect
+            .states
+            .iter()
+            .enumerate()
+            .map(|(r, &(conv, matrix))| {
+                Ok(RecurrentState {
+                    conv: take(format!("{prefix}sc.{r}"), conv)?,
+                    matrix: take(format!("{prefix}sm.{r}"), matrix)?,
+                })
+            })
+            .collect()
+    };
+    let states = take_states("")?;
+    let mut snapshots = Vec::new();
+    if let Some(at) = snap_pos {
+        let at: Vec<u32> = match (at.dtype(), at.rank()) {
+            (DType::U32, 1) => at.to_vec1()?,
+            _ => bail!("{} has malformed snapshot positions", path.display()),
+        };
+        // Oldest first, each inside the sequence, no more than a cache keeps.
+        let ordered = at.windows(2).all(|w| w[0] < w[1]);
+        let inside = at.iter().all(|&p| p > 0 && (p as usize) <= tokens.len());
+        if expect.states.is_empty() || at.len() > super::MAX_SNAPSHOTS || !ordered || !inside {
+            bail!(
+                "{} has snapshots of recurrent states at positions {at:?}, which a sequence of {} cannot have",
+                path.display(),
+                tokens.len()
+            );
+        }
+        for (k, &p) in at.iter().enumerate() {
+            snapshots.push((p as usize, take_states(&format!("snap.{k}."))?));
+        }
     }
     if !tensors.is_empty() {
         bail!("{} holds more layers than this model has", path.display());
@@ -360,6 +402,7 @@ pub fn load(path: &Path, expect: &Expect<'_>) -> Result<Snapshot> {
         tokens,
         layers,
         states,
+        snapshots,
         extra,
     })
 }

@@ -381,9 +381,9 @@ impl<'e> Conversation<'e> {
         // A budget compresses the prompt once it is prefilled: its whole rows are stored first.
         let hold = self.session.evicts_by_score() && self.store.is_on();
         self.session.hold_evictions(hold);
-        let logits = self
-            .store
-            .prefill(&mut self.session, &ids, reused, &boundaries)?;
+        // (A model with recurrent states snapshots them where the store, /save or /undo may
+        // resume.)
+        let logits = self.session.prefill(&ids, reused, &boundaries, true)?;
         let prefill = t0.elapsed();
         if hold {
             self.store

@@ -27,7 +27,10 @@ impl Session<'_> {
                 return Err(anyhow::anyhow!("layer {i}: {e}"));
             }
         }
-        if let Err(e) = self.cache.restore_states(snap.states.clone(), n) {
+        if let Err(e) = self
+            .cache
+            .restore_states(snap.states.clone(), n, snap.snapshots.clone())
+        {
             self.cache.reset()?;
             return Err(e);
         }

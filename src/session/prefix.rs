@@ -17,7 +17,8 @@
 //!
 //! A model with recurrent states (Qwen3.5) needs them where it resumes, and a state cannot be
 //! taken back to an earlier position: a prefill with the store on stops at the positions where
-//! the store is to keep them (`Session::state_marks`) and copies them there. Stopping is exact
+//! the store is to keep them (`Session::state_marks`) and snapshots them there (`kv::States`;
+//! a saved prompt cache keeps the same snapshots). Stopping is exact
 //! where a float cache keeps every position (each row and each scan step is computed alike
 //! whatever the steps); a quantized cache stops only where a prefill step ends anyway.
 
@@ -25,12 +26,8 @@ use super::Session;
 use crate::kv::persist::Snapshot;
 use crate::kv::prefix::{Found, Piece, PieceRows, PrefixStore, Problem, Shape, BLOCK};
 use crate::kv::{Retention, SharedBlock, States, SHARED_BLOCK};
-use crate::model::deltanet::RecurrentState;
 use anyhow::Result;
 use candle_core::Tensor;
-
-/// Recurrent states copied where a prefill stopped: (position, each DeltaNet layer's state).
-pub type MarkedStates = Vec<(usize, Vec<RecurrentState>)>;
 
 impl Session<'_> {
     /// Why this session's cache cannot use the prefix store, if it cannot.
@@ -72,8 +69,8 @@ impl Session<'_> {
         }
     }
 
-    /// Where a prefill of a prompt of `len` positions stops to copy the recurrent states for the
-    /// store: the end of the last full block the store may keep, the end of the block before it
+    /// Where a prefill of a prompt of `len` positions stops to snapshot the recurrent states for
+    /// the store or a saved prompt cache: the end of the last full block the store may keep, the end of the block before it
     /// (a rerun of the same prompt resumes at least one position short of its end), and the
     /// `boundaries` (where prompts part: the end of the system message). A quantized cache stops
     /// only where its prefill steps end anyway (multiples of the prefill chunk). None for a model
@@ -99,26 +96,33 @@ impl Session<'_> {
         marks
     }
 
-    /// As `feed(new)`, stopping at each of `marks` after what the session holds (up to the end
-    /// of `new`) to copy the recurrent states as they stand there. Bit for bit the state one
-    /// feed gives where `state_marks` chose the marks.
-    pub fn feed_marked(&mut self, new: &[u32], marks: &[usize]) -> Result<(Tensor, MarkedStates)> {
-        let held = self.tokens.len();
-        let end = held + new.len();
-        let mut taken = Vec::new();
-        let mut at = held;
-        for &m in marks.iter().filter(|&&m| m > held && m < end) {
-            if m > at {
-                self.feed(&new[at - held..m - held])?;
-                taken.push((m, self.cache.states().now().to_vec()));
-                at = m;
-            }
+    /// Prefills `ids` after the `reused` positions the session holds and returns the next-token
+    /// logits. With `snapshots` on, a model with recurrent states stops at its `state_marks` to
+    /// snapshot them (for the store, a saved prompt cache, going back): bit for bit the state
+    /// one feed gives.
+    pub fn prefill(
+        &mut self,
+        ids: &[u32],
+        reused: usize,
+        boundaries: &[usize],
+        snapshots: bool,
+    ) -> Result<Tensor> {
+        let marks = match snapshots {
+            true => self.state_marks(ids.len(), boundaries),
+            false => Vec::new(),
+        };
+        let end = ids.len();
+        let mut at = reused;
+        for &m in marks.iter().filter(|&&m| m > reused && m < end) {
+            self.feed(&ids[at..m])?;
+            self.cache.snapshot_states();
+            at = m;
         }
-        let logits = self.feed(&new[at - held..])?;
+        let logits = self.feed(&ids[at..])?;
         if marks.contains(&end) {
-            taken.push((end, self.cache.states().now().to_vec()));
+            self.cache.snapshot_states();
         }
-        Ok((logits, taken))
+        Ok(logits)
     }
 
     /// The recent positions a quantized cache reads from f16 copies (0 for a float cache).
@@ -161,6 +165,7 @@ impl Session<'_> {
                 tokens: ids[..found.tokens].to_vec(),
                 layers: std::mem::take(&mut found.layers),
                 states,
+                snapshots: Vec::new(),
                 extra: serde_json::Value::Null,
             };
             if let Err(e) = states.and_then(|s| self.restore(&snap(s))) {
@@ -264,7 +269,7 @@ impl Session<'_> {
 
     /// The blocks of the session's first `prompt` positions (a prompt it prefilled; what it
     /// generated after may follow) not stored yet, and their rows, with the recurrent states at
-    /// their ends where `states` has them (`feed_marked`). `one_prefill` says whether the
+    /// their ends where the cache keeps a snapshot (`prefill`). `one_prefill` says whether the
     /// prompt's state was made by one prefill (after at most a restore from the store); a
     /// quantized cache stores nothing otherwise.
     pub fn rows_for_store(
@@ -274,7 +279,6 @@ impl Session<'_> {
         boundaries: &[usize],
         rewrite_from: usize,
         prompt: usize,
-        states: &MarkedStates,
     ) -> Result<(Vec<Piece>, Vec<PieceRows>)> {
         let quantized = self.cache.spec().precision().quantized();
         // (A budget that has evicted no longer holds positions in order: nothing to store.)
@@ -286,7 +290,8 @@ impl Session<'_> {
         }
         let tokens = &self.tokens[..prompt.min(self.tokens.len())];
         let upto = tokens.len().saturating_sub(self.residual());
-        let states_at: Vec<usize> = states.iter().map(|(at, _)| *at).collect();
+        let states = self.cache.states();
+        let states_at: Vec<usize> = states.snapshots().iter().map(|(at, _)| *at).collect();
         let which = store.missing(tokens, upto, boundaries, rewrite_from, &states_at);
         let mut rows = Vec::with_capacity(which.len());
         for p in &which {
@@ -298,10 +303,7 @@ impl Session<'_> {
                 .collect();
             rows.push(PieceRows {
                 rows: block?,
-                states: states
-                    .iter()
-                    .find(|(at, _)| *at == p.end())
-                    .map(|(_, s)| States::encode(s)),
+                states: states.snapshot_at(p.end()).map(States::encode),
             });
         }
         Ok((which, rows))
@@ -359,8 +361,6 @@ pub struct PrefixReuse {
     pub wrote: Writes,
     /// A write failed: this process writes no more (lookups go on).
     write_failed: bool,
-    /// The recurrent states the last prefill copied for the store ([`PrefixReuse::prefill`]).
-    states: MarkedStates,
 }
 
 impl PrefixReuse {
@@ -376,7 +376,6 @@ impl PrefixReuse {
             rewrite_from: usize::MAX,
             wrote: Default::default(),
             write_failed: false,
-            states: Vec::new(),
         }
     }
 
@@ -459,25 +458,6 @@ impl PrefixReuse {
         Ok(found.tokens)
     }
 
-    /// Prefills `ids` after the `reused` positions the session holds and returns the next-token
-    /// logits; with the store on, a model with recurrent states stops where the store is to keep
-    /// them (`Session::state_marks`) and they are kept for [`PrefixReuse::store`].
-    pub fn prefill(
-        &mut self,
-        session: &mut Session<'_>,
-        ids: &[u32],
-        reused: usize,
-        boundaries: &[usize],
-    ) -> Result<Tensor> {
-        let marks = match self.is_on() {
-            true => session.state_marks(ids.len(), boundaries),
-            false => Vec::new(),
-        };
-        let (logits, states) = session.feed_marked(&ids[reused..], &marks)?;
-        self.states = states;
-        Ok(logits)
-    }
-
     /// After a prompt of `prompt` positions was prefilled (and maybe answered): copies the rows of
     /// its blocks not stored yet and writes them on a thread of their own (joined by the next call
     /// or [`PrefixReuse::finish`]).
@@ -494,15 +474,7 @@ impl PrefixReuse {
         };
         let rewrite_from = std::mem::replace(&mut self.rewrite_from, usize::MAX);
         let t0 = std::time::Instant::now();
-        let states = std::mem::take(&mut self.states);
-        let rows = session.rows_for_store(
-            store,
-            one_prefill,
-            boundaries,
-            rewrite_from,
-            prompt,
-            &states,
-        );
+        let rows = session.rows_for_store(store, one_prefill, boundaries, rewrite_from, prompt);
         self.wrote.copying += t0.elapsed();
         match rows {
             Ok((which, rows)) if !which.is_empty() => {

@@ -390,7 +390,7 @@ fn real_kv_file(home: &Path, model: &Path) -> PathBuf {
 }
 
 /// Rewrites a KV file's tensors with `edit` (same header metadata).
-fn rewrite_kv(
+pub(crate) fn rewrite_kv(
     src: &Path,
     dst: &Path,
     edit: impl Fn(&str, candle_core::Tensor) -> candle_core::Tensor,

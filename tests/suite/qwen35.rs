@@ -448,7 +448,7 @@ fn fresh_store(name: &str) -> std::path::PathBuf {
     d
 }
 
-/// Prefills `earlier` with the store on (its prefill stops where the states are to be kept) and
+/// Prefills `earlier` snapshotting the states where the store keeps them, and
 /// stores its blocks; then resumes `ids` from the store in a new session. Returns the logits after
 /// `ids` prefilled whole, those after the resumed prefill, and the positions restored.
 fn stored_then_resumed(
@@ -462,9 +462,7 @@ fn stored_then_resumed(
     let mut first = e.session(spec);
     let mut store = PrefixReuse::open(e, &first, root, 1 << 30);
     assert_eq!(store.off, None);
-    store
-        .prefill(&mut first, earlier, 0, earlier_bounds)
-        .unwrap();
+    first.prefill(earlier, 0, earlier_bounds, true).unwrap();
     store.store(&first, true, earlier_bounds, earlier.len());
     store.finish();
     assert!(store.take_problems().is_empty());
@@ -474,7 +472,7 @@ fn stored_then_resumed(
     let n = store.restore(&mut resumed, ids, bounds).unwrap();
     let problems = store.take_problems();
     assert!(problems.is_empty(), "{problems:?}");
-    let logits = store.prefill(&mut resumed, ids, n, bounds).unwrap();
+    let logits = resumed.prefill(ids, n, bounds, true).unwrap();
     (whole, logits.to_vec1().unwrap(), n)
 }
 
@@ -541,7 +539,7 @@ fn a_stored_block_whose_recurrent_state_holds_a_nan_is_removed_and_never_restore
     let ids = tokens(100, 7);
     let mut s = e.session(&spec);
     let mut store = PrefixReuse::open(e, &s, &root, 1 << 30);
-    store.prefill(&mut s, &ids, 0, &[]).unwrap();
+    s.prefill(&ids, 0, &[], true).unwrap();
     store.store(&s, true, &[], ids.len());
     store.finish();
     // The one block (0..64) keeps the states; they are the file's last bytes before its sha256.
@@ -617,4 +615,46 @@ fn kvchat_run_reuses_the_store_on_a_hybrid_model_with_the_answer_unchanged() {
         .unwrap_or_else(|| panic!("{line}"));
     assert!(reused >= 64, "{line}");
     assert_eq!(warm.stdout, run(&whole, false).stdout);
+}
+
+/// A saved state keeps the snapshots its prefill took at block ends: a prompt that shares only
+/// part of the saved one resumes from the nearest snapshot before it parts (128 of 140 shared),
+/// counts only those as reused, and gets the logits of one prefill.
+#[test]
+fn a_saved_state_resumes_a_shorter_prefix_from_its_nearest_snapshot() {
+    let m = load();
+    let file = state_file("snapshots.kv");
+    let saved = tokens(150, 1);
+    let mut s = session(&m);
+    s.prefill(&saved, 0, &[], true).unwrap();
+    assert_eq!(s.cache().states().counts(), (4, 1));
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
+    let ids = [&saved[..140], &tokens(30, 2)].concat();
+    let mut r = session(&m);
+    assert_eq!(r.reuse_saved_prefix(&file, "digest", &ids).unwrap(), 128);
+    let resumed = r.feed(&ids[128..]).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(resumed, fresh(&m, &ids));
+}
+
+/// Snapshot positions past the saved sequence's end (a hostile file) are refused in one line.
+#[test]
+fn a_saved_state_with_a_snapshot_past_its_end_is_refused() {
+    let m = load();
+    let (file, bad) = (state_file("snap-ok.kv"), state_file("snap-bad.kv"));
+    let mut s = session(&m);
+    s.prefill(&tokens(150, 1), 0, &[], true).unwrap();
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
+    crate::hostile::rewrite_kv(&file, &bad, |name, t| match name {
+        "snap.pos" => candle_core::Tensor::new(&[200u32], &Device::Cpu).unwrap(),
+        _ => t,
+    });
+    let mut r = session(&m);
+    let e = r.load_state(&bad, "digest").unwrap_err().to_string();
+    assert!(
+        e.contains("snapshots of recurrent states at positions [200]"),
+        "{e}"
+    );
+    assert!(r.tokens().is_empty());
 }
