@@ -187,7 +187,7 @@ impl Tokenizer {
                 tk.with_pre_tokenizer(Some(PreSequence::new(pres)));
                 tk.with_decoder(Some(ByteLevelDecoder::default()));
                 if let Some(types) = &types {
-                    add_special_tokens(&mut tk, &tokens, types.iter().map(|&t| t as i32));
+                    add_special_tokens(&mut tk, &tokens, types.iter().map(|&t| t as i32))?;
                 }
                 Backend::hf(tk)
             }
@@ -483,9 +483,10 @@ impl Tokenizer {
             decs.push(Strip::new(' ', 1, 0).into());
         }
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        tk.with_normalizer(Some(NormalizerSequence::new(norms)));
+        tk.with_normalizer(Some(NormalizerSequence::new(norms)))
+            .map_err(|e| anyhow!("the tokenizer's normalizer: {e}"))?;
         tk.with_decoder(Some(DecoderSequence::new(decs)));
-        add_special_tokens(&mut tk, &tokens, types.iter().map(|&t| t as i32));
+        add_special_tokens(&mut tk, &tokens, types.iter().map(|&t| t as i32))?;
         Ok(tk)
     }
 }
@@ -503,7 +504,7 @@ fn add_special_tokens(
     tk: &mut tokenizers::Tokenizer,
     tokens: &[&str],
     types: impl Iterator<Item = i32>,
-) {
+) -> Result<()> {
     let (mut control, mut user) = (Vec::new(), Vec::new());
     for (t, ty) in tokens.iter().zip(types) {
         match ty {
@@ -520,8 +521,11 @@ fn add_special_tokens(
             _ => {}
         }
     }
-    tk.add_special_tokens(&control);
-    tk.add_tokens(&user);
+    tk.add_special_tokens(control)
+        .map_err(|e| anyhow!("the vocabulary's control tokens: {e}"))?;
+    tk.add_tokens(user)
+        .map_err(|e| anyhow!("the vocabulary's user-defined tokens: {e}"))?;
+    Ok(())
 }
 
 /// SentencePiece BPE merges recovered from the vocabulary: every split of a token into two tokens that
