@@ -658,3 +658,19 @@ fn a_saved_state_with_a_snapshot_past_its_end_is_refused() {
     );
     assert!(r.tokens().is_empty());
 }
+
+/// A KV budget beside recurrent states cannot stop its prefill where the states would be kept
+/// (its scores depend on where forwards end): the store says so and is not used.
+#[test]
+fn a_budget_beside_recurrent_states_does_not_use_the_store_and_says_why() {
+    let e = engine();
+    let mode: kvchat::kv::CacheMode = "budget:128".parse().unwrap();
+    let spec = mode.spec(1024).unwrap();
+    let s = e.session(&spec);
+    let store = kvchat::session::prefix::PrefixReuse::open(e, &s, &fresh_store("budget"), 1 << 30);
+    assert!(!store.is_on());
+    assert!(store
+        .describe()
+        .contains("not used: a budget beside recurrent states"));
+    assert!(s.state_marks(300, &[100]).is_empty());
+}
