@@ -341,26 +341,9 @@ fn qwen35moe_prefill_and_decode_give_the_same_logits() {
 #[test]
 fn the_prompt_cache_resumes_a_hybrid_model_with_the_cold_answer() {
     let file = state_file("prompt.kvc");
-    let model = random_qwen35();
-    let run = |prompt: &str, cache: bool| {
-        let mut args = vec![
-            "run",
-            "-m",
-            model.to_str().unwrap(),
-            "--raw",
-            "--temperature",
-            "0",
-            "-n",
-            "8",
-            "--stats",
-        ];
-        if cache {
-            args.extend(["--prompt-cache", file.to_str().unwrap()]);
-        }
-        args.push(prompt);
-        let o = crate::common::kvchat(&args, "");
-        assert!(o.status.success(), "{}", crate::common::stderr(&o));
-        o
+    let run = |prompt: &str, cache: bool| match cache {
+        true => run_greedy(&["--prompt-cache", file.to_str().unwrap()], prompt, None),
+        false => run_greedy(&[], prompt, None),
     };
     let first = "The first line of a document that is long enough to be worth keeping.\n";
     let whole = format!("{first}And a question about it?");
@@ -476,17 +459,28 @@ fn stored_then_resumed(
     (whole, logits.to_vec1().unwrap(), n)
 }
 
+/// `stored_then_resumed` in a fresh store `name`: `at` positions restored, and the logits of
+/// one prefill, bit for bit.
+fn assert_resumes_exactly(
+    name: &str,
+    precision: Precision,
+    earlier: (&[u32], &[usize]),
+    later: (&[u32], &[usize]),
+    at: usize,
+) {
+    let spec = CacheSpec::full(precision, 1024);
+    let (whole, resumed, n) = stored_then_resumed(&spec, &fresh_store(name), earlier, later);
+    assert_eq!(n, at);
+    assert!(whole == resumed, "the logits differ");
+}
+
 /// A longer prompt resumes at the last full block the earlier one stored with its states and
 /// gets the logits of one prefill, bit for bit.
 #[test]
 fn a_qwen35_prompt_resumed_from_the_store_has_the_logits_of_one_prefill() {
     let earlier = tokens(150, 1);
     let ids = [&earlier[..], &tokens(60, 2)].concat();
-    let spec = CacheSpec::full(Precision::F16, 1024);
-    let root = fresh_store("f16");
-    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[]), (&ids, &[]));
-    assert_eq!(n, 128);
-    assert!(whole == resumed, "the logits differ");
+    assert_resumes_exactly("f16", Precision::F16, (&earlier, &[]), (&ids, &[]), 128);
 }
 
 /// A prompt that parts from the stored one at the end of its system message (a boundary inside
@@ -495,11 +489,8 @@ fn a_qwen35_prompt_resumed_from_the_store_has_the_logits_of_one_prefill() {
 fn a_qwen35_prompt_resumes_at_the_stored_system_message_boundary() {
     let earlier = tokens(150, 1);
     let ids = [&earlier[..110], &tokens(40, 3)].concat();
-    let spec = CacheSpec::full(Precision::F16, 1024);
-    let root = fresh_store("boundary");
-    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[100]), (&ids, &[100]));
-    assert_eq!(n, 100);
-    assert!(whole == resumed, "the logits differ");
+    let (b, f16) = (&[100][..], Precision::F16);
+    assert_resumes_exactly("boundary", f16, (&earlier, b), (&ids, b), 100);
 }
 
 /// The same prompt run again resumes at the block before its end (one position at least is
@@ -507,11 +498,7 @@ fn a_qwen35_prompt_resumes_at_the_stored_system_message_boundary() {
 #[test]
 fn a_qwen35_prompt_run_again_resumes_one_block_short_of_its_end() {
     let ids = tokens(128, 4);
-    let spec = CacheSpec::full(Precision::F16, 1024);
-    let root = fresh_store("again");
-    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&ids, &[]), (&ids, &[]));
-    assert_eq!(n, 64);
-    assert!(whole == resumed, "the logits differ");
+    assert_resumes_exactly("again", Precision::F16, (&ids, &[]), (&ids, &[]), 64);
 }
 
 /// An int8 cache's prefill stops only where its steps end anyway (512): the states are kept
@@ -520,11 +507,7 @@ fn a_qwen35_prompt_run_again_resumes_one_block_short_of_its_end() {
 fn a_quantized_qwen35_cache_keeps_states_at_prefill_steps_and_resumes_exactly() {
     let earlier = tokens(600, 5);
     let ids = [&earlier[..], &tokens(50, 6)].concat();
-    let spec = CacheSpec::full(Precision::Int8, 1024);
-    let root = fresh_store("int8");
-    let (whole, resumed, n) = stored_then_resumed(&spec, &root, (&earlier, &[]), (&ids, &[]));
-    assert_eq!(n, 512);
-    assert!(whole == resumed, "the logits differ");
+    assert_resumes_exactly("int8", Precision::Int8, (&earlier, &[]), (&ids, &[]), 512);
 }
 
 /// A stored state holding a NaN (its checksum made again, as a hostile file would) is refused:
@@ -577,27 +560,10 @@ fn a_stored_block_whose_recurrent_state_holds_a_nan_is_removed_and_never_restore
 /// reuses the first one's blocks and answers as a run without the store.
 #[test]
 fn kvchat_run_reuses_the_store_on_a_hybrid_model_with_the_answer_unchanged() {
-    let model = random_qwen35();
     let root = fresh_store("cli");
-    let run = |prompt: &str, store: bool| {
-        let mut args = vec![
-            "run",
-            "-m",
-            model.to_str().unwrap(),
-            "--raw",
-            "--temperature",
-            "0",
-            "-n",
-            "8",
-            "--stats",
-        ];
-        if !store {
-            args.push("--no-kv-store");
-        }
-        args.push(prompt);
-        let o = crate::common::kvchat_env(&args, "", &[("KVCHAT_KV_STORE", root.as_os_str())]);
-        assert!(o.status.success(), "{}", crate::common::stderr(&o));
-        o
+    let run = |prompt: &str, store: bool| match store {
+        true => run_greedy(&[], prompt, Some(&root)),
+        false => run_greedy(&["--no-kv-store"], prompt, Some(&root)),
     };
     let doc = "The first line of a document that is long enough to be worth keeping. ".repeat(8);
     run(&doc, true);
@@ -673,4 +639,32 @@ fn a_budget_beside_recurrent_states_does_not_use_the_store_and_says_why() {
         .describe()
         .contains("not used: a budget beside recurrent states"));
     assert!(s.state_marks(300, &[100]).is_empty());
+}
+
+/// `kvchat run` on the random qwen35 model, greedy, 8 tokens, `--stats`, with `flags`, the prefix
+/// store in `store` (the default one when None); asserts that it succeeds.
+fn run_greedy(
+    flags: &[&str],
+    prompt: &str,
+    store: Option<&std::path::Path>,
+) -> std::process::Output {
+    let model = random_qwen35();
+    let mut args = vec![
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "--raw",
+        "--temperature",
+        "0",
+    ];
+    args.extend(["-n", "8", "--stats"]);
+    args.extend_from_slice(flags);
+    args.push(prompt);
+    let env: Vec<(&str, &std::ffi::OsStr)> = store
+        .map(|s| ("KVCHAT_KV_STORE", s.as_os_str()))
+        .into_iter()
+        .collect();
+    let o = crate::common::kvchat_env(&args, "", &env);
+    assert!(o.status.success(), "{}", crate::common::stderr(&o));
+    o
 }
