@@ -174,6 +174,9 @@ impl Session<'_> {
                 found.problems.push(line.into());
                 found.damaged_at = Some(0);
                 found.tokens = 0;
+            } else {
+                // Recurrent states restored here are where a chat's /undo may come back to.
+                self.cache.snapshot_states();
             }
         }
         Ok(found)

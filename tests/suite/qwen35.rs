@@ -455,6 +455,8 @@ fn stored_then_resumed(
     let n = store.restore(&mut resumed, ids, bounds).unwrap();
     let problems = store.take_problems();
     assert!(problems.is_empty(), "{problems:?}");
+    // Where it resumed is a snapshot: going back there (a chat's /undo) restores it.
+    assert!(resumed.cache().states().snapshot_at(n).is_some());
     let logits = resumed.prefill(ids, n, bounds, true).unwrap();
     (whole, logits.to_vec1().unwrap(), n)
 }
