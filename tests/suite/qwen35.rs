@@ -670,3 +670,47 @@ fn run_greedy(
     assert!(o.status.success(), "{}", crate::common::stderr(&o));
     o
 }
+
+/// Snapshot positions that are not u32, or out of order, are refused in one line and leave the
+/// session empty.
+#[test]
+fn a_saved_state_with_malformed_or_unordered_snapshot_positions_is_refused() {
+    let m = load();
+    let file = state_file("snap-two.kv");
+    let mut s = session(&m);
+    // Two snapshots: 128 (the first prompt's last full block) and 192 (the longer one's).
+    s.prefill(&tokens(150, 1), 0, &[], true).unwrap();
+    s.truncate(140).unwrap();
+    s.prefill(
+        &[&s.tokens().to_vec()[..], &tokens(60, 3)[..]].concat(),
+        140,
+        &[],
+        true,
+    )
+    .unwrap();
+    assert!(s.cache().states().counts().1 >= 2);
+    s.save_state(&file, "digest", serde_json::Value::Null)
+        .unwrap();
+    for (name, pos, want) in [
+        (
+            "snap-f32.kv",
+            candle_core::Tensor::new(&[64f32, 128.0], &Device::Cpu).unwrap(),
+            "malformed snapshot positions",
+        ),
+        (
+            "snap-order.kv",
+            candle_core::Tensor::new(&[128u32, 64], &Device::Cpu).unwrap(),
+            "snapshots of recurrent states at positions [128, 64]",
+        ),
+    ] {
+        let bad = state_file(name);
+        crate::hostile::rewrite_kv(&file, &bad, |n, t| match n {
+            "snap.pos" => pos.clone(),
+            _ => t,
+        });
+        let mut r = session(&m);
+        let e = r.load_state(&bad, "digest").unwrap_err().to_string();
+        assert!(e.contains(want), "{name}: {e}");
+        assert!(r.tokens().is_empty());
+    }
+}

@@ -61,10 +61,14 @@ impl PrefixStore {
         }
         let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
         let sized = |states| self.shape.file_bytes(hlen, piece.len, states) == bytes.len();
-        let states = match (sized(false), self.shape.state_bytes > 0 && sized(true)) {
-            _ if hlen > MAX_HEADER => None,
-            (true, _) => Some(false),
-            (false, with) => with.then_some(true),
+        let states = if hlen > MAX_HEADER {
+            None
+        } else if sized(false) {
+            Some(false)
+        } else if self.shape.state_bytes > 0 && sized(true) {
+            Some(true)
+        } else {
+            None
         };
         let Some(states) = states else {
             return bad(format!(

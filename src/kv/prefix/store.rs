@@ -193,15 +193,11 @@ impl PrefixStore {
             .filter(|&p| {
                 let (key, parent) = self.key_of(tokens, p, &full);
                 let size = std::fs::symlink_metadata(self.path_of(&key)).map(|m| m.len());
-                let size = size.ok();
-                let with_states = Some(self.file_size(&key, parent, p, true));
-                let stored = match self.shape.state_bytes > 0 {
-                    true if states_at.contains(&p.end()) => size == with_states,
-                    true => {
-                        size == with_states || size == Some(self.file_size(&key, parent, p, false))
-                    }
-                    false => size == Some(self.file_size(&key, parent, p, false)),
-                };
+                let is =
+                    |states| size.as_ref().ok() == Some(&self.file_size(&key, parent, p, states));
+                // Kept states are never written over by a block without them.
+                let with = self.shape.state_bytes > 0 && is(true);
+                let stored = with || (is(false) && !states_at.contains(&p.end()));
                 p.start >= rewrite_from || !stored
             })
             .collect()
