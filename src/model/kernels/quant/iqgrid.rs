@@ -12,6 +12,7 @@
 //! as wide as the grids are long), so no file can make a lookup read out of bounds.
 
 use super::grids::*;
+use super::tiled::TileGrid;
 use super::{lane, Avx2, BlockQ8K, Format, WeightType};
 use bytemuck::{Pod, Zeroable};
 use half::f16;
@@ -429,18 +430,19 @@ fn shifted8(grid: u64, delta: i8) -> u64 {
 /// values and a scale per 16, so AVX2 can take Σ (8g + δ)·y as 8·Σ (g + 1)·y + (δ − 8)·Σ y with
 /// unsigned g + 1.
 pub trait ShiftedGrid: Grid {
-    /// Chunk c (values 32c..32c + 32): its 4 grid words, the shift of each (±1, in eighths) and
-    /// the scale of each 16 values.
-    fn chunk(x: &Self::Block, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]);
+    /// Chunk c (values 32c..32c + 32): its 4 grid words and the shift of each (±1, in eighths).
+    fn chunk(x: &Self::Block, c: usize) -> ([u64; 4], [i8; 4]);
+    /// The integer scale of each 16 values.
+    fn scales(x: &Self::Block) -> [i16; 16];
 }
 
 /// An IQ1 block unpacked in scalar code.
 #[inline(always)]
 fn unpack_shifted<G: ShiftedGrid>(x: &G::Block) -> GridBlock {
     let mut g = GridBlock::new();
+    g.sc = G::scales(x);
     for c in 0..8 {
-        let (words, deltas, sc) = G::chunk(x, c);
-        g.sc[2 * c..2 * c + 2].copy_from_slice(&sc);
+        let (words, deltas) = G::chunk(x, c);
         for l in 0..4 {
             g.put8(4 * c + l, shifted8(words[l], deltas[l]));
         }
@@ -450,21 +452,23 @@ fn unpack_shifted<G: ShiftedGrid>(x: &G::Block) -> GridBlock {
 
 impl ShiftedGrid for IQ1S {
     #[inline(always)]
-    fn chunk(x: &BlockIQ1S, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]) {
+    fn chunk(x: &BlockIQ1S, c: usize) -> ([u64; 4], [i8; 4]) {
         let qh = u16_at(&x.qh, 2 * c) as usize;
-        let s = 2 * ((qh >> 12) & 7) as i16 + 1;
         let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
         let words = std::array::from_fn(|l| {
             IQ1S_GRID[x.qs[4 * c + l] as usize | (((qh >> (3 * l)) & 7) << 8)]
         });
-        (words, [delta; 4], [s, s])
+        (words, [delta; 4])
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ1S) -> [i16; 16] {
+        std::array::from_fn(|k| 2 * ((u16_at(&x.qh, 2 * (k / 2)) >> 12) & 7) as i16 + 1)
     }
 }
 
 impl ShiftedGrid for IQ1M {
     #[inline(always)]
-    fn chunk(x: &BlockIQ1M, c: usize) -> ([u64; 4], [i8; 4], [i16; 2]) {
-        let sc = [0, 1].map(|half| 2 * Self::s(x, 2 * c + half) as i16 + 1);
+    fn chunk(x: &BlockIQ1M, c: usize) -> ([u64; 4], [i8; 4]) {
         let mut words = [0u64; 4];
         let mut deltas = [0i8; 4];
         for half in 0..2 {
@@ -475,7 +479,12 @@ impl ShiftedGrid for IQ1M {
                 deltas[l] = if qh & bit != 0 { -1 } else { 1 };
             }
         }
-        (words, deltas, sc)
+        (words, deltas)
+    }
+    #[inline(always)]
+    fn scales(x: &BlockIQ1M) -> [i16; 16] {
+        let sc = Self::sc(x);
+        std::array::from_fn(|k| 2 * Self::s_of(sc, k) as i16 + 1)
     }
 }
 
@@ -498,6 +507,7 @@ impl Grid for IQ1S {
 
 impl IQ1M {
     /// The four u16 words of `scales`.
+    #[inline(always)]
     fn sc(x: &BlockIQ1M) -> [u16; 4] {
         std::array::from_fn(|i| u16_at(&x.scales, 2 * i))
     }
@@ -510,10 +520,11 @@ impl IQ1M {
         f16::from_bits(bits)
     }
 
-    /// The 3-bit scale of values 16k..16k+16.
-    fn s(x: &BlockIQ1M, k: usize) -> u16 {
+    /// The 3-bit scale of values 16k..16k+16, from the scale words.
+    #[inline(always)]
+    fn s_of(sc: [u16; 4], k: usize) -> u16 {
         let (ib, half) = (k / 2, k % 2);
-        (Self::sc(x)[ib / 2] >> (6 * (ib % 2) + 3 * half)) & 7
+        (sc[ib / 2] >> (6 * (ib % 2) + 3 * half)) & 7
     }
 }
 
@@ -528,11 +539,63 @@ impl Grid for IQ1M {
         unpack_shifted::<Self>(x)
     }
     fn dequantize(x: &BlockIQ1M, out: &mut [f32]) {
-        let d = Self::d16(x).to_f32();
-        let db = |k: usize| d * (2 * Self::s(x, k) + 1) as f32;
+        let (d, sc) = (Self::d16(x).to_f32(), Self::sc(x));
+        let db = |k: usize| d * (2 * Self::s_of(sc, k) + 1) as f32;
         dequantize_with(&<Self as Grid>::unpack(x), db, 0.125, out)
     }
 }
+
+/// Row `r` of a staged tile ([`TileGrid`]) from a block: its `d`, scales, values (row r's
+/// bytes of each 4-value group) and bias term (`128 · Σ_j sc_j · Σ_{e in j} q_e`).
+pub trait Stage: Grid {
+    fn stage(x: &Self::Block, r: usize, t: &mut TileGrid) {
+        stage_scalar::<Self>(x, r, t)
+    }
+}
+
+/// [`Stage::stage`] from the scalar unpacking.
+pub(super) fn stage_scalar<G: Grid + ?Sized>(x: &G::Block, r: usize, t: &mut TileGrid) {
+    let g = G::unpack(x);
+    t.d[r] = G::d(x);
+    for (row, s) in t.sc.iter_mut().zip(g.sc) {
+        row[r] = s;
+    }
+    let q: &[u8] = bytemuck::cast_slice(&g.q);
+    for (group, four) in t.q.iter_mut().zip(q.chunks_exact(4)) {
+        group[4 * r..4 * r + 4].copy_from_slice(four);
+    }
+    let sums =
+        g.q.chunks_exact(16)
+            .map(|v| v.iter().map(|&q| q as i32).sum::<i32>());
+    t.bias[r] = 128
+        * g.sc
+            .iter()
+            .zip(sums)
+            .map(|(&s, v)| s as i32 * v)
+            .sum::<i32>();
+}
+
+impl Stage for IQ1S {}
+impl Stage for IQ1M {}
+
+/// The signed grids stage their values in registers where AVX2 runs (the scalar way elsewhere:
+/// the same bytes, tested through the tiles).
+macro_rules! signed_stage {
+    ($($f:ty),*) => {$(
+        impl Stage for $f {
+            fn stage(x: &Self::Block, r: usize, t: &mut TileGrid) {
+                #[cfg(target_arch = "x86_64")]
+                if super::level() >= super::Level::Avx2 {
+                    // SAFETY: AVX2 runs (checked above).
+                    return unsafe { avx2::stage_signed::<$f>(x, r, t) };
+                }
+                stage_scalar::<$f>(x, r, t)
+            }
+        }
+    )*};
+}
+
+signed_stage!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S);
 
 /// `Format` for a grid format: the lanes of its unpacked block.
 macro_rules! grid_format {
@@ -567,8 +630,9 @@ macro_rules! grid_format {
 
 grid_format!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
 
-/// `Avx2` for a signed grid: the grid words and sign masks in registers, the signs applied to
-/// the activations (`avx2::ilanes_signed`).
+/// `Avx2` for a signed grid: the grid words, sign bits and scales in registers, the signs
+/// applied to the activations (`avx2::ilanes_signed`: as byte masks; `ilanes_signed512`: as an
+/// AVX-512 mask register).
 macro_rules! signed_avx2 {
     ($($f:ty),*) => {$(
         #[cfg(target_arch = "x86_64")]
@@ -582,14 +646,14 @@ macro_rules! signed_avx2 {
             unsafe fn ilanes(u: &avx2::SignedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
                 avx2::ilanes_signed(u, y)
             }
-            type U512 = avx2::SignedRegs;
+            type U512 = avx2::SignedRegs512;
             #[inline(always)]
-            unsafe fn unpack512(x: &Self::Block) -> avx2::SignedRegs {
-                avx2::unpack_signed::<$f>(x)
+            unsafe fn unpack512(x: &Self::Block) -> avx2::SignedRegs512 {
+                avx2::unpack_signed512::<$f>(x)
             }
             #[inline(always)]
-            unsafe fn ilanes512(u: &avx2::SignedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
-                avx2::ilanes_signed(u, y)
+            unsafe fn ilanes512(u: &avx2::SignedRegs512, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::ilanes_signed512(u, y)
             }
         }
     )*};
@@ -632,8 +696,9 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// A signed grid block in registers: per 32 values the unsigned grid values, the mask of
-    /// those negated (0xFF), and the scales as i16 (first 16 values low, next 16 high).
+    /// A signed grid block in registers for AVX2: per 32 values the unsigned grid values, the
+    /// mask of those negated (0xFF bytes), and the scales as i16 (first 16 values low, next 16
+    /// high).
     #[derive(Clone, Copy)]
     pub struct SignedRegs {
         g: [__m256i; 8],
@@ -641,41 +706,144 @@ mod avx2 {
         sc: [__m256i; 8],
     }
 
-    #[inline(always)]
-    pub unsafe fn unpack_signed<G: SignedGrid + Gather>(x: &G::Block) -> SignedRegs {
-        let sc = G::scales(x);
-        let mut u = SignedRegs {
-            g: [_mm256_setzero_si256(); 8],
-            m: [_mm256_setzero_si256(); 8],
-            sc: [_mm256_setzero_si256(); 8],
-        };
-        for c in 0..8 {
-            let (g, signs) = G::chunk_vec(x, c);
-            u.g[c] = g;
-            u.m[c] = bit_bytes(signs);
-            u.sc[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
-        }
-        u
+    /// The same for AVX-512: the sign bits stay bits, one mask register per 32 values.
+    #[derive(Clone, Copy)]
+    pub struct SignedRegs512 {
+        g: [__m256i; 8],
+        k: [__mmask32; 8],
+        sc: [__m256i; 8],
     }
 
-    /// A signed grid's chunk c as one vector of its 32 grid values, and its sign bits: by
-    /// default from [`SignedGrid::chunk`]'s words; the IQ3 types gather their 4-value entries
-    /// with one `vpgatherdd` per 32 values instead (indices computed in registers: 8 bits for
-    /// IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every gathered load is inside its table).
-    pub trait Gather: SignedGrid {
+    #[inline(always)]
+    pub unsafe fn unpack_signed<G: SignedVec>(x: &G::Block) -> SignedRegs {
+        let signs = G::sign_words(x);
+        SignedRegs {
+            g: std::array::from_fn(|c| unsafe { G::grid(x, c) }),
+            m: signs.map(|s| unsafe { bit_bytes(s) }),
+            sc: scale_regs(G::scale_bytes(x)),
+        }
+    }
+
+    #[inline(always)]
+    pub unsafe fn unpack_signed512<G: SignedVec>(x: &G::Block) -> SignedRegs512 {
+        SignedRegs512 {
+            g: std::array::from_fn(|c| unsafe { G::grid(x, c) }),
+            k: G::sign_words(x),
+            sc: scale_regs(G::scale_bytes(x)),
+        }
+    }
+
+    /// Each chunk's scales as i16 lanes (values 32c..32c + 16 low, the next 16 high) from the
+    /// block's 16 scale bytes (byte k: the scale of values 16k..16k + 16): one byte shuffle each.
+    #[inline(always)]
+    unsafe fn scale_regs(bytes: __m128i) -> [__m256i; 8] {
+        let both = _mm256_broadcastsi128_si256(bytes);
+        std::array::from_fn(|c| {
+            // i16 lane = byte k, then a zero byte (0x80 selects zero).
+            let pick = |k: usize| _mm_set1_epi16((0x8000 | k) as i16);
+            unsafe { _mm256_shuffle_epi8(both, _mm256_set_m128i(pick(2 * c + 1), pick(2 * c))) }
+        })
+    }
+
+    /// 2s + 1 of each byte s.
+    #[inline(always)]
+    unsafe fn odd(s: __m128i) -> __m128i {
+        _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1))
+    }
+
+    /// 16 nibbles from 8 bytes (low nibble first): 2s + 1 of each.
+    #[inline(always)]
+    unsafe fn nibble_scale_bytes(b: &[u8; 8]) -> __m128i {
+        let v = _mm_loadl_epi64(b.as_ptr() as *const __m128i);
+        let m4 = _mm_set1_epi8(15);
+        let lo = _mm_and_si128(v, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m4);
+        odd(_mm_unpacklo_epi8(lo, hi))
+    }
+
+    /// The 16 scale bytes of a format with one scale per 32 values (both halves alike), from
+    /// the 8 scales s in the low byte of each u32 lane: 2s + 1 of each, twice.
+    #[inline(always)]
+    unsafe fn per32_scale_bytes(s: __m256i) -> __m128i {
+        // Byte 0 of each u32 to the low 4 bytes of its 128-bit lane, then the two lanes' words
+        // side by side.
+        let pick = _mm256_set1_epi32(0x0C08_0400);
+        let b = _mm256_shuffle_epi8(s, pick);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 4, 0));
+        let s8 = _mm256_castsi256_si128(b);
+        odd(_mm_unpacklo_epi8(s8, s8))
+    }
+
+    /// Each byte f (< 128) completed by an eighth bit that makes its count of ones even
+    /// ([`KSIGNS`] in registers): the parity of the nibble (f ^ f >> 4) & 15 from a 16-entry
+    /// table.
+    #[inline(always)]
+    unsafe fn ksigns_bytes(f: __m256i) -> __m256i {
+        let odd_parity = _mm256_set_epi64x(
+            0x0080_8000_8000_0080,
+            0x8000_0080_0080_8000_u64 as i64,
+            0x0080_8000_8000_0080,
+            0x8000_0080_0080_8000_u64 as i64,
+        );
+        let p = _mm256_and_si256(
+            _mm256_xor_si256(f, _mm256_srli_epi16::<4>(f)),
+            _mm256_set1_epi8(15),
+        );
+        _mm256_or_si256(f, _mm256_shuffle_epi8(odd_parity, p))
+    }
+
+    /// A vector's 8 u32 lanes.
+    #[inline(always)]
+    unsafe fn words(v: __m256i) -> [u32; 8] {
+        std::mem::transmute(v)
+    }
+
+    /// The sign words of the 8 chunks whose 4 × 7 sign bits are the low 28 bits of lane c of
+    /// `aux` (IQ2_XXS, IQ3_XXS), each 7 completed by [`KSIGNS`]' eighth.
+    #[inline(always)]
+    unsafe fn ksigns_of_aux(aux: __m256i) -> [u32; 8] {
+        let field = |v: __m256i, m: i32| _mm256_and_si256(v, _mm256_set1_epi32(m));
+        let f = _mm256_or_si256(
+            _mm256_or_si256(field(aux, 0x7F), field(_mm256_slli_epi32::<1>(aux), 0x7F00)),
+            _mm256_or_si256(
+                field(_mm256_slli_epi32::<2>(aux), 0x7F_0000),
+                field(_mm256_slli_epi32::<3>(aux), 0x7F00_0000),
+            ),
+        );
+        words(ksigns_bytes(f))
+    }
+
+    /// A signed grid's block in vectors: by default from the scalar [`SignedGrid`] methods;
+    /// each format computes what it can in registers instead. All give the scalar methods' bits
+    /// (tested through the dot products at every level).
+    pub trait SignedVec: SignedGrid {
+        /// Chunk c (values 32c..32c + 32) as one vector of its 32 unsigned grid values.
+        ///
         /// # Safety
         /// AVX2 runs (the contract of [`Avx2`]).
         #[inline(always)]
-        unsafe fn chunk_vec(x: &Self::Block, c: usize) -> (__m256i, u32) {
-            let (w, signs) = Self::chunk(x, c);
-            let g = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
-            (g, signs)
+        unsafe fn grid(x: &Self::Block, c: usize) -> __m256i {
+            let (w, _) = Self::chunk(x, c);
+            _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64)
+        }
+        /// The 8 chunks' sign words (bit i of word c: value 32c + i negated).
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        #[inline(always)]
+        unsafe fn sign_words(x: &Self::Block) -> [u32; 8] {
+            std::array::from_fn(|c| Self::chunk(x, c).1)
+        }
+        /// The 16 integer scales (each ≤ 31) as bytes.
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &Self::Block) -> __m128i {
+            let s = Self::scales(x).map(|s| s as u8);
+            _mm_loadu_si128(s.as_ptr() as *const __m128i)
         }
     }
-
-    impl Gather for IQ2XXS {}
-    impl Gather for IQ2XS {}
-    impl Gather for IQ2S {}
 
     /// 8 bytes zero-extended to 8 i32 lanes.
     #[inline(always)]
@@ -683,28 +851,130 @@ mod avx2 {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(b[..8].as_ptr() as *const __m128i))
     }
 
-    impl Gather for IQ3XXS {
+    impl IQ2XXS {
+        /// The 8 chunks' sign-and-scale words (the u32 after each chunk's 4 index bytes).
         #[inline(always)]
-        unsafe fn chunk_vec(x: &BlockIQ3XXS, c: usize) -> (__m256i, u32) {
-            let idx = bytes8(&x.qs[8 * c..]);
-            let g = _mm256_i32gather_epi32::<4>(IQ3XXS_GRID.as_ptr() as *const i32, idx);
-            (g, ksigns4(u32_at(&x.qs, 64 + 4 * c)))
+        unsafe fn aux(x: &BlockIQ2XXS) -> __m256i {
+            let a = _mm256_castsi256_ps(load32(&x.qs[..32]));
+            let b = _mm256_castsi256_ps(load32(&x.qs[32..]));
+            // Odd words of each lane: [a0 a1 b4 b5 | a2 a3 b6 b7], then in chunk order.
+            let odd = _mm256_castps_si256(_mm256_shuffle_ps::<0b11_01_11_01>(a, b));
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(odd)
         }
     }
 
-    impl Gather for IQ3S {
+    impl SignedVec for IQ2XXS {
+        #[inline(always)]
+        unsafe fn sign_words(x: &BlockIQ2XXS) -> [u32; 8] {
+            ksigns_of_aux(Self::aux(x))
+        }
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ2XXS) -> __m128i {
+            per32_scale_bytes(_mm256_srli_epi32::<28>(Self::aux(x)))
+        }
+    }
+
+    impl SignedVec for IQ2XS {
+        /// Each u16's top 7 bits, completed.
+        #[inline(always)]
+        unsafe fn sign_words(x: &BlockIQ2XS) -> [u32; 8] {
+            let a = _mm256_srli_epi16::<9>(load32(&x.qs[..32]));
+            let b = _mm256_srli_epi16::<9>(load32(&x.qs[32..]));
+            // [a0..7 b0..7 | a8..15 b8..15] as bytes, then in order.
+            let f = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
+            words(ksigns_bytes(f))
+        }
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ2XS) -> __m128i {
+            nibble_scale_bytes(&x.scales)
+        }
+    }
+
+    impl SignedVec for IQ2S {
+        #[inline(always)]
+        unsafe fn sign_words(x: &BlockIQ2S) -> [u32; 8] {
+            words(load32(&x.qs[32..]))
+        }
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ2S) -> __m128i {
+            nibble_scale_bytes(&x.scales)
+        }
+    }
+
+    /// The IQ3 types gather their 4-value entries with one `vpgatherdd` per 32 values (indices
+    /// computed in registers: 8 bits for IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every
+    /// gathered load is inside its table).
+    impl SignedVec for IQ3XXS {
+        #[inline(always)]
+        unsafe fn grid(x: &BlockIQ3XXS, c: usize) -> __m256i {
+            let idx = bytes8(&x.qs[8 * c..]);
+            _mm256_i32gather_epi32::<4>(IQ3XXS_GRID.as_ptr() as *const i32, idx)
+        }
+        #[inline(always)]
+        unsafe fn sign_words(x: &BlockIQ3XXS) -> [u32; 8] {
+            ksigns_of_aux(load32(&x.qs[64..]))
+        }
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ3XXS) -> __m128i {
+            per32_scale_bytes(_mm256_srli_epi32::<28>(load32(&x.qs[64..])))
+        }
+    }
+
+    impl SignedVec for IQ3S {
         /// Entry j's ninth index bit is bit j of `qh[c]`.
         #[inline(always)]
-        unsafe fn chunk_vec(x: &BlockIQ3S, c: usize) -> (__m256i, u32) {
+        unsafe fn grid(x: &BlockIQ3S, c: usize) -> __m256i {
             let hi = _mm256_srlv_epi32(
                 _mm256_set1_epi32(x.qh[c] as i32),
                 _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
             );
             let hi = _mm256_slli_epi32::<8>(_mm256_and_si256(hi, _mm256_set1_epi32(1)));
             let idx = _mm256_or_si256(bytes8(&x.qs[8 * c..]), hi);
-            let g = _mm256_i32gather_epi32::<4>(IQ3S_GRID.as_ptr() as *const i32, idx);
-            (g, u32_at(&x.signs, 4 * c))
+            _mm256_i32gather_epi32::<4>(IQ3S_GRID.as_ptr() as *const i32, idx)
         }
+        #[inline(always)]
+        unsafe fn sign_words(x: &BlockIQ3S) -> [u32; 8] {
+            words(load32(&x.signs))
+        }
+        /// One nibble per 32 values (low nibble first), each for both halves.
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ3S) -> __m128i {
+            let v = _mm_cvtsi32_si128(u32::from_le_bytes(x.scales) as i32);
+            let m4 = _mm_set1_epi8(15);
+            let s = _mm_unpacklo_epi8(
+                _mm_and_si128(v, m4),
+                _mm_and_si128(_mm_srli_epi16::<4>(v), m4),
+            );
+            odd(_mm_unpacklo_epi8(s, s))
+        }
+    }
+
+    /// [`Stage::stage`] for a signed grid: each chunk's values with their signs applied in
+    /// registers ((g ^ m) − m), scattered to the tile 4 bytes at a time; the bias term from
+    /// maddubs/madd sums.
+    #[inline(always)]
+    pub unsafe fn stage_signed<G: SignedVec>(x: &G::Block, r: usize, t: &mut TileGrid) {
+        let signs = G::sign_words(x);
+        let sb = G::scale_bytes(x);
+        let sc = scale_regs(sb);
+        let mut bias = _mm256_setzero_si256();
+        for (c, s) in signs.into_iter().enumerate() {
+            let m = bit_bytes(s);
+            let v = _mm256_sub_epi8(_mm256_xor_si256(G::grid(x, c), m), m);
+            let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
+            bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, sc[c]));
+            let w = words(v);
+            for (i, w) in w.into_iter().enumerate() {
+                t.q[8 * c + i][4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        let b = words(bias);
+        t.bias[r] = 128 * b.iter().map(|&v| v as i32).sum::<i32>();
+        let s: [u8; 16] = std::mem::transmute(sb);
+        for (row, s) in t.sc.iter_mut().zip(s) {
+            row[r] = s as i16;
+        }
+        t.d[r] = G::d(x);
     }
 
     /// Σ_c madd(scales_c, maddubs(g_c, ±y_c)): the signs applied to the activations ((y ^ m) −
@@ -722,56 +992,156 @@ mod avx2 {
         sum
     }
 
-    /// An IQ1 block in registers: per 32 values the grid values + 1 (0, 1, 2), the shift of
-    /// each 8 values less 8 in the i16 lanes of their pairs, and the scales (first 16 values low).
+    /// [`ilanes_signed`] with the signs as mask registers: y negated where its bit is set (0 − y
+    /// under the mask), the same lanes.
+    #[inline(always)]
+    pub unsafe fn ilanes_signed512(u: &SignedRegs512, y: &BlockQ8K) -> __m256i {
+        let zero = _mm256_setzero_si256();
+        let mut sum = _mm256_setzero_si256();
+        for c in 0..8 {
+            let yc = load32(&y.qs[32 * c..32 * c + 32]);
+            let sy = _mm256_mask_sub_epi8(yc, u.k[c], zero, yc);
+            let p = _mm256_maddubs_epi16(u.g[c], sy);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(u.sc[c], p));
+        }
+        sum
+    }
+
+    /// An IQ1 block in registers: per 32 values the grid values + 1 (0, 1, 2), and two scale
+    /// vectors in the i16 lanes of the value pairs: 8·scale, and (δ − 8)·scale (δ the shift of
+    /// the pair's 8 values; scales first 16 values low).
     #[derive(Clone, Copy)]
     pub struct ShiftedRegs {
         g1: [__m256i; 8],
-        dm8: [__m256i; 8],
-        sc: [__m256i; 8],
+        sc8: [__m256i; 8],
+        scd: [__m256i; 8],
+    }
+
+    /// An IQ1 block in vectors: its grid words by default from [`ShiftedGrid::chunk`]; each
+    /// format computes its shifts and scales in registers (tested through the dot products).
+    pub trait ShiftedVec: ShiftedGrid {
+        /// Chunk c's 32 grid values (−1, 0, 1).
+        ///
+        /// # Safety
+        /// AVX2 runs (the contract of [`Avx2`]).
+        #[inline(always)]
+        unsafe fn grid(x: &Self::Block, c: usize) -> __m256i {
+            let (w, _) = Self::chunk(x, c);
+            _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64)
+        }
+        /// Each chunk's δ − 8 (−7 or −9) in the i16 lanes of its value pairs.
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        unsafe fn dm8(x: &Self::Block) -> [__m256i; 8];
+        /// The 16 integer scales (each ≤ 15) as bytes.
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &Self::Block) -> __m128i {
+            let s = Self::scales(x).map(|s| s as u8);
+            _mm_loadu_si128(s.as_ptr() as *const __m128i)
+        }
+    }
+
+    /// −7 where a mask byte is 0, −9 where it is −1: δ − 8 for δ = +1 and −1.
+    #[inline(always)]
+    unsafe fn minus_7_or_9(neg: __m128i) -> __m128i {
+        _mm_add_epi8(_mm_set1_epi8(-7), _mm_add_epi8(neg, neg))
+    }
+
+    impl ShiftedVec for IQ1S {
+        /// One shift per 32 values: bit 15 of the chunk's `qh` word.
+        #[inline(always)]
+        unsafe fn dm8(x: &BlockIQ1S) -> [__m256i; 8] {
+            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
+            let neg = _mm_srai_epi16::<15>(qh);
+            // i16 lane c: −7 or −9.
+            let dm = _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg));
+            let both = _mm256_broadcastsi128_si256(dm);
+            std::array::from_fn(|c| {
+                let pick = _mm256_set1_epi16((((2 * c + 1) << 8) | (2 * c)) as i16);
+                unsafe { _mm256_shuffle_epi8(both, pick) }
+            })
+        }
+        /// Bits 12..=14 of each chunk's `qh` word, for both halves.
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ1S) -> __m128i {
+            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
+            let s = _mm_and_si128(_mm_srli_epi16::<12>(qh), _mm_set1_epi16(7));
+            let s = _mm_packus_epi16(s, s);
+            odd(_mm_unpacklo_epi8(s, s))
+        }
+    }
+
+    impl ShiftedVec for IQ1M {
+        /// One shift per 8 values: bits 3 and 7 of each `qh` byte (runs 2i and 2i + 1).
+        #[inline(always)]
+        unsafe fn dm8(x: &BlockIQ1M) -> [__m256i; 8] {
+            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
+            let bit = |b: i8| {
+                let m = _mm_set1_epi8(b);
+                _mm_cmpeq_epi8(_mm_and_si128(qh, m), m)
+            };
+            let (lo, hi) = (bit(0x08), bit(0x80u8 as i8));
+            // Runs 0..16 and 16..32 in order, as −7 / −9 bytes.
+            let runs = [
+                minus_7_or_9(_mm_unpacklo_epi8(lo, hi)),
+                minus_7_or_9(_mm_unpackhi_epi8(lo, hi)),
+            ];
+            std::array::from_fn(|c| {
+                // Byte 4c + n (n = 0..4) of the runs, each in 4 i16 lanes.
+                let k = (4 * (c % 4)) as i8;
+                let pick = _mm_set_epi8(
+                    k + 3,
+                    k + 3,
+                    k + 3,
+                    k + 3,
+                    k + 2,
+                    k + 2,
+                    k + 2,
+                    k + 2,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k,
+                    k,
+                    k,
+                    k,
+                );
+                unsafe { _mm256_cvtepi8_epi16(_mm_shuffle_epi8(runs[c / 4], pick)) }
+            })
+        }
     }
 
     #[inline(always)]
-    pub unsafe fn unpack_shifted<G: ShiftedGrid>(x: &G::Block) -> ShiftedRegs {
+    pub unsafe fn unpack_shifted<G: ShiftedVec>(x: &G::Block) -> ShiftedRegs {
         let one = _mm256_set1_epi8(1);
-        let mut u = ShiftedRegs {
-            g1: [_mm256_setzero_si256(); 8],
-            dm8: [_mm256_setzero_si256(); 8],
-            sc: [_mm256_setzero_si256(); 8],
-        };
-        for c in 0..8 {
-            let (w, d, sc) = G::chunk(x, c);
-            let g = _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64);
-            u.g1[c] = _mm256_add_epi8(g, one);
-            // i16 lane k holds values 2k, 2k + 1: 8-value group k / 4.
-            let dm = d.map(|d| d as i16 - 8);
-            u.dm8[c] = _mm256_set_m128i(
-                _mm_set_epi64x(
-                    (dm[3] as u16 as i64) * 0x0001_0001_0001_0001,
-                    (dm[2] as u16 as i64) * 0x0001_0001_0001_0001,
-                ),
-                _mm_set_epi64x(
-                    (dm[1] as u16 as i64) * 0x0001_0001_0001_0001,
-                    (dm[0] as u16 as i64) * 0x0001_0001_0001_0001,
-                ),
-            );
-            u.sc[c] = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+        let sb = G::scale_bytes(x);
+        // 8·scale ≤ 120: the bytes shifted within their i16 lanes carry nothing across.
+        let sc8 = scale_regs(_mm_slli_epi16::<3>(sb));
+        let sc = scale_regs(sb);
+        let dm8 = G::dm8(x);
+        ShiftedRegs {
+            g1: std::array::from_fn(|c| unsafe { _mm256_add_epi8(G::grid(x, c), one) }),
+            sc8,
+            scd: std::array::from_fn(|c| unsafe { _mm256_mullo_epi16(sc[c], dm8[c]) }),
         }
-        u
     }
 
-    /// Σ_c madd(scales_c, 8·maddubs(g + 1, y) + (δ − 8)·maddubs(1, y)): per i16 pair the exact
-    /// Σ (8g + δ)·y (|8·508| + |9·254| < 2^15).
+    /// Σ_c madd(8·scales_c, maddubs(g + 1, y)) + madd((δ − 8)·scales_c, maddubs(1, y)): the
+    /// exact Σ scale·(8g + δ)·y of each pair (pair sums ≤ 2·2·127, times ≤ 9·15).
     #[inline(always)]
     pub unsafe fn ilanes_shifted(u: &ShiftedRegs, y: &BlockQ8K) -> __m256i {
         let one = _mm256_set1_epi8(1);
         let mut sum = _mm256_setzero_si256();
         for c in 0..8 {
             let yc = load32(&y.qs[32 * c..32 * c + 32]);
-            let p = _mm256_maddubs_epi16(u.g1[c], yc);
-            let s = _mm256_maddubs_epi16(one, yc);
-            let t = _mm256_add_epi16(_mm256_slli_epi16::<3>(p), _mm256_mullo_epi16(s, u.dm8[c]));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(u.sc[c], t));
+            let p = _mm256_madd_epi16(u.sc8[c], _mm256_maddubs_epi16(u.g1[c], yc));
+            let s = _mm256_madd_epi16(u.scd[c], _mm256_maddubs_epi16(one, yc));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p, s));
         }
         sum
     }

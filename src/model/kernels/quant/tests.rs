@@ -1294,3 +1294,34 @@ fn a_nan_input_gives_that_tokens_outputs_nan_in_every_type() {
         }
     }
 }
+
+/// The signed grids' staging in registers writes the tile the scalar unpacking writes, byte
+/// for byte (values, scales, d and bias), on blocks of random bytes in every row of a tile.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn signed_grid_staging_in_registers_equals_the_scalar_staging() {
+    use super::iqgrid::{stage_scalar, Stage};
+    use super::tiled::{TileGrid, TR};
+    fn check<F: Stage + Format<Block = <F as super::iqgrid::Grid>::Block>>() {
+        if level() < Level::Avx2 {
+            return;
+        }
+        let blocks = random_blocks::<F>(TR, &[0]);
+        let (mut fast, mut slow) = (TileGrid::zeroed(), TileGrid::zeroed());
+        for (r, x) in blocks.iter().enumerate() {
+            F::stage(x, r, &mut fast);
+            stage_scalar::<F>(x, r, &mut slow);
+        }
+        assert_eq!(
+            bytemuck::bytes_of(&fast),
+            bytemuck::bytes_of(&slow),
+            "{:?}",
+            <F as Format>::DTYPE
+        );
+    }
+    check::<IQ2XXS>();
+    check::<IQ2XS>();
+    check::<IQ2S>();
+    check::<IQ3XXS>();
+    check::<IQ3S>();
+}

@@ -46,6 +46,10 @@ pub trait Tiled: Format {
     fn ysum(_y: &Self::Act) -> i32 {
         0
     }
+    /// The activation blocks as the tile kernel reads them, changed once per matmul: by default
+    /// as quantized; the grid tiles take each value + 128 (as u8, the unsigned operand of
+    /// `dpbusd`/`maddubs`, their own values signed).
+    fn bias(_ys: &mut [Self::Act]) {}
 }
 
 /// Four activation values (i8) as one little-endian word: what the tile kernels broadcast to
@@ -257,14 +261,17 @@ impl Tiled for Q3K {
 
 /// A grid i-quant's super-block for 16 rows, staged for the tile kernels during a matmul (never
 /// stored: the unpacked values are 4× the bytes of IQ2's blocks): each row's d·2^-k, its 16
-/// integer scales, and its 256 signed values + 128 as a Q8_0 tile holds them (`q[g]`: values
-/// 4g..4g+4 of the 16 rows, row r's at bytes 4r..4r+4).
+/// integer scales, its 256 signed values (`q[g]`: values 4g..4g+4 of the 16 rows, row r's at
+/// bytes 4r..4r+4), and the term the activations' bias adds to each row's sum:
+/// `bias[r] = 128 · Σ_j sc_j · Σ_{e in j} q_e` (the kernels read y + 128, [`Tiled::bias`]:
+/// Σ sc·q·(y + 128) − bias = Σ sc·q·y, one subtraction per block instead of one per 16 values).
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct TileGrid {
     pub d: [f32; TR],
     pub sc: [[i16; TR]; 16],
     pub q: [[u8; 4 * TR]; 64],
+    pub bias: [i32; TR],
 }
 
 /// `Tiled` for the grid i-quants: `pack` stages a row group (each block unpacked once),
@@ -276,24 +283,21 @@ macro_rules! staged_tiles {
             type Tile = TileGrid;
             const YSUM: bool = false;
             fn pack(rows: [&<$f as Format>::Block; TR], t: &mut TileGrid) {
-                use super::iqgrid::Grid;
                 for (r, x) in rows.iter().enumerate() {
-                    let g = <$f as Grid>::unpack(x);
-                    t.d[r] = <$f as Grid>::d(x);
-                    for (row, s) in t.sc.iter_mut().zip(g.sc) {
-                        row[r] = s;
-                    }
-                    let q: &[u8] = bytemuck::cast_slice(&g.q);
-                    for (group, four) in t.q.iter_mut().zip(q.chunks_exact(4)) {
-                        let w = word(four) ^ 0x8080_8080;
-                        group[4 * r..4 * r + 4].copy_from_slice(&w.to_le_bytes());
-                    }
+                    <$f as super::iqgrid::Stage>::stage(x, r, t);
                 }
             }
             fn dequantize_row(t: &TileGrid, r: usize, out: &mut [f32]) {
                 for (e, o) in out.iter_mut().enumerate() {
-                    let q = (t.q[e / 4][4 * r + e % 4] ^ 0x80) as i8;
+                    let q = t.q[e / 4][4 * r + e % 4] as i8;
                     *o = t.d[r] * t.sc[e / 16][r] as f32 * q as f32;
+                }
+            }
+            fn bias(ys: &mut [BlockQ8K]) {
+                for y in ys {
+                    for v in y.qs.iter_mut() {
+                        *v ^= i8::MIN;
+                    }
                 }
             }
         }
@@ -903,7 +907,8 @@ impl<F: TileKernels> TiledMatrix<F> {
             unsafe { dot16_at::<F, T>(level, w, ys, ysums) }
         }
         let (n, kb) = (self.rows, self.kb());
-        let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
+        let mut q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
+        F::bias(&mut q);
         let ysums: Vec<i32> = if F::YSUM {
             q.iter().map(F::ysum).collect()
         } else {
@@ -998,7 +1003,8 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
     // The tile kernels' SAFETY condition, checked once per matmul.
     assert!(level >= super::Level::Avx2 && level <= super::level());
     let kb = cols / F::N;
-    let q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
+    let mut q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
+    F::bias(&mut q);
     let ysums: Vec<i32> = if F::YSUM {
         q.iter().map(F::ysum).collect()
     } else {

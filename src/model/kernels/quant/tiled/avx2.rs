@@ -537,16 +537,15 @@ impl TileKernel for Q3K {
     }
 }
 
-/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a staged grid tile. Per 16 values: the values back
-/// as i8 (xor 0x80), the sign trick, two maddubs steps summed in i16 (|q| ≤ 62: ≤ 2·2·62·127 =
-/// 31 496), widened by `madd` with the rows' i16 scales, twice.
+/// Halves `h0..h0+H`: Σ_j sc_j · Σ q·y over a staged grid tile. Per 4 values, maddubs of the
+/// biased activations (y + 128, unsigned) with the signed values (a pair ≤ 2·255·62 = 31 620),
+/// widened by `madd` with the rows' i16 scales; the bias's term taken off once per block.
 #[inline(always)]
 unsafe fn isum_grid<const H: usize, const T: usize>(
     t: &TileGrid,
     h0: usize,
     ys: [&BlockQ8K; T],
 ) -> [[__m256i; T]; H] {
-    let flip = _mm256_set1_epi8(0x80u8 as i8);
     let mut acc = [[_mm256_setzero_si256(); T]; H];
     for j in 0..16 {
         for (k, acc) in acc.iter_mut().enumerate() {
@@ -557,21 +556,19 @@ unsafe fn isum_grid<const H: usize, const T: usize>(
                 _mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
                 _mm256_slli_epi32::<16>(s),
             );
-            for pair in 0..2 {
-                let mut p16 = [_mm256_setzero_si256(); T];
-                for n in 0..2 {
-                    let g = 4 * j + 2 * pair + n;
-                    let w = _mm256_xor_si256(half(&t.q[g], h), flip);
-                    let aw = _mm256_sign_epi8(w, w);
-                    for (p, y) in p16.iter_mut().zip(&ys) {
-                        let sy = _mm256_sign_epi8(bcast4(&y.qs[4 * g..]), w);
-                        *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(aw, sy));
-                    }
-                }
-                for (a, p) in acc.iter_mut().zip(p16) {
+            for g in 4 * j..4 * j + 4 {
+                let w = half(&t.q[g], h);
+                for (a, y) in acc.iter_mut().zip(&ys) {
+                    let p = _mm256_maddubs_epi16(bcast4(&y.qs[4 * g..]), w);
                     *a = _mm256_add_epi32(*a, _mm256_madd_epi16(p, sc));
                 }
             }
+        }
+    }
+    for (k, acc) in acc.iter_mut().enumerate() {
+        let bias = load32(&t.bias[8 * (h0 + k)..]);
+        for a in acc.iter_mut() {
+            *a = _mm256_sub_epi32(*a, bias);
         }
     }
     acc

@@ -371,8 +371,9 @@ impl TileKernel for Q3K {
     }
 }
 
-/// The 16 rows' Σ_j sc_j · Σ q·y over a staged grid tile: per 16 values, 4 dpbusd of the values
-/// + 128, less 128 · bsum_j, times the rows' scales.
+/// The 16 rows' Σ_j sc_j · Σ q·y over a staged grid tile: per 16 values, 4 dpbusd of the
+/// biased activations (y + 128, unsigned) with the signed values, times the rows' scales; the
+/// bias's term taken off once per block (|Σ| ≤ 256·255·62·31 < 2^31).
 #[inline(always)]
 unsafe fn isum_grid<const T: usize>(t: &TileGrid, ys: [&BlockQ8K; T]) -> [__m512i; T] {
     let mut total = [_mm512_setzero_si512(); T];
@@ -381,16 +382,16 @@ unsafe fn isum_grid<const T: usize>(t: &TileGrid, ys: [&BlockQ8K; T]) -> [__m512
         for k in 0..4 {
             let w = load64(&t.q[4 * j + k]);
             for i in 0..T {
-                part[i] = _mm512_dpbusd_epi32(part[i], w, bcast4(&ys[i].qs[16 * j + 4 * k..]));
+                part[i] = _mm512_dpbusd_epi32(part[i], bcast4(&ys[i].qs[16 * j + 4 * k..]), w);
             }
         }
         let sc = _mm512_cvtepi16_epi32(_mm256_loadu_si256(t.sc[j].as_ptr() as *const __m256i));
         for i in 0..T {
-            let p = _mm512_sub_epi32(part[i], _mm512_set1_epi32(128 * ys[i].bsums[j] as i32));
-            total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(p, sc));
+            total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(part[i], sc));
         }
     }
-    total
+    let bias = _mm512_loadu_si512(t.bias.as_ptr() as *const __m512i);
+    total.map(|s| _mm512_sub_epi32(s, bias))
 }
 
 macro_rules! grid_tile_kernel {
