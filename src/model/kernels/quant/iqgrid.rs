@@ -696,6 +696,18 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// `[e(0), …, e(7)]`, one per chunk, by a plain loop: a closure given to `array::from_fn`
+    /// is not inlined into a `#[target_feature]` caller (perf: a call per chunk).
+    macro_rules! per_chunk {
+        (|$c:ident| $e:expr) => {{
+            let mut a = [_mm256_setzero_si256(); 8];
+            for ($c, v) in a.iter_mut().enumerate() {
+                *v = $e;
+            }
+            a
+        }};
+    }
+
     /// A signed grid block in registers for AVX2: per 32 values the unsigned grid values, the
     /// mask of those negated (0xFF bytes), and the scales as i16 (first 16 values low, next 16
     /// high).
@@ -718,7 +730,7 @@ mod avx2 {
     pub unsafe fn unpack_signed<G: SignedVec>(x: &G::Block) -> SignedRegs {
         let signs = G::sign_words(x);
         SignedRegs {
-            g: std::array::from_fn(|c| unsafe { G::grid(x, c) }),
+            g: per_chunk!(|c| G::grid(x, c)),
             m: signs.map(|s| unsafe { bit_bytes(s) }),
             sc: scale_regs(G::scale_bytes(x)),
         }
@@ -727,7 +739,7 @@ mod avx2 {
     #[inline(always)]
     pub unsafe fn unpack_signed512<G: SignedVec>(x: &G::Block) -> SignedRegs512 {
         SignedRegs512 {
-            g: std::array::from_fn(|c| unsafe { G::grid(x, c) }),
+            g: per_chunk!(|c| G::grid(x, c)),
             k: G::sign_words(x),
             sc: scale_regs(G::scale_bytes(x)),
         }
@@ -738,11 +750,9 @@ mod avx2 {
     #[inline(always)]
     unsafe fn scale_regs(bytes: __m128i) -> [__m256i; 8] {
         let both = _mm256_broadcastsi128_si256(bytes);
-        std::array::from_fn(|c| {
-            // i16 lane = byte k, then a zero byte (0x80 selects zero).
-            let pick = |k: usize| _mm_set1_epi16((0x8000 | k) as i16);
-            unsafe { _mm256_shuffle_epi8(both, _mm256_set_m128i(pick(2 * c + 1), pick(2 * c))) }
-        })
+        // i16 lane = byte k, then a zero byte (0x80 selects zero).
+        let pick = |k: usize| _mm_set1_epi16((0x8000 | k) as i16);
+        per_chunk!(|c| _mm256_shuffle_epi8(both, _mm256_set_m128i(pick(2 * c + 1), pick(2 * c))))
     }
 
     /// 2s + 1 of each byte s.
@@ -832,7 +842,11 @@ mod avx2 {
         /// AVX2 runs.
         #[inline(always)]
         unsafe fn sign_words(x: &Self::Block) -> [u32; 8] {
-            std::array::from_fn(|c| Self::chunk(x, c).1)
+            let mut w = [0u32; 8];
+            for (c, w) in w.iter_mut().enumerate() {
+                *w = Self::chunk(x, c).1;
+            }
+            w
         }
         /// The 16 integer scales (each ≤ 31) as bytes.
         ///
@@ -1060,9 +1074,9 @@ mod avx2 {
             // i16 lane c: −7 or −9.
             let dm = _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg));
             let both = _mm256_broadcastsi128_si256(dm);
-            std::array::from_fn(|c| {
+            per_chunk!(|c| {
                 let pick = _mm256_set1_epi16((((2 * c + 1) << 8) | (2 * c)) as i16);
-                unsafe { _mm256_shuffle_epi8(both, pick) }
+                _mm256_shuffle_epi8(both, pick)
             })
         }
         /// Bits 12..=14 of each chunk's `qh` word, for both halves.
@@ -1090,7 +1104,7 @@ mod avx2 {
                 minus_7_or_9(_mm_unpacklo_epi8(lo, hi)),
                 minus_7_or_9(_mm_unpackhi_epi8(lo, hi)),
             ];
-            std::array::from_fn(|c| {
+            per_chunk!(|c| {
                 // Byte 4c + n (n = 0..4) of the runs, each in 4 i16 lanes.
                 let k = (4 * (c % 4)) as i8;
                 let pick = _mm_set_epi8(
@@ -1111,7 +1125,7 @@ mod avx2 {
                     k,
                     k,
                 );
-                unsafe { _mm256_cvtepi8_epi16(_mm_shuffle_epi8(runs[c / 4], pick)) }
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(runs[c / 4], pick))
             })
         }
     }
@@ -1125,9 +1139,9 @@ mod avx2 {
         let sc = scale_regs(sb);
         let dm8 = G::dm8(x);
         ShiftedRegs {
-            g1: std::array::from_fn(|c| unsafe { _mm256_add_epi8(G::grid(x, c), one) }),
+            g1: per_chunk!(|c| _mm256_add_epi8(G::grid(x, c), one)),
             sc8,
-            scd: std::array::from_fn(|c| unsafe { _mm256_mullo_epi16(sc[c], dm8[c]) }),
+            scd: per_chunk!(|c| _mm256_mullo_epi16(sc[c], dm8[c])),
         }
     }
 
