@@ -132,36 +132,6 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         }
         xs.map(|x| Self::dot_x4(level, x, ys))
     }
-    /// With AVX-512, F16 and BF16 rows are widened to f32 once for all the item's tokens
-    /// (exactly: every value is an f32), so the 4×4 kernel runs on f32 rows without converting
-    /// the same weights again per four tokens (the conversions shared the FMA units): the same
-    /// operations on the same values, so the same bits.
-    fn dot_4xn(level: Level, xs: [&[W]; 4], ys: &[&[f32]], out: &mut [[f32; 4]]) {
-        #[cfg(target_arch = "x86_64")]
-        if W::DTYPE != WeightType::F32 && ys.len() > 4 && level.min(super::level()) >= Level::Vnni {
-            thread_local! {
-                static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-            }
-            return WIDE.with_borrow_mut(|wide| {
-                let n = xs[0].len();
-                wide.resize(4 * n, 0.0);
-                for (x, w) in xs.iter().zip(wide.chunks_exact_mut(n)) {
-                    // SAFETY: as in `dot`.
-                    unsafe { avx2::widen512(x, w) };
-                }
-                let rows: [&[f32]; 4] = std::array::from_fn(|i| &wide[i * n..(i + 1) * n]);
-                Floats::<f32>::dot_4xn(level, rows, ys, out)
-            });
-        }
-        for (y, o) in ys.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            let v = Self::dot_4x4(level, xs, [y[0], y[1], y[2], y[3]]);
-            for (i, v) in v.into_iter().enumerate() {
-                for (o, v) in o.iter_mut().zip(v) {
-                    o[i] = v;
-                }
-            }
-        }
-    }
 }
 
 /// How AVX2 widens 8 weights of a float type to f32.
@@ -297,18 +267,6 @@ mod avx2 {
             accumulate(&mut acc, xs, ys[t], body);
             fold(acc)
         })
-    }
-
-    /// A row widened to f32 (`out` as long as `xs`), 16 values per step.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn widen512<W: Simd>(xs: &[W], out: &mut [f32]) {
-        let body = xs.len() - xs.len() % L;
-        for (x, o) in xs[..body].chunks_exact(L).zip(out.chunks_exact_mut(L)) {
-            _mm512_storeu_ps(o.as_mut_ptr(), W::load16(x));
-        }
-        for (x, o) in xs[body..].iter().zip(&mut out[body..]) {
-            *o = x.value();
-        }
     }
 
     /// Four rows with four tokens: 16 registers of accumulators, each 16 weights widened once

@@ -173,10 +173,6 @@ impl<F: RowFormat> Matrix<F> {
                         }
                     });
                     let act4 = |t: usize| [act(t), act(t + 1), act(t + 2), act(t + 3)];
-                    // The item's tokens in fours, and those left.
-                    let quads = (t1 - t0) / 4 * 4;
-                    let ys: [&[F::Act]; TOKENS] =
-                        std::array::from_fn(|i| if i < quads { act(t0 + i) } else { &[] });
                     let mut r = r0;
                     // Four rows at a time (four tokens each), then the rows left one by one.
                     while r + 4 <= r1 {
@@ -186,12 +182,17 @@ impl<F: RowFormat> Matrix<F> {
                             self.row(r + 2),
                             self.row(r + 3),
                         ];
-                        let mut v = [[0f32; 4]; TOKENS];
-                        F::dot_4xn(level, w, &ys[..quads], &mut v[..quads]);
-                        for (t, v) in (t0..).zip(&v[..quads]) {
-                            o[t - t0][r - r0..r - r0 + 4].copy_from_slice(v);
+                        let mut t = t0;
+                        while t + 4 <= t1 {
+                            let v = F::dot_4x4(level, w, act4(t));
+                            for (i, v) in v.into_iter().enumerate() {
+                                for (k, v) in v.into_iter().enumerate() {
+                                    o[t + k - t0][r + i - r0] = v;
+                                }
+                            }
+                            t += 4;
                         }
-                        for t in t0 + quads..t1 {
+                        for t in t..t1 {
                             for (i, w) in w.iter().enumerate() {
                                 o[t - t0][r + i - r0] = F::dot(level, w, act(t));
                             }

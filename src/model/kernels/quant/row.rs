@@ -284,20 +284,6 @@ pub trait RowFormat: Send + Sync + 'static {
     fn dot_4x4(level: Level, xs: [&[Self::Block]; 4], ys: [&[Self::Act]; 4]) -> [[f32; 4]; 4] {
         xs.map(|x| Self::dot_x4(level, x, ys))
     }
-    /// Four rows with the tokens of a prefill item (a multiple of four), `out[token][row]`,
-    /// each summed exactly as [`RowFormat::dot`] sums it: by default [`RowFormat::dot_4x4`] per
-    /// four tokens (a format that prepares its rows once per item overrides it).
-    #[inline(always)]
-    fn dot_4xn(level: Level, xs: [&[Self::Block]; 4], ys: &[&[Self::Act]], out: &mut [[f32; 4]]) {
-        for (y, o) in ys.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            let v = Self::dot_4x4(level, xs, [y[0], y[1], y[2], y[3]]);
-            for (i, v) in v.into_iter().enumerate() {
-                for (o, v) in o.iter_mut().zip(v) {
-                    o[i] = v;
-                }
-            }
-        }
-    }
 }
 
 impl<F: Avx2> RowFormat for F {
