@@ -467,19 +467,21 @@ impl ShiftedGrid for IQ1S {
 }
 
 impl ShiftedGrid for IQ1M {
+    /// Entries 4c..4c + 4: `qh[2c]` holds the high index bits of the first two (bits 0-2, 4-6)
+    /// and their shifts' signs (bits 3, 7); `qh[2c + 1]` those of the next two.
     #[inline(always)]
     fn chunk(x: &BlockIQ1M, c: usize) -> ([u64; 4], [i8; 4]) {
-        let mut words = [0u64; 4];
-        let mut deltas = [0i8; 4];
-        for half in 0..2 {
-            let qh = x.qh[2 * c + half] as usize;
-            for (n, (shift, bit)) in [(8, 0x08), (4, 0x80)].into_iter().enumerate() {
-                let l = 2 * half + n;
-                words[l] = IQ1S_GRID[x.qs[4 * c + l] as usize | ((qh << shift) & 0x700)];
-                deltas[l] = if qh & bit != 0 { -1 } else { 1 };
-            }
-        }
-        (words, deltas)
+        let (h0, h1) = (x.qh[2 * c] as usize, x.qh[2 * c + 1] as usize);
+        let q = |l: usize| x.qs[4 * c + l] as usize;
+        let idx = [
+            q(0) | (h0 & 0x07) << 8,
+            q(1) | (h0 & 0x70) << 4,
+            q(2) | (h1 & 0x07) << 8,
+            q(3) | (h1 & 0x70) << 4,
+        ];
+        let deltas =
+            [h0 & 0x08, h0 & 0x80, h1 & 0x08, h1 & 0x80].map(|b| if b != 0 { -1 } else { 1 });
+        (idx.map(|i| IQ1S_GRID[i]), deltas)
     }
     #[inline(always)]
     fn scales(x: &BlockIQ1M) -> [i16; 16] {
@@ -1090,6 +1092,26 @@ mod avx2 {
     }
 
     impl ShiftedVec for IQ1M {
+        /// Scale k is bits 3(k % 4).. of scale word k / 4: each word in four u16 lanes, shifted
+        /// left by 9 − 3(k % 4) (a multiply), then right by 9.
+        #[inline(always)]
+        unsafe fn scale_bytes(x: &BlockIQ1M) -> __m128i {
+            let w = _mm_loadl_epi64(x.scales.as_ptr() as *const __m128i);
+            let lo = _mm_shuffle_epi8(
+                w,
+                _mm_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 1, 0, 1, 0, 1, 0, 1, 0),
+            );
+            let hi = _mm_shuffle_epi8(
+                w,
+                _mm_set_epi8(7, 6, 7, 6, 7, 6, 7, 6, 5, 4, 5, 4, 5, 4, 5, 4),
+            );
+            let mult = _mm_set_epi16(1, 8, 64, 512, 1, 8, 64, 512);
+            let take = |v: __m128i| {
+                let v = _mm_srli_epi16::<9>(_mm_mullo_epi16(v, mult));
+                _mm_and_si128(v, _mm_set1_epi16(7))
+            };
+            odd(_mm_packus_epi16(take(lo), take(hi)))
+        }
         /// One shift per 8 values: bits 3 and 7 of each `qh` byte (runs 2i and 2i + 1).
         #[inline(always)]
         unsafe fn dm8(x: &BlockIQ1M) -> [__m256i; 8] {
