@@ -733,7 +733,7 @@ mod avx2 {
         let signs = G::sign_words(x);
         SignedRegs {
             g: per_chunk!(|c| G::grid(x, c)),
-            m: signs.map(|s| unsafe { bit_bytes(s) }),
+            m: per_chunk!(|c| bit_bytes(signs[c])),
             sc: scale_regs(G::scale_bytes(x)),
         }
     }
@@ -755,6 +755,13 @@ mod avx2 {
         // i16 lane = byte k, then a zero byte (0x80 selects zero).
         let pick = |k: usize| _mm_set1_epi16((0x8000 | k) as i16);
         per_chunk!(|c| _mm256_shuffle_epi8(both, _mm256_set_m128i(pick(2 * c + 1), pick(2 * c))))
+    }
+
+    /// 16 scales (each < 128) as bytes in a vector.
+    #[inline(always)]
+    unsafe fn bytes_of(scales: [i16; 16]) -> __m128i {
+        let s = scales.map(|s| s as u8);
+        _mm_loadu_si128(s.as_ptr() as *const __m128i)
     }
 
     /// 2s + 1 of each byte s.
@@ -856,8 +863,7 @@ mod avx2 {
         /// AVX2 runs.
         #[inline(always)]
         unsafe fn scale_bytes(x: &Self::Block) -> __m128i {
-            let s = Self::scales(x).map(|s| s as u8);
-            _mm_loadu_si128(s.as_ptr() as *const __m128i)
+            bytes_of(Self::scales(x))
         }
     }
 
@@ -1056,8 +1062,7 @@ mod avx2 {
         /// AVX2 runs.
         #[inline(always)]
         unsafe fn scale_bytes(x: &Self::Block) -> __m128i {
-            let s = Self::scales(x).map(|s| s as u8);
-            _mm_loadu_si128(s.as_ptr() as *const __m128i)
+            bytes_of(Self::scales(x))
         }
     }
 

@@ -391,7 +391,10 @@ unsafe fn isum_grid<const T: usize>(t: &TileGrid, ys: [&BlockQ8K; T]) -> [__m512
         }
     }
     let bias = _mm512_loadu_si512(t.bias.as_ptr() as *const __m512i);
-    total.map(|s| _mm512_sub_epi32(s, bias))
+    for s in total.iter_mut() {
+        *s = _mm512_sub_epi32(*s, bias);
+    }
+    total
 }
 
 macro_rules! grid_tile_kernel {
