@@ -6,8 +6,10 @@
 //! **The summation order** (every path): element `i` of a row goes to accumulator `i % 16` by a
 //! fused multiply-add; the 16 accumulators are then folded, `a[l] + a[l + 8]`, and the 8 left added
 //! as [`super::hsum`] adds them. AVX2 holds the 16 accumulators in two registers and converts 16
-//! weights per step (F16C for F16, a shift for BF16); the tail of a row that is not a multiple of
-//! 16 long, and the fold, run as in the scalar reference [`dot_ref`].
+//! weights per step (F16C for F16, a shift for BF16); its four-rows-by-four-tokens prefill kernel,
+//! which would need 32 registers of accumulators, walks each block of columns once per half of
+//! them and pair of rows instead. The tail of a row that is not a multiple of 16 long, and the
+//! fold, run as in the scalar reference [`dot_ref`].
 
 use super::WeightType;
 use super::{hsum, Level, RowFormat};
@@ -129,6 +131,11 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
             return unsafe { avx2::dot512_4x4(xs, ys) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Avx2 {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::dot_4x4(xs, ys) };
         }
         xs.map(|x| Self::dot_x4(level, x, ys))
     }
@@ -297,6 +304,88 @@ mod avx2 {
                 fold(acc)
             })
         })
+    }
+
+    /// Columns per block of [`dot_4x4`]: four tokens' activations (8 KiB of f32) and four rows'
+    /// weights stay in L1 across the block's four passes.
+    const KC: usize = 512;
+
+    /// Four rows with four tokens on AVX2's 16 registers, where the 16 accumulators of each of
+    /// the 16 (row, token) pairs take 32: each block of [`KC`] columns is walked four times, once
+    /// per half of the accumulators (lanes 0–7, then 8–15) and pair of rows, with 8 accumulators
+    /// in registers, 2 + 4 loads for 8 fused multiply-adds. Each accumulator still takes its
+    /// elements in increasing order, so the sums are [`super::dot_ref`]'s.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
+        let n = ys
+            .iter()
+            .map(|y| y.len())
+            .chain(xs.iter().map(|x| x.len()))
+            .min()
+            .unwrap_or(0);
+        let body = n - n % L;
+        // acc[half][pair][row of the pair][token]: lanes 8·half..8·half + 8 of the 16.
+        let mut acc = [[[[_mm256_setzero_ps(); 4]; 2]; 2]; 2];
+        let mut c0 = 0;
+        while c0 < body {
+            let steps = (body - c0).min(KC) / L;
+            for (h, acc) in acc.iter_mut().enumerate() {
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    let at = c0 + 8 * h;
+                    let x = [xs[2 * p][at..].as_ptr(), xs[2 * p + 1][at..].as_ptr()];
+                    let y = [
+                        ys[0][at..].as_ptr(),
+                        ys[1][at..].as_ptr(),
+                        ys[2][at..].as_ptr(),
+                        ys[3][at..].as_ptr(),
+                    ];
+                    // SAFETY: the last element read is `at + 16·(steps − 1) + 7 = c0 + 8·h +
+                    // 16·steps − 9 < c0 + 16·steps ≤ body ≤ n`, inside every row and token.
+                    pass(acc, x, y, steps);
+                }
+            }
+            c0 += steps * L;
+        }
+        std::array::from_fn(|i| {
+            std::array::from_fn(|t| {
+                let mut a = spill(acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
+                accumulate(&mut a, &xs[i][..n], &ys[t][..n], body);
+                fold(a)
+            })
+        })
+    }
+
+    /// One pass of [`dot_4x4`]: two rows' 8 weights at `x[i] + 16·s` and four tokens' 8
+    /// activations at `y[t] + 16·s` for `s < steps`, into `acc[i][t]`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C run; every pointer has `16·(steps − 1) + 8` elements after it.
+    #[inline(always)]
+    unsafe fn pass<W: Simd>(
+        acc: &mut [[__m256; 4]; 2],
+        x: [*const W; 2],
+        y: [*const f32; 4],
+        steps: usize,
+    ) {
+        let [[mut a0, mut a1, mut a2, mut a3], [mut b0, mut b1, mut b2, mut b3]] = *acc;
+        for s in 0..steps {
+            let o = s * L;
+            let w0 = W::load8(std::slice::from_raw_parts(x[0].add(o), 8));
+            let w1 = W::load8(std::slice::from_raw_parts(x[1].add(o), 8));
+            let y0 = _mm256_loadu_ps(y[0].add(o));
+            a0 = _mm256_fmadd_ps(w0, y0, a0);
+            b0 = _mm256_fmadd_ps(w1, y0, b0);
+            let y1 = _mm256_loadu_ps(y[1].add(o));
+            a1 = _mm256_fmadd_ps(w0, y1, a1);
+            b1 = _mm256_fmadd_ps(w1, y1, b1);
+            let y2 = _mm256_loadu_ps(y[2].add(o));
+            a2 = _mm256_fmadd_ps(w0, y2, a2);
+            b2 = _mm256_fmadd_ps(w1, y2, b2);
+            let y3 = _mm256_loadu_ps(y[3].add(o));
+            a3 = _mm256_fmadd_ps(w0, y3, a3);
+            b3 = _mm256_fmadd_ps(w1, y3, b3);
+        }
+        *acc = [[a0, a1, a2, a3], [b0, b1, b2, b3]];
     }
 
     /// Four tokens at once: each 16 weights widened once, 8 accumulators in registers.

@@ -412,7 +412,8 @@ fn float_simd_equals_reference<W: floats::Float + floats::Simd>() {
 
 fn float_simd_level_equals_reference<W: floats::Float + floats::Simd>(level: Level) {
     let mut r = rng();
-    for n in [16, 87, 576] {
+    // 1111: more than one block of the AVX2 4×4 kernel's columns, and a tail.
+    for n in [16, 87, 576, 1111] {
         let w: Vec<W> = (0..n)
             .map(|_| W::from_f32(r.random_range(-1.0f32..1.0) * 2f32.powi(r.random_range(-14..15))))
             .collect();
