@@ -677,6 +677,10 @@ macro_rules! shifted_avx2 {
             unsafe fn ilanes(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
                 avx2::ilanes_shifted(u, y)
             }
+            #[inline(always)]
+            unsafe fn itotal(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::itotal_shifted(u, y)
+            }
             type U512 = avx2::ShiftedRegs;
             #[inline(always)]
             unsafe fn unpack512(x: &Self::Block) -> avx2::ShiftedRegs {
@@ -685,6 +689,10 @@ macro_rules! shifted_avx2 {
             #[inline(always)]
             unsafe fn ilanes512(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
                 avx2::ilanes_shifted(u, y)
+            }
+            #[inline(always)]
+            unsafe fn itotal512(u: &avx2::ShiftedRegs, y: &BlockQ8K) -> std::arch::x86_64::__m256i {
+                avx2::itotal_shifted(u, y)
             }
         }
     )*};
@@ -1031,12 +1039,14 @@ mod avx2 {
 
     /// An IQ1 block in registers: per 32 values the grid values + 1 (0, 1, 2), and two scale
     /// vectors in the i16 lanes of the value pairs: 8·scale, and (δ − 8)·scale (δ the shift of
-    /// the pair's 8 values; scales first 16 values low).
+    /// the pair's 8 values; scales first 16 values low); where a shift covers 16 values or more
+    /// (IQ1_S), also (δ − 8)·scale once per 16 values, for the activations' sums of 16 (`bsums`).
     #[derive(Clone, Copy)]
     pub struct ShiftedRegs {
         g1: [__m256i; 8],
         sc8: [__m256i; 8],
         scd: [__m256i; 8],
+        d16: Option<__m256i>,
     }
 
     /// An IQ1 block in vectors: its grid words by default from [`ShiftedGrid::chunk`]; each
@@ -1056,6 +1066,15 @@ mod avx2 {
         /// # Safety
         /// AVX2 runs.
         unsafe fn dm8(x: &Self::Block) -> [__m256i; 8];
+        /// (δ − 8)·scale for each 16 values in i16 lanes, where one shift covers them, given
+        /// the scale bytes ([`ShiftedVec::scale_bytes`]).
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        #[inline(always)]
+        unsafe fn d16(_x: &Self::Block, _scale_bytes: __m128i) -> Option<__m256i> {
+            None
+        }
         /// The 16 integer scales (each ≤ 15) as bytes.
         ///
         /// # Safety
@@ -1085,6 +1104,15 @@ mod avx2 {
                 let pick = _mm256_set1_epi16((((2 * c + 1) << 8) | (2 * c)) as i16);
                 _mm256_shuffle_epi8(both, pick)
             })
+        }
+        #[inline(always)]
+        unsafe fn d16(x: &BlockIQ1S, sb: __m128i) -> Option<__m256i> {
+            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
+            let neg = _mm_srai_epi16::<15>(qh);
+            // i16 lane c: −7 or −9, then in lanes 2c and 2c + 1.
+            let dm = _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg));
+            let dm = _mm256_set_m128i(_mm_unpackhi_epi16(dm, dm), _mm_unpacklo_epi16(dm, dm));
+            Some(_mm256_mullo_epi16(dm, _mm256_cvtepu8_epi16(sb)))
         }
         /// Bits 12..=14 of each chunk's `qh` word, for both halves.
         #[inline(always)]
@@ -1169,7 +1197,26 @@ mod avx2 {
             g1: per_chunk!(|c| _mm256_add_epi8(G::grid(x, c), one)),
             sc8,
             scd: per_chunk!(|c| _mm256_mullo_epi16(sc[c], dm8[c])),
+            d16: G::d16(x, sb),
         }
+    }
+
+    /// Lanes whose total is [`ilanes_shifted`]'s, for the tiles' order (which adds a block's
+    /// lanes first): where one shift covers 16 values, the shifts' Σ (δ − 8)·scale·y is one
+    /// madd with the activations' sums of 16 per block (bsums ≤ 16·127), not a maddubs and a
+    /// madd per 32 values.
+    #[inline(always)]
+    pub unsafe fn itotal_shifted(u: &ShiftedRegs, y: &BlockQ8K) -> __m256i {
+        let Some(d16) = u.d16 else {
+            return ilanes_shifted(u, y);
+        };
+        let mut sum = _mm256_madd_epi16(d16, load32(&y.bsums));
+        for c in 0..8 {
+            let yc = load32(&y.qs[32 * c..32 * c + 32]);
+            let p = _mm256_madd_epi16(u.sc8[c], _mm256_maddubs_epi16(u.g1[c], yc));
+            sum = _mm256_add_epi32(sum, p);
+        }
+        sum
     }
 
     /// Σ_c madd(8·scales_c, maddubs(g + 1, y)) + madd((δ − 8)·scales_c, maddubs(1, y)): the

@@ -19,6 +19,15 @@ pub trait Avx2: Format {
     /// # Safety
     /// The trait's contract.
     unsafe fn ilanes(u: &Self::Unpacked, y: &Self::Act) -> std::arch::x86_64::__m256i;
+    /// Lanes whose total is [`Avx2::ilanes`]'s, however distributed: what the tiles' order
+    /// adds (`dot_rows_order`), for a format with a cheaper way to the total.
+    ///
+    /// # Safety
+    /// The trait's contract.
+    #[inline(always)]
+    unsafe fn itotal(u: &Self::Unpacked, y: &Self::Act) -> std::arch::x86_64::__m256i {
+        Self::ilanes(u, y)
+    }
     /// # Safety
     /// The trait's contract.
     #[inline(always)]
@@ -32,6 +41,14 @@ pub trait Avx2: Format {
     /// # Safety
     /// The trait's contract.
     unsafe fn ilanes512(u: &Self::U512, y: &Self::Act) -> std::arch::x86_64::__m256i;
+    /// [`Avx2::itotal`] at the AVX-512 level.
+    ///
+    /// # Safety
+    /// The trait's contract.
+    #[inline(always)]
+    unsafe fn itotal512(u: &Self::U512, y: &Self::Act) -> std::arch::x86_64::__m256i {
+        Self::ilanes512(u, y)
+    }
     /// # Safety
     /// The trait's contract.
     #[inline(always)]
@@ -145,6 +162,10 @@ pub(super) mod avx2 {
     /// VNNI ones (AVX-512: `unpack512`, `ilanes512`, `min512`).
     macro_rules! at_both_levels {
         ($body:ident => $avx2:ident, $vnni:ident ($ys:ident: $yty:ty) -> $ret:ty) => {
+            at_both_levels!($body => $avx2, $vnni ($ys: $yty) -> $ret, ilanes, ilanes512);
+        };
+        ($body:ident => $avx2:ident, $vnni:ident ($ys:ident: $yty:ty) -> $ret:ty,
+         $lanes:ident, $lanes512:ident) => {
             #[inline]
             #[target_feature(enable = "avx2,fma")]
             pub(crate) unsafe fn $avx2<F: Avx2>(xs: &[F::Block], $ys: $yty) -> $ret {
@@ -152,7 +173,7 @@ pub(super) mod avx2 {
                     xs,
                     $ys,
                     |x| F::unpack(x),
-                    |u, y| F::ilanes(u, y),
+                    |u, y| F::$lanes(u, y),
                     |u, x, y| F::min_u(u, x, y),
                 )
             }
@@ -164,7 +185,7 @@ pub(super) mod avx2 {
                     xs,
                     $ys,
                     |x| F::unpack512(x),
-                    |u, y| F::ilanes512(u, y),
+                    |u, y| F::$lanes512(u, y),
                     |u, x, y| F::min512(u, x, y),
                 )
             }
@@ -173,7 +194,8 @@ pub(super) mod avx2 {
 
     at_both_levels!(dot_body => dot, dot512 (ys: &[F::Act]) -> f32);
     at_both_levels!(dot_x4_body => dot_x4, dot512_x4 (ys: [&[F::Act]; 4]) -> [f32; 4]);
-    at_both_levels!(dot_rows_order_body => dot_rows_order, dot_rows_order512 (ys: &[F::Act]) -> f32);
+    at_both_levels!(dot_rows_order_body => dot_rows_order, dot_rows_order512 (ys: &[F::Act]) -> f32,
+        itotal, itotal512);
 
     /// 64 bytes as a vector.
     #[inline(always)]

@@ -579,6 +579,46 @@ mod tiles {
         tiles_equal_the_row_reference::<IQ1M>(&[]);
     }
 
+    /// A decode step of a staged matrix runs each row alone in the tiles' order
+    /// (`dot_rows_order`, at each level): the bits of the row reference, on blocks of random
+    /// bytes with spread and extreme activations.
+    #[test]
+    fn grid_i_quant_rows_alone_sum_as_the_tile_reference() {
+        rows_in_tile_order_equal_the_reference::<IQ2XXS>();
+        rows_in_tile_order_equal_the_reference::<IQ2XS>();
+        rows_in_tile_order_equal_the_reference::<IQ2S>();
+        rows_in_tile_order_equal_the_reference::<IQ3XXS>();
+        rows_in_tile_order_equal_the_reference::<IQ3S>();
+        rows_in_tile_order_equal_the_reference::<IQ1S>();
+        rows_in_tile_order_equal_the_reference::<IQ1M>();
+    }
+
+    fn rows_in_tile_order_equal_the_reference<F: Avx2>() {
+        let kb = 8;
+        let w = random_blocks::<F>(3 * kb, &[0]);
+        for y in [
+            activations::<F>(2, kb * F::N),
+            extreme_activations::<F>(2, kb * F::N),
+        ] {
+            for r in 0..3 {
+                let row = &w[r * kb..(r + 1) * kb];
+                for y in y.chunks_exact(kb) {
+                    let want = dot_rows_scalar::<F>(row, y).to_bits();
+                    if level() >= Level::Avx2 {
+                        // SAFETY: AVX2 runs (checked above).
+                        let got = unsafe { row::avx2::dot_rows_order::<F>(row, y) };
+                        assert_eq!(got.to_bits(), want, "{:?} AVX2 row {r}", F::DTYPE);
+                    }
+                    if level() >= Level::Vnni {
+                        // SAFETY: AVX-512 with VNNI runs (checked above).
+                        let got = unsafe { row::avx2::dot_rows_order512::<F>(row, y) };
+                        assert_eq!(got.to_bits(), want, "{:?} AVX-512 row {r}", F::DTYPE);
+                    }
+                }
+            }
+        }
+    }
+
     /// A staged matrix (rows in 16s) gives each output the bits of the row reference in the
     /// tiles' order, for one token and for many.
     #[test]
