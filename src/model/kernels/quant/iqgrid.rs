@@ -749,7 +749,7 @@ mod avx2 {
     #[inline(always)]
     pub unsafe fn unpack_signed512<G: SignedVec>(x: &G::Block) -> SignedRegs512 {
         SignedRegs512 {
-            g: per_chunk!(|c| G::grid(x, c)),
+            g: per_chunk!(|c| G::grid_gather(x, c)),
             k: G::sign_words(x),
             sc: scale_regs(G::scale_bytes(x)),
         }
@@ -853,6 +853,15 @@ mod avx2 {
             let (w, _) = Self::chunk(x, c);
             _mm256_set_epi64x(w[3] as i64, w[2] as i64, w[1] as i64, w[0] as i64)
         }
+        /// [`SignedVec::grid`] where gathers pay: decode at the AVX-512 level, and staging
+        /// (many blocks, each once) at every level.
+        ///
+        /// # Safety
+        /// AVX2 runs.
+        #[inline(always)]
+        unsafe fn grid_gather(x: &Self::Block, c: usize) -> __m256i {
+            Self::grid(x, c)
+        }
         /// The 8 chunks' sign words (bit i of word c: value 32c + i negated).
         ///
         /// # Safety
@@ -931,12 +940,31 @@ mod avx2 {
         }
     }
 
-    /// The IQ3 types gather their 4-value entries with one `vpgatherdd` per 32 values (indices
-    /// computed in registers: 8 bits for IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every
-    /// gathered load is inside its table).
+    /// Eight 4-value entries of an IQ3 grid by scalar loads: entry j's index is byte j of `q`
+    /// with bit j of `hi` as its ninth bit.
+    #[inline(always)]
+    unsafe fn entries8<const N: usize>(table: &[u32; N], q: &[u8], hi: usize) -> __m256i {
+        let q: &[u8; 8] = q[..8].try_into().expect("8 index bytes");
+        macro_rules! e {
+            ($j:literal) => {
+                table[q[$j] as usize | (hi >> $j & 1) << 8] as i32
+            };
+        }
+        _mm256_set_epi32(e!(7), e!(6), e!(5), e!(4), e!(3), e!(2), e!(1), e!(0))
+    }
+
+    /// The IQ3 types look their 4-value entries up by scalar loads in decode at the AVX2 level,
+    /// and gather them with one `vpgatherdd` per 32 values elsewhere (indices computed in
+    /// registers: 8 bits for IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every gathered load
+    /// is inside its table). Gathers are slow on the CPUs that stop at AVX2 (Zen 2: IQ3_XXS
+    /// decode 0.73× llama.cpp's with them), and on Intel's since the Gather Data Sampling fix.
     impl SignedVec for IQ3XXS {
         #[inline(always)]
         unsafe fn grid(x: &BlockIQ3XXS, c: usize) -> __m256i {
+            entries8(&IQ3XXS_GRID, &x.qs[8 * c..], 0)
+        }
+        #[inline(always)]
+        unsafe fn grid_gather(x: &BlockIQ3XXS, c: usize) -> __m256i {
             let idx = bytes8(&x.qs[8 * c..]);
             _mm256_i32gather_epi32::<4>(IQ3XXS_GRID.as_ptr() as *const i32, idx)
         }
@@ -954,6 +982,10 @@ mod avx2 {
         /// Entry j's ninth index bit is bit j of `qh[c]`.
         #[inline(always)]
         unsafe fn grid(x: &BlockIQ3S, c: usize) -> __m256i {
+            entries8(&IQ3S_GRID, &x.qs[8 * c..], x.qh[c] as usize)
+        }
+        #[inline(always)]
+        unsafe fn grid_gather(x: &BlockIQ3S, c: usize) -> __m256i {
             let hi = _mm256_srlv_epi32(
                 _mm256_set1_epi32(x.qh[c] as i32),
                 _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
@@ -990,7 +1022,7 @@ mod avx2 {
         let mut bias = _mm256_setzero_si256();
         for (c, s) in signs.into_iter().enumerate() {
             let m = bit_bytes(s);
-            let v = _mm256_sub_epi8(_mm256_xor_si256(G::grid(x, c), m), m);
+            let v = _mm256_sub_epi8(_mm256_xor_si256(G::grid_gather(x, c), m), m);
             let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
             bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pairs, sc[c]));
             let w = words(v);
