@@ -280,12 +280,7 @@ mod avx2 {
     /// and each 16 activations loaded once per step (4 + 4 loads for 16 fused multiply-adds).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn dot512_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
-        let n = ys
-            .iter()
-            .map(|y| y.len())
-            .chain(xs.iter().map(|x| x.len()))
-            .min()
-            .unwrap_or(0);
+        let n = shortest(xs, ys);
         let body = n - n % L;
         let mut a = [[_mm512_setzero_ps(); 4]; 4];
         for c in (0..body).step_by(L) {
@@ -297,11 +292,28 @@ mod avx2 {
                 }
             }
         }
+        finish_4x4(|i, t| spill512(a[i][t]), xs, ys, n)
+    }
+
+    /// The shortest of four rows and four tokens.
+    fn shortest<W>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> usize {
+        let rows = xs.iter().map(|x| x.len());
+        ys.iter().map(|y| y.len()).chain(rows).min().unwrap_or(0)
+    }
+
+    /// A 4×4 kernel's sums: each pair's 16 accumulators (`acc(row, token)`, holding the first
+    /// `n − n % 16` elements), the tail added and the accumulators folded as [`super::dot_ref`] does.
+    fn finish_4x4<W: Simd>(
+        acc: impl Fn(usize, usize) -> [f32; L],
+        xs: [&[W]; 4],
+        ys: [&[f32]; 4],
+        n: usize,
+    ) -> [[f32; 4]; 4] {
         std::array::from_fn(|i| {
             std::array::from_fn(|t| {
-                let mut acc = spill512(a[i][t]);
-                accumulate(&mut acc, &xs[i][..n], &ys[t][..n], body);
-                fold(acc)
+                let mut a = acc(i, t);
+                accumulate(&mut a, &xs[i][..n], &ys[t][..n], n - n % L);
+                fold(a)
             })
         })
     }
@@ -317,12 +329,7 @@ mod avx2 {
     /// elements in increasing order, so the sums are [`super::dot_ref`]'s.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
-        let n = ys
-            .iter()
-            .map(|y| y.len())
-            .chain(xs.iter().map(|x| x.len()))
-            .min()
-            .unwrap_or(0);
+        let n = shortest(xs, ys);
         let body = n - n % L;
         // acc[half][pair][row of the pair][token]: lanes 8·half..8·half + 8 of the 16.
         let mut acc = [[[[_mm256_setzero_ps(); 4]; 2]; 2]; 2];
@@ -346,13 +353,8 @@ mod avx2 {
             }
             c0 += steps * L;
         }
-        std::array::from_fn(|i| {
-            std::array::from_fn(|t| {
-                let mut a = spill(acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
-                accumulate(&mut a, &xs[i][..n], &ys[t][..n], body);
-                fold(a)
-            })
-        })
+        let pair = |i: usize, t: usize| spill(acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
+        finish_4x4(pair, xs, ys, n)
     }
 
     /// One pass of [`dot_4x4`]: two rows' 8 weights at `x[i] + 16·s` and four tokens' 8
