@@ -1123,15 +1123,18 @@ mod avx2 {
         _mm_add_epi8(_mm_set1_epi8(-7), _mm_add_epi8(neg, neg))
     }
 
+    /// IQ1_S's δ − 8 (−7 or −9) of chunk c in i16 lane c: bit 15 of its `qh` word.
+    #[inline(always)]
+    unsafe fn iq1s_dm(x: &BlockIQ1S) -> __m128i {
+        let neg = _mm_srai_epi16::<15>(_mm_loadu_si128(x.qh.as_ptr() as *const __m128i));
+        _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg))
+    }
+
     impl ShiftedVec for IQ1S {
         /// One shift per 32 values: bit 15 of the chunk's `qh` word.
         #[inline(always)]
         unsafe fn dm8(x: &BlockIQ1S) -> [__m256i; 8] {
-            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
-            let neg = _mm_srai_epi16::<15>(qh);
-            // i16 lane c: −7 or −9.
-            let dm = _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg));
-            let both = _mm256_broadcastsi128_si256(dm);
+            let both = _mm256_broadcastsi128_si256(iq1s_dm(x));
             per_chunk!(|c| {
                 let pick = _mm256_set1_epi16((((2 * c + 1) << 8) | (2 * c)) as i16);
                 _mm256_shuffle_epi8(both, pick)
@@ -1139,10 +1142,8 @@ mod avx2 {
         }
         #[inline(always)]
         unsafe fn d16(x: &BlockIQ1S, sb: __m128i) -> Option<__m256i> {
-            let qh = _mm_loadu_si128(x.qh.as_ptr() as *const __m128i);
-            let neg = _mm_srai_epi16::<15>(qh);
-            // i16 lane c: −7 or −9, then in lanes 2c and 2c + 1.
-            let dm = _mm_add_epi16(_mm_set1_epi16(-7), _mm_add_epi16(neg, neg));
+            // Chunk c's δ − 8 in i16 lanes 2c and 2c + 1.
+            let dm = iq1s_dm(x);
             let dm = _mm256_set_m128i(_mm_unpackhi_epi16(dm, dm), _mm_unpacklo_epi16(dm, dm));
             Some(_mm256_mullo_epi16(dm, _mm256_cvtepu8_epi16(sb)))
         }
