@@ -214,6 +214,7 @@ impl RunArgs {
             prompt: self.prompt,
             raw: self.raw,
             ignore_eos: self.ignore_eos,
+            trace_picks: self.trace_picks,
             bar_after: bar_after(),
         })
     }

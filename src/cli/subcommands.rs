@@ -38,6 +38,10 @@ pub struct RunArgs {
     /// Print prompt/decode speed and KV cache size to stderr
     #[arg(long)]
     pub stats: bool,
+    /// After the answer, print each generated token with its logit and the runner-up's (stderr):
+    /// how near a tie each pick was, where two devices or caches part
+    #[arg(long)]
+    pub trace_picks: bool,
     /// Reuse the KV state of an earlier prompt that shares a prefix with this one, from FILE, and save
     /// this prompt's state there
     #[arg(long, value_name = "FILE")]

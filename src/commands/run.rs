@@ -26,6 +26,8 @@ pub struct RunOptions {
     pub raw: bool,
     /// Keep generating past end-of-text tokens.
     pub ignore_eos: bool,
+    /// Print each pick beside the runner-up (stderr, after the answer).
+    pub trace_picks: bool,
     /// A generation whose answer goes to a file or pipe shows a bar on a terminal's stderr once
     /// it has run this long.
     pub bar_after: Duration,
@@ -132,6 +134,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
         eprintln!("note: {n}");
     }
     let mut sampler = Sampler::new(sampling.params.clone());
+    if opts.trace_picks {
+        sampler.trace();
+    }
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();
     let mut store = open_store(&g.store, &engine, &session);
@@ -228,6 +233,26 @@ pub fn run(opts: RunOptions) -> Result<()> {
     }
     writeln!(stdout)?;
     stdout.flush()?;
+    if opts.trace_picks {
+        let text = |id: u32| {
+            format!(
+                "{:?}",
+                engine.tokenizer().token_text(id).unwrap_or_default()
+            )
+        };
+        for (i, p) in sampler.picks().iter().enumerate() {
+            eprintln!(
+                "[pick] {i}: {} {} {:.4} over {} {} {:.4} (margin {:.4})",
+                p.token,
+                text(p.token),
+                p.logit,
+                p.runner_up,
+                text(p.runner_up),
+                p.runner_up_logit,
+                p.logit - p.runner_up_logit
+            );
+        }
+    }
     if reason == StopReason::ContextFull {
         eprintln!(
             "kvchat: stopped: the context of {} tokens is full ({})",

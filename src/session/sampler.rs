@@ -131,12 +131,39 @@ impl Resolved {
 pub struct Sampler {
     p: SamplingParams,
     rng: StdRng,
+    /// Each pick with the runner-up's logit, when traced ([`Sampler::trace`]).
+    picks: Option<Vec<Pick>>,
+}
+
+/// One sampled token beside the next most likely one, by the logits it was picked from (after
+/// the repeat penalty): how near a tie the pick was.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    pub token: u32,
+    pub logit: f32,
+    pub runner_up: u32,
+    pub runner_up_logit: f32,
 }
 
 impl Sampler {
     pub fn new(p: SamplingParams) -> Self {
         let rng = StdRng::seed_from_u64(p.seed);
-        Self { p, rng }
+        Self {
+            p,
+            rng,
+            picks: None,
+        }
+    }
+
+    /// Records every pick from now on (read by [`Sampler::picks`]): where two devices' greedy
+    /// answers part, the logits say whether it was a near-tie.
+    pub fn trace(&mut self) {
+        self.picks = Some(Vec::new());
+    }
+
+    /// The picks recorded since [`Sampler::trace`] (none when not traced).
+    pub fn picks(&self) -> &[Pick] {
+        self.picks.as_deref().unwrap_or_default()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -186,8 +213,24 @@ impl Sampler {
                 }
             }
         }
+        let token = self.choose(&logits);
+        if let Some(picks) = &mut self.picks {
+            let runner_up = argmax_except(&logits, token);
+            picks.push(Pick {
+                token,
+                logit: logits[token as usize],
+                runner_up,
+                runner_up_logit: logits.get(runner_up as usize).copied().unwrap_or(f32::NAN),
+            });
+        }
+        Ok(token)
+    }
+
+    /// The token the settings pick from `logits` (penalised already).
+    fn choose(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.p;
         if p.temperature <= 0.0 {
-            return Ok(argmax(&logits));
+            return argmax(logits);
         }
         // Candidates sorted by logit, cut by top-k.
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -233,10 +276,10 @@ impl Sampler {
         for (i, &x) in probs[..keep].iter().enumerate() {
             r -= x;
             if r <= 0.0 {
-                return Ok(idx[i]);
+                return idx[i];
             }
         }
-        Ok(idx[keep - 1])
+        idx[keep - 1]
     }
 }
 
@@ -250,6 +293,17 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
+/// The index of the largest of `xs` other than `skip` (`skip` itself when `xs` has one entry).
+fn argmax_except(xs: &[f32], skip: u32) -> u32 {
+    let mut best: Option<usize> = None;
+    for (i, x) in xs.iter().enumerate() {
+        if i != skip as usize && best.is_none_or(|b| *x > xs[b]) {
+            best = Some(i);
+        }
+    }
+    best.map_or(skip, |b| b as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +311,36 @@ mod tests {
 
     fn logits(xs: &[f32]) -> Tensor {
         Tensor::new(xs, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_traced_pick_names_the_runner_up_and_both_logits_after_the_penalty() {
+        let mut s = Sampler::new(SamplingParams {
+            repeat_penalty: 2.0,
+            ..SamplingParams::greedy()
+        });
+        assert!(s.picks().is_empty());
+        s.trace();
+        // Token 1 (3.0) is recent: penalised to 1.5, below token 2's 2.9 and above token 0's 1.0.
+        assert_eq!(s.sample(&logits(&[1.0, 3.0, 2.9, -1.0]), &[1]).unwrap(), 2);
+        assert_eq!(s.sample(&logits(&[4.0, 3.5]), &[]).unwrap(), 0);
+        assert_eq!(
+            s.picks(),
+            [
+                Pick {
+                    token: 2,
+                    logit: 2.9,
+                    runner_up: 1,
+                    runner_up_logit: 1.5
+                },
+                Pick {
+                    token: 0,
+                    logit: 4.0,
+                    runner_up: 1,
+                    runner_up_logit: 3.5
+                }
+            ]
+        );
     }
 
     #[test]
