@@ -475,9 +475,11 @@ impl GgufFile {
         let (h, f, n) = (cfg.hidden, e.ffn, e.count);
         let router_bias = self.has_tensor(&format!("{p}.ffn_gate_inp.bias"));
         let router = self.linear(&format!("{p}.ffn_gate_inp"), router_bias, [n, h], device)?;
-        if self.dense.is_some() || !device.is_cpu() {
+        // The experts stay in host memory on any device (on a GPU the rest of the block runs
+        // there: llama.cpp's --cpu-moe).
+        if self.dense.is_some() {
             bail!(
-                "{}: its experts run on kvchat's CPU kernels only, with their weights as stored: a mixture-of-experts model cannot be dequantized to another dtype or run on a GPU yet",
+                "{}: its experts run on kvchat's CPU kernels only, with their weights as stored: a mixture-of-experts model cannot be dequantized to another dtype",
                 self.path.display()
             );
         }
@@ -584,14 +586,7 @@ impl GgufFile {
             true => {
                 let fs = e.shared.max(1);
                 let mut ours = |which: &str, want: [usize; 2]| -> Result<QMatrix> {
-                    let name = format!("{p}.ffn_{which}_shexp.weight");
-                    match self.matrix(&name, want, device)? {
-                        Read::Ours(m) => Ok(m),
-                        Read::Candle(_) => bail!(
-                            "tensor {name} in {} is of a type kvchat's expert kernels cannot run",
-                            self.path.display()
-                        ),
-                    }
+                    self.host_matrix(&format!("{p}.ffn_{which}_shexp.weight"), want)
                 };
                 let (gate, up, down) = (
                     ours("gate", [fs, h])?,
@@ -626,6 +621,29 @@ impl GgufFile {
             act: cfg.block.act,
             shared,
         })
+    }
+
+    /// A matrix for kvchat's CPU kernels whatever the device and `--kernels` (a mixture's shared
+    /// expert runs beside the routed ones, on the host).
+    fn host_matrix(&mut self, name: &str, want: [usize; 2]) -> Result<QMatrix> {
+        if let Some(m) = self.packed.remove(name) {
+            return Ok(m);
+        }
+        let (rows, cols, ty) = match self.dims2(name)? {
+            Some(d) => d,
+            None => bail!("tensor {name} in {} is not a matrix", self.path.display()),
+        };
+        if !super::kernels::quant::FORMATS.contains(&ty) {
+            bail!(
+                "tensor {name} in {} has {ty}, which kvchat's expert kernels cannot run",
+                self.path.display()
+            );
+        }
+        expect_dims(name, &[rows, cols], &want)?;
+        let at = self.locate_as(name, ty, rows, cols)?;
+        self.read_located(&[(name, at)])?
+            .remove(name)
+            .with_context(|| format!("{name} was not read for the shared expert"))
     }
 
     /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.

@@ -18,7 +18,7 @@ use super::config::Activation;
 use super::kernels::glu;
 use super::kernels::quant::QMatrix;
 use super::llama::Linear;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
 
 /// One expert's weights.
@@ -135,9 +135,9 @@ impl Moe {
     /// `x [1, t, hidden]` → `[1, t, hidden]`, the router reading `router_x [1, t, hidden]`
     /// (Gemma 4 routes on its own norm of the block's input, the experts run on another).
     pub fn forward_routed_by(&self, x: &Tensor, router_x: &Tensor) -> Result<Tensor> {
-        if !x.device().is_cpu() {
-            bail!("a mixture-of-experts FFN runs on the CPU only (kvchat's kernels)");
-        }
+        // The experts live in host memory and run on kvchat's CPU kernels whatever the device
+        // (llama.cpp's --cpu-moe): the router's logits and the step's rows come to the host, the
+        // sum goes back to `x`'s device.
         let (_, t, hidden) = x.dims3()?;
         let n_expert = self.experts.len();
         let logits = self
@@ -202,7 +202,7 @@ impl Moe {
         if let Some(shared) = &self.shared {
             shared.add(&xs, t, self.act, &mut out)?;
         }
-        Ok(Tensor::from_vec(out, (1, t, hidden), &Device::Cpu)?)
+        Ok(Tensor::from_vec(out, (1, t, hidden), &Device::Cpu)?.to_device(x.device())?)
     }
 }
 

@@ -225,7 +225,9 @@ impl QMatrix {
         self.matmul(&xs, m, &mut out)?;
         let mut out_dims = dims;
         *out_dims.last_mut().expect("at least one dim") = n;
-        Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?)
+        // The matrix runs on the host; the product goes where `x` is (a GPU's model runs the
+        // matrices candle cannot on the host: `Weight::Cpu`).
+        Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?.to_device(x.device())?)
     }
 
     /// `xs [m, cols]` (row-major) times the transposed matrix into `out [m, rows]`: [`forward`]
