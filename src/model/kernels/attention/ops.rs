@@ -115,7 +115,9 @@ pub(super) fn softmax_probs(
         .collect();
     let col = Tensor::from_vec(col, (nkv, gt, 1), scores.device())?.to_dtype(scores.dtype())?;
     let probs = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&scores, &col], 2)?)?;
-    Ok(probs.narrow(2, 0, kv_len)?)
+    // Made contiguous: CUDA's matmul refuses rows strided by kv_len + 1 (found on the first GPU
+    // run: "matmul is only supported for contiguous tensors"); the CPU's takes them.
+    Ok(probs.narrow(2, 0, kv_len)?.contiguous()?)
 }
 
 /// `[t, L]`: 0 where query i (at position L - t + i) may see key j, -inf where j is in its future
