@@ -71,9 +71,11 @@ if [ ! -f "$patched/.kvchat-patched" ]; then
 fi
 
 # --- the build, on a copy of the tree (the patch rewrites the copy's Cargo.lock) ---------------
+# The copy's files are dated now (tar -m): with the originals' dates, an edit made while an
+# earlier build was compiling was older than that build's outputs, and cargo kept a stale binary.
 tree="$PWD/target/cuda/tree"
 rm -rf "$tree" && mkdir -p "$tree"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$tree"
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -m -xf - -C "$tree"
 RUSTFLAGS="-C target-cpu=x86-64-v3 -L native=$work/link" \
   cargo build --release --features cuda --manifest-path "$tree/Cargo.toml" \
   --target-dir "$PWD/target/cuda" --config "patch.crates-io.candle-core.path='$patched'" >&2
