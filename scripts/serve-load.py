@@ -4,6 +4,7 @@ count and time (each server is started with --exit-after and killed at the end).
 
   target/pyenv/bin/python scripts/serve-load.py MODEL [--clients 6] [--tokens 48] [--threads 2]
       [--parts concurrency,prefix,pressure] [--kvchat target/release/kvchat]
+      [--serve-args "--device cuda"]
       [--llama-server "$(scripts/llamacpp.sh llama-server)/llama-server"]
 
 (scripts/test.sh makes target/pyenv with the openai package.)
@@ -17,6 +18,8 @@ count and time (each server is started with --exit-after and killed at the end).
   request's.
 - pressure: --kv-pool 32MiB and 32 concurrent long requests: every request completes or gets a
   429, /metrics' pool use never passes the bound, nothing hangs.
+
+Progress goes to stderr; stdout holds only the JSON report.
 """
 import argparse
 import concurrent.futures as cf
@@ -32,6 +35,9 @@ import urllib.request
 import openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# More `kvchat serve` flags for every server this run starts (--serve-args; the GPU check's
+# "--device cuda").
+SERVE_ARGS = []
 
 TOPICS = ["the water cycle", "how a bicycle gear works", "why bread rises", "the phases of the moon",
           "how vaccines train the immune system", "what a compiler does", "how tides form",
@@ -51,7 +57,7 @@ def prompt_for(i):
 class Server:
     def __init__(self, kvchat, model, threads, extra):
         args = [kvchat, "serve", "-m", model, "--port", "0", "--threads", str(threads),
-                "--exit-after", "1800"] + extra
+                "--exit-after", "1800"] + SERVE_ARGS + extra
         self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True)
         first = self.proc.stderr.readline()
@@ -167,7 +173,7 @@ def concurrency(a):
                 one, many, same = measure(s, msgs, a.tokens)
                 rounds[name].append((one, many, same))
                 print(f"  round {r + 1}, {name}: one at a time {one:.1f} tok/s, {a.clients} at "
-                      f"once {many:.1f} tok/s ({many / one:.2f}x); same answers: {same}")
+                      f"once {many:.1f} tok/s ({many / one:.2f}x); same answers: {same}", file=sys.stderr)
         report = {"clients": a.clients, "tokens": a.tokens}
         for name, rs in rounds.items():
             report[name] = {"alone_tok_s": [round(x, 1) for x, _, _ in rs],
@@ -203,7 +209,7 @@ def prefix(a):
             rows.append({"cached": cached, "ttft_s": round(first or dt, 3)})
             used.append(s.metric("kvchat_kv_pool_used_bytes"))
             print(f"  request {i + 1}: cached_tokens {cached}, time to first token "
-                  f"{(first or dt) * 1e3:.0f} ms, pool used {used[-1] / 2**20:.1f} MiB")
+                  f"{(first or dt) * 1e3:.0f} ms, pool used {used[-1] / 2**20:.1f} MiB", file=sys.stderr)
         # After the first request the pool holds its prompt's blocks: one request's KV.
         return {"requests": rows,
                 "ttft_ratio": round(sum(r["ttft_s"] for r in rows[1:]) / 7 / rows[0]["ttft_s"], 3),
@@ -245,7 +251,7 @@ def pressure(a):
         ok = sum(1 for r, _ in results if r == "ok")
         busy = sum(1 for r, _ in results if r == "429")
         print(f"  32 requests: {ok} answered, {busy} got 429, in {elapsed:.1f} s; pool use peaked "
-              f"at {most[0] / 2**20:.1f} MiB of 32 MiB")
+              f"at {most[0] / 2**20:.1f} MiB of 32 MiB", file=sys.stderr)
         return {"answered": ok, "busy": busy, "seconds": round(elapsed, 1),
                 "peak_pool_bytes": int(most[0]), "bound": 32 << 20,
                 "within_bound": most[0] <= 32 << 20}
@@ -267,7 +273,10 @@ def main():
     # like the repacked weights) crashes at load (SIGSEGV in ggml_backend_amx_mul_mat); Q4_1, the
     # default model's type, has no repacked path, so -nr costs it nothing else.
     p.add_argument("--llama-args", default="-nr", help="more llama-server flags (default: -nr)")
+    p.add_argument("--serve-args", default="",
+                   help="more `kvchat serve` flags for every kvchat server (e.g. \"--device cuda\")")
     a = p.parse_args()
+    SERVE_ARGS.extend(a.serve_args.split())
     if not os.path.isfile(a.model):
         sys.exit(f"serve-load: no model file {a.model}")
     if not os.access(a.kvchat, os.X_OK):
