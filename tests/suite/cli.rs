@@ -50,6 +50,39 @@ fn raw_completion_from_stdin_says_paris() {
 }
 
 #[test]
+fn trace_picks_prints_each_token_beside_its_runner_up() {
+    let out = kvchat(
+        &[
+            "run",
+            "--raw",
+            "--temperature",
+            "0",
+            "-n",
+            "4",
+            "--trace-picks",
+        ],
+        "The capital of France is\n",
+    );
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let picks: Vec<&str> = err.lines().filter(|l| l.starts_with("[pick] ")).collect();
+    assert_eq!(picks.len(), 4, "{err}");
+    // " Paris" (the answer's first token), its logit, then the runner-up and the margin.
+    assert!(
+        picks[0].starts_with("[pick] 0: ") && picks[0].contains("\"ĠParis\""),
+        "{err}"
+    );
+    let margin: f32 = picks[0]
+        .rsplit("(margin ")
+        .next()
+        .unwrap()
+        .trim_end_matches(')')
+        .parse()
+        .unwrap();
+    assert!(margin > 0.0, "{err}");
+}
+
+#[test]
 fn stats_report_prefill_decode_and_kv_bytes() {
     let out = kvchat(
         &[
