@@ -21,7 +21,7 @@
 #                                 with `cpu` (a dry run here) both sides are the CPU. Results in
 #                                 ${OUT:-target/gpu-check}/gpu-check.txt, bench JSON beside it.
 #
-# What `run` checks (495 s on an H200 machine with every part, the first time; part 2 the longest):
+# What `run` checks (495 s on an H200 machine with every part, the first time):
 #   1. the device answers: `--stats` names cuda:0 (and `--device auto` picks it);
 #   2. greedy tokens, first 16, real model, every cache combination (f32/f16/bf16/int8/int4 ×
 #      full/window with sinks × in place/offload, and no cache; a budget chosen by score, each
