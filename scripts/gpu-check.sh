@@ -184,6 +184,10 @@ run)
   say "# kvchat GPU check: $(date -u +%FT%TZ), device $dev, binary $bin"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$res"
   fails=0
+  half_cores=$(( $(nproc) / 2 )); [ "$half_cores" -ge 1 ] || half_cores=1
+  # Each part's seconds, for planning the next lease.
+  part_start() { part_t0=$SECONDS; }
+  part_end() { say "   (part $1: $((SECONDS - part_t0)) s)"; }
   fail() { say "FAIL: $*"; fails=$((fails + 1)); }
 
   # 1. The device answers and names itself.
@@ -199,6 +203,7 @@ run)
   say "   --device auto: $auto"
 
   if want 2; then
+  part_start
   # 2. Greedy text, every cache combination, this device against the CPU. Where the texts part,
   # both sides' picks at the first token that differs, with the runner-up's logit: a near-tie
   # (on both sides the pick led its runner-up by less than NEAR_TIE logits, 0.5: the first GPU
@@ -227,9 +232,16 @@ rivers of France."
   for c in "${combos[@]}"; do
     qq="$q"; [[ "$c" == *--kv-budget* ]] && qq="$q_long"
     # shellcheck disable=SC2086
-    a=$("$bin" run -m "$model" --device "$dev" ${DEV_ARGS:-} -n 16 --temperature 0 --no-kv-store $c "$qq" 2>&1) || a="error: $a"
+    # The CPU's side runs beside the device's, on half the cores (the device's side needs a core
+    # to launch its kernels; the CPU's answer does not depend on its thread count).
     # shellcheck disable=SC2086
-    b=$("$bin" run -m "$model" --device cpu -n 16 --temperature 0 --no-kv-store $c "$qq" 2>&1) || b="error: $b"
+    { "$bin" run -m "$model" --device cpu --threads "$half_cores" -n 16 --temperature 0 --no-kv-store $c "$qq" \
+        >"$out/greedy-cpu.txt" 2>&1 || echo "__failed__" >>"$out/greedy-cpu.txt"; } &
+    # shellcheck disable=SC2086
+    a=$("$bin" run -m "$model" --device "$dev" ${DEV_ARGS:-} -n 16 --temperature 0 --no-kv-store $c "$qq" 2>&1) || a="error: $a"
+    wait $!
+    b=$(cat "$out/greedy-cpu.txt")
+    if [[ "$b" == *__failed__ ]]; then b="error: ${b%__failed__}"; fi
     if [ "$a" = "$b" ] && [[ "$a" != error:* ]]; then
       same=$((same + 1)); say "   same  $c"
       continue
@@ -270,9 +282,11 @@ PY
   done
   say "   $same of ${#combos[@]} combinations identical, $near part at a near-tie"
 
+  part_end 2
   fi
 
   if want 3; then
+  part_start
   # 3. Perplexity on >= 30 KB of text.
   text="$out/ppl-text.txt"
   cat README.md DEVELOPERS.md docs/*.md >"$text.all"
@@ -344,9 +358,11 @@ PY
   done
 
 
+  part_end 3
   fi
 
   if want 4; then
+  part_start
   # 4. bench, with peak GPU memory sampled while each runs.
   bench() { # NAME MODEL ARGS...
     local name=$1 m=$2; shift 2
@@ -429,10 +445,12 @@ PY
     python3 -c "import sys; sys.exit(${t_4k:-1} > 1.3 * ${t_4k_off:-0})" || fail "offload decode more than 1.3x slower than in place at 4096"
     [ -z "${t_big:-}" ] || python3 -c "import sys; sys.exit(${t_big} < 150)" || fail "1B-shaped decode below 150 tok/s"
   fi
+  part_end "4-5"
   fi
 
   # 6. The server on this device: batched decode, the shared pool, prefix sharing, pressure.
   if want 6 && [ "${SERVE:-1}" = 1 ]; then
+    part_start
     py=python3
     if [ "$dev" = cuda ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -470,6 +488,7 @@ PY
     else
       fail "serve: the load test failed or ran past its time: $(tail -2 "$out/serve.log" | tr '\n' ' ')"
     fi
+    part_end 6
   fi
   say "result: $fails failure(s)"
   [ "$fails" = 0 ]
