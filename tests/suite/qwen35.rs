@@ -424,6 +424,29 @@ fn a_moe_layer_missing_its_shared_expert_gate_is_refused_in_one_line() {
 }
 
 #[test]
+fn a_shared_expert_of_a_type_the_expert_kernels_cannot_run_is_refused_in_one_line() {
+    // `blk.0.ffn_down_shexp.weight` retyped from Q8_0 to Q8_1 (9): a type candle knows and
+    // kvchat's kernels do not run. Refused on the CPU's path and on the GPU's (`--kernels gpu`,
+    // which now reads the shared expert for the host's kernels too), before any weight is read.
+    let p = crate::common::tiny::damaged(&random_qwen35_moe(), "q35moe-shexp-q8_1", |_| {});
+    let types = kvchat::model::gguf_types::tensor_types(&p).unwrap();
+    let at = types
+        .iter()
+        .find(|t| t.name == "blk.0.ffn_down_shexp.weight")
+        .unwrap()
+        .at as usize;
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[at..at + 4].copy_from_slice(&9u32.to_le_bytes());
+    std::fs::write(&p, bytes).unwrap();
+    for flags in [&[][..], &["--kernels", "gpu"]] {
+        crate::common::assert_refused(
+            &run(&p, flags),
+            "tensor blk.0.ffn_down_shexp.weight has type Q8_1, which kvchat cannot run yet",
+        );
+    }
+}
+
+#[test]
 fn a_saved_state_lacking_a_recurrent_state_is_refused_and_leaves_the_session_empty() {
     let m = load();
     let file = state_file("lacking.kv");
