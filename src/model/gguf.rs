@@ -499,13 +499,7 @@ impl GgufFile {
                     self.unreadable(&name, "the file has no such tensor".to_string())
                 })?;
             expect_dims(&name, info.shape.dims(), &[n, rows, cols])?;
-            let ty = self.tensor_type(&name).unwrap_or(PLACEHOLDER);
-            if !super::kernels::quant::FORMATS.contains(&ty) {
-                bail!(
-                    "tensor {name} in {} has {ty}, which kvchat's expert kernels cannot run",
-                    self.path.display()
-                );
-            }
+            let ty = self.expert_type(&name)?;
             let all = self.locate_as(&name, ty, n * rows, cols)?;
             let size = all.size / n as u64;
             for x in 0..n {
@@ -629,21 +623,29 @@ impl GgufFile {
         if let Some(m) = self.packed.remove(name) {
             return Ok(m);
         }
-        let (rows, cols, ty) = match self.dims2(name)? {
-            Some(d) => d,
-            None => bail!("tensor {name} in {} is not a matrix", self.path.display()),
+        let Some((rows, cols, _)) = self.dims2(name)? else {
+            bail!("tensor {name} in {} is not a matrix", self.path.display());
         };
+        let ty = self.expert_type(name)?;
+        expect_dims(name, &[rows, cols], &want)?;
+        let at = self.locate_as(name, ty, rows, cols)?;
+        self.read_located(&[(name, at)])?
+            .remove(name)
+            .with_context(|| format!("{name} was not read for the shared expert"))
+    }
+
+    /// The type of expert tensor `name`, refused in one line where kvchat's expert kernels cannot
+    /// run it (the file's own check refuses such types at open; this keeps the experts' promise
+    /// where they are read).
+    fn expert_type(&self, name: &str) -> Result<WeightType> {
+        let ty = self.tensor_type(name).unwrap_or(PLACEHOLDER);
         if !super::kernels::quant::FORMATS.contains(&ty) {
             bail!(
                 "tensor {name} in {} has {ty}, which kvchat's expert kernels cannot run",
                 self.path.display()
             );
         }
-        expect_dims(name, &[rows, cols], &want)?;
-        let at = self.locate_as(name, ty, rows, cols)?;
-        self.read_located(&[(name, at)])?
-            .remove(name)
-            .with_context(|| format!("{name} was not read for the shared expert"))
+        Ok(ty)
     }
 
     /// A dense f32 tensor (norm weights, biases), dequantized if stored quantized.
