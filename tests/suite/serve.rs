@@ -584,13 +584,13 @@ fn concurrent_requests_sharing_a_system_prompt_answer_as_kvchat_run_does() {
 
 #[test]
 fn a_long_prompt_prefilled_in_chunks_between_others_steps_answers_as_kvchat_run_does() {
-    // Two prompts of ~1,100 tokens that differ from their first words: the second is prefilled a
-    // chunk at a time while the first decodes.
+    // Two prompts of ~700 tokens (over one prefill chunk of 512) that differ from their first
+    // words: the second is prefilled a chunk at a time while the first decodes.
     let texts: Vec<String> = ["Apples", "Rivers"]
         .iter()
         .map(|w| {
             let mut t = format!("{w} are the subject of these notes.\n");
-            for i in 0..90 {
+            for i in 0..56 {
                 t.push_str(&format!(
                     "Note {i}: {w} number {} was seen on day {}.\n",
                     i * 7,
@@ -615,7 +615,7 @@ fn a_long_prompt_prefilled_in_chunks_between_others_steps_answers_as_kvchat_run_
         .collect();
     let answers: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     for (t, a) in texts.iter().zip(&answers) {
-        assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > 1000);
+        assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > 600);
         let run = crate::common::kvchat(
             &[
                 "run",

@@ -542,12 +542,12 @@ fn the_gpus_path_run_on_the_cpu_picks_the_cpus_greedy_tokens_in_every_cache_comb
             Precision::Int4 => 0.1,
             _ => 1e-2,
         };
-        // 6 steps, both fed the CPU's greedy token: at every step the logits agree
+        // 4 steps, both fed the CPU's greedy token: at every step the logits agree
         // to rounding, and the GPU's path picks the CPU's token wherever the CPU's
         // choice leads the next by more than that rounding (a near-tie may go either way).
         let (mut a, mut b) = (cpu.session(&spec), gpu.session(&spec));
         let (mut la, mut lb) = (a.feed(&prompt).unwrap(), b.feed(&prompt).unwrap());
-        for step in 0..6 {
+        for step in 0..4 {
             let (xa, xb): (Vec<f32>, Vec<f32>) = (la.to_vec1().unwrap(), lb.to_vec1().unwrap());
             let d = rel_diff(&xb, &xa);
             worst = worst.max(d);
@@ -668,7 +668,14 @@ fn drafted_decoding_gives_the_tokens_of_plain_decoding_in_every_float_cache() {
     for (i, p) in prompts.iter().enumerate() {
         // (The copy prompt's drafts grow over its first tokens: a longer answer there.)
         let n = if i == 0 { 120 } else { 64 };
-        for mode in ["full+f32", "full", "full+bf16", "full+offload"] {
+        // Every float store on the copy prompt, where most guesses are taken; the default cache
+        // on the others, where most are taken back.
+        let modes: &[&str] = if i == 0 {
+            &["full+f32", "full", "full+bf16", "full+offload"]
+        } else {
+            &["full"]
+        };
+        for &mode in modes {
             let spec = spec(mode);
             let plain = drafted(&spec, p, greedy(), None, n, false);
             let fast = drafted(

@@ -1,15 +1,14 @@
 //! Every weight type our CPU kernels run, on the real SmolLM2-135M: the shipped Q4_1 file
 //! requantized (by candle's quantizer, ggml's reference) to each type, then its perplexity through
 //! our kernels within 3 % of the same weights dequantized to f32 (exact float matmuls; the rest is
-//! what 8-bit activations cost), and within 4 standard errors of candle's QMatMul's on the same
-//! tokens (paired token by token). Not greedy tokens or a tighter match: SmolLM2's massive
-//! activations turn a float rounding difference into a flipped int8 activation quant, so two
-//! summation orders differ by 1–5 % in single logits (measured) though neither is wrong, and over
-//! the 254 tokens scored here ours and candle's differ token by token with a standard error of
-//! 0.7–1.1 % (Q3_K, Q6_K, Q2_K): these tokens resolve no difference under ~3 %. A last-bit change
-//! in SiLU (libm's `expf` to llama.cpp's) moved Q3_K from 17.83 to 17.96 through our kernels and
-//! from 17.73 to 17.61 through candle's (f32 17.53); on the 3,570 tokens of `assets/gpl-3.txt` the
-//! same Q3_K file gives 21.13 (ours) and 21.12 (candle's) against 21.02 (`kvchat ppl --kv-type f32
+//! what 8-bit activations cost), paired token by token. Not greedy tokens or a tighter match:
+//! SmolLM2's massive activations turn a float rounding difference into a flipped int8 activation
+//! quant, so two summation orders differ by 1–5 % in single logits (measured) though neither is
+//! wrong; over the 254 tokens scored here two such orders differ token by token with a standard
+//! error of 0.7–1.1 % (Q3_K, Q6_K, Q2_K), so these tokens resolve no difference under ~3 %. A
+//! last-bit change in SiLU (libm's `expf` to llama.cpp's) moved Q3_K from 17.83 to 17.96 through
+//! our kernels (f32 17.53); on the 3,570 tokens of `assets/gpl-3.txt` the same Q3_K file gives
+//! 21.13 (ours) and 21.12 (candle's quantized kernels) against 21.02 (`kvchat ppl --kv-type f32
 //! [--kernels candle | --dtype f32]`). The arithmetic is checked bit for bit against scalar
 //! references in `model::kernels::quant`; this checks the driver, layouts and stacking inside a
 //! real forward pass, whose mistakes are not percents.
@@ -89,23 +88,16 @@ fn ppl(e: &Engine) -> Perplexity {
 fn check(dtype: GgmlDType) {
     let path = requantized(dtype);
     let ours = ppl(&load(&path, Kernels::Ours, false));
-    let candle = ppl(&load(&path, Kernels::Candle, false));
     let dense = ppl(&load(&path, Kernels::Candle, true));
     let vs_dense = paired(&ours, &dense, "f32").unwrap();
-    let vs_candle = paired(&ours, &candle, "candle").unwrap();
     let figures = format!(
-        "{dtype:?}: ours {:.4}, candle's kernels {:.4}, dequantized f32 {:.4}; ours against \
-         candle's {:+.2} ± {:.2} %",
-        ours.ppl, candle.ppl, dense.ppl, vs_candle.diff_pct, vs_candle.diff_stderr_pct
+        "{dtype:?}: ours {:.4}, dequantized f32 {:.4}; ours against f32 {:+.2} ± {:.2} %",
+        ours.ppl, dense.ppl, vs_dense.diff_pct, vs_dense.diff_stderr_pct
     );
     eprintln!("{figures}");
     assert!(
         vs_dense.diff_pct.abs() < 3.0,
         "ours > 3 % from f32: {figures}"
-    );
-    assert!(
-        vs_candle.diff_pct.abs() <= 4.0 * vs_candle.diff_stderr_pct,
-        "ours and candle's kernels differ by over 4 standard errors: {figures}"
     );
     std::fs::remove_file(path).ok();
 }
