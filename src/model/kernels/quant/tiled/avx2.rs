@@ -412,13 +412,6 @@ impl TileKernel for Q6K {
     }
 }
 
-/// Each 16-bit lane of `v` shifted right by `n` (what crosses into a byte is masked off by the
-/// caller).
-#[inline(always)]
-unsafe fn shift_right(v: __m256i, n: usize) -> __m256i {
-    _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
-}
-
 /// The 8 bytes of half `h` of a per-row byte array, nibble `high` of each, repeated into both
 /// i16 halves of its row's i32 lane (as [`scales16`]).
 #[inline(always)]
@@ -429,35 +422,109 @@ unsafe fn nibbles16(s: &[u8; TR], h: usize, high: bool) -> __m256i {
     _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b))
 }
 
-/// Halves `h0..h0+H`: Σ q·y over the 16 values of group `g` of a Q2_K/Q3_K tile as i16 pair sums
-/// (q ≤ 7: four maddubs steps ≤ 4·2·7·127 = 7 112), ready for `madd` with the scales.
+/// Bit `B` of each byte of `v` moved to bit 2 (other bits: masked off by the caller). 16-bit
+/// shifts of at most 5: bit 2 of either byte comes from a bit of that same byte.
 #[inline(always)]
-unsafe fn isum_crumbs<const H: usize, const T: usize>(
+unsafe fn bit_to_2<const B: usize>(v: __m256i) -> __m256i {
+    match B {
+        0 => _mm256_slli_epi16::<2>(v),
+        1 => _mm256_slli_epi16::<1>(v),
+        2 => v,
+        3 => _mm256_srli_epi16::<1>(v),
+        4 => _mm256_srli_epi16::<2>(v),
+        5 => _mm256_srli_epi16::<3>(v),
+        6 => _mm256_srli_epi16::<4>(v),
+        _ => _mm256_srli_epi16::<5>(v),
+    }
+}
+
+/// Halves `h0..h0+H`: Σ q·y over the 16 values of group `g` of a Q2_K/Q3_K tile as i16 pair sums
+/// (q ≤ 7: four maddubs steps ≤ 4·2·7·127 = 7 112), ready for `madd` with the scales. Q3_K's
+/// third bits are bits `4·ODD + n` of `hb` (`ODD` = g % 2, a constant so every shift is one).
+#[inline(always)]
+unsafe fn isum_crumbs<const ODD: usize, const H: usize, const T: usize>(
     qs: &[u8; 4 * TR],
-    hb: Option<&[u8; 4 * TR]>,
+    hb: Option<[__m256i; H]>,
     g: usize,
     h0: usize,
     ys: [&BlockQ8K; T],
 ) -> [[__m256i; T]; H] {
     let m3 = _mm256_set1_epi8(3);
-    let one = _mm256_set1_epi8(1);
+    let m4 = _mm256_set1_epi8(4);
     let mut p16 = [[_mm256_setzero_si256(); T]; H];
     for (k, p16) in p16.iter_mut().enumerate() {
         let w = half(qs, h0 + k);
-        let h = hb.map(|b| half(b, h0 + k));
-        for n in 0..4 {
-            let mut v = _mm256_and_si256(shift_right(w, 2 * n), m3);
-            if let Some(h) = h {
-                let bit = _mm256_and_si256(shift_right(h, 4 * (g % 2) + n), one);
-                v = _mm256_or_si256(v, _mm256_slli_epi16::<2>(bit));
+        let crumbs = [
+            _mm256_and_si256(w, m3),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(w), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(w), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(w), m3),
+        ];
+        let v = match hb {
+            Some(hb) => {
+                let h = hb[k];
+                let third = if ODD == 0 {
+                    [
+                        bit_to_2::<0>(h),
+                        bit_to_2::<1>(h),
+                        bit_to_2::<2>(h),
+                        bit_to_2::<3>(h),
+                    ]
+                } else {
+                    [
+                        bit_to_2::<4>(h),
+                        bit_to_2::<5>(h),
+                        bit_to_2::<6>(h),
+                        bit_to_2::<7>(h),
+                    ]
+                };
+                std::array::from_fn(|n| _mm256_or_si256(crumbs[n], _mm256_and_si256(third[n], m4)))
             }
+            None => crumbs,
+        };
+        for (n, v) in v.iter().enumerate() {
             for (p, y) in p16.iter_mut().zip(ys) {
                 let y = bcast4(&y.qs[16 * g + 4 * n..]);
-                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(v, y));
+                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(*v, y));
             }
         }
     }
     p16
+}
+
+/// Σ_j s_j · bsum_j over the 16 sub-blocks, per row of half `h`: `s_j` the rows' bytes
+/// `per_row[j]` (`signed`, or the high nibbles when not), two sub-blocks a `madd` (each row's
+/// i32 lane holds (s_j, s_j+1) as i16 against the activations' adjacent bsums).
+#[inline(always)]
+unsafe fn sub_block_sums(
+    per_row: &[[u8; TR]; 16],
+    h: usize,
+    signed: bool,
+    y: &BlockQ8K,
+) -> __m256i {
+    let mut sum = _mm256_setzero_si256();
+    for j in (0..16).step_by(2) {
+        let a = _mm_loadl_epi64(per_row[j][8 * h..].as_ptr() as *const __m128i);
+        let b = _mm_loadl_epi64(per_row[j + 1][8 * h..].as_ptr() as *const __m128i);
+        let pairs = _mm_unpacklo_epi8(a, b);
+        let s = if signed {
+            _mm256_cvtepi8_epi16(pairs)
+        } else {
+            _mm256_cvtepu8_epi16(_mm_and_si128(
+                _mm_srli_epi16::<4>(pairs),
+                _mm_set1_epi8(0x0F),
+            ))
+        };
+        let bsums = _mm256_set1_epi32(pair_i16(&y.bsums[j..]));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s, bsums));
+    }
+    sum
+}
+
+/// Two adjacent i16 as one i32 (the first in the low half).
+#[inline(always)]
+fn pair_i16(v: &[i16]) -> i32 {
+    (v[0] as u16 as u32 | (v[1] as u16 as u32) << 16) as i32
 }
 
 impl TileKernel for Q2K {
@@ -470,7 +537,7 @@ impl TileKernel for Q2K {
     ) -> [[__m256i; T]; H] {
         let mut total = [[_mm256_setzero_si256(); T]; H];
         for g in 0..16 {
-            let p16 = isum_crumbs::<H, T>(&t.qs[g], None, g, h0, ys);
+            let p16 = isum_crumbs::<0, H, T>(&t.qs[g], None, g, h0, ys);
             for k in 0..H {
                 let sc = nibbles16(&t.scm[g], h0 + k, false);
                 for i in 0..T {
@@ -484,18 +551,11 @@ impl TileKernel for Q2K {
     unsafe fn scale(t: &TileQ2K, h: usize, y: &BlockQ8K) -> __m256 {
         _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.d, h))
     }
-    /// −(d_y · dmin) · Σ_j m_j · bsum_j, per row of half `h` (`madd` of each min, zero-extended,
-    /// with bsum_j in the low i16: |m · bsum| ≤ 15 · 2 032).
+    /// −(d_y · dmin) · Σ_j m_j · bsum_j, per row of half `h` (|m · bsum| ≤ 15 · 2 032: a pair
+    /// of them fits madd's i32).
     #[inline(always)]
     unsafe fn min(t: &TileQ2K, h: usize, y: &BlockQ8K) -> __m256 {
-        let mut msum = _mm256_setzero_si256();
-        for j in 0..16 {
-            let b = _mm_loadl_epi64(t.scm[j][8 * h..].as_ptr() as *const __m128i);
-            let m =
-                _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16::<4>(b), _mm_set1_epi8(0x0F)));
-            let s = _mm256_set1_epi32(y.bsums[j] as u16 as i32);
-            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, s));
-        }
+        let msum = sub_block_sums(&t.scm, h, false, y);
         let dd = _mm256_mul_ps(_mm256_set1_ps(y.d), half_f32(&t.dmin, h));
         let neg = _mm256_xor_ps(dd, _mm256_set1_ps(-0.0));
         _mm256_mul_ps(neg, _mm256_cvtepi32_ps(msum))
@@ -503,8 +563,9 @@ impl TileKernel for Q2K {
 }
 
 impl TileKernel for Q3K {
-    /// Per group g: madd of the pair sums with the signed scale, less 4 · Σ_g sc_g · bsum_g (the
-    /// −4 offset, by `madd` of the scale with bsum_g in the low i16).
+    /// Per group g: madd of the pair sums with the signed scale; then less 4 · Σ_g sc_g · bsum_g
+    /// (the −4 offset, [`sub_block_sums`]). A pair of groups shares its `hb` bytes, so the groups
+    /// go in pairs, each with its own constant shifts.
     #[inline(always)]
     unsafe fn isum<const H: usize, const T: usize>(
         t: &TileQ3K,
@@ -513,21 +574,28 @@ impl TileKernel for Q3K {
         _: [i32; T],
     ) -> [[__m256i; T]; H] {
         let mut total = [[_mm256_setzero_si256(); T]; H];
-        let mut offset = [[_mm256_setzero_si256(); T]; H];
-        for g in 0..16 {
-            let p16 = isum_crumbs::<H, T>(&t.qs[g], Some(&t.hb[g / 2]), g, h0, ys);
+        let mut add = |g: usize, p16: [[__m256i; T]; H]| {
             for k in 0..H {
                 let sc = scales16(bytemuck::cast_ref(&t.sc[g]), h0 + k, true);
                 for i in 0..T {
                     total[k][i] = _mm256_add_epi32(total[k][i], _mm256_madd_epi16(p16[k][i], sc));
-                    let bsum = _mm256_set1_epi32(ys[i].bsums[g] as u16 as i32);
-                    offset[k][i] = _mm256_add_epi32(offset[k][i], _mm256_madd_epi16(sc, bsum));
                 }
             }
+        };
+        for pair in 0..8 {
+            let hb: [__m256i; H] = std::array::from_fn(|k| half(&t.hb[pair], h0 + k));
+            let g = 2 * pair;
+            add(g, isum_crumbs::<0, H, T>(&t.qs[g], Some(hb), g, h0, ys));
+            add(
+                g + 1,
+                isum_crumbs::<1, H, T>(&t.qs[g + 1], Some(hb), g + 1, h0, ys),
+            );
         }
+        let sc: &[[u8; TR]; 16] = bytemuck::cast_ref(&t.sc);
         std::array::from_fn(|k| {
             std::array::from_fn(|i| {
-                _mm256_sub_epi32(total[k][i], _mm256_slli_epi32::<2>(offset[k][i]))
+                let offset = sub_block_sums(sc, h0 + k, true, ys[i]);
+                _mm256_sub_epi32(total[k][i], _mm256_slli_epi32::<2>(offset))
             })
         })
     }
@@ -677,18 +745,22 @@ impl TileKernel for IQ4XS {
     }
 }
 
-/// Asks for tile `b`'s cache lines ahead of their use, for small tiles only (the legacy
-/// formats', 288–544 B: [`AHEAD`] tiles ahead into L1; a decode reads each weight once, from
-/// memory, and for these the hardware prefetcher alone left the loads waiting). Large tiles (the
-/// K-quants', 2.3–3.4 KB) are left to the hardware prefetcher: asking for them 6 tiles ahead into
-/// L2 (as from 4046dbf) measured slower than not asking, 2026-12-02 on the AVX2-only EPYC: a
-/// 32768×2048 / 8192×8192 Q6_K decode 4.46 / 4.71 ms against 3.48 / 3.89
+/// Asks for tile `b`'s cache lines ahead of their use, for tiles under 2 KB: the legacy formats'
+/// (288–544 B) and Q2_K's and Q3_K's (1.3 and 1.8 KB), [`AHEAD`] tiles ahead into L1. A decode
+/// reads each weight once, from memory, and for these the hardware prefetcher alone left the
+/// loads waiting (perf on l1b-Q3_K_M: half the decode kernel's samples on the first load of a
+/// tile's third bits). l1b-Q3_K_M decode at 128, alternating, on the AVX2-only EPYC, 2026-12-04:
+/// 61.9 / 59.1 / 70.4 ms/token without, 56.0 / 53.1 / 62.4 with; l1b-Q2_K 43.9 / 44.2 / 50.5
+/// against 44.1 / 40.4 / 43.6. Larger tiles (Q4_K's and up, 2.2–3.4 KB) are left to the hardware
+/// prefetcher: asking for them too measured no faster on Q3_K_M (its Q4_K/Q5_K matrices), and 6
+/// tiles ahead into L2 (as from 4046dbf) measured slower than not asking, 2026-12-02 on the same
+/// CPU: a 32768×2048 / 8192×8192 Q6_K decode 4.46 / 4.71 ms against 3.48 / 3.89
 /// (`quant::tests::speed`), and `kvchat bench --contexts 128 --gen 32` on the 1B-shaped files,
 /// alternating, medians of 5 / 2 / 3 rounds: Q6_K 76.9 against 70.6 ms/token, Q5_K_M 80.0 against
 /// 76.9, Q4_K_M 69.1 against 53.3.
 #[inline(always)]
 unsafe fn prefetch<Tile>(tiles: &[Tile], b: usize) {
-    if std::mem::size_of::<Tile>() >= 1024 {
+    if std::mem::size_of::<Tile>() >= 2048 {
         return;
     }
     if let Some(t) = tiles.get(b + AHEAD) {
