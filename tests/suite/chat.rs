@@ -478,7 +478,7 @@ fn a_chat_that_compacts_when_full_never_errors_and_keeps_its_system_message() {
     );
     let mut sampler = Sampler::new(SamplingParams::greedy());
     let mut compactions = Vec::new();
-    for i in 0..30 {
+    for i in 0..16 {
         let q = format!(
             "Question {i}: tell me one thing about the number {}.",
             100 + i
