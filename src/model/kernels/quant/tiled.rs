@@ -176,16 +176,31 @@ pub struct TileQ2K {
     pub qs: [[u8; 4 * TR]; 16],
 }
 
-/// Q3_K tile: d and the 16 sub-block scales (less 32) of each row; `qs[g]` the low 2 bits of
-/// values 16g..16g+16 as Q2_K's tile holds them; `hb[g / 2]` their third bits: bit 4(g % 2) + k
-/// of row r's byte 4r+j is that of value 16g + 4k + j. 3.6 % larger than its 16 blocks.
+/// Q3_K tile: d and the 16 sub-block scales (less 32) of each row; then per pair p of groups,
+/// `q[p] = [qs of group 2p, qs of group 2p + 1, their third bits]` (`qs(g)`, `hb(g)`): the low
+/// 2 bits of values 16g..16g+16 as Q2_K's tile holds them, and their third bits, bit 4(g % 2) + k
+/// of row r's byte 4r+j being that of value 16g + 4k + j. A decode reads the pairs in order, one
+/// stream (the third bits apart, after all the low bits, were a second stream the loads waited
+/// on). 3.6 % larger than its 16 blocks.
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
 pub struct TileQ3K {
     pub d: [f16; TR],
     pub sc: [[i8; TR]; 16],
-    pub qs: [[u8; 4 * TR]; 16],
-    pub hb: [[u8; 4 * TR]; 8],
+    pub q: [[[u8; 4 * TR]; 3]; 8],
+}
+
+impl TileQ3K {
+    /// The low 2 bits of group `g`'s values.
+    #[inline(always)]
+    pub fn qs(&self, g: usize) -> &[u8; 4 * TR] {
+        &self.q[g / 2][g % 2]
+    }
+    /// The third bits of group `g`'s values (shared with its pair's other group).
+    #[inline(always)]
+    pub fn hb(&self, g: usize) -> &[u8; 4 * TR] {
+        &self.q[g / 2][2]
+    }
 }
 
 /// Row `r`'s 2-bit values `v[16g..16g + 16]` (bits 0-1 used) written into `qs[g]` of a Q2_K/Q3_K
@@ -232,6 +247,8 @@ impl Tiled for Q3K {
     type Tile = TileQ3K;
     const YSUM: bool = false;
     fn pack(rows: [&super::kquants::BlockQ3K; TR], t: &mut TileQ3K) {
+        let mut qs = [[0u8; 4 * TR]; 16];
+        let mut hb = [[0u8; 4 * TR]; 8];
         for (r, x) in rows.iter().enumerate() {
             t.d[r] = x.d;
             let sc = super::kquants::scales_q3(&x.scales);
@@ -239,21 +256,25 @@ impl Tiled for Q3K {
                 row[r] = s;
             }
             let v: [u8; 256] = std::array::from_fn(|e| super::kquants::q3(x, e) as u8);
-            interleave_crumbs(&v, r, &mut t.qs);
+            interleave_crumbs(&v, r, &mut qs);
             for (g, chunk) in v.chunks_exact(16).enumerate() {
                 for j in 0..4 {
                     let bits = (0..4).fold(0u8, |b, k| b | ((chunk[4 * k + j] >> 2) << k));
-                    t.hb[g / 2][4 * r + j] |= bits << (4 * (g % 2));
+                    hb[g / 2][4 * r + j] |= bits << (4 * (g % 2));
                 }
             }
+        }
+        for (p, q) in t.q.iter_mut().enumerate() {
+            *q = [qs[2 * p], qs[2 * p + 1], hb[p]];
         }
     }
     fn dequantize_row(t: &TileQ3K, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
+        let qs: [[u8; 4 * TR]; 16] = std::array::from_fn(|g| *t.qs(g));
         for (e, o) in out.iter_mut().enumerate() {
             let (g, k, j) = (e / 16, e % 16 / 4, e % 4);
-            let hi = (t.hb[g / 2][4 * r + j] >> (4 * (g % 2) + k)) & 1;
-            let q = (crumb_at(&t.qs, r, e) | (hi << 2)) as i32 - 4;
+            let hi = (t.hb(g)[4 * r + j] >> (4 * (g % 2) + k)) & 1;
+            let q = (crumb_at(&qs, r, e) | (hi << 2)) as i32 - 4;
             *o = d * t.sc[g][r] as f32 * q as f32;
         }
     }

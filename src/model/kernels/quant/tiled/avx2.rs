@@ -583,12 +583,12 @@ impl TileKernel for Q3K {
             }
         };
         for pair in 0..8 {
-            let hb: [__m256i; H] = std::array::from_fn(|k| half(&t.hb[pair], h0 + k));
+            let hb: [__m256i; H] = std::array::from_fn(|k| half(t.hb(2 * pair), h0 + k));
             let g = 2 * pair;
-            add(g, isum_crumbs::<0, H, T>(&t.qs[g], Some(hb), g, h0, ys));
+            add(g, isum_crumbs::<0, H, T>(t.qs(g), Some(hb), g, h0, ys));
             add(
                 g + 1,
-                isum_crumbs::<1, H, T>(&t.qs[g + 1], Some(hb), g + 1, h0, ys),
+                isum_crumbs::<1, H, T>(t.qs(g + 1), Some(hb), g + 1, h0, ys),
             );
         }
         let sc: &[[u8; TR]; 16] = bytemuck::cast_ref(&t.sc);

@@ -356,7 +356,7 @@ impl TileKernel for Q3K {
     unsafe fn isum<const T: usize>(t: &TileQ3K, ys: [&BlockQ8K; T], _: [i32; T]) -> [__m512i; T] {
         let mut total = [_mm512_setzero_si512(); T];
         for g in 0..16 {
-            let part = isum_crumbs(&t.qs[g], Some(&t.hb[g / 2]), g, ys);
+            let part = isum_crumbs(t.qs(g), Some(t.hb(g)), g, ys);
             let sc = _mm512_cvtepi8_epi32(load16(&t.sc[g]));
             for i in 0..T {
                 let p = _mm512_sub_epi32(part[i], _mm512_set1_epi32(4 * ys[i].bsums[g] as i32));
