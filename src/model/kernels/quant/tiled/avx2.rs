@@ -64,19 +64,28 @@ pub trait TileKernel: Tiled {
     }
 }
 
-/// Bit `b` of each byte of `v` moved to bit 4 (with other bits: masked off by the caller).
+/// Bit `from` of each byte of `v` moved to bit `to` (both 0..8; the other bits are masked off by
+/// the caller). 16-bit shifts: bit `to` of either byte comes from bit `from` of that same byte,
+/// whatever crosses between the two is among the bits masked off. Callers pass constants, so the
+/// match folds to one immediate shift.
 #[inline(always)]
-unsafe fn bit_to_4(v: __m256i, b: usize) -> __m256i {
-    // 16-bit shifts: what crosses into a neighbouring byte is masked off afterwards.
-    match b {
-        0 => _mm256_slli_epi16::<4>(v),
-        1 => _mm256_slli_epi16::<3>(v),
+unsafe fn move_bit(v: __m256i, from: usize, to: usize) -> __m256i {
+    match to as isize - from as isize {
+        7 => _mm256_slli_epi16::<7>(v),
+        6 => _mm256_slli_epi16::<6>(v),
+        5 => _mm256_slli_epi16::<5>(v),
+        4 => _mm256_slli_epi16::<4>(v),
+        3 => _mm256_slli_epi16::<3>(v),
         2 => _mm256_slli_epi16::<2>(v),
-        3 => _mm256_slli_epi16::<1>(v),
-        4 => v,
-        5 => _mm256_srli_epi16::<1>(v),
-        6 => _mm256_srli_epi16::<2>(v),
-        _ => _mm256_srli_epi16::<3>(v),
+        1 => _mm256_slli_epi16::<1>(v),
+        0 => v,
+        -1 => _mm256_srli_epi16::<1>(v),
+        -2 => _mm256_srli_epi16::<2>(v),
+        -3 => _mm256_srli_epi16::<3>(v),
+        -4 => _mm256_srli_epi16::<4>(v),
+        -5 => _mm256_srli_epi16::<5>(v),
+        -6 => _mm256_srli_epi16::<6>(v),
+        _ => _mm256_srli_epi16::<7>(v),
     }
 }
 
@@ -88,8 +97,8 @@ unsafe fn unpack_group(w: __m256i, bits: Option<__m256i>, g: usize) -> [__m256i;
     let mut lo = _mm256_and_si256(w, m4);
     let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), m4);
     if let Some(b) = bits {
-        lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(b, 2 * g), m10));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(b, 2 * g + 1), m10));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(move_bit(b, 2 * g, 4), m10));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(move_bit(b, 2 * g + 1, 4), m10));
     }
     [lo, hi]
 }
@@ -422,25 +431,10 @@ unsafe fn nibbles16(s: &[u8; TR], h: usize, high: bool) -> __m256i {
     _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b))
 }
 
-/// Bit `B` of each byte of `v` moved to bit 2 (other bits: masked off by the caller). 16-bit
-/// shifts of at most 5: bit 2 of either byte comes from a bit of that same byte.
-#[inline(always)]
-unsafe fn bit_to_2<const B: usize>(v: __m256i) -> __m256i {
-    match B {
-        0 => _mm256_slli_epi16::<2>(v),
-        1 => _mm256_slli_epi16::<1>(v),
-        2 => v,
-        3 => _mm256_srli_epi16::<1>(v),
-        4 => _mm256_srli_epi16::<2>(v),
-        5 => _mm256_srli_epi16::<3>(v),
-        6 => _mm256_srli_epi16::<4>(v),
-        _ => _mm256_srli_epi16::<5>(v),
-    }
-}
-
 /// Halves `h0..h0+H`: Σ q·y over the 16 values of group `g` of a Q2_K/Q3_K tile as i16 pair sums
 /// (q ≤ 7: four maddubs steps ≤ 4·2·7·127 = 7 112), ready for `madd` with the scales. Q3_K's
-/// third bits are bits `4·ODD + n` of `hb` (`ODD` = g % 2, a constant so every shift is one).
+/// third bits are bits `4·ODD + n` of `hb` (`ODD` = g % 2, a constant so every shift is an
+/// immediate).
 #[inline(always)]
 unsafe fn isum_crumbs<const ODD: usize, const H: usize, const T: usize>(
     qs: &[u8; 4 * TR],
@@ -463,21 +457,7 @@ unsafe fn isum_crumbs<const ODD: usize, const H: usize, const T: usize>(
         let v = match hb {
             Some(hb) => {
                 let h = hb[k];
-                let third = if ODD == 0 {
-                    [
-                        bit_to_2::<0>(h),
-                        bit_to_2::<1>(h),
-                        bit_to_2::<2>(h),
-                        bit_to_2::<3>(h),
-                    ]
-                } else {
-                    [
-                        bit_to_2::<4>(h),
-                        bit_to_2::<5>(h),
-                        bit_to_2::<6>(h),
-                        bit_to_2::<7>(h),
-                    ]
-                };
+                let third: [__m256i; 4] = std::array::from_fn(|n| move_bit(h, 4 * ODD + n, 2));
                 std::array::from_fn(|n| _mm256_or_si256(crumbs[n], _mm256_and_si256(third[n], m4)))
             }
             None => crumbs,
