@@ -62,10 +62,15 @@ fn requantized(dtype: GgmlDType) -> PathBuf {
     path
 }
 
-fn load(path: &Path, kernels: Kernels, dense: bool) -> Engine {
+/// The file through our kernels, or (`dense`) dequantized to f32 through candle's matmuls.
+fn load(path: &Path, dense: bool) -> Engine {
     Engine::load(&LoadOptions {
         dtype: dense.then_some(candle_core::DType::F32),
-        kernels,
+        kernels: if dense {
+            Kernels::Candle
+        } else {
+            Kernels::Ours
+        },
         ctx: Some(512),
         ..LoadOptions::for_path(path)
     })
@@ -87,8 +92,8 @@ fn ppl(e: &Engine) -> Perplexity {
 
 fn check(dtype: GgmlDType) {
     let path = requantized(dtype);
-    let ours = ppl(&load(&path, Kernels::Ours, false));
-    let dense = ppl(&load(&path, Kernels::Candle, true));
+    let ours = ppl(&load(&path, false));
+    let dense = ppl(&load(&path, true));
     let vs_dense = paired(&ours, &dense, "f32").unwrap();
     let figures = format!(
         "{dtype:?}: ours {:.4}, dequantized f32 {:.4}; ours against f32 {:+.2} ± {:.2} %",
