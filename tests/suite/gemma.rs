@@ -129,14 +129,18 @@ fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out(
     assert_eq!(tk.decode(&with_turn, true).unwrap(), text);
 }
 
-/// kvchat's perplexity of the bundled bench text in `max_chunks` chunks of `chunk`.
+/// kvchat's perplexity of the bundled bench text in `max_chunks` chunks of `chunk`, each chunk in
+/// one prefill as llama-perplexity batches it (`kvchat ppl`'s token-by-token scoring gives the same
+/// tokens' figure; the cache's own decode past the window is checked by the windowed-cache test
+/// below). A prefill of 1024 runs in the forward's steps, so its sliding-window layers drop their
+/// oldest rows between steps as they do between tokens.
 fn ppl(chunk: usize, max_chunks: usize) -> f64 {
     let e = gemma();
     let ids = e
         .tokenizer()
         .encode(kvchat::eval::bench::BENCH_TEXT)
         .unwrap();
-    kvchat::eval::ppl::perplexity(e, "full".parse().unwrap(), &ids, chunk, max_chunks, false)
+    kvchat::eval::ppl::perplexity_prefilled(e, &ids, chunk, max_chunks)
         .unwrap()
         .ppl
 }
@@ -172,11 +176,11 @@ fn gemma3_windowed_cache_answers_as_the_full_recompute_past_the_window_in_under_
     let e = gemma();
     let prompt = kvchat::eval::bench::bench_tokens(e, 700).unwrap();
     let cached = CacheSpec::full(Precision::F16, e.ctx());
-    let (tokens, _) = crate::common::greedy_with(e, &cached, &prompt, 8);
+    let (tokens, _) = crate::common::greedy_with(e, &cached, &prompt, 4);
     // --no-cache keeps no rows: every step recomputes all positions, each sliding-window layer
     // masking per query row what the cache drops.
     let (recomputed, _) =
-        crate::common::greedy_with(e, &CacheSpec::none(Precision::F16), &prompt, 8);
+        crate::common::greedy_with(e, &CacheSpec::none(Precision::F16), &prompt, 4);
     assert_eq!(tokens, recomputed);
     // Bytes: 15 of 18 layers hold 512 + 64 spare positions; at 8192 that is 0.23 of a uniform cache.
     let mut s = e.session(&cached);
