@@ -64,6 +64,41 @@ pub struct Block {
     /// Some layers are Gated DeltaNet layers with a recurrent state (`ssm.*` keys:
     /// `Config::recurrent`, qwen35).
     pub delta_net: bool,
+    /// Which layers attend within a sliding window (`attention.sliding_window`), and the
+    /// rotation those layers use.
+    pub swa: Swa,
+    /// What the attention scores are scaled by.
+    pub attn_scale: AttnScale,
+    /// Layers may differ in shape and carry extra inputs (gemma4): each layer's KV heads and
+    /// FFN width, the local layers' head size, KV shared from earlier layers, per-layer token
+    /// embeddings, a final logit softcap, and experts beside the dense FFN when the file has them.
+    pub layer_shapes: bool,
+}
+
+/// Which layers attend within a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Swa {
+    /// None: every layer attends to the whole sequence.
+    None,
+    /// Every other layer, starting with the first, at the global layers' rotation (llama.cpp's
+    /// swa pattern 2: gpt-oss).
+    Alternate,
+    /// The file's `attention.sliding_window_pattern` (flags per layer, or every n-th layer
+    /// global), else five local layers for every global one (llama.cpp's swa pattern 6: layer i
+    /// is global when i % 6 == 5); the local layers rotate with base 10,000 (llama.cpp's
+    /// rope_freq_base_train_swa for gemma3), or the file's value under `base_key` when it has one.
+    Pattern { base_key: Option<&'static str> },
+}
+
+/// The factor on q·k.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AttnScale {
+    /// 1/√head_dim.
+    HeadDim,
+    /// 1 (gemma4 norms q instead: llama.cpp's f_attention_scale).
+    One,
+    /// 1/√head_dim, but 1/√(hidden / heads) for the 62-layer model (Gemma 3 27B, as llama.cpp).
+    Gemma3,
 }
 
 impl Block {
@@ -82,6 +117,9 @@ impl Block {
             out_scale: false,
             q_gate: false,
             delta_net: false,
+            swa: Swa::None,
+            attn_scale: AttnScale::HeadDim,
+            layer_shapes: false,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -100,6 +138,8 @@ impl Block {
                 embed_scale: true,
                 act: Activation::GeluTanh,
                 neox_rope: true,
+                swa: Swa::Pattern { base_key: None },
+                attn_scale: AttnScale::Gemma3,
                 ..plain
             },
             "gemma4" => Block {
@@ -110,6 +150,11 @@ impl Block {
                 neox_rope: true,
                 v_norm: true,
                 out_scale: true,
+                swa: Swa::Pattern {
+                    base_key: Some("rope.freq_base_swa"),
+                },
+                attn_scale: AttnScale::One,
+                layer_shapes: true,
                 ..plain
             },
             "gpt-oss" => Block {
@@ -118,6 +163,7 @@ impl Block {
                 ffn_norm: "post_attention_norm",
                 attn_sinks: true,
                 moe: true,
+                swa: Swa::Alternate,
                 ..plain
             },
             // Attention layers between Gated DeltaNet ones (`Config::recurrent`); the MoE models'
@@ -461,11 +507,8 @@ impl Config {
         } else {
             RopeStyle::Interleaved
         };
-        // Gemma 3: five sliding-window layers for every global one (llama.cpp's swa pattern 6:
-        // layer i is global when i % 6 == 5), unless the file states its pattern; local layers
-        // rotate with base 10,000 (llama.cpp's rope_freq_base_train_swa for gemma3).
-        // Gemma 4 26B-A4B: experts beside each dense FFN.
-        let beside = arch == "gemma4" && md.contains_key(&format!("{arch}.expert_count"));
+        // Experts beside each dense FFN (Gemma 4 26B-A4B).
+        let beside = block.layer_shapes && md.contains_key(&format!("{arch}.expert_count"));
         let experts = if block.moe || beside {
             Some(Experts {
                 count: get_u("expert_count")?,
@@ -494,56 +537,52 @@ impl Config {
                 }
             }
         }
-        let (sliding_window, rope_base_local) = if arch == "gpt-oss" {
-            // Every other layer attends within the window, starting with the first (llama.cpp's
-            // swa pattern 2), at the global layers' base.
-            let w = get_u("attention.sliding_window")?;
-            (Some((w, (0..n_layer).map(|i| i % 2 == 0).collect())), None)
-        } else if arch == "gemma3" || arch == "gemma4" {
-            let w = get_u("attention.sliding_window")?;
-            if w == 0 {
-                bail!("GGUF {arch}.attention.sliding_window is 0");
+        let (sliding_window, rope_base_local) = match block.swa {
+            Swa::None => (None, None),
+            Swa::Alternate => {
+                let w = get_u("attention.sliding_window")?;
+                (Some((w, (0..n_layer).map(|i| i % 2 == 0).collect())), None)
             }
-            let pattern = match md.get(&format!("{arch}.attention.sliding_window_pattern")) {
-                Some(gguf_file::Value::Array(a)) => {
-                    if a.len() != n_layer {
-                        bail!(
+            Swa::Pattern { base_key } => {
+                let w = get_u("attention.sliding_window")?;
+                if w == 0 {
+                    bail!("GGUF {arch}.attention.sliding_window is 0");
+                }
+                let pattern = match md.get(&format!("{arch}.attention.sliding_window_pattern")) {
+                    Some(gguf_file::Value::Array(a)) => {
+                        if a.len() != n_layer {
+                            bail!(
                             "GGUF {arch}.attention.sliding_window_pattern has {} entries for {n_layer} layers",
                             a.len()
                         );
-                    }
-                    a.iter()
+                        }
+                        a.iter()
                         .map(|v| v.to_bool().map_err(|_| anyhow::anyhow!("GGUF {arch}.attention.sliding_window_pattern holds a non-boolean")))
                         .collect::<Result<Vec<bool>>>()?
-                }
-                Some(_) => {
-                    let n = get_u("attention.sliding_window_pattern")?;
-                    if n == 0 {
-                        bail!("GGUF {arch}.attention.sliding_window_pattern is 0");
                     }
-                    (0..n_layer).map(|i| i % n < n - 1).collect()
-                }
-                None => (0..n_layer).map(|i| i % 6 < 5).collect(),
-            };
-            let local_base = match arch.as_str() {
-                "gemma4" => get_f("rope.freq_base_swa").unwrap_or(10_000.0),
-                _ => 10_000.0,
-            };
-            (Some((w, pattern)), Some(local_base))
-        } else {
-            (None, None)
+                    Some(_) => {
+                        let n = get_u("attention.sliding_window_pattern")?;
+                        if n == 0 {
+                            bail!("GGUF {arch}.attention.sliding_window_pattern is 0");
+                        }
+                        (0..n_layer).map(|i| i % n < n - 1).collect()
+                    }
+                    None => (0..n_layer).map(|i| i % 6 < 5).collect(),
+                };
+                let local_base = match base_key {
+                    Some(key) => get_f(key).unwrap_or(10_000.0),
+                    None => 10_000.0,
+                };
+                (Some((w, pattern)), Some(local_base))
+            }
         };
-        // llama.cpp: Gemma 3 27B scales by 1/√(hidden / heads), every other size by 1/√head_dim.
-        let attn_scale = if arch == "gemma3" && n_layer == 62 {
-            1.0 / ((hidden / n_head.max(1)) as f32).sqrt()
-        } else if arch == "gemma4" {
-            // Gemma 4 norms q and scales its scores by 1 (llama.cpp's f_attention_scale).
-            1.0
-        } else {
-            1.0 / (head_dim as f32).sqrt()
+        let attn_scale = match block.attn_scale {
+            AttnScale::Gemma3 if n_layer == 62 => 1.0 / ((hidden / n_head.max(1)) as f32).sqrt(),
+            AttnScale::One => 1.0,
+            AttnScale::HeadDim | AttnScale::Gemma3 => 1.0 / (head_dim as f32).sqrt(),
         };
         let uniform = kv_heads.iter().all(|&k| k == n_kv_head) && ffns.iter().all(|&f| f == ffn);
-        let layers = if arch == "gemma4" {
+        let layers = if block.layer_shapes {
             Some(LayerShapes {
                 head_dim_local: get_u("attention.key_length_swa").unwrap_or(head_dim),
                 rope_dim_local: get_u("rope.dimension_count_swa").unwrap_or(rope_dim),
@@ -558,13 +597,13 @@ impl Config {
         } else {
             None
         };
-        let per_layer_embd = match arch.as_str() {
-            "gemma4" => get_u("embedding_length_per_layer_input").unwrap_or(0),
-            _ => 0,
+        let per_layer_embd = match block.layer_shapes {
+            true => get_u("embedding_length_per_layer_input").unwrap_or(0),
+            false => 0,
         };
-        let final_softcap = match arch.as_str() {
-            "gemma4" => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
-            _ => None,
+        let final_softcap = match block.layer_shapes {
+            true => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
+            false => None,
         };
         let recurrent = match block.delta_net {
             true => {
