@@ -218,13 +218,18 @@ and good bread, we do not drive, and we would like to see the capital for two da
 somewhere by the sea. My daughter asks which city is the capital of France and which rivers \
 run through the country. What is the capital of France? Answer in one sentence, then name two \
 rivers of France."
+  # Every precision and eviction policy the binary has, as its own flag errors list them (a new
+  # one joins the check without an edit here).
+  precisions=$("$bin" run --kv-type '?' hi 2>&1 | sed -n 's/.*\[possible values: \(.*\)\]/\1/p' | tr -d ',')
+  policies=$("$bin" run --kv-budget 68 --kv-evict '?' hi 2>&1 | sed -n 's/.*(choose \(.*\)).*/\1/p' | tr -d ',')
+  [ -n "$precisions" ] && [ -n "$policies" ] || fail "$bin did not list its precisions ('$precisions') and policies ('$policies')"
   combos=("--no-cache --kv-type f32")
-  for p in f32 f16 bf16 int8 int4; do
+  for p in $precisions; do
     for ret in "" "--kv-window 24 --kv-sinks 4"; do
       for off in "" "--kv-offload"; do combos+=("--kv-type $p $ret $off"); done
     done
   done
-  for pol in snapkv tova h2o; do combos+=("--kv-type f16 --kv-budget 68 --kv-evict $pol"); done
+  for pol in $policies; do combos+=("--kv-type f16 --kv-budget 68 --kv-evict $pol"); done
   combos+=("--kv-type int8 --kv-budget 68" "--kv-type f16 --kv-budget 68 --kv-offload"
     "--kv-type f16 --kv-budget 68 --kv-budget-shape pyramid")
   combos+=("--kv-type f16 --draft ngram" "--kv-type int8 --draft ngram" "--kv-type f16 --kv-window 24 --draft ngram")
