@@ -1246,10 +1246,15 @@ mod avx2 {
         let mut sum = _mm256_madd_epi16(d16, load32(&y.bsums));
         for c in 0..8 {
             let yc = load32(&y.qs[32 * c..32 * c + 32]);
-            let p = _mm256_madd_epi16(u.sc8[c], _mm256_maddubs_epi16(u.g1[c], yc));
-            sum = _mm256_add_epi32(sum, p);
+            sum = _mm256_add_epi32(sum, grid_part(u, c, yc));
         }
         sum
+    }
+
+    /// Chunk `c`'s madd(8·scales_c, maddubs(g + 1, y)): the grid values' share of its pair sums.
+    #[inline(always)]
+    unsafe fn grid_part(u: &ShiftedRegs, c: usize, yc: __m256i) -> __m256i {
+        _mm256_madd_epi16(u.sc8[c], _mm256_maddubs_epi16(u.g1[c], yc))
     }
 
     /// Σ_c madd(8·scales_c, maddubs(g + 1, y)) + madd((δ − 8)·scales_c, maddubs(1, y)): the
@@ -1260,7 +1265,7 @@ mod avx2 {
         let mut sum = _mm256_setzero_si256();
         for c in 0..8 {
             let yc = load32(&y.qs[32 * c..32 * c + 32]);
-            let p = _mm256_madd_epi16(u.sc8[c], _mm256_maddubs_epi16(u.g1[c], yc));
+            let p = grid_part(u, c, yc);
             let s = _mm256_madd_epi16(u.scd[c], _mm256_maddubs_epi16(one, yc));
             sum = _mm256_add_epi32(sum, _mm256_add_epi32(p, s));
         }
