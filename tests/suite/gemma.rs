@@ -130,10 +130,10 @@ fn gemma3_answers_keep_their_newlines_and_tabs_when_special_tokens_are_left_out(
 }
 
 /// kvchat's perplexity of the bundled bench text in `max_chunks` chunks of `chunk`, each chunk in
-/// one prefill as llama-perplexity batches it (`kvchat ppl`'s token-by-token scoring gives the same
-/// tokens' figure; the cache's own decode past the window is checked by the windowed-cache test
-/// below). A prefill of 1024 runs in the forward's steps, so its sliding-window layers drop their
-/// oldest rows between steps as they do between tokens.
+/// one prefill as llama-perplexity batches it. The tokens scored are those `kvchat ppl` scores one
+/// decode step at a time; the values differ from its by rounding only. A prefill of 1024 runs in
+/// the forward's 512-position steps, so its sliding-window layers drop their oldest rows between
+/// steps; the cache's own decode past the window is checked by the windowed-cache test below.
 fn ppl(chunk: usize, max_chunks: usize) -> f64 {
     let e = gemma();
     let ids = e

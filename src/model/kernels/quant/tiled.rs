@@ -214,10 +214,10 @@ fn interleave_crumbs(v: &[u8; 256], r: usize, qs: &mut [[u8; 4 * TR]; 16]) {
     }
 }
 
-/// Value `e`'s 2-bit quant in a Q2_K/Q3_K tile's `qs` (row `r`).
-fn crumb_at(qs: &[[u8; 4 * TR]; 16], r: usize, e: usize) -> u8 {
-    let (g, k, j) = (e / 16, e % 16 / 4, e % 4);
-    (qs[g][4 * r + j] >> (2 * k)) & 3
+/// Value `e`'s 2-bit quant (row `r`) in `group`, the tile's low bits of its group `e / 16`.
+fn crumb_at(group: &[u8; 4 * TR], r: usize, e: usize) -> u8 {
+    let (k, j) = (e % 16 / 4, e % 4);
+    (group[4 * r + j] >> (2 * k)) & 3
 }
 
 impl Tiled for Q2K {
@@ -237,7 +237,7 @@ impl Tiled for Q2K {
         let (d, dmin) = (t.d[r].to_f32(), t.dmin[r].to_f32());
         for (e, o) in out.iter_mut().enumerate() {
             let s = t.scm[e / 16][r];
-            let q = crumb_at(&t.qs, r, e);
+            let q = crumb_at(&t.qs[e / 16], r, e);
             *o = d * (s & 0xF) as f32 * q as f32 - dmin * (s >> 4) as f32;
         }
     }
@@ -270,11 +270,10 @@ impl Tiled for Q3K {
     }
     fn dequantize_row(t: &TileQ3K, r: usize, out: &mut [f32]) {
         let d = t.d[r].to_f32();
-        let qs: [[u8; 4 * TR]; 16] = std::array::from_fn(|g| *t.qs(g));
         for (e, o) in out.iter_mut().enumerate() {
             let (g, k, j) = (e / 16, e % 16 / 4, e % 4);
             let hi = (t.hb(g)[4 * r + j] >> (4 * (g % 2) + k)) & 1;
-            let q = (crumb_at(&qs, r, e) | (hi << 2)) as i32 - 4;
+            let q = (crumb_at(t.qs(g), r, e) | (hi << 2)) as i32 - 4;
             *o = d * t.sc[g][r] as f32 * q as f32;
         }
     }
