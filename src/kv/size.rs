@@ -2,6 +2,7 @@
 //! precision and retention — the arithmetic that `kvchat kv-size` prints and that the caches' own
 //! `bytes_used` must match (a test compares them).
 
+use super::layer::grown_capacity;
 use super::{CacheMode, CacheSpec, Precision, Retention};
 use crate::model::Config;
 
@@ -64,35 +65,49 @@ impl KvDims {
 
     /// The most bytes a cache built from `spec` (its `max_positions` the sequence's last
     /// position) can allocate, layer by layer, for a sequence whose first forward is `prompt`
-    /// positions fed in steps of at most `chunk`, then one position a step: what a server reserves
-    /// so that no step can take more. Follows the layers' growth rules (`kv::layer`): a full layer
-    /// holds at most `max_positions`; a window its sinks and window (at most `max_positions`),
-    /// plus a step's rows waiting to enter the ring once the sequence is longer than that; a
-    /// budget the whole prompt until its first eviction, then its budget and slack; a quantized
-    /// layer also its f16 residual.
+    /// positions fed in steps of at most `chunk`, then one position a step: what a server refuses
+    /// a request by when even the whole pool could not hold it. The larger of
+    /// [`bytes_up_to`](Self::bytes_up_to) at the prompt's end and at the last position, layer by
+    /// layer.
     pub fn bytes_at_most(spec: &CacheSpec, cfg: &Config, prompt: usize, chunk: usize) -> f64 {
         let n = spec.max_positions;
-        // Recurrent states (Qwen3.5) and the most snapshots of them a cache keeps.
+        Self::by_layer(spec, cfg, |r| {
+            held_up_to(r, n, prompt, chunk, prompt).max(held_up_to(r, n, prompt, chunk, n))
+        })
+    }
+
+    /// Bytes a cache built from `spec` holds once its sequence is `upto` positions long, the
+    /// first forward `prompt` positions in steps of at most `chunk` and then one position a step:
+    /// what a server counts a sequence for before its next step, so that the memory a long
+    /// `max_tokens` may never use is not held. Follows the layers' growth rules (`kv::layer`): a
+    /// full layer's store grows by [`grown_capacity`] up to `max_positions`; a window's ring the
+    /// same up to its sinks and window, plus a step's rows waiting to enter it once the sequence
+    /// is longer than that; a budget holds the whole prompt until its first eviction, then its
+    /// budget and slack; a quantized layer also its f16 residual.
+    pub fn bytes_up_to(
+        spec: &CacheSpec,
+        cfg: &Config,
+        prompt: usize,
+        chunk: usize,
+        upto: usize,
+    ) -> f64 {
+        let n = spec.max_positions;
+        Self::by_layer(spec, cfg, |r| held_up_to(r, n, prompt, chunk, upto))
+    }
+
+    /// Recurrent states (Qwen3.5, with the most snapshots a cache keeps) plus each KV layer's
+    /// bytes for the positions `held(retention)` says its stores allocate.
+    fn by_layer(spec: &CacheSpec, cfg: &Config, held: impl Fn(Retention) -> usize) -> f64 {
+        let n = spec.max_positions;
         let states = cfg.recurrent.as_ref().map_or(0, |r| {
             r.count() * r.layer_bytes() * (1 + super::MAX_SNAPSHOTS)
         }) as f64;
         states
             + (0..cfg.kv_layers())
                 .map(|i| {
-                    let held = match spec.layer_spec(cfg, i).retention {
-                        Retention::None => 0,
-                        Retention::All => n,
-                        Retention::Window { window, sinks } if n > window + sinks => {
-                            window + sinks + chunk.min(n)
-                        }
-                        Retention::Window { .. } => n,
-                        Retention::Budget { budget, .. } => {
-                            prompt.max(budget + crate::kv::SLACK + 1).min(n)
-                        }
-                    };
                     Self::layer(cfg, i).bytes_for(
                         spec.mode.precision,
-                        held,
+                        held(spec.layer_spec(cfg, i).retention),
                         spec.mode.residual.min(n),
                     )
                 })
@@ -122,6 +137,28 @@ impl KvDims {
             Retention::Budget { budget, .. } => n.min(budget),
         };
         self.bytes_for(mode.precision, held, mode.residual.min(n))
+    }
+}
+
+/// Positions a layer of `retention` allocates once its sequence is `upto` positions long (at
+/// most `n`), the prompt's `prompt` positions fed in steps of at most `chunk` (`KvDims::bytes_up_to`).
+fn held_up_to(retention: Retention, n: usize, prompt: usize, chunk: usize, upto: usize) -> usize {
+    let upto = upto.min(n);
+    // Rows of the last step waiting to enter a window's ring: a prompt's step, then a position.
+    let step = if upto > prompt {
+        1
+    } else {
+        chunk.min(prompt).max(1)
+    };
+    match retention {
+        Retention::None => 0,
+        Retention::All => grown_capacity(upto, n),
+        Retention::Window { window, sinks } => {
+            let ring = window + sinks;
+            let need = upto.min(ring);
+            grown_capacity(need, ring.min(n.max(need))) + if upto > ring { step } else { 0 }
+        }
+        Retention::Budget { budget, .. } => prompt.max(budget + crate::kv::SLACK + 1).min(n),
     }
 }
 

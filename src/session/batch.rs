@@ -1,6 +1,7 @@
 //! Continuous batching's loop, without a server: sequences join a running batch between steps,
 //! each step decodes one token of every sequence in one forward ([`Session::feed_each`]), and a
-//! sequence leaves when it ends. Each sequence samples with its own sampler and history exactly
+//! sequence leaves when it ends, or is preempted ([`Batch::preempt`]) and resumed later with the
+//! same answer ([`Batch::resume`]). Each sequence samples with its own sampler and history exactly
 //! as [`Session::decode`] does alone, and its rows get the bits of its own single steps, so its
 //! tokens are the ones it would generate alone — whatever joined or left around it.
 
@@ -16,8 +17,35 @@ struct Running<'m> {
     /// The logits its next token is sampled from.
     logits: Tensor,
     out: Vec<u32>,
+    /// Tokens of `out` still to be fed again after a resumption, first one first.
+    replay: std::collections::VecDeque<u32>,
     max_tokens: usize,
     stop_ids: Vec<u32>,
+}
+
+/// A preempted sequence without its session: what it needs to go on as if it had never left.
+pub struct Paused {
+    sampler: Sampler,
+    out: Vec<u32>,
+    max_tokens: usize,
+    stop_ids: Vec<u32>,
+}
+
+impl Paused {
+    /// A sequence that has generated nothing yet.
+    pub fn new(sampler: Sampler, max_tokens: usize, stop_ids: &[u32]) -> Self {
+        Self {
+            sampler,
+            out: Vec::new(),
+            max_tokens,
+            stop_ids: stop_ids.to_vec(),
+        }
+    }
+
+    /// The tokens it generated before it was preempted.
+    pub fn tokens(&self) -> &[u32] {
+        &self.out
+    }
 }
 
 /// A sequence that left the batch: its id, its tokens, why it stopped, and its session (the
@@ -57,23 +85,56 @@ impl<'m> Batch<'m> {
     pub fn join(
         &mut self,
         id: u64,
-        mut session: Session<'m>,
+        session: Session<'m>,
         prompt: &[u32],
         sampler: Sampler,
         max_tokens: usize,
         stop_ids: &[u32],
     ) -> Result<()> {
+        self.resume(
+            id,
+            session,
+            prompt,
+            Paused::new(sampler, max_tokens, stop_ids),
+        )
+    }
+
+    /// A preempted sequence goes on: `session` holds (or is fed here) the prompt it had, and
+    /// the tokens it generated before are fed again one a step with the others, as they were the
+    /// first time, before it samples again with the sampler it had. Its rows then have the bits
+    /// they had, and its next tokens are the ones it would have generated had it never left.
+    pub fn resume(
+        &mut self,
+        id: u64,
+        mut session: Session<'m>,
+        prompt: &[u32],
+        paused: Paused,
+    ) -> Result<()> {
         let logits = session.feed(prompt)?;
         self.running.push(Running {
             id,
             session,
-            sampler,
+            sampler: paused.sampler,
             logits,
-            out: Vec::new(),
-            max_tokens,
-            stop_ids: stop_ids.to_vec(),
+            replay: paused.out.iter().copied().collect(),
+            out: paused.out,
+            max_tokens: paused.max_tokens,
+            stop_ids: paused.stop_ids,
         });
         Ok(())
+    }
+
+    /// Sequence `id` leaves to make room (its session, and so its rows, are dropped) and may be
+    /// [`resume`](Self::resume)d later. None: no such sequence runs.
+    pub fn preempt(&mut self, id: u64) -> Option<Paused> {
+        let i = self.running.iter().position(|r| r.id == id)?;
+        let r = self.running.remove(i);
+        Some(Paused {
+            sampler: r.sampler,
+            out: r.out,
+            max_tokens: r.max_tokens,
+            stop_ids: r.stop_ids,
+        })
     }
 
     /// The running sequences' ids and sessions (what a new sequence may copy a prefix from).
@@ -113,6 +174,12 @@ impl<'m> Batch<'m> {
         let mut i = 0;
         while i < self.running.len() {
             let r = &mut self.running[i];
+            if let Some(token) = r.replay.pop_front() {
+                // Resumed: a token it generated before is fed again, not sampled or told.
+                next.push(token);
+                i += 1;
+                continue;
+            }
             let token = r.sampler.sample(&r.logits, r.session.tokens())?;
             // As `Session::decode` takes a token: a stop id is not kept.
             let reason = if r.stop_ids.contains(&token) {

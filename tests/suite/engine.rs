@@ -361,6 +361,82 @@ fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone(
     }
 }
 
+#[test]
+fn a_sequence_preempted_and_resumed_twice_generates_what_it_generates_alone() {
+    // A server's preemption: sequence 1 (sampling at temperature 0.8 with a seed) leaves the
+    // batch at step 10, its rows dropped; it resumes at step 15 from its prompt alone, leaves
+    // again at step 18 while its 10 tokens are still being fed again, and resumes at step 20.
+    // Both sequences' tokens are those they generate alone, each told once.
+    let e = engine();
+    let spec = full();
+    let questions = ["Name three colours.", "Write a haiku about the sea."];
+    let params = [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 0.8,
+            seed: 11,
+            ..Default::default()
+        },
+    ];
+    let limit = 40;
+    let alone: Vec<Vec<u32>> = (0..2)
+        .map(|i| {
+            let mut s = e.session(&spec);
+            let logits = s.feed(&chat_ids(questions[i])).unwrap();
+            let mut sampler = Sampler::new(params[i].clone());
+            let (out, ..) = s
+                .decode(logits, &mut sampler, limit, e.stop_ids(), false, |_| {
+                    Ok(true)
+                })
+                .unwrap();
+            out
+        })
+        .collect();
+    assert!(alone[1].len() > 20, "{:?}", alone[1]);
+    let mut batch = kvchat::session::batch::Batch::new();
+    for i in 0..2 {
+        let sampler = Sampler::new(params[i].clone());
+        let prompt = chat_ids(questions[i]);
+        batch
+            .join(
+                i as u64,
+                e.session(&spec),
+                &prompt,
+                sampler,
+                limit,
+                e.stop_ids(),
+            )
+            .unwrap();
+    }
+    let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); 2];
+    let mut finished = Vec::new();
+    let mut paused = None;
+    let mut step = 0;
+    while finished.len() < 2 {
+        match step {
+            10 | 18 => {
+                let p = batch.preempt(1).unwrap();
+                assert_eq!(p.tokens(), &alone[1][..10]);
+                paused = Some(p);
+            }
+            15 | 20 => {
+                let prompt = chat_ids(questions[1]);
+                let p = paused.take().unwrap();
+                batch.resume(1, e.session(&spec), &prompt, p).unwrap();
+            }
+            _ => {}
+        }
+        finished.extend(batch.step(|id, t| streamed[id as usize].push(t)).unwrap());
+        step += 1;
+        assert!(step < 200, "the batch never emptied");
+    }
+    for f in &finished {
+        let i = f.id as usize;
+        assert_eq!(f.tokens, alone[i], "sequence {i}");
+        assert_eq!(streamed[i], alone[i], "sequence {i}: the tokens as told");
+    }
+}
+
 /// Two prompts that share their first ~650 tokens and then part.
 fn two_prompts_sharing_a_start() -> (Vec<u32>, Vec<u32>) {
     let e = engine();
@@ -504,7 +580,7 @@ fn blocks_of_other_tokens_are_refused_and_change_nothing() {
 }
 
 #[test]
-fn no_cache_allocates_more_than_a_server_reserves_for_it_on_any_axis() {
+fn no_cache_allocates_more_than_a_server_counts_for_it_at_any_length_on_any_axis() {
     use kvchat::kv::size::KvDims;
     let e = engine();
     let prompt = e
@@ -530,10 +606,27 @@ fn no_cache_allocates_more_than_a_server_reserves_for_it_on_any_axis() {
             spec.build(&e.model().cfg, e.kv_device()),
             positions,
         );
+        let chunk = e.model().prefill_chunk;
+        // What a server counts the sequence for at each length: at least what it holds, and
+        // exactly that when every position is kept.
+        let check = |s: &kvchat::session::Session| {
+            let n = s.tokens().len();
+            let now = KvDims::bytes_up_to(&spec, &e.model().cfg, prompt.len(), chunk, n);
+            let held = s.cache().bytes() as f64;
+            assert!(
+                held <= now,
+                "{mode} at {n}: {held} bytes held, {now} counted"
+            );
+            if mode.starts_with("full") {
+                assert_eq!(held, now, "{mode} at {n}");
+            }
+        };
         let mut tok = kvchat::session::argmax(&logits(&mut s, &prompt));
+        check(&s);
         let mut most = s.cache().bytes();
         for _ in 0..39 {
             tok = kvchat::session::argmax(&logits(&mut s, &[tok]));
+            check(&s);
             most = most.max(s.cache().bytes());
         }
         assert!(

@@ -512,6 +512,61 @@ fn a_small_pool_makes_requests_wait_never_exceeding_it() {
 }
 
 #[test]
+fn sequences_preempted_for_memory_finish_with_the_answers_they_get_alone() {
+    // SmolLM2's f16 KV is 23,040 bytes a position, and 13 MiB holds 591. Each request has a
+    // prompt of 11 or 15 tokens (no block to share) and 400 tokens to generate; its store holds
+    // 256 positions up to position 256, then all 411 or 415. The pool admits both at 256
+    // positions each, but not one of them past 256 beside the other: the newer is preempted
+    // there, and resumes when the older is done, its prompt prefilled and its tokens fed again.
+    let server = Arc::new(Server::start(&["--kv-pool", "13MiB", "--kv-type", "f16"]));
+    let count_from = |a: usize| {
+        let list: Vec<String> = (a..a + 4).map(|i| i.to_string()).collect();
+        list.join(", ") + ","
+    };
+    let prompts = [count_from(1), count_from(20)];
+    fn complete(s: &Server, p: &str) -> Value {
+        let body = json!({"model": "m", "prompt": p, "temperature": 0, "max_tokens": 400});
+        let (code, v, _) = s.post("/v1/completions", &body.to_string(), None);
+        assert_eq!(code, 200, "{v}");
+        v
+    }
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (s, p) = (server.clone(), p.clone());
+            std::thread::spawn(move || complete(&s, &p))
+        })
+        .collect();
+    let watcher = {
+        let s = server.clone();
+        std::thread::spawn(move || {
+            let mut most: f64 = 0.0;
+            while s.metric("kvchat_requests_finished_total") < 2.0 {
+                most = most
+                    .max(s.metric("kvchat_kv_pool_used_bytes"))
+                    .max(s.metric("kvchat_kv_allocated_bytes"));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        })
+    };
+    let together: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let most = watcher.join().unwrap();
+    assert!(
+        most > 0.0 && most <= (13 << 20) as f64,
+        "pool use peaked at {most}"
+    );
+    assert!(server.metric("kvchat_preemptions_total") >= 1.0);
+    assert!(server.metric("kvchat_recomputed_tokens_total") > 200.0);
+    for (p, t) in prompts.iter().zip(&together) {
+        assert_eq!(t["usage"]["completion_tokens"], 400, "{t}");
+        let alone = complete(&server, p);
+        assert_eq!(text_of(t), text_of(&alone), "{p}");
+    }
+    server.assert_settles();
+}
+
+#[test]
 fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
     for (args, says) in [
         (vec!["--host", "0.0.0.0"], "needs --api-key"),

@@ -9,12 +9,12 @@ pub const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 #[derive(Debug, Clone, Default)]
 pub struct Figures {
-    /// The KV pool's bound, and what running sequences reserved for their own rows and the
-    /// shared blocks hold in it.
+    /// The KV pool's bound, what running sequences' own rows take in it by their next step,
+    /// and what the shared blocks hold in it.
     pub pool_bytes: u64,
-    pub reserved_bytes: u64,
+    pub committed_bytes: u64,
     pub shared_bytes: u64,
-    /// What the caches have allocated now (≤ reserved + shared).
+    /// What the caches have allocated now (≤ committed + shared).
     pub allocated_bytes: u64,
     pub running: usize,
     pub waiting: usize,
@@ -25,6 +25,9 @@ pub struct Figures {
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
+    /// Sequences preempted for memory, and the positions their resumption refed.
+    pub preempted: u64,
+    pub recomputed_tokens: u64,
     /// Refused before the engine saw them: queue full (429), bad request (4xx).
     pub rejected_busy: u64,
     pub rejected_bad: u64,
@@ -70,14 +73,14 @@ impl Figures {
         );
         gauge(
             "kv_pool_used_bytes",
-            "KV bytes reserved by running sequences for their own rows plus held by shared blocks.",
-            (self.reserved_bytes + self.shared_bytes) as f64,
+            "KV bytes running sequences' own rows take by their next step, plus the shared blocks'.",
+            (self.committed_bytes + self.shared_bytes) as f64,
         );
         gauge(
             "kv_pool_free_bytes",
-            "KV bytes of the pool neither reserved nor held.",
+            "KV bytes of the pool neither taken nor held.",
             self.pool_bytes
-                .saturating_sub(self.reserved_bytes + self.shared_bytes) as f64,
+                .saturating_sub(self.committed_bytes + self.shared_bytes) as f64,
         );
         gauge(
             "kv_allocated_bytes",
@@ -154,6 +157,16 @@ impl Figures {
             "requests_failed_total",
             "Requests that failed in the engine.",
             self.failed as f64,
+        );
+        counter(
+            "preemptions_total",
+            "Sequences preempted for memory (their rows freed, refed when they resume).",
+            self.preempted as f64,
+        );
+        counter(
+            "recomputed_tokens_total",
+            "Positions refed to resume preempted sequences.",
+            self.recomputed_tokens as f64,
         );
         counter(
             "requests_rejected_busy_total",

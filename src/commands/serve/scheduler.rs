@@ -3,11 +3,16 @@
 //! stop text ends them or when their client goes.
 //!
 //! **The pool** holds two kinds of KV rows: each sequence's own, and blocks of
-//! [`SHARED_BLOCK`] positions that sequences share. A sequence's own store is built for exactly
-//! the positions it may own (its prompt past the shared blocks it starts from, and its
-//! `max_tokens`, within the context), so what it can ever allocate is known when it asks to join:
-//! it joins only when that much of `--kv-pool` is free beside the shared blocks. The pool is then
-//! a bound no step can cross, and no running sequence is ever preempted for memory.
+//! [`SHARED_BLOCK`] positions that sequences share. A sequence counts in it for what its own
+//! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow by doubling, up
+//! to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
+//! `max_tokens` takes no memory it does not use. A request joins when its prompt (and first
+//! step) fits beside the others' next steps and the shared blocks. Before each step, when the
+//! running sequences' next rows would pass `--kv-pool`, shared blocks nobody attends to go first,
+//! then the newest sequence is **preempted**: its rows are freed and it waits at the head of the
+//! queue; when it resumes, its prompt is prefilled again and the tokens it had generated are fed
+//! again one a step, as they were the first time ([`Batch::resume`]), so it finishes with the
+//! answer it would have given had it never left. The pool is a bound no step crosses.
 //!
 //! **Shared prefixes.** Once a sequence has prefilled its prompt, every full block of the prompt
 //! becomes a shared block (copied once from its rows), indexed by the tokens from position 0 to
@@ -26,7 +31,7 @@ use super::metrics::Metrics;
 use crate::engine::Engine;
 use crate::kv::size::KvDims;
 use crate::kv::{CacheSpec, SharedBlock, SHARED_BLOCK};
-use crate::session::batch::{Batch, Finished};
+use crate::session::batch::{Batch, Finished, Paused};
 use crate::session::{Sampler, Session, StopReason};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextStream;
@@ -78,18 +83,35 @@ struct Ready {
     job: Job,
     ids: Vec<u32>,
     max_tokens: usize,
+    /// Whether its client was told it started (it was preempted since, or while prefilling).
+    started: bool,
+    /// Set when it was preempted after it joined the batch: it goes on where it was.
+    resumed: Option<Resumed>,
+}
+
+/// What a sequence preempted in the batch keeps for its resumption.
+struct Resumed {
+    id: u64,
+    paused: Paused,
+    text: Text,
 }
 
 /// A request in the batch.
 struct Live {
-    events: UnboundedSender<Event>,
-    arrived: Instant,
+    job: Job,
+    text: Text,
+    /// Its prompt, and the positions of it read from shared blocks.
+    prompt: Vec<u32>,
+    shared: usize,
+    max_tokens: usize,
+}
+
+/// An answer's text on its way to the client.
+struct Text {
     first_token: bool,
     stream: TextStream,
     /// Decoded text not sent yet: it may be the start of a stop text.
     held: String,
-    stop: Vec<String>,
-    reserve: u64,
 }
 
 /// A request whose prompt is being prefilled, a chunk between two decode steps of the others.
@@ -97,10 +119,14 @@ struct Prefilling<'e> {
     ready: Ready,
     id: u64,
     session: Session<'e>,
-    sampler: Sampler,
+    /// How it samples and what it generated before (resumed), and, resumed, its text's state.
+    paused: Paused,
+    text: Option<Text>,
     /// Prompt positions taken from shared blocks.
     cached: usize,
-    reserve: u64,
+    /// Bytes its own stores hold once its prompt (and, resumed, the tokens it generated) is fed
+    /// and its next step too.
+    need: u64,
     /// Seconds spent prefilling it so far.
     seconds: f64,
 }
@@ -181,6 +207,8 @@ impl<'e> Scheduler<'e> {
             if !self.batch.is_empty() {
                 self.step();
             }
+            // (A request joins only when its next step fits: the steps after it may not.)
+            self.fit_step();
             self.publish();
         }
     }
@@ -189,7 +217,7 @@ impl<'e> Scheduler<'e> {
     fn accept(&mut self, job: Job) {
         match self.prepare(&job.request) {
             Ok((ids, max_tokens)) => {
-                let reserve = self.reserve(ids.len(), ids.len() + max_tokens);
+                let reserve = self.most_bytes(ids.len(), ids.len() + max_tokens);
                 if reserve > self.limits.pool {
                     self.refuse(
                         job,
@@ -207,6 +235,8 @@ impl<'e> Scheduler<'e> {
                     job,
                     ids,
                     max_tokens,
+                    started: false,
+                    resumed: None,
                 });
             }
             Err(e) => self.refuse(job, e),
@@ -270,21 +300,56 @@ impl<'e> Scheduler<'e> {
         Ok((ids, max_tokens))
     }
 
-    /// Bytes a cache for `positions` positions may allocate.
-    /// Bytes a sequence's own cache may ever allocate, built for `positions` positions of which
-    /// the first `prompt` are prefilled (`KvDims::bytes_at_most`).
-    fn reserve(&self, prompt: usize, positions: usize) -> u64 {
-        let spec = CacheSpec {
+    /// The cache a sequence's own stores make: built for `positions` positions, of which the
+    /// first `prompt` are its first forward.
+    fn own_spec(&self, positions: usize) -> CacheSpec {
+        CacheSpec {
             max_positions: positions,
             ..self.spec.clone()
-        };
-        let chunk = self.engine.model().prefill_chunk;
-        KvDims::bytes_at_most(&spec, &self.engine.model().cfg, prompt, chunk).ceil() as u64
+        }
     }
 
-    fn reserved(&self) -> u64 {
-        self.live.values().map(|l| l.reserve).sum::<u64>()
-            + self.prefilling.as_ref().map_or(0, |p| p.reserve)
+    /// Bytes a sequence's own stores may ever allocate (`KvDims::bytes_at_most`): a request
+    /// needing more than the pool is refused.
+    fn most_bytes(&self, prompt: usize, positions: usize) -> u64 {
+        let m = self.engine.model();
+        KvDims::bytes_at_most(&self.own_spec(positions), &m.cfg, prompt, m.prefill_chunk).ceil()
+            as u64
+    }
+
+    /// Bytes a sequence's own stores hold once it is `upto` positions long
+    /// (`KvDims::bytes_up_to`).
+    fn bytes_at(&self, prompt: usize, positions: usize, upto: usize) -> u64 {
+        let m = self.engine.model();
+        KvDims::bytes_up_to(
+            &self.own_spec(positions),
+            &m.cfg,
+            prompt,
+            m.prefill_chunk,
+            upto,
+        )
+        .ceil() as u64
+    }
+
+    /// Bytes running sequence `l` (its session `s`) holds once its next step is fed, counting
+    /// only positions past the shared blocks it reads (what it holds now, if more).
+    fn next_step_bytes(&self, l: &Live, s: &Session) -> u64 {
+        let (n, off) = (l.prompt.len(), l.shared);
+        self.bytes_at(n - off, n + l.max_tokens - off, s.tokens().len() + 1 - off)
+            .max(s.cache().bytes() as u64)
+    }
+
+    /// Bytes of the pool the sequences' own rows take by their next step: the running ones',
+    /// and the one being prefilled's once its prompt is in.
+    fn committed(&self) -> u64 {
+        self.batch
+            .sessions()
+            .filter_map(|(id, s)| self.live.get(&id).map(|l| self.next_step_bytes(l, s)))
+            .sum::<u64>()
+            + self
+                .prefilling
+                .as_ref()
+                .map_or(0, |p| p.need.max(p.session.cache().bytes() as u64))
     }
 
     fn shared_bytes(&self) -> u64 {
@@ -321,7 +386,7 @@ impl<'e> Scheduler<'e> {
     /// Makes room for `need` more bytes by dropping shared blocks no sequence attends to, least
     /// recently used first; whether the room is there.
     fn make_room(&mut self, need: u64) -> bool {
-        let used = self.reserved() + self.shared_bytes();
+        let used = self.committed() + self.shared_bytes();
         if used + need <= self.limits.pool {
             return true;
         }
@@ -347,13 +412,92 @@ impl<'e> Scheduler<'e> {
         true
     }
 
+    /// Before a step: while the running sequences' next rows and the shared blocks would pass
+    /// the pool, shared blocks nobody attends to go first (`make_room`), then the newest sequence
+    /// (the one prefilling, or the last to have started) is preempted. A sequence alone that
+    /// could not take its next step in the whole pool would end with an error (the pool refuses
+    /// any request that could need more than all of it, so it does not happen).
+    fn fit_step(&mut self) {
+        while !self.make_room(0) {
+            let newest = self.live.keys().copied().max();
+            let prefilling = self.prefilling.as_ref().map(|p| p.id);
+            let others = self.live.len() + usize::from(prefilling.is_some()) > 1;
+            match (prefilling, newest) {
+                (Some(p), l) if others && l.is_none_or(|l| p > l) => {
+                    let p = self.prefilling.take().expect("checked");
+                    self.requeue(p);
+                }
+                (_, Some(id)) if others => self.preempt(id),
+                (Some(_), _) => {
+                    let p = self.prefilling.take().expect("checked");
+                    self.prefill_failed(&p.ready.job.events, self.too_big());
+                }
+                (None, Some(id)) => {
+                    let why = self.too_big().to_string();
+                    self.fail(id, &why);
+                }
+                (None, None) => return,
+            }
+        }
+    }
+
+    fn too_big(&self) -> anyhow::Error {
+        anyhow::anyhow!(
+            "the KV pool of {} cannot hold this answer's next position beside the shared prefix blocks; start the server with a larger --kv-pool",
+            crate::source::human_bytes(self.limits.pool)
+        )
+    }
+
+    /// Running sequence `id` is preempted: its rows are freed and it waits at the head of the
+    /// queue, keeping how it samples, what it generated and its text's state.
+    fn preempt(&mut self, id: u64) {
+        let Some(paused) = self.batch.preempt(id) else {
+            return;
+        };
+        let Some(l) = self.live.remove(&id) else {
+            return;
+        };
+        self.metrics.update(|f| f.preempted += 1);
+        self.waiting.push_front(Ready {
+            job: l.job,
+            ids: l.prompt,
+            max_tokens: l.max_tokens,
+            started: true,
+            resumed: Some(Resumed {
+                id,
+                paused,
+                text: l.text,
+            }),
+        });
+    }
+
+    /// The sequence being prefilled is preempted: its rows are freed and it waits at the head of
+    /// the queue (a new one starts again as new: it has sampled nothing yet).
+    fn requeue(&mut self, p: Prefilling<'e>) {
+        let Prefilling {
+            mut ready,
+            id,
+            paused,
+            text,
+            ..
+        } = p;
+        ready.resumed = text.map(|text| Resumed { id, paused, text });
+        self.metrics.update(|f| f.preempted += 1);
+        self.waiting.push_front(ready);
+    }
+
     /// Requests whose client left: waiting ones are dropped, running ones leave the batch.
     fn drop_departed(&mut self) {
-        let before = self.waiting.len();
-        self.waiting.retain(|r| !r.job.events.is_closed());
-        let gone = before - self.waiting.len();
+        let (mut gone, mut new) = (0, 0);
+        self.waiting.retain(|r| {
+            let closed = r.job.events.is_closed();
+            gone += usize::from(closed);
+            new += usize::from(closed && !r.started);
+            !closed
+        });
+        // (The queue's count is of requests never started: a preempted one is not in it.)
+        self.queued.fetch_sub(new, Ordering::SeqCst);
         if gone > 0 {
-            self.queued.fetch_sub(gone, Ordering::SeqCst);
             self.metrics.update(|f| f.cancelled += gone as u64);
         }
         if self
@@ -367,7 +511,7 @@ impl<'e> Scheduler<'e> {
         let departed: Vec<u64> = self
             .live
             .iter()
-            .filter(|(_, l)| l.events.is_closed())
+            .filter(|(_, l)| l.job.events.is_closed())
             .map(|(id, _)| *id)
             .collect();
         for id in departed {
@@ -397,59 +541,72 @@ impl<'e> Scheduler<'e> {
             };
             let ids = next.ids.clone();
             let positions = ids.len() + next.max_tokens;
+            // Where it samples next: after its prompt, or (resumed) after what it generated.
+            let at = ids.len() + next.resumed.as_ref().map_or(0, |r| r.paused.tokens().len());
             // The blocks it starts from are held (so not dropped for room) while it asks; at
             // least one position of the prompt is left to prefill.
             let blocks = self.lookup(&ids, (ids.len() - 1) / SHARED_BLOCK);
             let cached = blocks.len() * SHARED_BLOCK;
-            let own = self.reserve(ids.len() - cached, positions - cached);
-            if !self.make_room(own) {
+            let need = self.bytes_at(ids.len() - cached, positions - cached, at + 1 - cached);
+            if !self.make_room(need) {
                 return;
             }
             let Some(ready) = self.waiting.pop_front() else {
                 return;
             };
-            self.queued.fetch_sub(1, Ordering::SeqCst);
-            self.start(ready, blocks, own);
+            if !ready.started {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.start(ready, blocks, need);
         }
     }
 
-    /// A request starts: its cache starts from the shared blocks its prompt begins with, and the
-    /// rest of its prompt is to be prefilled into its own store.
-    fn start(&mut self, r: Ready, blocks: Vec<Arc<SharedBlock>>, reserve: u64) {
+    /// A request starts, or a preempted one resumes: its cache starts from the shared blocks its
+    /// prompt begins with, and the rest of its prompt is to be prefilled into its own store.
+    fn start(&mut self, mut r: Ready, blocks: Vec<Arc<SharedBlock>>, need: u64) {
         let positions = r.ids.len() + r.max_tokens;
-        let spec = CacheSpec {
-            max_positions: positions,
-            ..self.spec.clone()
-        };
         let mut session = Session::new(
             self.engine.model(),
-            spec.build(&self.engine.model().cfg, self.engine.kv_device()),
+            self.own_spec(positions)
+                .build(&self.engine.model().cfg, self.engine.kv_device()),
             positions,
         );
         // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
         let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
-        let reserve = if cached < blocks.len() * SHARED_BLOCK {
-            self.reserve(r.ids.len(), positions)
-        } else {
-            reserve
+        let (id, paused, text) = match r.resumed.take() {
+            Some(resumed) => (resumed.id, resumed.paused, Some(resumed.text)),
+            None => {
+                let sampling = self.engine.sampling_over(&[
+                    ("request", &r.job.request.sampling),
+                    ("flag", &self.limits.sampling),
+                ]);
+                let sampler = Sampler::new(sampling.params);
+                self.next_id += 1;
+                let paused = Paused::new(sampler, r.max_tokens, self.engine.stop_ids());
+                (self.next_id - 1, paused, None)
+            }
         };
-        let sampling = self.engine.sampling_over(&[
-            ("request", &r.job.request.sampling),
-            ("flag", &self.limits.sampling),
-        ]);
-        let id = self.next_id;
-        self.next_id += 1;
-        let _ = r.job.events.send(Event::Started {
-            prompt_tokens: r.ids.len(),
-            cached_tokens: cached,
-        });
+        let need = if cached < blocks.len() * SHARED_BLOCK {
+            let at = r.ids.len() + paused.tokens().len();
+            self.bytes_at(r.ids.len(), positions, at + 1)
+        } else {
+            need
+        };
+        if !r.started {
+            r.started = true;
+            let _ = r.job.events.send(Event::Started {
+                prompt_tokens: r.ids.len(),
+                cached_tokens: cached,
+            });
+        }
         self.prefilling = Some(Prefilling {
             ready: r,
             id,
             session,
-            sampler: Sampler::new(sampling.params),
+            paused,
+            text,
             cached,
-            reserve,
+            need,
             seconds: 0.0,
         });
     }
@@ -494,58 +651,54 @@ impl<'e> Scheduler<'e> {
         }
     }
 
-    /// The request being prefilled joins the batch with its prompt's last chunk, and its
-    /// prompt's full blocks are shared.
+    /// The request being prefilled joins the batch with its prompt's last chunk (resumed, to
+    /// feed again what it generated before), and its prompt's full blocks are shared.
     fn join(&mut self, p: Prefilling<'e>) {
         let Prefilling {
             ready: r,
             id,
             session,
-            sampler,
+            paused,
+            text,
             cached,
-            reserve,
             seconds,
+            ..
         } = p;
-        let positions = r.ids.len() + r.max_tokens;
         let t0 = Instant::now();
         let at = session.tokens().len();
-        let joined = self.batch.join(
-            id,
-            session,
-            &r.ids[at..],
-            sampler,
-            r.max_tokens,
-            self.engine.stop_ids(),
-        );
+        let refed = paused.tokens().len();
+        let joined = self.batch.resume(id, session, &r.ids[at..], paused);
         let prefill = seconds + t0.elapsed().as_secs_f64();
+        let resumed = text.is_some();
         self.metrics.update(|f| {
-            f.prompt_tokens += r.ids.len() as u64;
-            f.cached_tokens += cached as u64;
-            f.prefix_hits += u64::from(cached > 0);
+            if resumed {
+                f.recomputed_tokens += (r.ids.len() - cached + refed) as u64;
+            } else {
+                f.prompt_tokens += r.ids.len() as u64;
+                f.cached_tokens += cached as u64;
+                f.prefix_hits += u64::from(cached > 0);
+            }
             f.prefill_seconds += prefill;
         });
         if let Err(e) = joined {
             self.prefill_failed(&r.job.events, e);
             return;
         }
+        let ids = r.ids.clone();
         self.live.insert(
             id,
             Live {
-                events: r.job.events,
-                arrived: r.job.arrived,
-                first_token: false,
-                stream: TextStream::new(),
-                held: String::new(),
-                stop: r.job.request.stop,
-                reserve,
+                job: r.job,
+                text: text.unwrap_or_else(Text::new),
+                prompt: r.ids,
+                shared: cached,
+                max_tokens: r.max_tokens,
             },
         );
-        let shared = self.share_prompt(id, &r.ids, cached / SHARED_BLOCK);
+        let shared = self.share_prompt(id, &ids, cached / SHARED_BLOCK);
         // Its own store gave up the positions now shared.
-        let cached = shared * SHARED_BLOCK;
-        let own = self.reserve(r.ids.len() - cached, positions - cached);
         if let Some(l) = self.live.get_mut(&id) {
-            l.reserve = own;
+            l.shared = shared * SHARED_BLOCK;
         }
     }
 
@@ -563,7 +716,7 @@ impl<'e> Scheduler<'e> {
         }
         let have = run.len();
         if have < to {
-            let one = self.reserve(SHARED_BLOCK, SHARED_BLOCK);
+            let one = self.most_bytes(SHARED_BLOCK, SHARED_BLOCK);
             if !self.make_room(one * (to - have) as u64) {
                 return from;
             }
@@ -616,12 +769,12 @@ impl<'e> Scheduler<'e> {
         let result = self.batch.step(|id, token| {
             kept += 1;
             let Some(l) = live.get_mut(&id) else { return };
-            if !l.first_token {
-                l.first_token = true;
-                let ttft = l.arrived.elapsed().as_secs_f64();
+            if !l.text.first_token {
+                l.text.first_token = true;
+                let ttft = l.job.arrived.elapsed().as_secs_f64();
                 metrics.update(|f| f.observe_ttft(ttft));
             }
-            if let Ok(Some(text)) = l.stream.push(tokenizer, token) {
+            if let Ok(Some(text)) = l.text.stream.push(tokenizer, token) {
                 if l.push_text(&text) {
                     stopped.push(id);
                 }
@@ -675,6 +828,7 @@ impl<'e> Scheduler<'e> {
         self.batch.leave(id, StopReason::Interrupted);
         if let Some(l) = self.live.remove(&id) {
             let _ = l
+                .job
                 .events
                 .send(Event::Failed(ApiError::new(500, "server_error", why)));
         }
@@ -686,14 +840,17 @@ impl<'e> Scheduler<'e> {
     fn finish(&mut self, f: Finished<'e>, by_stop_text: bool) {
         if let Some(mut l) = self.live.remove(&f.id) {
             if !by_stop_text {
-                if let Ok(Some(rest)) = l.stream.finish(self.engine.tokenizer()) {
-                    l.held.push_str(&rest);
+                if let Ok(Some(rest)) = l.text.stream.finish(self.engine.tokenizer()) {
+                    l.text.held.push_str(&rest);
                 }
-                if !l.held.is_empty() {
-                    let _ = l.events.send(Event::Text(std::mem::take(&mut l.held)));
+                if !l.text.held.is_empty() {
+                    let _ = l
+                        .job
+                        .events
+                        .send(Event::Text(std::mem::take(&mut l.text.held)));
                 }
             }
-            let _ = l.events.send(Event::Done {
+            let _ = l.job.events.send(Event::Done {
                 reason: f.reason,
                 completion_tokens: f.tokens.len(),
             });
@@ -708,10 +865,10 @@ impl<'e> Scheduler<'e> {
             .map(|(_, s)| s.cache().bytes() as u64)
             .sum::<u64>()
             + self.shared_bytes();
-        let (reserved, shared_bytes) = (self.reserved(), self.shared_bytes());
+        let (committed, shared_bytes) = (self.committed(), self.shared_bytes());
         let in_use = self.blocks.values().filter(|b| b.block.in_use()).count();
         self.metrics.update(|f| {
-            f.reserved_bytes = reserved;
+            f.committed_bytes = committed;
             f.shared_bytes = shared_bytes;
             f.allocated_bytes = allocated;
             f.running = self.batch.len();
@@ -723,26 +880,34 @@ impl<'e> Scheduler<'e> {
 }
 
 impl Live {
-    /// Adds decoded text; sends what cannot be part of a stop text. True when a stop text
-    /// appeared: what precedes it is sent and the answer ends there.
+    /// Adds decoded text (`Text::push`); true when a stop text ended the answer.
     fn push_text(&mut self, text: &str) -> bool {
+        self.text
+            .push(text, &self.job.request.stop, &self.job.events)
+    }
+}
+
+impl Text {
+    fn new() -> Self {
+        Self {
+            first_token: false,
+            stream: TextStream::new(),
+            held: String::new(),
+        }
+    }
+
+    /// Adds decoded text; sends to `events` what cannot be part of one of the `stop` texts. True
+    /// when a stop text appeared: what precedes it is sent and the answer ends there.
+    fn push(&mut self, text: &str, stop: &[String], events: &UnboundedSender<Event>) -> bool {
         self.held.push_str(text);
-        if let Some(at) = self
-            .stop
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
-        {
+        if let Some(at) = stop.iter().filter_map(|s| self.held.find(s.as_str())).min() {
             self.held.truncate(at);
             if !self.held.is_empty() {
-                let _ = self
-                    .events
-                    .send(Event::Text(std::mem::take(&mut self.held)));
+                let _ = events.send(Event::Text(std::mem::take(&mut self.held)));
             }
             return true;
         }
-        let keep = self
-            .stop
+        let keep = stop
             .iter()
             .map(|s| partial_suffix(&self.held, s))
             .max()
@@ -750,9 +915,7 @@ impl Live {
         let send = self.held.len() - keep;
         if send > 0 {
             let rest = self.held.split_off(send);
-            let _ = self
-                .events
-                .send(Event::Text(std::mem::replace(&mut self.held, rest)));
+            let _ = events.send(Event::Text(std::mem::replace(&mut self.held, rest)));
         }
         false
     }
@@ -789,17 +952,26 @@ fn block_keys(ids: &[u32]) -> Vec<u64> {
 mod tests {
     use super::*;
 
-    fn live(stop: &[&str]) -> (Live, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+    /// A text on its way, with `stop` texts, and what its client receives.
+    struct Client {
+        text: Text,
+        stop: Vec<String>,
+        events: UnboundedSender<Event>,
+    }
+
+    impl Client {
+        fn push_text(&mut self, text: &str) -> bool {
+            self.text.push(text, &self.stop, &self.events)
+        }
+    }
+
+    fn live(stop: &[&str]) -> (Client, tokio::sync::mpsc::UnboundedReceiver<Event>) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         (
-            Live {
-                events: tx,
-                arrived: Instant::now(),
-                first_token: false,
-                stream: TextStream::new(),
-                held: String::new(),
+            Client {
+                text: Text::new(),
                 stop: stop.iter().map(|s| s.to_string()).collect(),
-                reserve: 0,
+                events: tx,
             },
             rx,
         )

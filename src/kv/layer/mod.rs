@@ -43,6 +43,13 @@ pub use shared::{SharedBlock, SHARED_BLOCK};
 /// The first allocation of a growing store, in positions.
 const MIN_CAPACITY: usize = 256;
 
+/// The capacity a growing store takes to hold `need` positions, never more than `limit` (≥
+/// `need`): it doubles from [`MIN_CAPACITY`], so a sequence's rows are copied O(log n) times. The
+/// one growth rule of every layer's own store (`KvDims::bytes_up_to` predicts by it).
+pub(crate) fn grown_capacity(need: usize, limit: usize) -> usize {
+    need.max(1).next_power_of_two().max(MIN_CAPACITY).min(limit)
+}
+
 /// Which positions a layer keeps (the retention axis).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -380,15 +387,15 @@ impl Layer {
             _ => e - off,
         };
         if need > self.store.capacity() {
-            let cap = need
-                .next_power_of_two()
-                .max(MIN_CAPACITY)
-                .min(match self.retention {
+            let cap = grown_capacity(
+                need,
+                match self.retention {
                     Retention::Window { window, sinks } => {
                         (sinks + window).min(self.max_positions.max(need))
                     }
                     _ => self.max_positions.saturating_sub(off).max(need),
-                });
+                },
+            );
             let keep = self.store.capacity().min(b - off);
             self.store.grow(cap, keep)?;
         }

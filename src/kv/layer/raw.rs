@@ -126,13 +126,13 @@ impl Layer {
             _ => seen,
         };
         self.store.grow(
-            need.max(1)
-                .next_power_of_two()
-                .max(MIN_CAPACITY)
-                .min(match self.retention {
+            grown_capacity(
+                need,
+                match self.retention {
                     Retention::Window { window, sinks } => sinks + window,
                     _ => self.max_positions.max(need),
-                }),
+                },
+            ),
             0,
         )?;
         let nkv = self.nkv;
