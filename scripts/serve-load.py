@@ -16,8 +16,10 @@ count and time (each server is started with --exit-after and killed at the end).
 - prefix: 8 requests in turn with the same ~1,500-token system prompt and different questions:
   cached_tokens and time to first token (streamed) of each, and the pool's bytes against one
   request's.
-- pressure: --kv-pool 32MiB and 32 concurrent long requests: every request completes or gets a
-  429, /metrics' pool use never passes the bound, nothing hangs.
+- pressure: --kv-pool 32MiB and 32 concurrent long requests (--pressure-requests; --pressure-max-tokens, 200;
+  --pressure-answers long, or short for answers far under max_tokens): every
+  request completes or gets a 429, /metrics' pool use and allocation never pass the bound,
+  nothing hangs; the throughput, the most sequences running at once and the preemptions.
 
 Progress goes to stderr; stdout holds only the JSON report.
 """
@@ -224,12 +226,14 @@ def pressure(a):
     s = Server(a.kvchat, a.model, a.threads, ["--kv-pool", "32MiB", "--parallel", "8",
                                                "--queue", "16"])
     try:
-        most = [0.0]
+        most = [0.0, 0.0, 0.0]
         done = threading.Event()
 
         def watch():
             while not done.is_set():
                 most[0] = max(most[0], s.metric("kvchat_kv_pool_used_bytes"))
+                most[1] = max(most[1], s.metric("kvchat_kv_allocated_bytes"))
+                most[2] = max(most[2], s.metric("kvchat_running_sequences"))
                 time.sleep(0.05)
 
         w = threading.Thread(target=watch)
@@ -237,24 +241,37 @@ def pressure(a):
 
         def one(i):
             try:
-                r = chat(s, [{"role": "user", "content": prompt_for(i) * 2}], 200)
+                text = prompt_for(i) * 2
+                if a.pressure_answers == "short":
+                    text += f" But first, in one short sentence only: what is {TOPICS[i % 8]}?"
+                r = chat(s, [{"role": "user", "content": text}], a.pressure_max_tokens)
                 return "ok", r[1]
             except openai.RateLimitError:
                 return "429", 0
 
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(32) as ex:
-            results = list(ex.map(one, range(32)))
+        n = a.pressure_requests
+        with cf.ThreadPoolExecutor(n) as ex:
+            results = list(ex.map(one, range(n)))
         elapsed = time.perf_counter() - t0
         done.set()
         w.join()
         ok = sum(1 for r, _ in results if r == "ok")
         busy = sum(1 for r, _ in results if r == "429")
-        print(f"  32 requests: {ok} answered, {busy} got 429, in {elapsed:.1f} s; pool use peaked "
-              f"at {most[0] / 2**20:.1f} MiB of 32 MiB", file=sys.stderr)
+        tokens = sum(n for _, n in results)
+        preempted = s.metric("kvchat_preemptions_total")
+        refed = s.metric("kvchat_recomputed_tokens_total")
+        print(f"  {n} requests: {ok} answered, {busy} got 429, in {elapsed:.1f} s "
+              f"({tokens / elapsed:.1f} tokens/s); pool use peaked at {most[0] / 2**20:.1f} MiB "
+              f"of 32 MiB (allocated {most[1] / 2**20:.1f} MiB), at most {most[2]:.0f} "
+              f"sequences at once, {preempted:.0f} preempted ({refed:.0f} positions refed)",
+              file=sys.stderr)
         return {"answered": ok, "busy": busy, "seconds": round(elapsed, 1),
-                "peak_pool_bytes": int(most[0]), "bound": 32 << 20,
-                "within_bound": most[0] <= 32 << 20}
+                "tokens_per_second": round(tokens / elapsed, 2),
+                "peak_pool_bytes": int(most[0]), "peak_allocated_bytes": int(most[1]),
+                "bound": 32 << 20, "within_bound": max(most[0], most[1]) <= 32 << 20,
+                "most_running": int(most[2]), "preempted": int(preempted),
+                "recomputed_tokens": int(refed)}
     finally:
         s.close()
 
@@ -267,6 +284,18 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--parts", default="concurrency,prefix,pressure")
+    p.add_argument("--pressure-max-tokens", type=int, default=200,
+                   help="max_tokens of the pressure part's requests (default: 200; their answers "
+                        "may end sooner, and the memory a server holds for what they do not use "
+                        "shows at larger values)")
+    p.add_argument("--pressure-requests", type=int, default=32,
+                   help="concurrent requests of the pressure part (default: 32; at most 16 wait "
+                        "and 8 run, the rest get 429; 16 or fewer are all answered, the same "
+                        "load for every server)")
+    p.add_argument("--pressure-answers", choices=["long", "short"], default="long",
+                   help="the pressure part's requests ask for a lesson (long: SmolLM2's greedy "
+                        "answers run to max_tokens) or, after the same text, for one sentence "
+                        "(short: 60-80 words)")
     p.add_argument("--kvchat", default=os.path.join(ROOT, "target/release/kvchat"))
     p.add_argument("--llama-server", help="llama-server's binary, for the side-by-side run")
     # -nr: on the 2-core VM this was written on, llama.cpp's AMX matmul (an "extra buffer type",

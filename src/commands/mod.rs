@@ -128,6 +128,7 @@ fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
             ..cache.spec().mode
         },
         max_positions: seen.max(1),
+        grow_by: None,
     };
     let every = crate::kv::size::KvDims::bytes_for_spec(&full, cfg, seen);
     let used = cache.bytes_used() as f64;

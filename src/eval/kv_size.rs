@@ -219,6 +219,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
                 ..crate::kv::CacheMode::default()
             },
             max_positions: args.ctx,
+            grow_by: None,
         };
         // Every layer keeping every position of its own (shared layers too).
         let uniform = (0..cfg.n_layer)

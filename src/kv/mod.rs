@@ -337,6 +337,7 @@ impl CacheMode {
         Ok(CacheSpec {
             mode: *self,
             max_positions: ctx,
+            grow_by: None,
         })
     }
 }
@@ -364,6 +365,10 @@ pub struct CacheSpec {
     pub mode: CacheMode,
     /// The most positions the sequence may reach (a window holds fewer and runs on past it).
     pub max_positions: usize,
+    /// How a layer's own store grows (`kv::layer::grown_capacity`): None, by doubling from 256
+    /// positions (one sequence: its rows copied O(log n) times); `Some(n)`, n positions at a
+    /// time (a server's pool: at most n − 1 positions held beyond those used).
+    pub grow_by: Option<usize>,
 }
 
 impl serde::Serialize for CacheSpec {
@@ -391,6 +396,7 @@ impl CacheSpec {
                 budget_bytes: None,
             },
             max_positions: ctx,
+            grow_by: None,
         }
     }
 
@@ -403,6 +409,7 @@ impl CacheSpec {
                 ..CacheMode::default()
             },
             max_positions: usize::MAX,
+            grow_by: None,
         }
     }
 
@@ -552,6 +559,7 @@ impl CacheSpec {
             residual: m.residual,
             max_positions: self.max_positions,
             attend_window,
+            grow_by: self.grow_by,
         }
     }
 

@@ -72,7 +72,8 @@ impl KvDims {
     pub fn bytes_at_most(spec: &CacheSpec, cfg: &Config, prompt: usize, chunk: usize) -> f64 {
         let n = spec.max_positions;
         Self::by_layer(spec, cfg, |r| {
-            held_up_to(r, n, prompt, chunk, prompt).max(held_up_to(r, n, prompt, chunk, n))
+            let at = |upto| held_up_to(r, n, spec.grow_by, prompt, chunk, upto);
+            at(prompt).max(at(n))
         })
     }
 
@@ -92,7 +93,9 @@ impl KvDims {
         upto: usize,
     ) -> f64 {
         let n = spec.max_positions;
-        Self::by_layer(spec, cfg, |r| held_up_to(r, n, prompt, chunk, upto))
+        Self::by_layer(spec, cfg, |r| {
+            held_up_to(r, n, spec.grow_by, prompt, chunk, upto)
+        })
     }
 
     /// Recurrent states (Qwen3.5, with the most snapshots a cache keeps) plus each KV layer's
@@ -142,7 +145,14 @@ impl KvDims {
 
 /// Positions a layer of `retention` allocates once its sequence is `upto` positions long (at
 /// most `n`), the prompt's `prompt` positions fed in steps of at most `chunk` (`KvDims::bytes_up_to`).
-fn held_up_to(retention: Retention, n: usize, prompt: usize, chunk: usize, upto: usize) -> usize {
+fn held_up_to(
+    retention: Retention,
+    n: usize,
+    grow_by: Option<usize>,
+    prompt: usize,
+    chunk: usize,
+    upto: usize,
+) -> usize {
     let upto = upto.min(n);
     // Rows of the last step waiting to enter a window's ring: a prompt's step, then a position.
     let step = if upto > prompt {
@@ -152,11 +162,12 @@ fn held_up_to(retention: Retention, n: usize, prompt: usize, chunk: usize, upto:
     };
     match retention {
         Retention::None => 0,
-        Retention::All => grown_capacity(upto, n),
+        Retention::All => grown_capacity(upto, n, grow_by),
         Retention::Window { window, sinks } => {
             let ring = window + sinks;
             let need = upto.min(ring);
-            grown_capacity(need, ring.min(n.max(need))) + if upto > ring { step } else { 0 }
+            grown_capacity(need, ring.min(n.max(need)), grow_by)
+                + if upto > ring { step } else { 0 }
         }
         Retention::Budget { budget, .. } => prompt.max(budget + crate::kv::SLACK + 1).min(n),
     }

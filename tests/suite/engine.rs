@@ -587,15 +587,20 @@ fn no_cache_allocates_more_than_a_server_counts_for_it_at_any_length_on_any_axis
         .raw_prompt(&kvchat::eval::bench::BENCH_TEXT[..2400])
         .unwrap();
     let positions = prompt.len() + 40;
-    for mode in [
+    // Stores growing by doubling (one sequence), or 16 positions at a time (a server's pool).
+    for (mode, grow_by) in [
         "full",
         "full+int8",
         "window:64+4",
         "window:128+4+int4",
         "budget:96",
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|m| [(m, None), (m, Some(16))])
+    {
         let spec = kvchat::kv::CacheSpec {
             max_positions: positions,
+            grow_by,
             ..e.cache_spec(&mode.parse::<kvchat::kv::CacheMode>().unwrap(), e.ctx())
                 .unwrap()
         };
@@ -615,10 +620,10 @@ fn no_cache_allocates_more_than_a_server_counts_for_it_at_any_length_on_any_axis
             let held = s.cache().bytes() as f64;
             assert!(
                 held <= now,
-                "{mode} at {n}: {held} bytes held, {now} counted"
+                "{mode} {grow_by:?} at {n}: {held} bytes held, {now} counted"
             );
             if mode.starts_with("full") {
-                assert_eq!(held, now, "{mode} at {n}");
+                assert_eq!(held, now, "{mode} {grow_by:?} at {n}");
             }
         };
         let mut tok = kvchat::session::argmax(&logits(&mut s, &prompt));

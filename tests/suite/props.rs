@@ -166,6 +166,7 @@ fn layer_f32() -> kvchat::kv::Layer {
             residual: 0,
             max_positions: 64,
             attend_window: None,
+            grow_by: None,
         },
         2,
         4,

@@ -514,10 +514,10 @@ fn a_small_pool_makes_requests_wait_never_exceeding_it() {
 #[test]
 fn sequences_preempted_for_memory_finish_with_the_answers_they_get_alone() {
     // SmolLM2's f16 KV is 23,040 bytes a position, and 13 MiB holds 591. Each request has a
-    // prompt of 11 or 15 tokens (no block to share) and 400 tokens to generate; its store holds
-    // 256 positions up to position 256, then all 411 or 415. The pool admits both at 256
-    // positions each, but not one of them past 256 beside the other: the newer is preempted
-    // there, and resumes when the older is done, its prompt prefilled and its tokens fed again.
+    // prompt of 11 or 15 tokens (no block to share) and 400 tokens to generate, 411 or 415
+    // positions; its store grows 64 positions at a time. The pool admits both, but cannot hold
+    // both past ~290 positions: the newer is preempted there, and resumes when the older is
+    // done, its prompt prefilled and its tokens fed again.
     let server = Arc::new(Server::start(&["--kv-pool", "13MiB", "--kv-type", "f16"]));
     let count_from = |a: usize| {
         let list: Vec<String> = (a..a + 4).map(|i| i.to_string()).collect();

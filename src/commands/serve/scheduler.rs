@@ -4,8 +4,8 @@
 //!
 //! **The pool** holds two kinds of KV rows: each sequence's own, and blocks of
 //! [`SHARED_BLOCK`] positions that sequences share. A sequence counts in it for what its own
-//! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow by doubling, up
-//! to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
+//! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow [`GROW_BY`]
+//! positions at a time, up to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
 //! `max_tokens` takes no memory it does not use. A request joins when its prompt (and first
 //! step) fits beside the others' next steps and the shared blocks. Before each step, when the
 //! running sequences' next rows would pass `--kv-pool`, shared blocks nobody attends to go first,
@@ -42,6 +42,17 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
+
+/// Positions a sequence's own stores grow by (`CacheSpec::grow_by`): a sequence holds at most 63
+/// positions it has not used, where doubling from 256 held up to half its store unused; the
+/// rows are copied at each growth, ~1 % of a 1,500-position answer's decode time.
+const GROW_BY: usize = 64;
+
+/// Positions past its next step that each sequence is counted for when a request asks to join:
+/// it joins only when every running sequence (and itself) could go on that far beside it. An
+/// answer shorter than this is never preempted by the ones that joined after it; a longer one
+/// may be, when the pool is tight.
+const ADMIT_AHEAD: usize = 2 * GROW_BY;
 
 /// What the engine tells a request's handler, in order: `Started` (or `Failed`), then `Text`
 /// pieces, then `Done`.
@@ -94,6 +105,8 @@ struct Resumed {
     id: u64,
     paused: Paused,
     text: Text,
+    /// How many sequences had left the batch when it was preempted ([`Scheduler::left`]).
+    after: u64,
 }
 
 /// A request in the batch.
@@ -124,9 +137,6 @@ struct Prefilling<'e> {
     text: Option<Text>,
     /// Prompt positions taken from shared blocks.
     cached: usize,
-    /// Bytes its own stores hold once its prompt (and, resumed, the tokens it generated) is fed
-    /// and its next step too.
-    need: u64,
     /// Seconds spent prefilling it so far.
     seconds: f64,
 }
@@ -154,6 +164,8 @@ pub struct Scheduler<'e> {
     /// Whether this cache shares rows (None), or why not.
     share_refusal: Option<&'static str>,
     next_id: u64,
+    /// Sequences that have left the batch (answered, failed or cancelled).
+    left: u64,
     /// Requests handed over and not yet in the batch or refused (the HTTP side's 429 counts it).
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
@@ -185,6 +197,7 @@ impl<'e> Scheduler<'e> {
             tick: 0,
             share_refusal,
             next_id: 0,
+            left: 0,
             queued,
             metrics,
         }
@@ -305,6 +318,7 @@ impl<'e> Scheduler<'e> {
     fn own_spec(&self, positions: usize) -> CacheSpec {
         CacheSpec {
             max_positions: positions,
+            grow_by: Some(GROW_BY),
             ..self.spec.clone()
         }
     }
@@ -331,25 +345,32 @@ impl<'e> Scheduler<'e> {
         .ceil() as u64
     }
 
-    /// Bytes running sequence `l` (its session `s`) holds once its next step is fed, counting
-    /// only positions past the shared blocks it reads (what it holds now, if more).
-    fn next_step_bytes(&self, l: &Live, s: &Session) -> u64 {
-        let (n, off) = (l.prompt.len(), l.shared);
-        self.bytes_at(n - off, n + l.max_tokens - off, s.tokens().len() + 1 - off)
-            .max(s.cache().bytes() as u64)
+    /// Bytes a sequence's own stores hold once it is `upto` positions long: its prompt
+    /// `prompt` positions, the first `off` of them read from shared blocks, and `max_tokens` to
+    /// generate.
+    fn seq_bytes(&self, prompt: usize, off: usize, max_tokens: usize, upto: usize) -> u64 {
+        self.bytes_at(prompt - off, prompt + max_tokens - off, upto - off)
     }
 
-    /// Bytes of the pool the sequences' own rows take by their next step: the running ones',
-    /// and the one being prefilled's once its prompt is in.
-    fn committed(&self) -> u64 {
-        self.batch
-            .sessions()
-            .filter_map(|(id, s)| self.live.get(&id).map(|l| self.next_step_bytes(l, s)))
-            .sum::<u64>()
-            + self
-                .prefilling
-                .as_ref()
-                .map_or(0, |p| p.need.max(p.session.cache().bytes() as u64))
+    /// Bytes of the pool the sequences' own rows take by their next step and `ahead` positions
+    /// more (what they hold now, if more): the running ones', and the one being prefilled's
+    /// from where it will sample.
+    fn committed(&self, ahead: usize) -> u64 {
+        let running = self.batch.sessions().filter_map(|(id, s)| {
+            let l = self.live.get(&id)?;
+            let upto = s.tokens().len() + 1 + ahead;
+            let counted = self.seq_bytes(l.prompt.len(), l.shared, l.max_tokens, upto);
+            Some(counted.max(s.cache().bytes() as u64))
+        });
+        let prefilling = self.prefilling.as_ref().map(|p| {
+            let (n, at) = (
+                p.ready.ids.len(),
+                p.ready.ids.len() + p.paused.tokens().len(),
+            );
+            let counted = self.seq_bytes(n, p.cached, p.ready.max_tokens, at + 1 + ahead);
+            counted.max(p.session.cache().bytes() as u64)
+        });
+        running.chain(prefilling).sum()
     }
 
     fn shared_bytes(&self) -> u64 {
@@ -383,10 +404,11 @@ impl<'e> Scheduler<'e> {
         found
     }
 
-    /// Makes room for `need` more bytes by dropping shared blocks no sequence attends to, least
-    /// recently used first; whether the room is there.
-    fn make_room(&mut self, need: u64) -> bool {
-        let used = self.committed() + self.shared_bytes();
+    /// Makes room for `need` more bytes beside the sequences' rows `ahead` positions past their
+    /// next step (`committed`), by dropping shared blocks no sequence attends to, least recently
+    /// used first; whether the room is there.
+    fn make_room(&mut self, need: u64, ahead: usize) -> bool {
+        let used = self.committed(ahead) + self.shared_bytes();
         if used + need <= self.limits.pool {
             return true;
         }
@@ -418,7 +440,7 @@ impl<'e> Scheduler<'e> {
     /// could not take its next step in the whole pool would end with an error (the pool refuses
     /// any request that could need more than all of it, so it does not happen).
     fn fit_step(&mut self) {
-        while !self.make_room(0) {
+        while !self.make_room(0, 0) {
             let newest = self.live.keys().copied().max();
             let prefilling = self.prefilling.as_ref().map(|p| p.id);
             let others = self.live.len() + usize::from(prefilling.is_some()) > 1;
@@ -467,6 +489,7 @@ impl<'e> Scheduler<'e> {
                 id,
                 paused,
                 text: l.text,
+                after: self.left,
             }),
         });
     }
@@ -481,7 +504,13 @@ impl<'e> Scheduler<'e> {
             text,
             ..
         } = p;
-        ready.resumed = text.map(|text| Resumed { id, paused, text });
+        let after = self.left;
+        ready.resumed = text.map(|text| Resumed {
+            id,
+            paused,
+            text,
+            after,
+        });
         self.metrics.update(|f| f.preempted += 1);
         self.waiting.push_front(ready);
     }
@@ -517,6 +546,7 @@ impl<'e> Scheduler<'e> {
         for id in departed {
             if self.batch.leave(id, StopReason::Interrupted).is_some() {
                 self.live.remove(&id);
+                self.left += 1;
                 self.metrics.update(|m| m.cancelled += 1);
             }
         }
@@ -539,16 +569,23 @@ impl<'e> Scheduler<'e> {
             let Some(next) = self.waiting.front() else {
                 return;
             };
+            // A preempted sequence resumes once another has left the batch since (or nothing
+            // runs): resumed into the room its own preemption made, the growth that preempted it
+            // would soon preempt it again, its work refed for nothing.
+            if next.resumed.as_ref().is_some_and(|r| r.after == self.left) && !self.batch.is_empty()
+            {
+                return;
+            }
             let ids = next.ids.clone();
-            let positions = ids.len() + next.max_tokens;
+            let max_tokens = next.max_tokens;
             // Where it samples next: after its prompt, or (resumed) after what it generated.
             let at = ids.len() + next.resumed.as_ref().map_or(0, |r| r.paused.tokens().len());
             // The blocks it starts from are held (so not dropped for room) while it asks; at
             // least one position of the prompt is left to prefill.
             let blocks = self.lookup(&ids, (ids.len() - 1) / SHARED_BLOCK);
             let cached = blocks.len() * SHARED_BLOCK;
-            let need = self.bytes_at(ids.len() - cached, positions - cached, at + 1 - cached);
-            if !self.make_room(need) {
+            let need = self.seq_bytes(ids.len(), cached, max_tokens, at + 1 + ADMIT_AHEAD);
+            if !self.make_room(need, ADMIT_AHEAD) {
                 return;
             }
             let Some(ready) = self.waiting.pop_front() else {
@@ -557,13 +594,13 @@ impl<'e> Scheduler<'e> {
             if !ready.started {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
             }
-            self.start(ready, blocks, need);
+            self.start(ready, blocks);
         }
     }
 
     /// A request starts, or a preempted one resumes: its cache starts from the shared blocks its
     /// prompt begins with, and the rest of its prompt is to be prefilled into its own store.
-    fn start(&mut self, mut r: Ready, blocks: Vec<Arc<SharedBlock>>, need: u64) {
+    fn start(&mut self, mut r: Ready, blocks: Vec<Arc<SharedBlock>>) {
         let positions = r.ids.len() + r.max_tokens;
         let mut session = Session::new(
             self.engine.model(),
@@ -586,12 +623,6 @@ impl<'e> Scheduler<'e> {
                 (self.next_id - 1, paused, None)
             }
         };
-        let need = if cached < blocks.len() * SHARED_BLOCK {
-            let at = r.ids.len() + paused.tokens().len();
-            self.bytes_at(r.ids.len(), positions, at + 1)
-        } else {
-            need
-        };
         if !r.started {
             r.started = true;
             let _ = r.job.events.send(Event::Started {
@@ -606,7 +637,6 @@ impl<'e> Scheduler<'e> {
             paused,
             text,
             cached,
-            need,
             seconds: 0.0,
         });
     }
@@ -717,7 +747,7 @@ impl<'e> Scheduler<'e> {
         let have = run.len();
         if have < to {
             let one = self.most_bytes(SHARED_BLOCK, SHARED_BLOCK);
-            if !self.make_room(one * (to - have) as u64) {
+            if !self.make_room(one * (to - have) as u64, 0) {
                 return from;
             }
             let made = match self.batch.session_mut(id) {
@@ -826,6 +856,7 @@ impl<'e> Scheduler<'e> {
     /// Ends sequence `id` with a server error saying `why`.
     fn fail(&mut self, id: u64, why: &str) {
         self.batch.leave(id, StopReason::Interrupted);
+        self.left += 1;
         if let Some(l) = self.live.remove(&id) {
             let _ = l
                 .job
@@ -838,6 +869,7 @@ impl<'e> Scheduler<'e> {
     /// A sequence ended: the rest of its text and why it ended go to its client; its own rows go
     /// (the shared blocks it attended to stay in the index).
     fn finish(&mut self, f: Finished<'e>, by_stop_text: bool) {
+        self.left += 1;
         if let Some(mut l) = self.live.remove(&f.id) {
             if !by_stop_text {
                 if let Ok(Some(rest)) = l.text.stream.finish(self.engine.tokenizer()) {
@@ -865,7 +897,7 @@ impl<'e> Scheduler<'e> {
             .map(|(_, s)| s.cache().bytes() as u64)
             .sum::<u64>()
             + self.shared_bytes();
-        let (committed, shared_bytes) = (self.committed(), self.shared_bytes());
+        let (committed, shared_bytes) = (self.committed(0), self.shared_bytes());
         let in_use = self.blocks.values().filter(|b| b.block.in_use()).count();
         self.metrics.update(|f| {
             f.committed_bytes = committed;

@@ -44,10 +44,15 @@ pub use shared::{SharedBlock, SHARED_BLOCK};
 const MIN_CAPACITY: usize = 256;
 
 /// The capacity a growing store takes to hold `need` positions, never more than `limit` (≥
-/// `need`): it doubles from [`MIN_CAPACITY`], so a sequence's rows are copied O(log n) times. The
-/// one growth rule of every layer's own store (`KvDims::bytes_up_to` predicts by it).
-pub(crate) fn grown_capacity(need: usize, limit: usize) -> usize {
-    need.max(1).next_power_of_two().max(MIN_CAPACITY).min(limit)
+/// `need`): doubling from [`MIN_CAPACITY`], so a sequence's rows are copied O(log n) times, or
+/// (`grow_by` Some(n)) the next multiple of n. The one growth rule of every layer's own store
+/// (`KvDims::bytes_up_to` predicts by it).
+pub(crate) fn grown_capacity(need: usize, limit: usize, grow_by: Option<usize>) -> usize {
+    match grow_by {
+        Some(n) => need.max(1).next_multiple_of(n.max(1)),
+        None => need.max(1).next_power_of_two().max(MIN_CAPACITY),
+    }
+    .min(limit)
 }
 
 /// Which positions a layer keeps (the retention axis).
@@ -121,6 +126,8 @@ pub struct Layer {
     precision: Precision,
     retention: Retention,
     max_positions: usize,
+    /// See [`LayerSpec::grow_by`].
+    grow_by: Option<usize>,
     /// See [`LayerSpec::attend_window`].
     attend_window: Option<usize>,
     store: Box<dyn RowStore>,
@@ -157,6 +164,8 @@ pub struct LayerSpec {
     pub max_positions: usize,
     /// The window the model declares for this layer, which attention enforces per query row.
     pub attend_window: Option<usize>,
+    /// How the layer's own store grows ([`grown_capacity`]).
+    pub grow_by: Option<usize>,
 }
 
 impl Layer {
@@ -190,6 +199,7 @@ impl Layer {
             precision: spec.precision,
             retention: spec.retention,
             max_positions: spec.max_positions,
+            grow_by: spec.grow_by,
             attend_window: spec.attend_window,
             store,
             residual,
@@ -395,6 +405,7 @@ impl Layer {
                     }
                     _ => self.max_positions.saturating_sub(off).max(need),
                 },
+                self.grow_by,
             );
             let keep = self.store.capacity().min(b - off);
             self.store.grow(cap, keep)?;

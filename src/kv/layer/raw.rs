@@ -132,6 +132,7 @@ impl Layer {
                     Retention::Window { window, sinks } => sinks + window,
                     _ => self.max_positions.max(need),
                 },
+                self.grow_by,
             ),
             0,
         )?;

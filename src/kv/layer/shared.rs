@@ -130,7 +130,7 @@ impl Layer {
             );
             if len > 0 {
                 let room = layer.max_positions - n;
-                store.grow(grown_capacity(len, room), 0)?;
+                store.grow(grown_capacity(len, room, layer.grow_by), 0)?;
             }
             Ok(store)
         };
@@ -162,7 +162,7 @@ impl Layer {
         if rest > 0 {
             let (k, v) = self.shared[keep].raw(0, rest)?;
             let room = self.max_positions - keep * SHARED_BLOCK;
-            store.grow(grown_capacity(rest, room), 0)?;
+            store.grow(grown_capacity(rest, room, self.grow_by), 0)?;
             store.write_raw(0, rest, &k, &v)?;
         }
         self.store = store;

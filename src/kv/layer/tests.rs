@@ -14,6 +14,7 @@ fn spec(precision: Precision, retention: Retention) -> LayerSpec {
         residual: 8,
         max_positions: 4096,
         attend_window: None,
+        grow_by: None,
     }
 }
 
@@ -390,6 +391,7 @@ fn a_declared_window_goes_back_over_a_wide_step_as_if_it_had_taken_single_steps(
     // single steps all along do.
     let declared = |w| LayerSpec {
         attend_window: Some(16),
+        grow_by: None,
         ..spec(
             Precision::F32,
             Retention::Window {
@@ -423,6 +425,7 @@ fn wide_step_row_that_differs(
 ) -> Option<(usize, usize, usize)> {
     let declared = LayerSpec {
         attend_window: Some(attend),
+        grow_by: None,
         ..spec(
             Precision::F32,
             Retention::Window {
@@ -755,4 +758,33 @@ fn going_back_before_a_verification_keeps_the_scores_of_the_guesses_it_kept() {
             );
         }
     }
+}
+
+#[test]
+fn a_store_grows_by_doubling_from_256_or_by_its_step_and_never_past_its_limit() {
+    assert_eq!(grown_capacity(1, 4096, None), 256);
+    assert_eq!(grown_capacity(257, 4096, None), 512);
+    assert_eq!(grown_capacity(600, 640, None), 640);
+    assert_eq!(grown_capacity(1, 4096, Some(64)), 64);
+    assert_eq!(grown_capacity(65, 4096, Some(64)), 128);
+    assert_eq!(grown_capacity(128, 4096, Some(64)), 128);
+    assert_eq!(grown_capacity(600, 610, Some(64)), 610);
+}
+
+#[test]
+fn a_layer_growing_by_a_step_holds_its_positions_as_one_that_doubles() {
+    // The same positions written in the steps of `STEPS` into a layer growing 16 positions at a
+    // time and into one doubling from 256: the same rows in both, and the first never holds
+    // more than 15 positions beyond those written.
+    let by_16 = LayerSpec {
+        grow_by: Some(16),
+        ..spec(Precision::F16, Retention::All)
+    };
+    let mut a = Layer::new(&by_16, NKV, HD, None);
+    let mut b = Layer::new(&spec(Precision::F16, Retention::All), NKV, HD, None);
+    let row = 2 * NKV * Precision::F16.row_bytes(HD);
+    let (ra, rb) = (run(&mut a, &STEPS), run(&mut b, &STEPS));
+    assert_eq!(ra, rb);
+    let written = a.len();
+    assert!(a.bytes() >= written * row && a.bytes() < (written + 16) * row);
 }
