@@ -3,7 +3,7 @@
 count and time (each server is started with --exit-after and killed at the end).
 
   target/pyenv/bin/python scripts/serve-load.py MODEL [--clients 6] [--tokens 48] [--threads 2]
-      [--parts concurrency,prefix,pressure] [--kvchat target/release/kvchat]
+      [--parts concurrency,prefix,pressure,headroom] [--kvchat target/release/kvchat]
       [--serve-args "--device cuda"]
       [--llama-server "$(scripts/llamacpp.sh llama-server)/llama-server"]
 
@@ -20,6 +20,8 @@ count and time (each server is started with --exit-after and killed at the end).
   --pressure-answers long, or short for answers far under max_tokens): every
   request completes or gets a 429, /metrics' pool use and allocation never pass the bound,
   nothing hangs; the throughput, the most sequences running at once and the preemptions.
+- headroom (only when asked for): --clients one-sentence questions with max_tokens 1000 in a
+  32 MiB pool: the tokens/s, and how many answer at once.
 
 Progress goes to stderr; stdout holds only the JSON report.
 """
@@ -276,6 +278,43 @@ def pressure(a):
         s.close()
 
 
+def headroom(a):
+    """Short answers under a long max_tokens in a small pool: what a server holds for tokens
+    that are never generated decides how many answer at once."""
+    s = Server(a.kvchat, a.model, a.threads, ["--kv-pool", "32MiB", "--parallel", "8"])
+    try:
+        most = [0.0]
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                most[0] = max(most[0], s.metric("kvchat_running_sequences"))
+                time.sleep(0.05)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        n = a.clients
+
+        def one(i):
+            q = f"In one short sentence, what is {TOPICS[i % len(TOPICS)]}? (question {i})"
+            return chat(s, [{"role": "user", "content": q}], 1000)[1]
+
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(n) as ex:
+            lengths = list(ex.map(one, range(n)))
+        elapsed = time.perf_counter() - t0
+        done.set()
+        w.join()
+        print(f"  {n} one-sentence answers (max_tokens 1000, 32 MiB pool): {sum(lengths)} tokens "
+              f"in {elapsed:.1f} s ({sum(lengths) / elapsed:.1f} tokens/s), at most "
+              f"{most[0]:.0f} at once", file=sys.stderr)
+        return {"requests": n, "tokens": sum(lengths), "seconds": round(elapsed, 2),
+                "tokens_per_second": round(sum(lengths) / elapsed, 2),
+                "most_running": int(most[0])}
+    finally:
+        s.close()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -312,7 +351,8 @@ def main():
         sys.exit(f"serve-load: no kvchat binary at {a.kvchat} (cargo build --release)")
     if a.llama_server and not os.access(a.llama_server, os.X_OK):
         sys.exit(f"serve-load: no llama-server binary at {a.llama_server} (scripts/llamacpp.sh llama-server)")
-    parts = {"concurrency": concurrency, "prefix": prefix, "pressure": pressure}
+    parts = {"concurrency": concurrency, "prefix": prefix, "pressure": pressure,
+             "headroom": headroom}
     report = {}
     for name in a.parts.split(","):
         if name not in parts:
