@@ -292,41 +292,64 @@ fn a_batched_step_with_a_token_missing_or_a_session_without_a_cache_is_refused()
     assert_eq!(a.cache().seen(), before.len());
 }
 
-#[test]
-fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone() {
-    // Continuous batching's loop: two sequences start, a third joins at step 5 and a fourth at
-    // step 12, each stops at its own limit or end of text; one samples at temperature 0.8 with a
-    // seed. Each one's tokens are those of `Session::decode` alone.
-    let e = engine();
-    let spec = full();
-    let questions = [
-        "Name three colours.",
-        "Write a haiku about the sea.",
-        "Count from one to ten in words.",
-        "What is the capital of Italy? Answer in one sentence.",
-    ];
-    let limits = [30, 40, 25, 35];
-    let params = |i: usize| match i {
+/// The batching tests' questions; the second is sampled at temperature 0.8 with a seed, the
+/// others greedily (`batch_params`).
+const BATCH_QUESTIONS: [&str; 4] = [
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "Count from one to ten in words.",
+    "What is the capital of Italy? Answer in one sentence.",
+];
+
+fn batch_params(i: usize) -> SamplingParams {
+    match i {
         1 => SamplingParams {
             temperature: 0.8,
             seed: 11,
             ..Default::default()
         },
         _ => SamplingParams::greedy(),
-    };
-    let alone: Vec<Vec<u32>> = (0..4)
-        .map(|i| {
-            let mut s = e.session(&spec);
-            let logits = s.feed(&chat_ids(questions[i])).unwrap();
-            let mut sampler = Sampler::new(params(i));
-            let (out, ..) = s
-                .decode(logits, &mut sampler, limits[i], e.stop_ids(), false, |_| {
-                    Ok(true)
-                })
-                .unwrap();
-            out
+    }
+}
+
+/// Question i's answer decoded alone (`Session::decode`) in a full cache, at most `limit` tokens.
+fn decoded_alone(i: usize, limit: usize) -> Vec<u32> {
+    let e = engine();
+    let mut s = e.session(&full());
+    let logits = s.feed(&chat_ids(BATCH_QUESTIONS[i])).unwrap();
+    let mut sampler = Sampler::new(batch_params(i));
+    let (out, ..) = s
+        .decode(logits, &mut sampler, limit, e.stop_ids(), false, |_| {
+            Ok(true)
         })
-        .collect();
+        .unwrap();
+    out
+}
+
+/// Question i joins `batch` as sequence i, in a full cache, for at most `limit` tokens.
+fn join_batch<'m>(batch: &mut kvchat::session::batch::Batch<'m>, i: usize, limit: usize) {
+    let e = engine();
+    let sampler = Sampler::new(batch_params(i));
+    let prompt = chat_ids(BATCH_QUESTIONS[i]);
+    batch
+        .join(
+            i as u64,
+            e.session(&full()),
+            &prompt,
+            sampler,
+            limit,
+            e.stop_ids(),
+        )
+        .unwrap();
+}
+
+#[test]
+fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone() {
+    // Continuous batching's loop: two sequences start, a third joins at step 5 and a fourth at
+    // step 12, each stops at its own limit or end of text; one samples at temperature 0.8 with a
+    // seed. Each one's tokens are those of `Session::decode` alone.
+    let limits = [30, 40, 25, 35];
+    let alone: Vec<Vec<u32>> = (0..4).map(|i| decoded_alone(i, limits[i])).collect();
     let mut batch = kvchat::session::batch::Batch::new();
     let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); 4];
     let mut finished = Vec::new();
@@ -334,17 +357,7 @@ fn sequences_joining_and_leaving_a_batch_each_generate_what_they_generate_alone(
     let mut step = 0;
     while finished.len() < 4 {
         for i in (0..4).filter(|&i| joins[i] == step) {
-            let (prompt, sampler) = (chat_ids(questions[i]), Sampler::new(params(i)));
-            batch
-                .join(
-                    i as u64,
-                    e.session(&spec),
-                    &prompt,
-                    sampler,
-                    limits[i],
-                    e.stop_ids(),
-                )
-                .unwrap();
+            join_batch(&mut batch, i, limits[i]);
         }
         finished.extend(batch.step(|id, t| streamed[id as usize].push(t)).unwrap());
         step += 1;
@@ -368,45 +381,12 @@ fn a_sequence_preempted_and_resumed_twice_generates_what_it_generates_alone() {
     // again at step 18 while its 10 tokens are still being fed again, and resumes at step 20.
     // Both sequences' tokens are those they generate alone, each told once.
     let e = engine();
-    let spec = full();
-    let questions = ["Name three colours.", "Write a haiku about the sea."];
-    let params = [
-        SamplingParams::greedy(),
-        SamplingParams {
-            temperature: 0.8,
-            seed: 11,
-            ..Default::default()
-        },
-    ];
     let limit = 40;
-    let alone: Vec<Vec<u32>> = (0..2)
-        .map(|i| {
-            let mut s = e.session(&spec);
-            let logits = s.feed(&chat_ids(questions[i])).unwrap();
-            let mut sampler = Sampler::new(params[i].clone());
-            let (out, ..) = s
-                .decode(logits, &mut sampler, limit, e.stop_ids(), false, |_| {
-                    Ok(true)
-                })
-                .unwrap();
-            out
-        })
-        .collect();
+    let alone: Vec<Vec<u32>> = (0..2).map(|i| decoded_alone(i, limit)).collect();
     assert!(alone[1].len() > 20, "{:?}", alone[1]);
     let mut batch = kvchat::session::batch::Batch::new();
     for i in 0..2 {
-        let sampler = Sampler::new(params[i].clone());
-        let prompt = chat_ids(questions[i]);
-        batch
-            .join(
-                i as u64,
-                e.session(&spec),
-                &prompt,
-                sampler,
-                limit,
-                e.stop_ids(),
-            )
-            .unwrap();
+        join_batch(&mut batch, i, limit);
     }
     let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); 2];
     let mut finished = Vec::new();
@@ -420,9 +400,9 @@ fn a_sequence_preempted_and_resumed_twice_generates_what_it_generates_alone() {
                 paused = Some(p);
             }
             15 | 20 => {
-                let prompt = chat_ids(questions[1]);
+                let prompt = chat_ids(BATCH_QUESTIONS[1]);
                 let p = paused.take().unwrap();
-                batch.resume(1, e.session(&spec), &prompt, p).unwrap();
+                batch.resume(1, e.session(&full()), &prompt, p).unwrap();
             }
             _ => {}
         }
