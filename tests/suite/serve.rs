@@ -567,6 +567,65 @@ fn sequences_preempted_for_memory_finish_with_the_answers_they_get_alone() {
 }
 
 #[test]
+fn a_client_that_leaves_while_its_sequence_is_preempted_frees_everything() {
+    // As above, 13 MiB and two 400-token answers: the second to start is preempted; its client
+    // then leaves. The first answer ends in full, the second is counted cancelled, and the pool
+    // holds nothing for either.
+    let server = Arc::new(Server::start(&["--kv-pool", "13MiB", "--kv-type", "f16"]));
+    let first = {
+        let s = server.clone();
+        std::thread::spawn(move || {
+            let body = json!({"model": "m", "prompt": "1, 2, 3, 4,", "temperature": 0,
+                              "max_tokens": 400});
+            let (code, v, _) = s.post("/v1/completions", &body.to_string(), None);
+            assert_eq!(code, 200, "{v}");
+            v
+        })
+    };
+    let t0 = Instant::now();
+    while server.metric("kvchat_generated_tokens_total") < 5.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the first never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let body = json!({"prompt": "20, 21, 22, 23,", "temperature": 0, "max_tokens": 400,
+                      "stream": true})
+    .to_string();
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = [0u8; 2048];
+    let n = conn.read(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got[..n]).contains("200 OK"));
+    while server.metric("kvchat_preemptions_total") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "nothing was preempted"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(conn);
+    let answer = first.join().unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 400, "{answer}");
+    while server.metric("kvchat_requests_cancelled_total") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "the server never saw the client go"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.assert_settles();
+    assert_eq!(server.metric("kvchat_requests_finished_total"), 1.0);
+}
+
+#[test]
 fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
     for (args, says) in [
         (vec!["--host", "0.0.0.0"], "needs --api-key"),
