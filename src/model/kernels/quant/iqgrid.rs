@@ -649,6 +649,11 @@ macro_rules! signed_avx2 {
                 avx2::ilanes_signed(u, y)
             }
             type U512 = avx2::SignedRegs512;
+            // An AVX-512 path that gathers the grid entries decodes slower than the AVX2 path's
+            // scalar loads where gathers are slow (Zen 4: l1b-IQ3_XXS 57 against 39 ms/token).
+            fn vnni_decode() -> bool {
+                !<$f as avx2::SignedVec>::GATHERS || super::level::gathers_fast()
+            }
             #[inline(always)]
             unsafe fn unpack512(x: &Self::Block) -> avx2::SignedRegs512 {
                 avx2::unpack_signed512::<$f>(x)
@@ -844,6 +849,8 @@ mod avx2 {
     /// each format computes what it can in registers instead. All give the scalar methods' bits
     /// (tested through the dot products at every level).
     pub trait SignedVec: SignedGrid {
+        /// Whether [`SignedVec::grid_gather`] gathers (else it is [`SignedVec::grid`]).
+        const GATHERS: bool = false;
         /// Chunk c (values 32c..32c + 32) as one vector of its 32 unsigned grid values.
         ///
         /// # Safety
@@ -957,8 +964,10 @@ mod avx2 {
     /// and gather them with one `vpgatherdd` per 32 values elsewhere (indices computed in
     /// registers: 8 bits for IQ3_XXS's 256 entries, 9 for IQ3_S's 512, so every gathered load
     /// is inside its table). Gathers are slow on the CPUs that stop at AVX2 (Zen 2: IQ3_XXS
-    /// decode 0.73× llama.cpp's with them), and on Intel's since the Gather Data Sampling fix.
+    /// decode 0.73× llama.cpp's with them), and on Intel's since the Gather Data Sampling fix;
+    /// on AMD's AVX-512 cores decode takes the AVX2 path (`level::gathers_fast`).
     impl SignedVec for IQ3XXS {
+        const GATHERS: bool = true;
         #[inline(always)]
         unsafe fn grid(x: &BlockIQ3XXS, c: usize) -> __m256i {
             entries8(&IQ3XXS_GRID, &x.qs[8 * c..], 0)
@@ -979,6 +988,7 @@ mod avx2 {
     }
 
     impl SignedVec for IQ3S {
+        const GATHERS: bool = true;
         /// Entry j's ninth index bit is bit j of `qh[c]`.
         #[inline(always)]
         unsafe fn grid(x: &BlockIQ3S, c: usize) -> __m256i {

@@ -20,6 +20,27 @@ pub fn level() -> Level {
     })
 }
 
+/// Whether this CPU's `vpgatherdd` beats scalar loads for the grid i-quants' lookups in a decode
+/// step at the AVX-512 level: on Intel's AVX-512 cores it does (IQ3 decode 1.13× llama.cpp with
+/// it, docs/perf-notes.md §17); AMD's Zen 4 runs gathers slowly (l1b-IQ3_XXS decode 57 ms/token
+/// at the AVX-512 level with them, 39 at the AVX2 level with scalar loads, §22), as Zen 2 does
+/// (§18). Decided once, from the CPU's vendor.
+pub fn gathers_fast() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // The vendor string, 12 bytes in ebx, edx, ecx: "GenuineIntel".
+            let r = std::arch::x86_64::__cpuid(0);
+            [r.ebx, r.edx, r.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// The cap `KVCHAT_SIMD` sets, if any; an error names a value that is not a level.
 pub fn simd_cap() -> anyhow::Result<Option<Level>> {
     match std::env::var("KVCHAT_SIMD") {

@@ -35,6 +35,11 @@ pub trait Avx2: Format {
         Self::min_term(x, y)
     }
     type U512: Copy;
+    /// Whether a decode step runs the `*512` kernels at the AVX-512 level (else the AVX2 ones,
+    /// the same sums): no for a format whose AVX-512 path is slower on this CPU.
+    fn vnni_decode() -> bool {
+        true
+    }
     /// # Safety
     /// The trait's contract.
     unsafe fn unpack512(x: &Self::Block) -> Self::U512;

@@ -27,6 +27,7 @@ impl<F: tiled::TileKernels + Avx2> Staged<F> {
         // The SAFETY condition of `dot_rows_order*`, checked once: AVX2 runs (`tileable`).
         let level = level();
         assert!(level >= Level::Avx2);
+        let vnni = level == Level::Vnni && F::vnni_decode();
         candle_core::utils::barrier_pool().execute_chunked(items * m, |range| {
             for item in range {
                 let (t, r0) = (item / items, (item % items) * ROWS_PER_ITEM);
@@ -38,7 +39,7 @@ impl<F: tiled::TileKernels + Avx2> Staged<F> {
                     let x = self.0.row(r);
                     // SAFETY: the CPU runs `level`'s instructions (`level()`, asserted above).
                     *o = unsafe {
-                        if level == Level::Vnni {
+                        if vnni {
                             avx2::dot_rows_order512::<F>(x, y)
                         } else {
                             avx2::dot_rows_order::<F>(x, y)
