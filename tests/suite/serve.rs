@@ -90,6 +90,35 @@ impl Server {
         v
     }
 
+    /// POSTs `body` on a connection of its own and reads until the answer's status (200),
+    /// leaving the stream open for the caller to read or drop.
+    fn open_stream(&self, path: &str, body: &str) -> std::net::TcpStream {
+        let addr = self.base.trim_start_matches("http://").to_string();
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            conn,
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut got = [0u8; 2048];
+        let n = conn.read(&mut got).unwrap();
+        assert!(String::from_utf8_lossy(&got[..n]).contains("200 OK"));
+        conn
+    }
+
+    /// Waits until /metrics' `name` is at least `value`, for at most `secs` seconds.
+    fn wait_until(&self, name: &str, value: f64, secs: u64, what: &str) {
+        let t0 = Instant::now();
+        while self.metric(name) < value {
+            assert!(
+                t0.elapsed() < Duration::from_secs(secs),
+                "the server never saw {what} ({name} < {value})"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The value of a Prometheus line of /metrics.
     fn metric(&self, name: &str) -> f64 {
         let text = ureq::get(&self.url("/metrics"))
@@ -412,26 +441,14 @@ fn a_client_that_leaves_mid_stream_frees_its_sequence() {
     let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
                       "max_tokens": 400, "stream": true})
     .to_string();
-    let addr = server.base.trim_start_matches("http://").to_string();
-    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
-    write!(
-        conn,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut got = [0u8; 2048];
-    let n = conn.read(&mut got).unwrap();
-    assert!(String::from_utf8_lossy(&got[..n]).contains("200 OK"));
+    let conn = server.open_stream("/v1/chat/completions", &body);
     drop(conn);
-    let t0 = Instant::now();
-    while server.metric("kvchat_requests_cancelled_total") < 1.0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the server never saw the client go"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    server.wait_until(
+        "kvchat_requests_cancelled_total",
+        1.0,
+        30,
+        "the client going",
+    );
     server.assert_settles();
     assert_eq!(server.metric("kvchat_requests_finished_total"), 0.0);
     assert!(server.metric("kvchat_generated_tokens_total") < 400.0);
@@ -582,45 +599,26 @@ fn a_client_that_leaves_while_its_sequence_is_preempted_frees_everything() {
             v
         })
     };
-    let t0 = Instant::now();
-    while server.metric("kvchat_generated_tokens_total") < 5.0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the first never started"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    server.wait_until(
+        "kvchat_generated_tokens_total",
+        5.0,
+        30,
+        "the first answer start",
+    );
     let body = json!({"prompt": "20, 21, 22, 23,", "temperature": 0, "max_tokens": 400,
                       "stream": true})
     .to_string();
-    let addr = server.base.trim_start_matches("http://").to_string();
-    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
-    write!(
-        conn,
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut got = [0u8; 2048];
-    let n = conn.read(&mut got).unwrap();
-    assert!(String::from_utf8_lossy(&got[..n]).contains("200 OK"));
-    while server.metric("kvchat_preemptions_total") < 1.0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "nothing was preempted"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let conn = server.open_stream("/v1/completions", &body);
+    server.wait_until("kvchat_preemptions_total", 1.0, 60, "a preemption");
     drop(conn);
     let answer = first.join().unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 400, "{answer}");
-    while server.metric("kvchat_requests_cancelled_total") < 1.0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(90),
-            "the server never saw the client go"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    server.wait_until(
+        "kvchat_requests_cancelled_total",
+        1.0,
+        90,
+        "the client going",
+    );
     server.assert_settles();
     assert_eq!(server.metric("kvchat_requests_finished_total"), 1.0);
 }
