@@ -2,7 +2,7 @@
 //! precision and retention — the arithmetic that `kvchat kv-size` prints and that the caches' own
 //! `bytes_used` must match (a test compares them).
 
-use super::layer::grown_capacity;
+use super::layer::main_capacity;
 use super::{CacheMode, CacheSpec, Precision, Retention};
 use crate::model::Config;
 
@@ -81,7 +81,7 @@ impl KvDims {
     /// first forward `prompt` positions in steps of at most `chunk` and then one position a step:
     /// what a server counts a sequence for before its next step, so that the memory a long
     /// `max_tokens` may never use is not held. Follows the layers' growth rules (`kv::layer`): a
-    /// full layer's store grows by [`grown_capacity`] up to `max_positions`; a window's ring the
+    /// full layer's store grows by `kv::layer::main_capacity` up to `max_positions`; a window's ring the
     /// same up to its sinks and window, plus a step's rows waiting to enter it once the sequence
     /// is longer than that; a budget holds the whole prompt until its first eviction, then its
     /// budget and slack; a quantized layer also its f16 residual.
@@ -162,11 +162,10 @@ fn held_up_to(
     };
     match retention {
         Retention::None => 0,
-        Retention::All => grown_capacity(upto, n, grow_by),
+        Retention::All => main_capacity(retention, upto, n, grow_by),
         Retention::Window { window, sinks } => {
             let ring = window + sinks;
-            let need = upto.min(ring);
-            grown_capacity(need, ring.min(n.max(need)), grow_by)
+            main_capacity(retention, upto.min(ring), n, grow_by)
                 + if upto > ring { step } else { 0 }
         }
         Retention::Budget { budget, .. } => prompt.max(budget + crate::kv::SLACK + 1).min(n),

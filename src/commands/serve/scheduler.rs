@@ -332,24 +332,12 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Bytes a sequence's own stores hold once it is `upto` positions long
-    /// (`KvDims::bytes_up_to`).
-    fn bytes_at(&self, prompt: usize, positions: usize, upto: usize) -> u64 {
-        let m = self.engine.model();
-        KvDims::bytes_up_to(
-            &self.own_spec(positions),
-            &m.cfg,
-            prompt,
-            m.prefill_chunk,
-            upto,
-        )
-        .ceil() as u64
-    }
-
-    /// Bytes a sequence's own stores hold once it is `upto` positions long: its prompt
-    /// `prompt` positions, the first `off` of them read from shared blocks, and `max_tokens` to
-    /// generate.
+    /// (`KvDims::bytes_up_to`): its prompt `prompt` positions, the first `off` of them read from
+    /// shared blocks (its own stores start after them), and `max_tokens` to generate.
     fn seq_bytes(&self, prompt: usize, off: usize, max_tokens: usize, upto: usize) -> u64 {
-        self.bytes_at(prompt - off, prompt + max_tokens - off, upto - off)
+        let m = self.engine.model();
+        let spec = self.own_spec(prompt + max_tokens - off);
+        KvDims::bytes_up_to(&spec, &m.cfg, prompt - off, m.prefill_chunk, upto - off).ceil() as u64
     }
 
     /// Bytes of the pool the sequences' own rows take by their next step and `ahead` positions

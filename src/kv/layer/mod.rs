@@ -55,6 +55,23 @@ pub(crate) fn grown_capacity(need: usize, limit: usize, grow_by: Option<usize>) 
     .min(limit)
 }
 
+/// The capacity a layer's main store of `retention` takes to hold `need` positions, `room`
+/// being the most it may ever hold (`max_positions` past any shared blocks): never past the
+/// sinks and window of a window. What [`Layer::write_main`] grows to, and what
+/// `KvDims::bytes_up_to` predicts.
+pub(crate) fn main_capacity(
+    retention: Retention,
+    need: usize,
+    room: usize,
+    grow_by: Option<usize>,
+) -> usize {
+    let limit = match retention {
+        Retention::Window { window, sinks } => (sinks + window).min(room.max(need)),
+        _ => room.max(need),
+    };
+    grown_capacity(need, limit, grow_by)
+}
+
 /// Which positions a layer keeps (the retention axis).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -397,16 +414,9 @@ impl Layer {
             _ => e - off,
         };
         if need > self.store.capacity() {
-            let cap = grown_capacity(
-                need,
-                match self.retention {
-                    Retention::Window { window, sinks } => {
-                        (sinks + window).min(self.max_positions.max(need))
-                    }
-                    _ => self.max_positions.saturating_sub(off).max(need),
-                },
-                self.grow_by,
-            );
+            // (Only a full cache has shared blocks: a window's `off` is 0.)
+            let room = self.max_positions.saturating_sub(off);
+            let cap = main_capacity(self.retention, need, room, self.grow_by);
             let keep = self.store.capacity().min(b - off);
             self.store.grow(cap, keep)?;
         }
