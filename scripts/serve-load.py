@@ -345,6 +345,9 @@ def main():
                    help="more `kvchat serve` flags for every kvchat server (e.g. \"--device cuda\")")
     a = p.parse_args()
     SERVE_ARGS.extend(a.serve_args.split())
+    for flag in ["clients", "pressure_requests", "pressure_max_tokens"]:
+        if getattr(a, flag) < 1:
+            sys.exit(f"serve-load: --{flag.replace('_', '-')} {getattr(a, flag)} is not a positive count")
     if not os.path.isfile(a.model):
         sys.exit(f"serve-load: no model file {a.model}")
     if not os.access(a.kvchat, os.X_OK):

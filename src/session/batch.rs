@@ -17,8 +17,8 @@ struct Running<'m> {
     /// The logits its next token is sampled from.
     logits: Tensor,
     out: Vec<u32>,
-    /// Tokens of `out` still to be fed again after a resumption, first one first.
-    replay: std::collections::VecDeque<u32>,
+    /// How many of `out`'s last tokens are still to be fed again after a resumption.
+    to_refeed: usize,
     max_tokens: usize,
     stop_ids: Vec<u32>,
 }
@@ -116,7 +116,7 @@ impl<'m> Batch<'m> {
             session,
             sampler: paused.sampler,
             logits,
-            replay: paused.out.iter().copied().collect(),
+            to_refeed: paused.out.len(),
             out: paused.out,
             max_tokens: paused.max_tokens,
             stop_ids: paused.stop_ids,
@@ -174,9 +174,10 @@ impl<'m> Batch<'m> {
         let mut i = 0;
         while i < self.running.len() {
             let r = &mut self.running[i];
-            if let Some(token) = r.replay.pop_front() {
+            if r.to_refeed > 0 {
                 // Resumed: a token it generated before is fed again, not sampled or told.
-                next.push(token);
+                next.push(r.out[r.out.len() - r.to_refeed]);
+                r.to_refeed -= 1;
                 i += 1;
                 continue;
             }
