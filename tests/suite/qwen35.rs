@@ -339,7 +339,15 @@ fn qwen35moe_prefill_and_decode_give_the_same_logits() {
 /// On a GPU the experts stay on the host (llama.cpp's --cpu-moe) while the rest of the block
 /// runs on candle's kernels: that path, run on the CPU (`Kernels::Gpu`), reads the shared expert
 /// for our kernels too (it was refused: "of a type kvchat's expert kernels cannot run") and gives
-/// the CPU path's logits to the activations' rounding.
+/// the CPU path's logits when both run candle's matmuls.
+///
+/// Both run candle's QMatMul because the two kernels round activations differently: ours to
+/// Q8_0 (32 values a scale, as llama.cpp), candle 0.11's on an AVX-512 VNNI CPU to Q8_K (256 a
+/// scale, its repacked tiles). Each is ~0.5 % from the f32 product, but the two roundings'
+/// independent noise, through random weights and the recurrent state, moved the logits to
+/// cosines 0.55–0.998 on an AMD Zen 4 (CI's CPU); on AVX2 they rounded alike and agreed. What
+/// this test checks is the GPU path's own pieces: the experts on the host, attention over KV
+/// tensors with candle ops, and the states carried between steps.
 #[test]
 fn qwen35moe_runs_the_gpus_path_with_its_experts_on_the_host() {
     let load = |kernels| {
@@ -348,13 +356,14 @@ fn qwen35moe_runs_the_gpus_path_with_its_experts_on_the_host() {
         f.load_llama(&Device::Cpu, 512).unwrap()
     };
     use kvchat::model::kernels::quant::Kernels;
-    let (gpu, cpu) = (load(Kernels::Gpu), load(Kernels::Preferred));
+    let (gpu, cpu) = (load(Kernels::Gpu), load(Kernels::Candle));
     let tokens: Vec<u32> = (0..24).map(|i| (i * 7919 % 49152) as u32).collect();
     let spec = CacheSpec::full(Precision::F32, 512);
     let (a, _) = prefill_and_decode(&gpu, &spec, &tokens, 512);
     let (b, _) = prefill_and_decode(&cpu, &spec, &tokens, 512);
-    // Cosine similarity of each position's logits. Measured: 0.9999 at 23 of 24 positions and
-    // 0.989 at one, where a router's near-tie picks another expert under the other rounding.
+    // Cosine similarity of each position's logits. Measured on the Zen 4: 1 − cos below 1e-7 at
+    // every position. The minimum allows for a router's near-tie picking another expert (0.989 at
+    // one position when the CPU path ran our kernels on AVX2).
     let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| p * q).sum::<f32>();
     let mut cos: Vec<f32> = a
         .iter()
@@ -363,7 +372,7 @@ fn qwen35moe_runs_the_gpus_path_with_its_experts_on_the_host() {
         .collect();
     cos.sort_by(f32::total_cmp);
     assert!(cos[0] > 0.98, "{cos:?}");
-    assert!(cos[cos.len() / 2] > 0.9995, "{cos:?}");
+    assert!(cos[cos.len() / 2] > 0.99999, "{cos:?}");
 }
 
 /// `run --prompt-cache` on Qwen3.5: a prompt that extends the saved one resumes from the saved
