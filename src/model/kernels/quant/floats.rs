@@ -1,19 +1,21 @@
-//! The float weight types, F32, F16 and BF16, through the same driver as the quantized ones
+//! The float weight types F32 and F16 through the same driver as the quantized ones
 //! ([`RowFormat`]): the weights stay as the GGUF stores them (an F16 matrix is not widened to a
 //! second, f32 copy, as candle's QMatMul widens it), and the activations are the f32 inputs
-//! themselves (no rounding of the input, where llama.cpp rounds it to the weight's type).
+//! themselves (no rounding of the input, where llama.cpp rounds it to F16). BF16 has its own
+//! file ([`super::bf16`]): it rounds its inputs to BF16, as llama.cpp does, for AVX-512 BF16's
+//! dot product.
 //!
 //! **The summation order** (every path): element `i` of a row goes to accumulator `i % 16` by a
 //! fused multiply-add; the 16 accumulators are then folded, `a[l] + a[l + 8]`, and the 8 left added
 //! as [`super::hsum`] adds them. AVX2 holds the 16 accumulators in two registers and converts 16
-//! weights per step (F16C for F16, a shift for BF16); its four-rows-by-four-tokens prefill kernel,
+//! weights per step (F16C for F16); its four-rows-by-four-tokens prefill kernel,
 //! which would need 32 registers of accumulators, walks each block of columns once per half of
 //! them and pair of rows instead. The tail of a row that is not a multiple of 16 long, and the
 //! fold, run as in the scalar reference [`dot_ref`].
 
 use super::WeightType;
 use super::{hsum, Level, RowFormat};
-use half::{bf16, f16};
+use half::f16;
 
 /// Accumulators per row (two AVX2 registers).
 const L: usize = 16;
@@ -48,17 +50,6 @@ impl Float for f16 {
     }
 }
 
-impl Float for bf16 {
-    const DTYPE: WeightType = WeightType::BF16;
-    #[inline(always)]
-    fn value(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-
 /// The 16 accumulators folded and added in the one order.
 #[inline(always)]
 fn fold(acc: [f32; L]) -> f32 {
@@ -81,7 +72,7 @@ pub fn dot_ref<W: Float>(xs: &[W], ys: &[f32]) -> f32 {
     fold(acc)
 }
 
-/// A matrix of float weights of type `W` (F32, F16 or BF16 as GGUF stores them).
+/// A matrix of float weights of type `W` (F32 or F16 as GGUF stores them).
 pub struct Floats<W>(std::marker::PhantomData<W>);
 
 impl<W: Float + Simd> RowFormat for Floats<W> {
@@ -165,7 +156,7 @@ impl<W: Float> Simd for W {}
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{accumulate, fold, Simd, L};
-    use half::{bf16, f16};
+    use half::f16;
     use std::arch::x86_64::*;
 
     impl Simd for f32 {
@@ -191,22 +182,6 @@ mod avx2 {
         unsafe fn load16(xs: &[f16]) -> __m512 {
             assert!(xs.len() >= 16);
             _mm512_cvtph_ps(_mm256_loadu_si256(xs.as_ptr() as *const __m256i))
-        }
-    }
-
-    impl Simd for bf16 {
-        #[inline(always)]
-        unsafe fn load8(xs: &[bf16]) -> __m256 {
-            assert!(xs.len() >= 8);
-            // A bf16 is the high half of its f32.
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(xs.as_ptr() as *const __m128i));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-        }
-        #[inline(always)]
-        unsafe fn load16(xs: &[bf16]) -> __m512 {
-            assert!(xs.len() >= 16);
-            let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(xs.as_ptr() as *const __m256i));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
         }
     }
 

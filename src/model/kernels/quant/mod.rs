@@ -22,7 +22,8 @@
 //! `maddubs`+`madd`, serves 8 or 16 rows; one FMA a block of 8 or 16 rows) with their own, simpler
 //! summation order (one accumulator per row; the reference is [`dot_rows_scalar`]); elsewhere
 //! (rows not in 16s, or a type with no tiles: the grid i-quants) the per-row layout and the 8-lane
-//! order above run. The float types (F32, F16, BF16: [`floats`]) run per row with their own order.
+//! order above run. The float types (F32, F16: [`floats`]; BF16: [`bf16`]) run per row with their own
+//! orders.
 //!
 //! Work is split over candle's own barrier pool (as candle splits its matmuls: no second thread
 //! pool competing with its spinning workers; packing tiles at load uses scoped threads). Weights
@@ -33,10 +34,11 @@
 //! Files: `act` (activation formats), `level` (SIMD level), `row` (per-row dot products),
 //! `matrix` (the per-row matrix), `pack` (reading a model's matrices into tiles or rows),
 //! `qmatrix` (the matrix of any format, and the kernel choice), `wtype` (ggml's types); one file
-//! per block family (`legacy`, `kquants`, `iquants`, `iqgrid` with its `grids`, `floats`) and the
+//! per block family (`legacy`, `kquants`, `iquants`, `iqgrid` with its `grids`, `floats`, `bf16`) and the
 //! tiles (`tiled`). The table of weight types is below.
 
 mod act;
+pub(crate) mod bf16;
 pub(crate) mod floats;
 mod grids;
 mod iqgrid;
@@ -55,6 +57,7 @@ use bytemuck::Pod;
 use half::f16;
 pub use wtype::WeightType;
 
+pub use bf16::Bf16;
 pub use floats::{dot_ref, Floats};
 pub use iqgrid::{IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS};
 pub use iquants::{IQ4NL, IQ4XS, MXFP4};
@@ -211,7 +214,7 @@ weight_types! {$
         39 "MXFP4" MXFP4 => MXFP4;
         0 "F32" F32 => Floats<f32>;
         1 "F16" F16 => Floats<f16>;
-        30 "BF16" BF16 => Floats<half::bf16>;
+        30 "BF16" BF16 => Bf16;
     }
 }
 

@@ -510,7 +510,37 @@ macro_rules! float_tests {
 
 float_tests!(f32w, f32);
 float_tests!(f16w, f16);
-float_tests!(bf16w, half::bf16);
+
+/// BF16 (`bf16`): its paths against its reference are tested beside it; here the driver's
+/// properties, and the product of BF16-rounded activations against candle's f32 one.
+mod bf16w {
+    use super::*;
+
+    #[test]
+    fn matmul_matches_candles_matmul_to_the_activations_rounding() {
+        // The inputs are rounded to BF16 (8 significant bits, as llama.cpp rounds them), candle
+        // multiplies them in f32: each product is off by up to 2⁻⁹ of itself.
+        matmul_matches_candle::<Bf16>(1, 576, 37, 1e-2);
+        matmul_matches_candle::<Bf16>(7, 100, 48, 1e-2);
+    }
+
+    #[test]
+    fn embedding_rows_are_the_stored_values_exactly() {
+        rows_are_candles_dequantization::<Bf16>();
+    }
+
+    #[test]
+    fn each_prefill_row_has_the_bits_of_that_token_decoded_alone() {
+        prefill_rows_have_the_bits_of_decode::<Bf16>(40);
+    }
+
+    #[test]
+    fn the_driver_keeps_the_stored_type() {
+        let qt = quantized(WeightType::BF16, 16, 64);
+        let m = QMatrix::from_qtensor(&qt).unwrap().unwrap();
+        assert_eq!(m.dtype(), WeightType::BF16);
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod tiles {
