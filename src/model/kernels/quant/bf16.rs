@@ -181,6 +181,9 @@ impl RowFormat for Bf16 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) use avx2::fold as fold8;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{bf16, finish, shortest, L, STEP};
     use std::arch::x86_64::*;
@@ -230,7 +233,7 @@ mod avx2 {
     /// # Safety
     /// AVX runs.
     #[inline(always)]
-    pub(super) unsafe fn fold(lo: __m256, hi: __m256) -> f32 {
+    pub(in super::super) unsafe fn fold(lo: __m256, hi: __m256) -> f32 {
         let h = _mm256_add_ps(lo, hi);
         let v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
         let w = _mm_add_ps(v, _mm_movehl_ps(v, v));

@@ -267,7 +267,31 @@ mod avx2 {
                 }
             }
         }
-        finish_4x4(|i, t| spill512(a[i][t]), xs, ys, n)
+        if body == n {
+            // No tail (every real model's rows): folded in registers, where a closure that read
+            // `a` kept the accumulators stored to memory at every step (as in `super::super::bf16`).
+            let mut sums = [[0f32; 4]; 4];
+            for (s, a) in sums.iter_mut().zip(&a) {
+                for (s, a) in s.iter_mut().zip(a) {
+                    *s = fold512(*a);
+                }
+            }
+            return sums;
+        }
+        let mut spilled = [[[0f32; L]; 4]; 4];
+        for (s, a) in spilled.iter_mut().zip(&a) {
+            for (s, a) in s.iter_mut().zip(a) {
+                *s = spill512(*a);
+            }
+        }
+        finish_4x4(|i, t| spilled[i][t], xs, ys, n)
+    }
+
+    /// [`super::fold`] of one register's 16 accumulators, in registers.
+    #[inline(always)]
+    unsafe fn fold512(a: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+        super::super::bf16::fold8(_mm512_castps512_ps256(a), hi)
     }
 
     /// The shortest of four rows and four tokens.
@@ -327,6 +351,17 @@ mod avx2 {
                 }
             }
             c0 += steps * L;
+        }
+        if body == n {
+            // No tail: folded in registers, as in `dot512_4x4`.
+            let mut sums = [[0f32; 4]; 4];
+            for (i, s) in sums.iter_mut().enumerate() {
+                for (t, s) in s.iter_mut().enumerate() {
+                    let (lo, hi) = (acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
+                    *s = super::super::bf16::fold8(lo, hi);
+                }
+            }
+            return sums;
         }
         let pair = |i: usize, t: usize| spill(acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
         finish_4x4(pair, xs, ys, n)
