@@ -21,19 +21,13 @@
 //! the accumulators on a 32's first half and 8–15 on its second; AVX-512, the same on one
 //! register of 16; AVX-512 BF16, `vdpbf16ps` itself.
 
-use super::{hsum, Level, RowFormat, WeightType};
+use super::{fold16 as fold, Level, RowFormat, WeightType};
 use half::bf16;
 
 /// Accumulators per row.
 const L: usize = 16;
 /// Elements per step: the pairs of one 16-lane register.
 const STEP: usize = 2 * L;
-
-/// The 16 accumulators folded in the one order.
-#[inline(always)]
-fn fold(acc: [f32; L]) -> f32 {
-    hsum(std::array::from_fn(|l| acc[l] + acc[l + 8]))
-}
 
 /// Elements `from..` (`from` even) of a row and an activation row added into the accumulators in
 /// the scalar order.
@@ -181,10 +175,8 @@ impl RowFormat for Bf16 {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) use avx2::fold as fold8;
-
-#[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::avx2::hsum_ps;
     use super::{bf16, finish, shortest, L, STEP};
     use std::arch::x86_64::*;
 
@@ -225,19 +217,6 @@ mod avx2 {
             }
         }
         *acc = a;
-    }
-
-    /// [`super::fold`] of the 16 accumulators `lo` (lanes 0–7) and `hi` (8–15) in registers:
-    /// `h = a[l] + a[l + 8]`, then `((h0 + h4) + (h2 + h6)) + ((h1 + h5) + (h3 + h7))`.
-    ///
-    /// # Safety
-    /// AVX runs.
-    #[inline(always)]
-    pub(in super::super) unsafe fn fold(lo: __m256, hi: __m256) -> f32 {
-        let h = _mm256_add_ps(lo, hi);
-        let v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-        let w = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps::<1>(w, w)))
     }
 
     /// Columns per block: four tokens' and four rows' 1,024 values (16 KiB) stay in L1 across the
@@ -293,7 +272,7 @@ mod avx2 {
             // No tail: folded in registers (a sixth of the kernel's time when spilled).
             for (r, sums) in sums.iter_mut().enumerate() {
                 for (t, s) in sums.iter_mut().enumerate() {
-                    *s = fold(acc[0][r][t], acc[1][r][t]);
+                    *s = hsum_ps(_mm256_add_ps(acc[0][r][t], acc[1][r][t]));
                 }
             }
             return sums;
@@ -313,6 +292,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::avx2::hsum_ps;
     use super::{bf16, finish, shortest, L, STEP};
     use std::arch::x86_64::*;
 
@@ -389,7 +369,7 @@ mod avx512 {
             for (s, a) in sums.iter_mut().zip(&a) {
                 for (s, a) in s.iter_mut().zip(a) {
                     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
-                    *s = super::avx2::fold(_mm512_castps512_ps256(*a), hi);
+                    *s = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(*a), hi));
                 }
             }
             return sums;

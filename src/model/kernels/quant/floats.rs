@@ -14,7 +14,7 @@
 //! fold, run as in the scalar reference [`dot_ref`].
 
 use super::WeightType;
-use super::{hsum, Level, RowFormat};
+use super::{fold16 as fold, Level, RowFormat};
 use half::f16;
 
 /// Accumulators per row (two AVX2 registers).
@@ -48,12 +48,6 @@ impl Float for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-}
-
-/// The 16 accumulators folded and added in the one order.
-#[inline(always)]
-fn fold(acc: [f32; L]) -> f32 {
-    hsum(std::array::from_fn(|l| acc[l] + acc[l + 8]))
 }
 
 /// Elements `from..` of a row added into the accumulators (the scalar order).
@@ -155,6 +149,7 @@ impl<W: Float> Simd for W {}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::avx2::hsum_ps;
     use super::{accumulate, fold, Simd, L};
     use half::f16;
     use std::arch::x86_64::*;
@@ -287,11 +282,11 @@ mod avx2 {
         finish_4x4(|i, t| spilled[i][t], xs, ys, n)
     }
 
-    /// [`super::fold`] of one register's 16 accumulators, in registers.
+    /// [`super::fold`] of one register's 16 accumulators, in registers (the same order).
     #[inline(always)]
     unsafe fn fold512(a: __m512) -> f32 {
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-        super::super::bf16::fold8(_mm512_castps512_ps256(a), hi)
+        hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a), hi))
     }
 
     /// The shortest of four rows and four tokens.
@@ -358,7 +353,7 @@ mod avx2 {
             for (i, s) in sums.iter_mut().enumerate() {
                 for (t, s) in s.iter_mut().enumerate() {
                     let (lo, hi) = (acc[0][i / 2][i % 2][t], acc[1][i / 2][i % 2][t]);
-                    *s = super::super::bf16::fold8(lo, hi);
+                    *s = hsum_ps(_mm256_add_ps(lo, hi));
                 }
             }
             return sums;

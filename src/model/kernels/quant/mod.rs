@@ -105,6 +105,13 @@ fn hsum(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
+/// The 16 accumulators of a float row (F32, F16, BF16) folded in the one order: `a[l] + a[l + 8]`,
+/// then the 8 as [`hsum`] adds them.
+#[inline(always)]
+fn fold16(acc: [f32; 16]) -> f32 {
+    hsum(std::array::from_fn(|l| acc[l] + acc[l + 8]))
+}
+
 /// The portable dot product of one weight row with one activation row: the reference every SIMD
 /// path is tested against, bit for bit.
 pub fn dot_scalar<F: Format>(xs: &[F::Block], ys: &[F::Act]) -> f32 {

@@ -76,7 +76,7 @@ pub(super) mod avx2 {
     /// The 8 f32 lanes added as [`super::hsum`] adds them.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn hsum_ps(acc: __m256) -> f32 {
+    pub(in super::super) unsafe fn hsum_ps(acc: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); // a_i + a_i+4
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s)); // (0+4)+(2+6), (1+5)+(3+7)
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
