@@ -125,17 +125,9 @@ impl Layer {
             Retention::Window { window, sinks } => seen.min(sinks + window),
             _ => seen,
         };
-        self.store.grow(
-            grown_capacity(
-                need,
-                match self.retention {
-                    Retention::Window { window, sinks } => sinks + window,
-                    _ => self.max_positions.max(need),
-                },
-                self.grow_by,
-            ),
-            0,
-        )?;
+        // The capacity writing these positions grows to (a restored store has no shared blocks).
+        let cap = main_capacity(self.retention, need, self.max_positions, self.grow_by);
+        self.store.grow(cap, 0)?;
         let nkv = self.nkv;
         // Rows i.. of each head, `per` bytes each: the saved bytes themselves when they are all.
         fn per_head(

@@ -788,3 +788,27 @@ fn a_layer_growing_by_a_step_holds_its_positions_as_one_that_doubles() {
     let written = a.len();
     assert!(a.bytes() >= written * row && a.bytes() < (written + 16) * row);
 }
+
+#[test]
+fn a_restored_window_wider_than_the_context_allocates_what_writing_it_did() {
+    // A window of 1,004 positions in a context of 300: writing 260 positions grows the store to
+    // the context (300), not to the next doubling (512); restoring them must allocate the same.
+    let wide = LayerSpec {
+        max_positions: 300,
+        ..spec(
+            Precision::F16,
+            Retention::Window {
+                window: 1000,
+                sinks: 4,
+            },
+        )
+    };
+    let mut a = Layer::new(&wide, NKV, HD, None);
+    run(&mut a, &[200, 60]);
+    let row = 2 * NKV * Precision::F16.row_bytes(HD);
+    assert_eq!(a.bytes(), 300 * row);
+    let mut b = Layer::new(&wide, NKV, HD, None);
+    b.restore_raw(a.seen(), &a.raw_state().unwrap()).unwrap();
+    assert_eq!(b.bytes(), a.bytes());
+    assert!(run(&mut a, &[1, 1]) == run(&mut b, &[1, 1]));
+}
