@@ -89,7 +89,6 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let share_refusal = engine
         .session(&crate::kv::CacheSpec {
             max_positions: 1,
-            grow_by: None,
             ..spec.clone()
         })
         .share_refusal();

@@ -351,10 +351,8 @@ impl<'e> Scheduler<'e> {
             Some(counted.max(s.cache().bytes() as u64))
         });
         let prefilling = self.prefilling.as_ref().map(|p| {
-            let (n, at) = (
-                p.ready.ids.len(),
-                p.ready.ids.len() + p.paused.tokens().len(),
-            );
+            let n = p.ready.ids.len();
+            let at = n + p.paused.tokens().len();
             let counted = self.seq_bytes(n, p.cached, p.ready.max_tokens, at + 1 + ahead);
             counted.max(p.session.cache().bytes() as u64)
         });

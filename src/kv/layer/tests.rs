@@ -391,7 +391,6 @@ fn a_declared_window_goes_back_over_a_wide_step_as_if_it_had_taken_single_steps(
     // single steps all along do.
     let declared = |w| LayerSpec {
         attend_window: Some(16),
-        grow_by: None,
         ..spec(
             Precision::F32,
             Retention::Window {
@@ -425,7 +424,6 @@ fn wide_step_row_that_differs(
 ) -> Option<(usize, usize, usize)> {
     let declared = LayerSpec {
         attend_window: Some(attend),
-        grow_by: None,
         ..spec(
             Precision::F32,
             Retention::Window {

@@ -120,12 +120,6 @@ fn native() -> bool {
     })
 }
 
-/// The shortest of the rows and tokens.
-fn shortest<const R: usize, const T: usize>(xs: [&[bf16]; R], ys: [&[bf16]; T]) -> usize {
-    let rows = xs.iter().map(|x| x.len());
-    ys.iter().map(|y| y.len()).chain(rows).min().unwrap_or(0)
-}
-
 /// Each pair's 16 accumulators (`acc(row, token)`, holding the first `n − n % 32` elements), the
 /// tail added and the accumulators folded as [`dot_ref`] does.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -176,8 +170,8 @@ impl RowFormat for Bf16 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::avx2::hsum_ps;
-    use super::{bf16, finish, shortest, L, STEP};
+    use super::super::{avx2::hsum_ps, shortest};
+    use super::{bf16, finish, L, STEP};
     use std::arch::x86_64::*;
 
     /// 16 values at `p` as f32 lanes: (the even elements, the odd ones); lane `j` holds elements
@@ -292,8 +286,8 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::avx2::hsum_ps;
-    use super::{bf16, finish, shortest, L, STEP};
+    use super::super::{avx2::hsum16_ps, shortest};
+    use super::{bf16, finish, L, STEP};
     use std::arch::x86_64::*;
 
     /// How one register of 32 weights and one of 32 activations add into 16 accumulators.
@@ -368,8 +362,7 @@ mod avx512 {
             let mut sums = [[0f32; T]; R];
             for (s, a) in sums.iter_mut().zip(&a) {
                 for (s, a) in s.iter_mut().zip(a) {
-                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
-                    *s = hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(*a), hi));
+                    *s = hsum16_ps(*a);
                 }
             }
             return sums;

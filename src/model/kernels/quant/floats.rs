@@ -149,7 +149,8 @@ impl<W: Float> Simd for W {}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::avx2::hsum_ps;
+    use super::super::avx2::{hsum16_ps, hsum_ps};
+    use super::super::shortest;
     use super::{accumulate, fold, Simd, L};
     use half::f16;
     use std::arch::x86_64::*;
@@ -268,7 +269,7 @@ mod avx2 {
             let mut sums = [[0f32; 4]; 4];
             for (s, a) in sums.iter_mut().zip(&a) {
                 for (s, a) in s.iter_mut().zip(a) {
-                    *s = fold512(*a);
+                    *s = hsum16_ps(*a);
                 }
             }
             return sums;
@@ -280,19 +281,6 @@ mod avx2 {
             }
         }
         finish_4x4(|i, t| spilled[i][t], xs, ys, n)
-    }
-
-    /// [`super::fold`] of one register's 16 accumulators, in registers (the same order).
-    #[inline(always)]
-    unsafe fn fold512(a: __m512) -> f32 {
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-        hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(a), hi))
-    }
-
-    /// The shortest of four rows and four tokens.
-    fn shortest<W>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> usize {
-        let rows = xs.iter().map(|x| x.len());
-        ys.iter().map(|y| y.len()).chain(rows).min().unwrap_or(0)
     }
 
     /// A 4×4 kernel's sums: each pair's 16 accumulators (`acc(row, token)`, holding the first

@@ -112,6 +112,13 @@ fn fold16(acc: [f32; 16]) -> f32 {
     hsum(std::array::from_fn(|l| acc[l] + acc[l + 8]))
 }
 
+/// The shortest of `R` rows and `T` activation rows (a float row kernel's length).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn shortest<A, B, const R: usize, const T: usize>(xs: [&[A]; R], ys: [&[B]; T]) -> usize {
+    let rows = xs.iter().map(|x| x.len());
+    ys.iter().map(|y| y.len()).chain(rows).min().unwrap_or(0)
+}
+
 /// The portable dot product of one weight row with one activation row: the reference every SIMD
 /// path is tested against, bit for bit.
 pub fn dot_scalar<F: Format>(xs: &[F::Block], ys: &[F::Act]) -> f32 {

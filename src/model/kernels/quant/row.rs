@@ -83,6 +83,15 @@ pub(super) mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// A float row's 16 accumulators in one AVX-512 register folded as [`super::fold16`] folds
+    /// them: `a[l] + a[l + 8]`, then [`hsum_ps`].
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f")]
+    pub(in super::super) unsafe fn hsum16_ps(acc: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+        hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(acc), hi))
+    }
+
     /// One weight row with one activation row (decode), given a level's unpack, lanes and min.
     #[inline(always)]
     unsafe fn dot_body<F: Format, U>(
