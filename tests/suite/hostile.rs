@@ -1061,18 +1061,24 @@ fn a_tensor_type_kvchat_cannot_run_is_named_not_called_damage() {
     }
 }
 
-/// An i-quant matrix whose blocks the file cuts short is named with its type, in one line.
-#[test]
-fn an_iq4_nl_matrix_cut_short_is_named_with_its_type() {
-    let home = temp("iq4-short");
+/// A tiny model whose matrices are `dtype` (renumbered from ggml type id `retype.0` to
+/// `retype.1` where given), its file cut 100 bytes short, run: what `kvchat run` says. The last
+/// tensor's data is blk.1.ffn_down's (`[64, 128]`).
+fn run_cut_short(
+    name: &str,
+    dtype: candle_core::quantized::GgmlDType,
+    retype: Option<(u32, u32)>,
+) -> std::process::Output {
+    let home = temp(name);
     let path = crate::common::tiny::write_tiny_typed(
-        "iq4-short",
+        name,
         "llama",
-        candle_core::quantized::GgmlDType::Q4_0,
+        dtype,
         crate::common::tiny::spm_metadata(crate::common::tiny::VOCAB),
     );
-    crate::common::tiny::retype(&path, 2, 20);
-    // The last tensor's data is blk.1.ffn_down's ([64, 128]: 256 blocks of 18 bytes).
+    if let Some((from, to)) = retype {
+        crate::common::tiny::retype(&path, from, to);
+    }
     let len = std::fs::metadata(&path).unwrap().len();
     std::fs::OpenOptions::new()
         .write(true)
@@ -1080,14 +1086,33 @@ fn an_iq4_nl_matrix_cut_short_is_named_with_its_type() {
         .unwrap()
         .set_len(len - 100)
         .unwrap();
-    let o = kvchat(
+    kvchat(
         &home,
         None,
         &["run", "-m", path.to_str().unwrap(), "--raw", "hi"],
         b"",
+    )
+}
+
+/// An i-quant matrix whose blocks the file cuts short is named with its type, in one line.
+#[test]
+fn an_iq4_nl_matrix_cut_short_is_named_with_its_type() {
+    // Q4_0 blocks renumbered as IQ4_NL (both 18 bytes): blk.1.ffn_down is 256 of them.
+    let o = run_cut_short(
+        "iq4-short",
+        candle_core::quantized::GgmlDType::Q4_0,
+        Some((2, 20)),
     );
     assert_refused(&o, "cannot read tensor blk.1.ffn_down.weight");
     assert_refused(&o, "its IQ4_NL blocks need 4608 bytes at offset");
+}
+
+/// A BF16 matrix (BF16 has its own row format) cut short is named with its type, in one line.
+#[test]
+fn a_bf16_matrix_cut_short_is_named_with_its_type() {
+    let o = run_cut_short("bf16-short", candle_core::quantized::GgmlDType::BF16, None);
+    assert_refused(&o, "cannot read tensor blk.1.ffn_down.weight");
+    assert_refused(&o, "its BF16 blocks need 16384 bytes at offset");
 }
 
 #[test]
