@@ -11,11 +11,12 @@
 use super::cache::{DecoderCache, LayerCache};
 use super::config::Config;
 use super::deltanet::{DeltaNet, RecurrentState};
+use super::kernels::attention::SeqQuery;
 use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
 use super::moe::Moe;
 use super::rope::Rope;
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::Arc;
@@ -648,15 +649,7 @@ impl Llama {
             }
             // Row r is the next position of sequence r.
             StepCache::PerRow(caches) => {
-                let rows = caches
-                    .into_iter()
-                    .enumerate()
-                    .map(|(r, c)| {
-                        let kv = kv_row(r)?;
-                        self.attend(&row(&q, r)?, kv.as_ref(), nkv, c, rope, layer)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&rows, 2)? // [1, nh, t, hd]
+                self.attend_rows(&q, kv.as_ref(), nkv, caches, rope, layer)? // [1, nh, t, hd]
             }
         };
         let mut out = out
@@ -708,6 +701,79 @@ impl Llama {
             cache.observed(&weights)?;
         }
         Ok(out.reshape((1, nh, t, hd))?)
+    }
+
+    /// [`Llama::attend`] for a step whose row r is the next position of sequence r: each row
+    /// appends to its own sequence's cache, and then all rows attend in one call of the kernel
+    /// (one dispatch of the pool for the whole batch on the CPU), each over its own view, with
+    /// the bits it gets alone. Returns `[1, nh, t, hd]`.
+    fn attend_rows(
+        &self,
+        q: &Tensor,
+        kv: Option<&(Tensor, Tensor)>,
+        nkv: usize,
+        mut caches: Vec<&mut dyn LayerCache>,
+        rope: &Rope,
+        layer: &Attention,
+    ) -> Result<Tensor> {
+        let (_, nh, t, hd) = q.dims4()?;
+        ensure!(
+            caches.len() == t,
+            "a batched step of {t} rows for {} sequences",
+            caches.len()
+        );
+        let g = nh / nkv;
+        let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
+        // Each sequence stores its row's keys and values and gives its view.
+        let mut atts = Vec::with_capacity(t);
+        for (r, cache) in caches.iter_mut().enumerate() {
+            atts.push(match kv {
+                Some((k, v)) => cache.append(&row(k, r)?, &row(v, r)?, rope)?,
+                None => cache.attend_again(1)?,
+            });
+        }
+        // Row r's query rotated at its sequence's position (and its sinks'): [1, nh, 1, hd] =
+        // [nkv, g, hd]
+        let rotated = |r: usize, pos: usize| -> Result<Tensor> {
+            Ok(rope.apply(&row(q, r)?, pos)?.reshape((nkv, g, hd))?)
+        };
+        let qs = atts
+            .iter()
+            .enumerate()
+            .map(|(r, att)| {
+                let sink = att.sink_q_pos.map(|pos| rotated(r, pos)).transpose()?;
+                Ok(std::iter::once(rotated(r, att.q_pos)?)
+                    .chain(sink)
+                    .collect::<Vec<_>>())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let q_refs: Vec<Vec<&Tensor>> = qs.iter().map(|r| r.iter().collect()).collect();
+        let seqs: Vec<SeqQuery> = atts
+            .iter()
+            .zip(&q_refs)
+            .map(|(att, qs)| SeqQuery {
+                qs,
+                view: &att.view,
+                observe: att.observe,
+            })
+            .collect();
+        let outs = super::kernels::attention::attend_views_observed(
+            &seqs,
+            1,
+            self.cfg.attn_scale,
+            layer.sinks.as_deref(),
+        )?; // each [nkv, g, hd]; weights [nkv, L] where its cache asked
+        let observe: Vec<usize> = atts.iter().map(|a| a.observe).collect();
+        drop(seqs);
+        drop(atts);
+        let mut rows = Vec::with_capacity(t);
+        for ((cache, (out, weights)), observe) in caches.iter_mut().zip(outs).zip(observe) {
+            if observe > 0 && kv.is_some() {
+                cache.observed(&weights)?;
+            }
+            rows.push(out.reshape((1, nh, 1, hd))?);
+        }
+        Ok(Tensor::cat(&rows, 2)?) // [1, nh, t, hd]
     }
 }
 

@@ -51,30 +51,11 @@ pub fn attend_view_observed(
     sinks: Option<&[f32]>,
     observe: usize,
 ) -> Result<(Tensor, Vec<f32>)> {
-    ensure!(!qs.is_empty(), "attention needs queries");
-    ensure!(
-        observe <= t,
-        "attention: {observe} observed queries of a step of {t}"
-    );
-    if let Some(p) = view.parts.iter().find(|p| p.query.index() >= qs.len()) {
-        bail!(
-            "a part of the KV view pairs with query rotation {:?} that was not given",
-            p.query
-        );
-    }
+    check_queries(qs, view, t, observe, sinks)?;
     let host = view
         .parts
         .iter()
         .all(|p| !matches!(p.rows, Rows::Dense { .. }));
-    if let Some(s) = sinks {
-        let (nkv, gt, _) = qs[0].dims3()?;
-        ensure!(
-            t > 0 && gt % t == 0 && s.len() == nkv * (gt / t),
-            "attention: {} sink logits for {} query heads",
-            s.len(),
-            nkv * (gt / t.max(1))
-        );
-    }
     if host && qs[0].device().is_cpu() {
         return attend_host_at(qs, view, t, scale, sinks, observe, false);
     }
@@ -122,6 +103,37 @@ pub fn attend_view_observed(
     Ok((out, observed))
 }
 
+/// The queries, the view's rotations, the observed rows and the sinks agree.
+fn check_queries(
+    qs: &[&Tensor],
+    view: &KvView<'_>,
+    t: usize,
+    observe: usize,
+    sinks: Option<&[f32]>,
+) -> Result<()> {
+    ensure!(!qs.is_empty(), "attention needs queries");
+    ensure!(
+        observe <= t,
+        "attention: {observe} observed queries of a step of {t}"
+    );
+    if let Some(p) = view.parts.iter().find(|p| p.query.index() >= qs.len()) {
+        bail!(
+            "a part of the KV view pairs with query rotation {:?} that was not given",
+            p.query
+        );
+    }
+    if let Some(s) = sinks {
+        let (nkv, gt, _) = qs[0].dims3()?;
+        ensure!(
+            t > 0 && gt % t == 0 && s.len() == nkv * (gt / t),
+            "attention: {} sink logits for {} query heads",
+            s.len(),
+            nkv * (gt / t.max(1))
+        );
+    }
+    Ok(())
+}
+
 /// The fused CPU kernel over host rows, with the observed queries' weights as
 /// [`attend_view_observed`] gives them; its tile loops built portably where `portable` (the
 /// reference the SIMD build is tested against) or as this CPU runs them best.
@@ -134,104 +146,233 @@ fn attend_host_at(
     observe: usize,
     portable: bool,
 ) -> Result<(Tensor, Vec<f32>)> {
-    let (nkv, gt, hd) = qs[0].dims3()?;
-    let mut q: Vec<Vec<f32>> = Vec::with_capacity(qs.len());
-    for x in qs {
-        ensure!(
-            x.dims3()? == (nkv, gt, hd),
-            "query rotations differ in shape"
-        );
-        q.push(
-            x.flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1()?,
-        );
-    }
-    if let Some(b) = view.hadamard {
-        ensure!(
-            hd % b == 0,
-            "Hadamard block {b} does not divide head_dim {hd}"
-        );
-        for x in &mut q {
-            kvrows::hadamard(x, b);
+    let one = SeqQuery { qs, view, observe };
+    let mut outs = attend_host_many(std::slice::from_ref(&one), t, scale, sinks, portable)?;
+    Ok(outs.pop().expect("one attention"))
+}
+
+/// One sequence's attention in a batched step (`StepCache::PerRow`): its query rotations and
+/// view, as [`attend_view_observed`] takes them, and how many of its last queries' weights its
+/// cache wants back.
+pub struct SeqQuery<'q, 'v> {
+    pub qs: &'q [&'q Tensor],
+    pub view: &'q KvView<'v>,
+    pub observe: usize,
+}
+
+/// [`attend_view_observed`] for each of several sequences that share a layer (the same `t`,
+/// `scale` and sinks): on the CPU over host rows, every sequence's work items in one dispatch of
+/// the pool (a decode step of N sequences would otherwise wake it N times a layer for a few
+/// rows each); elsewhere one after another. Each sequence gets the bits it gets alone.
+pub fn attend_views_observed(
+    seqs: &[SeqQuery<'_, '_>],
+    t: usize,
+    scale: f32,
+    sinks: Option<&[f32]>,
+) -> Result<Vec<(Tensor, Vec<f32>)>> {
+    let host = |s: &SeqQuery| {
+        s.qs.first().is_some_and(|q| q.device().is_cpu())
+            && s.view
+                .parts
+                .iter()
+                .all(|p| !matches!(p.rows, Rows::Dense { .. }))
+    };
+    if seqs.iter().all(host) {
+        for s in seqs {
+            check_queries(s.qs, s.view, t, s.observe, sinks)?;
         }
+        return attend_host_many(seqs, t, scale, sinks, false);
     }
-    // Key chunks sit at multiples of CHUNK in absolute positions where the view's positions are
-    // consecutive (`KvView::first`): view index j is virtual index j + shift, and the virtual keys
-    // before `shift` are seen by no row.
-    let shift = view.first % CHUNK;
-    let mut segs = Vec::with_capacity(view.parts.len());
-    let mut kv_len = 0;
-    for p in &view.parts {
-        let n = p.rows.len();
-        let ok = with_host_rows!(&p.rows, |x, C| fits(x, nkv, C::row_len(hd)), dense => false);
-        ensure!(
-            ok,
-            "a KV view's rows do not hold {n} positions of {nkv} heads × {hd}"
-        );
-        if n > 0 {
-            segs.push(Seg {
-                rows: &p.rows,
-                start: shift + kv_len,
-                end: shift + kv_len + n,
-                query: p.query.index(),
-            });
+    seqs.iter()
+        .map(|s| attend_view_observed(s.qs, s.view, t, scale, sinks, s.observe))
+        .collect()
+}
+
+/// What one sequence's host attention needs besides its view's rows: its queries flattened (and
+/// Hadamard-rotated where the cache stores rows so), its parts as key ranges, and its sizes.
+struct Prepared<'a, 'b> {
+    q: Vec<Vec<f32>>,
+    segs: Vec<Seg<'a, 'b>>,
+    nkv: usize,
+    gt: usize,
+    hd: usize,
+    shift: usize,
+    kv_len: usize,
+    offset: usize,
+    window: Option<usize>,
+    hadamard: Option<usize>,
+    observe: usize,
+}
+
+impl<'a, 'b> Prepared<'a, 'b> {
+    fn new(qs: &[&Tensor], view: &'b KvView<'a>, t: usize, observe: usize) -> Result<Self> {
+        let (nkv, gt, hd) = qs[0].dims3()?;
+        let mut q: Vec<Vec<f32>> = Vec::with_capacity(qs.len());
+        for x in qs {
+            ensure!(
+                x.dims3()? == (nkv, gt, hd),
+                "query rotations differ in shape"
+            );
+            q.push(
+                x.flatten_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1()?,
+            );
         }
-        kv_len += n;
+        if let Some(b) = view.hadamard {
+            ensure!(
+                hd % b == 0,
+                "Hadamard block {b} does not divide head_dim {hd}"
+            );
+            for x in &mut q {
+                kvrows::hadamard(x, b);
+            }
+        }
+        // Key chunks sit at multiples of CHUNK in absolute positions where the view's positions
+        // are consecutive (`KvView::first`): view index j is virtual index j + shift, and the
+        // virtual keys before `shift` are seen by no row.
+        let shift = view.first % CHUNK;
+        let mut segs = Vec::with_capacity(view.parts.len());
+        let mut kv_len = 0;
+        for p in &view.parts {
+            let n = p.rows.len();
+            let ok = with_host_rows!(&p.rows, |x, C| fits(x, nkv, C::row_len(hd)), dense => false);
+            ensure!(
+                ok,
+                "a KV view's rows do not hold {n} positions of {nkv} heads × {hd}"
+            );
+            if n > 0 {
+                segs.push(Seg {
+                    rows: &p.rows,
+                    start: shift + kv_len,
+                    end: shift + kv_len + n,
+                    query: p.query.index(),
+                });
+            }
+            kv_len += n;
+        }
+        if t == 0 || gt % t != 0 || t > kv_len {
+            bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
+        }
+        Ok(Self {
+            q,
+            segs,
+            nkv,
+            gt,
+            hd,
+            shift,
+            kv_len,
+            offset: shift + kv_len - t,
+            window: view.window,
+            hadamard: view.hadamard,
+            observe,
+        })
     }
-    if t == 0 || gt % t != 0 || t > kv_len {
-        bail!("attention: {t} queries do not fit q rows {gt} / keys {kv_len}");
+
+    /// Chunks of keys, counted from the virtual start.
+    fn n_chunks(&self) -> usize {
+        (self.shift + self.kv_len).div_ceil(CHUNK)
     }
-    let offset = shift + kv_len - t;
+}
+
+/// The fused kernel over several sequences' host rows in one dispatch ([`attend_host_at`] is
+/// the case of one).
+fn attend_host_many(
+    seqs: &[SeqQuery<'_, '_>],
+    t: usize,
+    scale: f32,
+    sinks: Option<&[f32]>,
+    portable: bool,
+) -> Result<Vec<(Tensor, Vec<f32>)>> {
+    let prep = seqs
+        .iter()
+        .map(|s| Prepared::new(s.qs, s.view, t, s.observe))
+        .collect::<Result<Vec<_>>>()?;
     // Observed rows: each one's numerators exp(x − m_c) over all keys and its chunks' [m_c, s_c],
     // written by the work items (disjoint: one (row, chunk) each), normalized below.
-    let g = gt / t;
-    let n_chunks = (shift + kv_len).div_ceil(CHUNK);
-    let mut nums = vec![0f32; nkv * g * observe * kv_len];
-    let mut ms = vec![0f32; nkv * g * observe * n_chunks * 2];
-    let obs = Observe {
-        rows: observe,
-        nums: DisjointOut::new(&mut nums),
-        ms: DisjointOut::new(&mut ms),
-        kv_len,
-        n_chunks,
-    };
-    let cx = Ctx {
-        shift,
-        obs: (observe > 0).then_some(&obs),
-        segs: &segs,
-        q: &q,
-        gt,
-        hd,
-        t,
-        offset,
-        window: view.window,
-        scale,
-    };
-    // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks combined
-    // in order (see `CHUNK`): the split of rows and chunks over threads never changes the bits,
-    // nor does the split of the positions into parts.
-    let chunk =
-        |h: usize, r0: usize, rows: usize, c: usize, scratch: &mut [f32], parts: &mut [f32]| {
-            run_tile_chunk(&cx, (h, r0, rows, c), scratch, parts, portable)
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>)> = prep
+        .iter()
+        .map(|p| {
+            let rows = p.nkv * (p.gt / t) * p.observe;
+            (
+                vec![0f32; rows * p.kv_len],
+                vec![0f32; rows * p.n_chunks() * 2],
+            )
+        })
+        .collect();
+    let sinks_of = sinks.map(|logits| Sinks { logits, t });
+    let mut outs = {
+        let obs: Vec<Observe> = prep
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(p, (nums, ms))| Observe {
+                rows: p.observe,
+                nums: DisjointOut::new(nums),
+                ms: DisjointOut::new(ms),
+                kv_len: p.kv_len,
+                n_chunks: p.n_chunks(),
+            })
+            .collect();
+        let cxs: Vec<Ctx> = prep
+            .iter()
+            .zip(&obs)
+            .map(|(p, obs)| Ctx {
+                shift: p.shift,
+                obs: (p.observe > 0).then_some(obs),
+                segs: &p.segs,
+                q: &p.q,
+                gt: p.gt,
+                hd: p.hd,
+                t,
+                offset: p.offset,
+                window: p.window,
+                scale,
+            })
+            .collect();
+        let jobs: Vec<Job> = prep
+            .iter()
+            .map(|p| Job {
+                nkv: p.nkv,
+                gt: p.gt,
+                hd: p.hd,
+                kv_len: p.shift + p.kv_len,
+                sinks: sinks_of,
+            })
+            .collect();
+        // Every row is computed alone, chunk by chunk over fixed key ranges, and the chunks
+        // combined in order (see `CHUNK`): the split of rows and chunks over threads never
+        // changes the bits, nor does the split of the positions into parts, nor the other
+        // sequences of the batch.
+        let chunk = |j: usize,
+                     h: usize,
+                     r0: usize,
+                     rows: usize,
+                     c: usize,
+                     scratch: &mut [f32],
+                     parts: &mut [f32]| {
+            run_tile_chunk(&cxs[j], (h, r0, rows, c), scratch, parts, portable)
         };
-    let sinks = sinks.map(|logits| Sinks { logits, t });
-    let mut out = chunked_attention(nkv, gt, hd, shift + kv_len, sinks, &chunk);
-    if let Some(b) = view.hadamard {
-        kvrows::hadamard(&mut out, b);
+        chunked_attention(&jobs, &chunk)
+    };
+    let mut results = Vec::with_capacity(seqs.len());
+    for ((s, p), ((nums, ms), out)) in seqs.iter().zip(&prep).zip(bufs.iter().zip(outs.drain(..))) {
+        let mut out = out;
+        if let Some(b) = p.hadamard {
+            kvrows::hadamard(&mut out, b);
+        }
+        let observed = observed_weights(
+            nums,
+            ms,
+            (p.nkv, (p.gt / t) * p.observe, p.kv_len, p.n_chunks()),
+            p.shift,
+            sinks,
+        );
+        results.push((
+            Tensor::from_vec(out, (p.nkv, p.gt, p.hd), s.qs[0].device())?,
+            observed,
+        ));
     }
-    let sink_logits = sinks.map(|s| s.logits);
-    let observed = observed_weights(
-        &nums,
-        &ms,
-        (nkv, g * observe, kv_len, n_chunks),
-        shift,
-        sink_logits,
-    );
-    Ok((
-        Tensor::from_vec(out, (nkv, gt, hd), qs[0].device())?,
-        observed,
-    ))
+    Ok(results)
 }
 
 /// `[nkv, L]`: per KV head, the softmax weights of its `rows` observed rows summed, from each

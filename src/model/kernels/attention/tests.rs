@@ -600,3 +600,50 @@ fn a_sink_count_other_than_the_query_heads_is_refused() {
         "{err}"
     );
 }
+
+/// Sequences of a batched step attend in one call of the kernel, each over its own view: every
+/// sequence gets the bits and the observed weights it gets alone, whether the call's items are
+/// whole tiles (every view within one key chunk) or (tile, chunk) pairs (a view over several).
+#[test]
+fn sequences_attending_in_one_call_get_the_bits_each_gets_alone() {
+    let (nkv, g, hd) = (2, 3, 64);
+    let sinks: Vec<f32> = vec![-1.0, 0.5, 2.0, 0.0, -3.0, 1.0];
+    for lens in [vec![9, 40, 200, 1], vec![700, 5, 300]] {
+        let data: Vec<_> = lens
+            .iter()
+            .map(|&l| {
+                let (k, v, q) = (rand((nkv, l, hd)), rand((nkv, l, hd)), rand((nkv, g, hd)));
+                let (kr, vr, _, _) = encoded::<kvrows::F16>(&k, &v);
+                (kr, vr, q, l)
+            })
+            .collect();
+        let views: Vec<KvView> = data
+            .iter()
+            .map(|(kr, vr, _, l)| view_of(kr, vr, *l, hd, &[l / 2], Rows::F16))
+            .collect();
+        let qs: Vec<[&Tensor; 1]> = data.iter().map(|(_, _, q, _)| [q]).collect();
+        for sinks in [None, Some(&sinks[..])] {
+            let seqs: Vec<SeqQuery> = views
+                .iter()
+                .zip(&qs)
+                .enumerate()
+                .map(|(i, (view, qs))| SeqQuery {
+                    qs,
+                    view,
+                    observe: i % 2,
+                })
+                .collect();
+            let together = attend_views_observed(&seqs, 1, 0.125, sinks).unwrap();
+            for (s, (out, weights)) in seqs.iter().zip(&together) {
+                let (alone, alone_w) =
+                    attend_view_observed(s.qs, s.view, 1, 0.125, sinks, s.observe).unwrap();
+                assert_eq!(bits(out), bits(&alone), "lengths {lens:?}");
+                assert_eq!(weights, &alone_w, "lengths {lens:?}");
+                assert_eq!(
+                    weights.len(),
+                    s.observe * nkv * s.view.parts.iter().map(|p| p.rows.len()).sum::<usize>()
+                );
+            }
+        }
+    }
+}
