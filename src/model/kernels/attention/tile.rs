@@ -74,7 +74,7 @@ pub(super) struct Seg<'a, 'b> {
 pub(super) const KB: usize = 8;
 
 /// Floats of scratch one work item needs: the tile's scores `[CHUNK][TILE]`, its queries and its
-/// value accumulators `[hd][TILE]` each, and `KB` widened K/V rows.
+/// value accumulators (`[hd][TILE]` and `[TILE][hd]`), and `KB` widened K/V rows.
 pub(super) fn scratch_len(hd: usize) -> usize {
     TILE * CHUNK + 2 * hd * TILE + KB * hd
 }
@@ -259,11 +259,12 @@ pub(super) fn softmax_exp<const MASKED: bool>(
     }
 }
 
-/// Adds weights × values `lo..hi` of a part into the tile's accumulators `acc [hd][TILE]`: per
-/// row and value element, fused multiply-adds over the keys it sees, in order. A key some row of
-/// the tile does not see (the causal diagonal, a window's edge, padding rows) leaves that row's
-/// accumulators untouched, lane by lane, so no bit of a row depends on its neighbours (not even
-/// through a weight-0 product with an infinite value).
+/// Adds weights × values `lo..hi` of a part into the tile's accumulators `acc [TILE][hd]`: per
+/// row and value element, fused multiply-adds over the keys it sees, in order. Row by row, with
+/// the value elements in the lanes: a decode's tile holds a KV head's few query heads, and a row
+/// costs hd/8 vector operations a key whatever the tile's other rows. A key a row does not see
+/// (the causal diagonal, a window's edge, padding rows) is skipped for that row, so no bit of a
+/// row depends on its neighbours (not even through a weight-0 product with an infinite value).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn tile_values<E>(
@@ -276,68 +277,59 @@ pub(super) fn tile_values<E>(
     acc: &mut [f32],
     buf: &mut [f32],
 ) {
+    let hd = acc.len() / TILE;
     let rows = &x.v[h * x.head_stride..];
     let mut j = lo;
     while j < hi {
         let n = (hi - j).min(KB);
         let v = decode_rows(rows, x.row_len, j - start, n, dec, buf);
-        let p: [&[f32; TILE]; KB] = std::array::from_fn(|i| {
-            let at = (j + i.min(n - 1) - j0) * TILE;
-            scores[at..at + TILE].try_into().expect("TILE")
-        });
-        // Lanes past the tile's rows (ends 0) are never read: they need no mask.
-        let sees: [[bool; TILE]; KB] = std::array::from_fn(|i| {
-            let k = (j + i) as u32;
-            std::array::from_fn(|r| ends[r] == 0 || (starts[r] <= k && k < ends[r]))
-        });
-        if sees.iter().take(n).all(|s| s.iter().all(|&s| s)) {
-            add_values::<false>(acc, &v, &p, &sees, n);
-        } else {
-            add_values::<true>(acc, &v, &p, &sees, n);
+        for (r, acc) in acc.chunks_exact_mut(hd).enumerate() {
+            // The keys of j..j + n row r sees: one run, from its window's start to its own
+            // position.
+            let a = (starts[r] as usize).clamp(j, j + n);
+            let b = (ends[r] as usize).clamp(a, j + n);
+            if a == b {
+                continue;
+            }
+            let p: [f32; KB] = std::array::from_fn(|i| scores[(j + i.min(n - 1) - j0) * TILE + r]);
+            if a == j && b == j + KB {
+                add_values(acc, &v, &p, 0..KB);
+            } else {
+                add_values(acc, &v, &p, a - j..b - j);
+            }
         }
         j += n;
     }
 }
 
-/// `acc [hd][TILE] += p[i] · v[i]` over keys i < n, per lane; where `MASKED`, only in the lanes
-/// that see key i.
+/// `acc [hd] += p[i] · v[i]` over the keys i of `keys`, in order.
 #[inline(always)]
-pub(super) fn add_values<const MASKED: bool>(
+pub(super) fn add_values(
     acc: &mut [f32],
     v: &[&[f32]; KB],
-    p: &[&[f32; TILE]; KB],
-    sees: &[[bool; TILE]; KB],
-    n: usize,
+    p: &[f32; KB],
+    keys: std::ops::Range<usize>,
 ) {
-    let hd = acc.len() / TILE;
-    let fma = |r: &mut f32, p: f32, ve: f32, sees: bool| {
-        let sum = p.mul_add(ve, *r);
-        *r = if !MASKED || sees { sum } else { *r };
-    };
-    // Eight value elements of the eight rows stay in registers over the n keys.
-    let mut slices = acc.chunks_exact_mut(8 * TILE);
-    for (c, a) in slices.by_ref().enumerate() {
-        let a: &mut [f32; 8 * TILE] = a.try_into().expect("8 · TILE");
-        let mut reg: [[f32; TILE]; 8] = bytemuck::cast(*a);
-        for i in 0..n {
-            let v: &[f32; 8] = v[i][8 * c..8 * c + 8].try_into().expect("8");
-            for (rg, &ve) in reg.iter_mut().zip(v) {
-                for ((r, &p), &s) in rg.iter_mut().zip(p[i]).zip(&sees[i]) {
-                    fma(r, p, ve, s);
-                }
+    let hd = acc.len();
+    // Eight value elements stay in a register over the keys.
+    let mut blocks = acc.chunks_exact_mut(8);
+    for (c, a) in blocks.by_ref().enumerate() {
+        let a: &mut [f32; 8] = a.try_into().expect("8");
+        let mut reg = *a;
+        for i in keys.clone() {
+            let ve: &[f32; 8] = v[i][8 * c..8 * c + 8].try_into().expect("8");
+            for (r, &ve) in reg.iter_mut().zip(ve) {
+                *r = p[i].mul_add(ve, *r);
             }
         }
-        *a = bytemuck::cast(reg);
+        *a = reg;
     }
     // A head_dim that is not a multiple of 8: the last elements one at a time.
-    let tail = slices.into_remainder();
-    let e0 = hd - tail.len() / TILE;
-    for (ee, a) in tail.chunks_exact_mut(TILE).enumerate() {
-        for i in 0..n {
-            let ve = v[i][e0 + ee];
-            for ((r, &p), &s) in a.iter_mut().zip(p[i]).zip(&sees[i]) {
-                fma(r, p, ve, s);
-            }
+    let tail = blocks.into_remainder();
+    let e0 = hd - tail.len();
+    for (ee, r) in tail.iter_mut().enumerate() {
+        for i in keys.clone() {
+            *r = p[i].mul_add(v[i][e0 + ee], *r);
         }
     }
 }
@@ -423,7 +415,7 @@ pub(super) fn tile_chunk(
         p[0] = m[r];
         p[1] = sum[r];
         for (e, o) in p[2..].iter_mut().enumerate() {
-            *o = acc[e * TILE + r];
+            *o = acc[r * hd + e];
         }
     }
 }
