@@ -197,6 +197,12 @@ fn the_simd_build_of_the_tile_loops_gives_the_portable_builds_bits() {
         (1, 4, 256, 9, 40, Some(7)),
         (3, 1, 64, 1, 1, None),
         (2, 3, 60, 11, 30, Some(9)),
+        // Decode tiles of 1–4 rows: head dims with and without a tail, a window.
+        (2, 3, 60, 1, 300, None),
+        (1, 2, 72, 1, 50, Some(20)),
+        (4, 1, 64, 1, 17, None),
+        (1, 4, 128, 1, 15, None),
+        (3, 2, 64, 2, 33, Some(5)),
     ] {
         let (k, v, q) = (
             rand((nkv, l, hd)),
