@@ -7,9 +7,10 @@ use super::*;
 use crate::model::cache::{with_host_rows, HostRows, Rows};
 
 /// Query rows per work item of the attention kernels, side by side in the lanes of one 8-float
-/// register: a key is widened once and scored against all of them, a value added into all of
-/// their accumulators. Each row's arithmetic is its own (lanes never mix), so a row gives the
-/// same bits whichever rows share its tile: a prefill, a decode and a recompute agree.
+/// register for the scores: a key is widened once and scored against all of them (its value is
+/// then added row by row, `tile_values`). Each row's arithmetic is its own (lanes never mix), so
+/// a row gives the same bits whichever rows share its tile: a prefill, a decode and a recompute
+/// agree.
 pub(super) const TILE: usize = 8;
 
 /// e^x for x ≤ 0, to ~2 ulp: Cephes' expf (range reduction by ln 2, degree-6 polynomial), written so
