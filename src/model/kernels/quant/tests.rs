@@ -624,25 +624,37 @@ mod tiles {
     }
 
     fn rows_in_tile_order_equal_the_reference<F: Avx2>() {
-        let kb = 8;
-        let w = random_blocks::<F>(3 * kb, &[0]);
-        for y in [
-            activations::<F>(2, kb * F::N),
-            extreme_activations::<F>(2, kb * F::N),
-        ] {
-            for r in 0..3 {
-                let row = &w[r * kb..(r + 1) * kb];
-                for y in y.chunks_exact(kb) {
-                    let want = dot_rows_scalar::<F>(row, y).to_bits();
-                    if level() >= Level::Avx2 {
-                        // SAFETY: AVX2 runs (checked above).
-                        let got = unsafe { row::avx2::dot_rows_order::<F>(row, y) };
-                        assert_eq!(got.to_bits(), want, "{:?} AVX2 row {r}", F::DTYPE);
-                    }
-                    if level() >= Level::Vnni {
-                        // SAFETY: AVX-512 with VNNI runs (checked above).
-                        let got = unsafe { row::avx2::dot_rows_order512::<F>(row, y) };
-                        assert_eq!(got.to_bits(), want, "{:?} AVX-512 row {r}", F::DTYPE);
+        // Rows of 8 blocks (one group of eight sums), 11 (a group and 3 more) and 3 (none).
+        for kb in [8, 11, 3] {
+            let w = random_blocks::<F>(3 * kb, &[0]);
+            for y in [
+                activations::<F>(2, kb * F::N),
+                extreme_activations::<F>(2, kb * F::N),
+            ] {
+                for r in 0..3 {
+                    let row = &w[r * kb..(r + 1) * kb];
+                    for y in y.chunks_exact(kb) {
+                        let want = dot_rows_scalar::<F>(row, y).to_bits();
+                        if level() >= Level::Avx2 {
+                            // SAFETY: AVX2 runs (checked above).
+                            let got = unsafe { row::avx2::dot_rows_order::<F>(row, y) };
+                            assert_eq!(
+                                got.to_bits(),
+                                want,
+                                "{:?} AVX2 {kb} blocks row {r}",
+                                F::DTYPE
+                            );
+                        }
+                        if level() >= Level::Vnni {
+                            // SAFETY: AVX-512 with VNNI runs (checked above).
+                            let got = unsafe { row::avx2::dot_rows_order512::<F>(row, y) };
+                            assert_eq!(
+                                got.to_bits(),
+                                want,
+                                "{:?} AVX-512 {kb} blocks row {r}",
+                                F::DTYPE
+                            );
+                        }
                     }
                 }
             }
