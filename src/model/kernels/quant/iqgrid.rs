@@ -670,9 +670,10 @@ signed_avx2!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S);
 
 /// `Avx2` for the IQ1 types: grid words, shifts and scales in registers (`avx2::ilanes_shifted`).
 macro_rules! shifted_avx2 {
-    ($($f:ty),*) => {$(
+    ($($f:ty: $eights:expr),*) => {$(
         #[cfg(target_arch = "x86_64")]
         impl Avx2 for $f {
+            const SUMS_IN_EIGHTS: bool = $eights;
             type Unpacked = avx2::ShiftedRegs;
             #[inline(always)]
             unsafe fn unpack(x: &Self::Block) -> avx2::ShiftedRegs {
@@ -703,7 +704,7 @@ macro_rules! shifted_avx2 {
     )*};
 }
 
-shifted_avx2!(IQ1S, IQ1M);
+shifted_avx2!(IQ1S: false, IQ1M: true);
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
