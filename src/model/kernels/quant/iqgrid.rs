@@ -636,9 +636,10 @@ grid_format!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M);
 /// applied to the activations (`avx2::ilanes_signed`: as byte masks; `ilanes_signed512`: as an
 /// AVX-512 mask register).
 macro_rules! signed_avx2 {
-    ($($f:ty),*) => {$(
+    ($($f:ty: $eights:expr),*) => {$(
         #[cfg(target_arch = "x86_64")]
         impl Avx2 for $f {
+            const SUMS_IN_EIGHTS: bool = $eights;
             type Unpacked = avx2::SignedRegs;
             #[inline(always)]
             unsafe fn unpack(x: &Self::Block) -> avx2::SignedRegs {
@@ -666,7 +667,7 @@ macro_rules! signed_avx2 {
     )*};
 }
 
-signed_avx2!(IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S);
+signed_avx2!(IQ2XXS: true, IQ2XS: false, IQ2S: false, IQ3XXS: false, IQ3S: false);
 
 /// `Avx2` for the IQ1 types: grid words, shifts and scales in registers (`avx2::ilanes_shifted`).
 macro_rules! shifted_avx2 {

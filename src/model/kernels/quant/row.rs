@@ -42,8 +42,9 @@ pub trait Avx2: Format {
     }
     /// Whether a decode step in the tiles' order (`dot_rows_order`) forms eight blocks' integer
     /// totals together (`vphaddd`) instead of each block's alone: the same integers, so the same
-    /// bits. Yes where measured faster (IQ1_M: l1b decode 49.1 → 42.7 ms/token on Zen 4); it
-    /// made IQ1_S and IQ3_XXS slower there (33 → 53, 40 → 59: their unpacking spilled).
+    /// bits. Yes where measured faster on Zen 4 (l1b decode: IQ1_M 48.8 → 42.1 ms/token,
+    /// IQ2_XXS 34.8 → 33.8); it made IQ1_S and IQ3_XXS slower there (33 → 53, 40 → 59: their
+    /// unpacking spilled with eight blocks' lanes held).
     const SUMS_IN_EIGHTS: bool = false;
     /// # Safety
     /// The trait's contract.
