@@ -667,7 +667,7 @@ macro_rules! signed_avx2 {
     )*};
 }
 
-signed_avx2!(IQ2XXS: true, IQ2XS: false, IQ2S: false, IQ3XXS: false, IQ3S: false);
+signed_avx2!(IQ2XXS: true, IQ2XS: true, IQ2S: true, IQ3XXS: false, IQ3S: false);
 
 /// `Avx2` for the IQ1 types: grid words, shifts and scales in registers (`avx2::ilanes_shifted`).
 macro_rules! shifted_avx2 {

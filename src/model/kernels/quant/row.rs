@@ -43,8 +43,9 @@ pub trait Avx2: Format {
     /// Whether a decode step in the tiles' order (`dot_rows_order`) forms eight blocks' integer
     /// totals together (`vphaddd`) instead of each block's alone: the same integers, so the same
     /// bits. Yes where measured faster on Zen 4 (l1b decode: IQ1_M 48.8 → 42.1 ms/token,
-    /// IQ2_XXS 34.8 → 33.8); it made IQ1_S and IQ3_XXS slower there (33 → 53, 40 → 59: their
-    /// unpacking spilled with eight blocks' lanes held).
+    /// IQ2_S 45.1 → 41.1, IQ2_XS 40.6 → 37.4, IQ2_XXS 34.8 → 33.8); it made IQ1_S and IQ3_XXS
+    /// slower there (33 → 53, 40 → 59: their unpacking spilled with eight blocks' lanes held)
+    /// and IQ3_S no faster.
     const SUMS_IN_EIGHTS: bool = false;
     /// # Safety
     /// The trait's contract.
@@ -193,7 +194,7 @@ pub(super) mod avx2 {
                     acc = isum.mul_add(F::scale(x, y), acc);
                 }
             }
-            (xs, ys) = (&xs[whole..], &ys[whole.min(ys.len())..]);
+            (xs, ys) = (&xs[whole..], &ys[whole..]);
         }
         for (x, y) in xs.iter().zip(ys) {
             let u = unpack(x);
