@@ -624,10 +624,9 @@ impl Llama {
         };
 
         let rope = self.layer_rope(i);
-        let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
         let kv_row = |r: usize| -> Result<Option<(Tensor, Tensor)>> {
             kv.as_ref()
-                .map(|(k, v)| Ok((row(k, r)?, row(v, r)?)))
+                .map(|(k, v)| Ok((step_row(k, r)?, step_row(v, r)?)))
                 .transpose()
         };
         let out = match cache {
@@ -642,7 +641,7 @@ impl Llama {
                 let rows = (0..t)
                     .map(|r| {
                         let kv = kv_row(r)?;
-                        self.attend(&row(&q, r)?, kv.as_ref(), nkv, cache, rope, layer)
+                        self.attend(&step_row(&q, r)?, kv.as_ref(), nkv, cache, rope, layer)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 2)? // [1, nh, t, hd]
@@ -723,19 +722,18 @@ impl Llama {
             caches.len()
         );
         let g = nh / nkv;
-        let row = |x: &Tensor, r: usize| -> Result<Tensor> { Ok(x.narrow(2, r, 1)?.contiguous()?) };
         // Each sequence stores its row's keys and values and gives its view.
         let mut atts = Vec::with_capacity(t);
         for (r, cache) in caches.iter_mut().enumerate() {
             atts.push(match kv {
-                Some((k, v)) => cache.append(&row(k, r)?, &row(v, r)?, rope)?,
+                Some((k, v)) => cache.append(&step_row(k, r)?, &step_row(v, r)?, rope)?,
                 None => cache.attend_again(1)?,
             });
         }
         // Row r's query rotated at its sequence's position (and its sinks'): [1, nh, 1, hd] =
         // [nkv, g, hd]
         let rotated = |r: usize, pos: usize| -> Result<Tensor> {
-            Ok(rope.apply(&row(q, r)?, pos)?.reshape((nkv, g, hd))?)
+            Ok(rope.apply(&step_row(q, r)?, pos)?.reshape((nkv, g, hd))?)
         };
         let qs = atts
             .iter()
@@ -775,6 +773,11 @@ impl Llama {
         }
         Ok(Tensor::cat(&rows, 2)?) // [1, nh, t, hd]
     }
+}
+
+/// Row `r` of a step's `[1, n, t, d]` tensor as its own `[1, n, 1, d]`.
+fn step_row(x: &Tensor, r: usize) -> Result<Tensor> {
+    Ok(x.narrow(2, r, 1)?.contiguous()?)
 }
 
 /// Dims check used by loaders: `[rows, cols]` of a matrix named `name`.

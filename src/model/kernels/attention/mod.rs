@@ -52,11 +52,7 @@ pub fn attend_view_observed(
     observe: usize,
 ) -> Result<(Tensor, Vec<f32>)> {
     check_queries(qs, view, t, observe, sinks)?;
-    let host = view
-        .parts
-        .iter()
-        .all(|p| !matches!(p.rows, Rows::Dense { .. }));
-    if host && qs[0].device().is_cpu() {
+    if on_host(qs, view) {
         return attend_host_at(qs, view, t, scale, sinks, observe, false);
     }
     // Device: scores per part with its queries, then one softmax over them all. Rows stored
@@ -101,6 +97,16 @@ pub fn attend_view_observed(
         None => out,
     };
     Ok((out, observed))
+}
+
+/// Whether the fused CPU kernel runs this attention: queries on the CPU, every part's rows
+/// host rows.
+fn on_host(qs: &[&Tensor], view: &KvView<'_>) -> bool {
+    qs.first().is_some_and(|q| q.device().is_cpu())
+        && view
+            .parts
+            .iter()
+            .all(|p| !matches!(p.rows, Rows::Dense { .. }))
 }
 
 /// The queries, the view's rotations, the observed rows and the sinks agree.
@@ -170,14 +176,7 @@ pub fn attend_views_observed(
     scale: f32,
     sinks: Option<&[f32]>,
 ) -> Result<Vec<(Tensor, Vec<f32>)>> {
-    let host = |s: &SeqQuery| {
-        s.qs.first().is_some_and(|q| q.device().is_cpu())
-            && s.view
-                .parts
-                .iter()
-                .all(|p| !matches!(p.rows, Rows::Dense { .. }))
-    };
-    if seqs.iter().all(host) {
+    if seqs.iter().all(|s| on_host(s.qs, s.view)) {
         for s in seqs {
             check_queries(s.qs, s.view, t, s.observe, sinks)?;
         }

@@ -293,6 +293,8 @@ pub(super) fn tile_values<E>(
                 continue;
             }
             let p: [f32; KB] = std::array::from_fn(|i| scores[(j + i.min(n - 1) - j0) * TILE + r]);
+            // The same sums either way; a whole group's constant range lets the compiler unroll
+            // the key loop (without it SmolLM2 prefill at 1,024 fell from ~1,000 to ~830 tok/s).
             if a == j && b == j + KB {
                 add_values(acc, &v, &p, 0..KB);
             } else {

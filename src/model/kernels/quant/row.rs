@@ -155,16 +155,14 @@ pub(super) mod avx2 {
     /// and whose decode runs per row.
     #[inline(always)]
     unsafe fn dot_rows_order_body<F: Avx2, U>(
-        xs: &[F::Block],
-        ys: &[F::Act],
+        mut xs: &[F::Block],
+        mut ys: &[F::Act],
         unpack: impl Fn(&F::Block) -> U,
         ilanes: impl Fn(&U, &F::Act) -> __m256i,
         min: impl Fn(&U, &F::Block, &F::Act) -> f32,
     ) -> f32 {
         let mut acc = 0f32;
         let mut summ = 0f32;
-        let mut xs = xs;
-        let mut ys = ys;
         if F::SUMS_IN_EIGHTS {
             // Eight blocks' lanes at a time, their eight exact integer totals formed together
             // (three levels of `vphaddd` and a cross-half add), then each times its block's

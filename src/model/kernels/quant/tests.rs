@@ -624,6 +624,11 @@ mod tiles {
     }
 
     fn rows_in_tile_order_equal_the_reference<F: Avx2>() {
+        type Dot<F> = unsafe fn(&[<F as Format>::Block], &[<F as Format>::Act]) -> f32;
+        let paths: [(Level, &str, Dot<F>); 2] = [
+            (Level::Avx2, "AVX2", row::avx2::dot_rows_order::<F>),
+            (Level::Vnni, "AVX-512", row::avx2::dot_rows_order512::<F>),
+        ];
         // Rows of 8 blocks (one group of eight sums), 11 (a group and 3 more) and 3 (none).
         for kb in [8, 11, 3] {
             let w = random_blocks::<F>(3 * kb, &[0]);
@@ -635,25 +640,17 @@ mod tiles {
                     let row = &w[r * kb..(r + 1) * kb];
                     for y in y.chunks_exact(kb) {
                         let want = dot_rows_scalar::<F>(row, y).to_bits();
-                        if level() >= Level::Avx2 {
-                            // SAFETY: AVX2 runs (checked above).
-                            let got = unsafe { row::avx2::dot_rows_order::<F>(row, y) };
-                            assert_eq!(
-                                got.to_bits(),
-                                want,
-                                "{:?} AVX2 {kb} blocks row {r}",
-                                F::DTYPE
-                            );
-                        }
-                        if level() >= Level::Vnni {
-                            // SAFETY: AVX-512 with VNNI runs (checked above).
-                            let got = unsafe { row::avx2::dot_rows_order512::<F>(row, y) };
-                            assert_eq!(
-                                got.to_bits(),
-                                want,
-                                "{:?} AVX-512 {kb} blocks row {r}",
-                                F::DTYPE
-                            );
+                        for (at, name, dot) in paths {
+                            if level() >= at {
+                                // SAFETY: the CPU runs `at`'s instructions (checked above).
+                                let got = unsafe { dot(row, y) };
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want,
+                                    "{:?} {name} {kb} blocks row {r}",
+                                    F::DTYPE
+                                );
+                            }
                         }
                     }
                 }
