@@ -8,6 +8,7 @@
 //! at their absolute position. Attention reads the rows in place (`model::cache::KvView`).
 
 pub mod layer;
+pub mod paged;
 pub mod persist;
 pub mod prefix;
 pub mod qrows;

@@ -41,23 +41,36 @@ pub trait RowStore: Send + Sync {
     /// keeps. Other slots' contents are left unspecified. A store that can then holds `cap`
     /// slots (at least those kept), giving back what an evicted prompt took.
     fn retain(&mut self, keep: &[Vec<usize>], _cap: usize) -> Result<()> {
-        let Some(n) = keep.iter().flatten().max().map(|m| m + 1) else {
-            return Ok(());
-        };
-        let len = keep[0].len();
-        let (k, v) = self.raw(0, n)?;
-        let row = k.len() / (keep.len() * n);
-        let pick = |bytes: &[u8]| -> Vec<u8> {
-            let mut out = Vec::with_capacity(keep.len() * len * row);
-            for (h, slots) in keep.iter().enumerate() {
-                for &s in slots {
-                    out.extend_from_slice(&bytes[(h * n + s) * row..][..row]);
-                }
-            }
-            out
-        };
-        self.write_raw(0, len, &pick(&k), &pick(&v))
+        retain_by_copy(self, keep)
     }
+    /// How many slots from `slot` on one [`RowStore::part`] can cover (a paged store's page
+    /// ends; unbounded for a contiguous one).
+    fn contiguous(&self, _slot: usize) -> usize {
+        usize::MAX
+    }
+}
+
+/// [`RowStore::retain`] by reading the stored bytes and writing back those kept.
+pub(crate) fn retain_by_copy<S: RowStore + ?Sized>(
+    store: &mut S,
+    keep: &[Vec<usize>],
+) -> Result<()> {
+    let Some(n) = keep.iter().flatten().max().map(|m| m + 1) else {
+        return Ok(());
+    };
+    let len = keep[0].len();
+    let (k, v) = store.raw(0, n)?;
+    let row = k.len() / (keep.len() * n);
+    let pick = |bytes: &[u8]| -> Vec<u8> {
+        let mut out = Vec::with_capacity(keep.len() * len * row);
+        for (h, slots) in keep.iter().enumerate() {
+            for &s in slots {
+                out.extend_from_slice(&bytes[(h * n + s) * row..][..row]);
+            }
+        }
+        out
+    };
+    store.write_raw(0, len, &pick(&k), &pick(&v))
 }
 
 /// Slots `slot..slot + len` of `store` (rows of `nkv` heads × `hd`) as `[1, nkv, len, hd]`

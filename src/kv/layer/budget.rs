@@ -352,7 +352,7 @@ impl Layer {
             _ => (e, e),
         };
         let main = n + t - (res_hi - res_lo);
-        let mut runs = vec![(Source::Main, 0, main)];
+        let mut runs = self.main_runs(0, main);
         runs.extend(self.runs(res_lo, res_hi));
         let mut parts = Vec::new();
         for (src, slot, len) in runs.into_iter().filter(|r| r.2 > 0) {

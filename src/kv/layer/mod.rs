@@ -22,6 +22,7 @@
 //! positions. When writing the step into the ring would overwrite positions its queries still need,
 //! its rows wait in a store of their own ([`Pending`]) and enter the ring at the next call.
 
+use super::paged::Paged;
 use super::store::{new_store, stage, RowStore};
 use crate::model::cache::{Attend, KvView, LayerCache, Part, Precision, QueryRotation};
 use crate::model::kernels::kvrows;
@@ -70,6 +71,21 @@ pub(crate) fn main_capacity(
         _ => room.max(need),
     };
     grown_capacity(need, limit, grow_by)
+}
+
+/// A layer's own (main) store: in pages of `grow_by` positions where it grows by a step and
+/// lives in host memory (the server's paged pool, `paged.rs`: growing never copies a row),
+/// else one contiguous store.
+fn main_store(
+    precision: Precision,
+    (nkv, hd): (usize, usize),
+    store_on: Option<&Device>,
+    grow_by: Option<usize>,
+) -> Box<dyn RowStore> {
+    match (store_on, grow_by) {
+        (None, Some(page)) => Box::new(Paged::new(precision, nkv, hd, page)),
+        _ => new_store(precision, nkv, hd, store_on),
+    }
 }
 
 /// Which positions a layer keeps (the retention axis).
@@ -192,7 +208,7 @@ impl Layer {
     /// instead and are staged to the device for each step.
     pub fn new(spec: &LayerSpec, nkv: usize, hd: usize, tensors_on: Option<&Device>) -> Self {
         let store_on = tensors_on.filter(|_| !spec.offload).cloned();
-        let store = new_store(spec.precision, nkv, hd, store_on.as_ref());
+        let store = main_store(spec.precision, (nkv, hd), store_on.as_ref(), spec.grow_by);
         let residual =
             (spec.precision.quantized() && spec.residual > 0 && spec.retention != Retention::None)
                 .then(|| Residual {
@@ -324,11 +340,30 @@ impl Layer {
                 (Source::Pending, p - seq, res_lo - p)
             } else {
                 let (slot, room) = self.slot_run(p);
+                let room = room.min(self.store.contiguous(slot));
                 (Source::Main, slot, room.min(res_lo.min(pend) - p))
             };
             let len = room.min(c - p);
             out.push((src, slot, len));
             p += len;
+        }
+        out
+    }
+
+    /// An empty main store of this layer's kind ([`main_store`]).
+    fn new_main_store(&self) -> Box<dyn RowStore> {
+        let dims = (self.nkv, self.hd);
+        main_store(self.precision, dims, self.store_on.as_ref(), self.grow_by)
+    }
+
+    /// Slots `slot..slot + len` of the main store as runs, cut where its pages end.
+    fn main_runs(&self, slot: usize, len: usize) -> Vec<Run> {
+        let mut out = Vec::new();
+        let mut s = slot;
+        while s < slot + len {
+            let n = self.store.contiguous(s).min(slot + len - s);
+            out.push((Source::Main, s, n));
+            s += n;
         }
         out
     }
@@ -590,7 +625,7 @@ impl Layer {
     /// After a forward: a recompute keeps nothing, not even the step's rows.
     pub fn step_done(&mut self) {
         if self.retention == Retention::None {
-            self.store = new_store(self.precision, self.nkv, self.hd, self.store_on.as_ref());
+            self.store = self.new_main_store();
         }
         // Offload: what `prefetch` staged served this forward; a ring's slots come round again
         // with other positions in them, so a later step must not take those copies for its own.

@@ -122,12 +122,7 @@ impl Layer {
             );
         }
         let own = |layer: &Self, len: usize| -> Result<Box<dyn RowStore>> {
-            let mut store = new_store(
-                layer.precision,
-                layer.nkv,
-                layer.hd,
-                layer.store_on.as_ref(),
-            );
+            let mut store = layer.new_main_store();
             if len > 0 {
                 let room = layer.max_positions - n;
                 store.grow(grown_capacity(len, room, layer.grow_by), 0)?;
@@ -158,7 +153,7 @@ impl Layer {
     pub(super) fn unshare_to(&mut self, len: usize) -> Result<()> {
         let keep = len / SHARED_BLOCK;
         let rest = len - keep * SHARED_BLOCK;
-        let mut store = new_store(self.precision, self.nkv, self.hd, self.store_on.as_ref());
+        let mut store = self.new_main_store();
         if rest > 0 {
             let (k, v) = self.shared[keep].raw(0, rest)?;
             let room = self.max_positions - keep * SHARED_BLOCK;

@@ -810,3 +810,35 @@ fn a_restored_window_wider_than_the_context_allocates_what_writing_it_did() {
     assert_eq!(b.bytes(), a.bytes());
     assert!(run(&mut a, &[1, 1]) == run(&mut b, &[1, 1]));
 }
+
+#[test]
+fn a_paged_layer_attends_as_a_contiguous_one_in_every_precision_and_retention() {
+    // Pages of 16 positions (`paged.rs`): the steps of `STEPS` and then some, so that runs cross
+    // pages, a window's ring wraps inside one and a budget evicts across them.
+    let steps = [STEPS.as_slice(), &[30, 1, 1, 64, 1]].concat();
+    let window = Retention::Window {
+        window: 61,
+        sinks: 4,
+    };
+    for p in Precision::ALL {
+        for r in [Retention::All, window, budget(48, Evict::ALL[0])] {
+            let paged = LayerSpec {
+                grow_by: Some(16),
+                ..spec(p, r)
+            };
+            let mut a = Layer::new(&paged, NKV, HD, None);
+            let mut b = layer(p, r);
+            assert!(run(&mut a, &steps) == run(&mut b, &steps), "{p:?} {r:?}");
+            if a.budget.is_some() {
+                // (An evicting budget is not saved: what it holds is its positions.)
+                assert!(a.evicted().unwrap() > 0);
+                for h in 0..NKV {
+                    assert_eq!(held_positions(&a, h), held_positions(&b, h), "{p:?}");
+                }
+            } else {
+                let (sa, sb) = (a.raw_state().unwrap(), b.raw_state().unwrap());
+                assert!(sa.k == sb.k && sa.v == sb.v, "{p:?} {r:?}");
+            }
+        }
+    }
+}
