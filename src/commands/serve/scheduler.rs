@@ -4,8 +4,8 @@
 //!
 //! **The pool** holds two kinds of KV rows: each sequence's own, and blocks of
 //! [`SHARED_BLOCK`] positions that sequences share. A sequence counts in it for what its own
-//! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow [`GROW_BY`]
-//! positions at a time, up to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
+//! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow a page of
+//! [`GROW_BY`] positions at a time, up to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
 //! `max_tokens` takes no memory it does not use. A request joins when its prompt (and first
 //! step) fits beside the others' next steps and the shared blocks. Before each step, when the
 //! running sequences' next rows would pass `--kv-pool`, shared blocks nobody attends to go first,
@@ -43,9 +43,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// Positions a sequence's own stores grow by (`CacheSpec::grow_by`): a sequence holds at most 63
-/// positions it has not used, where doubling from 256 held up to half its store unused; the
-/// rows are copied at each growth, ~1 % of a 1,500-position answer's decode time.
+/// Positions a sequence's own stores grow by (`CacheSpec::grow_by`), the size of a page of its
+/// block table (`kv/paged.rs`: growing appends a page and copies no row): a sequence holds at
+/// most 63 positions it has not used, where doubling from 256 held up to half its store unused.
 const GROW_BY: usize = 64;
 
 /// Positions past its next step that each sequence is counted for when a request asks to join:
