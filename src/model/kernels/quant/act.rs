@@ -39,9 +39,23 @@ pub struct BlockQ8K {
 /// A block holding a NaN gets a NaN scale, so that the NaN reaches the output: `max` passes
 /// over NaNs and [`round_i8`] makes them 0, and a damaged weight upstream would otherwise vanish
 /// into a silently wrong answer.
+///
+/// max|x| is taken in eight lanes and then across them, so that the loop vectorizes (a fold
+/// through one accumulator ran serially, ~4 cycles a value: 6 % of a batched decode step's
+/// serial time); a maximum is exact, so any order gives the same value.
 pub(super) fn q8_scale(x: &[f32]) -> (f32, f32) {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    if x.iter().any(|v| v.is_nan()) {
+    let mut lanes = [0f32; 8];
+    let mut nan = [false; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            lanes[i] = lanes[i].max(c[i].abs());
+            nan[i] |= c[i].is_nan();
+        }
+    }
+    let amax = lanes.iter().chain(tail).fold(0f32, |a, v| a.max(v.abs()));
+    if nan.contains(&true) || tail.iter().any(|v| v.is_nan()) {
         return (f32::NAN, 0.0);
     }
     let d = amax / 127.0;

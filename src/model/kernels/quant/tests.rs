@@ -884,6 +884,31 @@ fn a_token_id_past_the_table_is_an_error_naming_it() {
 }
 
 #[test]
+fn the_activation_scale_finds_the_largest_magnitude_and_a_nan_in_any_lane_or_the_tail() {
+    // The reference: one fold through every value, as llama.cpp's scalar loop takes it.
+    let reference = |x: &[f32]| {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        (amax / 127.0, if amax != 0.0 { 127.0 / amax } else { 0.0 })
+    };
+    for len in [32, 35, 7] {
+        for at in 0..len {
+            for big in [3.5f32, -3.5, 1e-30, f32::INFINITY] {
+                let mut x: Vec<f32> = (0..len).map(|i| (i as f32 * 0.77).sin()).collect();
+                x[at] = big;
+                let (d, id) = q8_scale(&x);
+                let (rd, rid) = reference(&x);
+                assert_eq!((d.to_bits(), id.to_bits()), (rd.to_bits(), rid.to_bits()));
+            }
+            let mut x = vec![0.25f32; len];
+            x[at] = f32::NAN;
+            let (d, id) = q8_scale(&x);
+            assert!(d.is_nan() && id == 0.0, "NaN at {at} of {len}");
+        }
+    }
+    assert_eq!(q8_scale(&[0.0; 32]), (0.0, 0.0));
+}
+
+#[test]
 fn activation_rounding_is_round_ties_even_clamped_with_nan_as_zero() {
     let reference = |v: f32| v.round_ties_even().clamp(-127.0, 127.0) as i8;
     let mut vs: Vec<f32> = (-300_000..=300_000).map(|i| i as f32 * 1e-3).collect(); // ±300
