@@ -121,9 +121,10 @@ pub fn row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Elements below which one thread does the whole tensor (a decode step's 2048).
-const PARALLEL_FROM: usize = 1 << 15;
-/// Rows per work item.
+/// Rows from which they are split over candle's pool: one row (a decode step's) stays on this
+/// thread; a batched decode step's rows (one a sequence) are split, one to a work item.
+const PARALLEL_FROM_ROWS: usize = 2;
+/// Rows per work item in a prefill.
 const ROWS_PER_ITEM: usize = 4;
 
 /// `act(gate) · up` for `gate` and `up` `[1, t, f]` f32 on the CPU, each with its last
@@ -163,7 +164,12 @@ pub fn gated(act: Gate, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let g_row = |r: usize| &g[go + r * gstride..go + r * gstride + f];
     let u_row = |r: usize| &u[uo + r * ustride..uo + r * ustride + f];
     let mut out = vec![0f32; t * f];
-    for_each_row(&mut out, f, ROWS_PER_ITEM, PARALLEL_FROM, |r, o| {
+    let per_item = if t < 4 * ROWS_PER_ITEM {
+        1
+    } else {
+        ROWS_PER_ITEM
+    };
+    for_each_row(&mut out, f, per_item, PARALLEL_FROM_ROWS * f, |r, o| {
         row(act, g_row(r), u_row(r), o)
     });
     let device = gate.device().clone();
