@@ -43,6 +43,7 @@ pub trait RowStore: Send + Sync {
     fn retain(&mut self, keep: &[Vec<usize>], _cap: usize) -> Result<()> {
         retain_by_copy(self, keep)
     }
+
     /// How many slots from `slot` on one [`RowStore::part`] can cover (a paged store's page
     /// ends; unbounded for a contiguous one).
     fn contiguous(&self, _slot: usize) -> usize {

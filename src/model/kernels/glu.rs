@@ -115,6 +115,12 @@ pub fn silu(v: f32) -> f32 {
     v / (1.0 + expf_ggml(-v))
 }
 
+/// [`silu`] for |v| ≤ [`NORMAL_LIMIT`], the same bits ([`expf_ggml_normal`]).
+#[inline(always)]
+fn silu_normal(v: f32) -> f32 {
+    v / (1.0 + expf_ggml_normal(-v))
+}
+
 /// gpt-oss's gated activation (ggml's `swiglu_oai`, α = 1.702, limit 7): x = min(gate, 7),
 /// y = up clamped to ±7, x·σ(αx)·(y + 1), computed as ggml computes it.
 #[inline(always)]
@@ -151,9 +157,9 @@ pub fn row(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match act {
         Gate::GeluTanh => each(|g, u| gelu_tanh(g) * u, gate, up, out),
         // Every gate within ±87 (what a model's rows hold; a NaN or ∞ is not): e^x by its first
-        // path alone, the same bits ([`expf_ggml_normal`]).
+        // path alone, the same bits.
         Gate::Silu if max_abs_within(gate, NORMAL_LIMIT) => {
-            each(|g, u| g / (1.0 + expf_ggml_normal(-g)) * u, gate, up, out)
+            each(|g, u| silu_normal(g) * u, gate, up, out)
         }
         Gate::Silu => each(|g, u| silu(g) * u, gate, up, out),
         Gate::SwigluOai => each(swiglu_oai, gate, up, out),
@@ -275,7 +281,13 @@ mod tests {
     fn a_silu_row_gives_silus_bits_whether_or_not_it_holds_a_value_past_the_limit() {
         let gate: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
         let up: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.11).cos()).collect();
-        for wild in [None, Some(100.0), Some(-100.0), Some(f32::NAN), Some(f32::INFINITY)] {
+        for wild in [
+            None,
+            Some(100.0),
+            Some(-100.0),
+            Some(f32::NAN),
+            Some(f32::INFINITY),
+        ] {
             let mut g = gate.clone();
             if let Some(w) = wild {
                 g[500] = w;
@@ -284,7 +296,10 @@ mod tests {
             row(Gate::Silu, &g, &up, &mut out);
             for ((o, &g), &u) in out.iter().zip(&g).zip(&up) {
                 let want = silu(g) * u;
-                assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "{g}");
+                assert!(
+                    o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
+                    "{g}"
+                );
             }
         }
     }
