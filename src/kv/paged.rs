@@ -1,11 +1,12 @@
 //! A layer's own rows in fixed-size pages: the server's paged pool (`kvchat serve`, issue 39).
 //!
 //! Slot s lives in page `s / page` at slot `s % page` of it; the list of pages is the layer's
-//! block table. Growing appends pages and never copies a row that is already stored (a
-//! contiguous store grows by allocating the larger buffer and copying every row into it). Every
-//! page is `page` slots but the last, which is shorter only where the capacity asked for is not a
-//! multiple of `page` (a context or a window's ring that ends inside a page); growing past it
-//! later completes that one page first.
+//! block table. Growing appends pages and leaves every stored row where it is (a contiguous store
+//! grows by allocating the larger buffer and copying every row into it). Every page is `page`
+//! slots but the last, which is shorter only where the capacity asked for is not a multiple of
+//! `page`: a context or a window's ring that ends inside a page (never grown past), or a budget's
+//! exact sizes, where growing past it later completes that one page first, copying its fewer
+//! than `page` rows.
 //!
 //! Attention reads a page as one part of its view ([`RowStore::contiguous`] tells the layer
 //! where a page ends, so no run crosses one); the kernel's sums do not depend on how a view is
@@ -84,13 +85,13 @@ impl RowStore for Paged {
         self.page - slot % self.page
     }
 
-    /// Completes a short last page, then appends pages: rows already stored stay where they are
-    /// (`keep` is always all of them).
+    /// Completes a short last page (copying its rows, fewer than a page), then appends pages:
+    /// the rows of full pages stay where they are (`keep` is always all of them).
     fn grow(&mut self, cap: usize, _keep: usize) -> Result<()> {
         while self.cap < cap {
             let in_last = self.cap % self.page;
             if in_last > 0 {
-                // The short last page: completed in place (it holds fewer than `page` rows).
+                // The short last page, completed (a copy of its fewer than `page` rows).
                 let to = (in_last + cap - self.cap).min(self.page);
                 self.pages
                     .last_mut()
