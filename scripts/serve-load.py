@@ -60,8 +60,10 @@ def prompt_for(i):
 
 class Server:
     def __init__(self, kvchat, model, threads, extra):
+        # --no-kv-store: what is measured is one server's memory; the on-disk prefix store would
+        # hand a later round (or server) the prompts an earlier one prefilled.
         args = [kvchat, "serve", "-m", model, "--port", "0", "--threads", str(threads),
-                "--exit-after", "1800"] + SERVE_ARGS + extra
+                "--exit-after", "1800", "--no-kv-store"] + SERVE_ARGS + extra
         self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True)
         first = self.proc.stderr.readline()

@@ -167,6 +167,7 @@ impl ServeArgs {
             api_key,
             max_tokens: self.max_tokens,
             exit_after,
+            store: self.store.choice(false)?,
         })
     }
 }

@@ -56,6 +56,8 @@ pub struct ServeArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
     #[arg(long)]
     pub chat_template: Option<String>,

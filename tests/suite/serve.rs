@@ -16,10 +16,28 @@ struct Server {
     base: String,
     /// What it printed on stderr after its first line.
     log: Arc<Mutex<String>>,
+    /// Its own prefix store (removed when it is dropped), unless the test gave one.
+    store: Option<std::path::PathBuf>,
+}
+
+/// A directory of its own for a test's prefix store, under the target directory.
+fn fresh_store() -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("serve-store-{}-{n}", std::process::id()))
 }
 
 impl Server {
+    /// A server with a prefix store of its own, empty (a test's `--kv-store-dir` overrides it).
     fn start(args: &[&str]) -> Server {
+        let store = fresh_store();
+        let mut server = Self::start_env(args, &store);
+        server.store = Some(store);
+        server
+    }
+
+    fn start_env(args: &[&str], store: &std::path::Path) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
             .args([
                 "serve",
@@ -32,6 +50,7 @@ impl Server {
             ])
             .args(args)
             .env("KVCHAT_MODEL", model_path())
+            .env("KVCHAT_KV_STORE", store)
             .env_remove("KVCHAT_API_KEY")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -52,7 +71,12 @@ impl Server {
                 sink.lock().unwrap().push_str(&(l + "\n"));
             }
         });
-        Server { child, base, log }
+        Server {
+            child,
+            base,
+            log,
+            store: None,
+        }
     }
 
     fn url(&self, path: &str) -> String {
@@ -161,6 +185,9 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.store {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -345,6 +372,37 @@ fn a_shared_system_prompt_is_copied_from_memory_and_answers_as_prefilled() {
     assert_eq!(alone["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(text_of(&alone), text_of(&second));
     server.assert_settles();
+}
+
+#[test]
+fn a_prompt_one_server_stored_on_disk_starts_the_next_servers_answer() {
+    let system = long_system();
+    let ask = json!({"messages": [{"role": "system", "content": system},
+                                  {"role": "user", "content": "How long is a book of section 3 lent?"}],
+                     "temperature": 0, "max_tokens": 16});
+    let dir = fresh_store();
+    let first = Server::start_env(&[], &dir);
+    let answer = first.chat(ask.clone());
+    assert_eq!(answer["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Another prompt looks the store up, which waits for the first one's blocks to be written.
+    first.chat(json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}));
+    drop(first);
+    let next = Server::start_env(&[], &dir);
+    let again = next.chat(ask);
+    let prompt = again["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // The store's blocks of 64 positions, the prompt's last position left to prefill.
+    assert!(
+        prompt > 600 && cached.is_multiple_of(64) && cached + 64 >= prompt && cached < prompt,
+        "{cached} of {prompt} prompt tokens came from the disk"
+    );
+    assert_eq!(next.metric("kvchat_prefix_hits_total"), 1.0);
+    assert_eq!(text_of(&again), text_of(&answer));
+    next.assert_settles();
+    drop(next);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

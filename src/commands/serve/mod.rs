@@ -14,10 +14,11 @@ pub mod http;
 pub mod metrics;
 pub mod scheduler;
 
-use super::TemplateChoice;
+use super::{StoreChoice, TemplateChoice};
 use crate::engine::{Engine, LoadOptions};
 use crate::kv::CacheMode;
 use crate::model::sampling::SamplingPrefs;
+use crate::session::prefix::PrefixReuse;
 use crate::source::human_bytes;
 use anyhow::{Context, Result};
 use std::net::{IpAddr, SocketAddr};
@@ -51,6 +52,8 @@ pub struct ServeOptions {
     pub max_tokens: usize,
     /// Stop serving after this long (scripts and tests).
     pub exit_after: Option<Duration>,
+    /// The on-disk prefix store behind the shared blocks.
+    pub store: StoreChoice,
 }
 
 impl ServeOptions {
@@ -86,18 +89,33 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         .path()
         .file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    let share_refusal = engine
-        .session(&crate::kv::CacheSpec {
-            max_positions: 1,
-            ..spec.clone()
-        })
-        .share_refusal();
+    let probe = engine.session(&crate::kv::CacheSpec {
+        max_positions: 1,
+        ..spec.clone()
+    });
+    let share_refusal = probe.share_refusal();
     let sharing = match share_refusal {
         None => "prefix sharing on".to_string(),
         Some(why) => format!("prefix sharing off: {why}"),
     };
+    let store = match &opts.store {
+        StoreChoice::Off(why) => PrefixReuse::off(*why),
+        // (Its prefill would have to stop at block ends to snapshot the states, as `run`'s does.)
+        StoreChoice::On { .. } if engine.model().cfg.recurrent.is_some() => {
+            PrefixReuse::off("a model with recurrent states (the server does not snapshot them)")
+        }
+        StoreChoice::On { root, budget } => PrefixReuse::open(&engine, &probe, root, *budget),
+    };
+    drop(probe);
+    let on_disk = match (&opts.store, store.is_on()) {
+        (StoreChoice::On { root, .. }, true) => format!("prefix store {}", root.display()),
+        _ => format!(
+            "prefix store off: {}",
+            store.off.as_deref().unwrap_or("unusable")
+        ),
+    };
     eprintln!(
-        "kvchat serve: {model} at http://{addr}/v1 — up to {} sequences at once, KV pool {} ({}), cache {}, context {}; {sharing}",
+        "kvchat serve: {model} at http://{addr}/v1 — up to {} sequences at once, KV pool {} ({}), cache {}, context {}; {sharing}; {on_disk}",
         opts.parallel,
         human_bytes(pool),
         if opts.pool.is_some() { "--kv-pool" } else { "a quarter of the memory available; --kv-pool sets it" },
@@ -129,6 +147,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
                 template,
                 spec,
                 share_refusal,
+                store,
                 limits,
                 queued,
                 metrics,

@@ -32,6 +32,7 @@ use crate::engine::Engine;
 use crate::kv::size::KvDims;
 use crate::kv::{CacheSpec, SharedBlock, SHARED_BLOCK};
 use crate::session::batch::{Batch, Finished, Paused};
+use crate::session::prefix::PrefixReuse;
 use crate::session::{Sampler, Session, StopReason};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextStream;
@@ -137,6 +138,8 @@ struct Prefilling<'e> {
     text: Option<Text>,
     /// Prompt positions taken from shared blocks.
     cached: usize,
+    /// Prompt positions restored from the on-disk prefix store (into its own store).
+    restored: usize,
     /// Seconds spent prefilling it so far.
     seconds: f64,
 }
@@ -163,6 +166,9 @@ pub struct Scheduler<'e> {
     tick: u64,
     /// Whether this cache shares rows (None), or why not.
     share_refusal: Option<&'static str>,
+    /// The on-disk prefix store behind the shared blocks: a prompt no shared block starts is
+    /// looked up in it, and one prefilled whole is written to it.
+    store: PrefixReuse,
     next_id: u64,
     /// Sequences that have left the batch (answered, failed or cancelled).
     left: u64,
@@ -179,6 +185,7 @@ impl<'e> Scheduler<'e> {
         template: Result<ChatTemplate, String>,
         spec: CacheSpec,
         share_refusal: Option<&'static str>,
+        store: PrefixReuse,
         limits: Limits,
         queued: Arc<AtomicUsize>,
         metrics: Arc<Metrics>,
@@ -196,6 +203,7 @@ impl<'e> Scheduler<'e> {
             blocks: HashMap::new(),
             tick: 0,
             share_refusal,
+            store,
             next_id: 0,
             left: 0,
             queued,
@@ -209,7 +217,11 @@ impl<'e> Scheduler<'e> {
             if self.batch.is_empty() && self.waiting.is_empty() && self.prefilling.is_none() {
                 match jobs.recv() {
                     Ok(job) => self.accept(job),
-                    Err(_) => return,
+                    Err(_) => {
+                        self.store.finish();
+                        self.report_store_problems();
+                        return;
+                    }
                 }
             }
             while let Ok(job) = jobs.try_recv() {
@@ -596,6 +608,18 @@ impl<'e> Scheduler<'e> {
         );
         // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
         let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
+        // No shared block starts it: the longest prefix the disk holds, into its own store (a
+        // resumed sequence's rows were stored when it was prefilled the first time).
+        let restored = if cached == 0 && r.resumed.is_none() {
+            let found = self.store.restore(&mut session, &r.ids, &[]);
+            self.report_store_problems();
+            found.unwrap_or_else(|e| {
+                eprintln!("kvchat serve: prefix store: {}", crate::first_line(e));
+                0
+            })
+        } else {
+            0
+        };
         let (id, paused, text) = match r.resumed.take() {
             Some(resumed) => (resumed.id, resumed.paused, Some(resumed.text)),
             None => {
@@ -613,7 +637,7 @@ impl<'e> Scheduler<'e> {
             r.started = true;
             let _ = r.job.events.send(Event::Started {
                 prompt_tokens: r.ids.len(),
-                cached_tokens: cached,
+                cached_tokens: cached + restored,
             });
         }
         self.prefilling = Some(Prefilling {
@@ -623,6 +647,7 @@ impl<'e> Scheduler<'e> {
             paused,
             text,
             cached,
+            restored,
             seconds: 0.0,
         });
     }
@@ -677,8 +702,8 @@ impl<'e> Scheduler<'e> {
             paused,
             text,
             cached,
+            restored,
             seconds,
-            ..
         } = p;
         let t0 = Instant::now();
         let at = session.tokens().len();
@@ -691,8 +716,8 @@ impl<'e> Scheduler<'e> {
                 f.recomputed_tokens += (r.ids.len() - cached + refed) as u64;
             } else {
                 f.prompt_tokens += r.ids.len() as u64;
-                f.cached_tokens += cached as u64;
-                f.prefix_hits += u64::from(cached > 0);
+                f.cached_tokens += (cached + restored) as u64;
+                f.prefix_hits += u64::from(cached + restored > 0);
             }
             f.prefill_seconds += prefill;
         });
@@ -701,6 +726,14 @@ impl<'e> Scheduler<'e> {
             return;
         }
         let ids = r.ids.clone();
+        // A prompt prefilled in its own store (no shared block under it) goes to the disk, its
+        // blocks copied now and written on the store's thread.
+        if cached == 0 && !resumed && self.store.is_on() {
+            if let Some((_, session)) = self.batch.sessions().find(|(i, _)| *i == id) {
+                self.store.store(session, true, &[], ids.len());
+            }
+            self.report_store_problems();
+        }
         self.live.insert(
             id,
             Live {
@@ -771,6 +804,14 @@ impl<'e> Scheduler<'e> {
                 0
             }
             None => from,
+        }
+    }
+
+    /// The prefix store's problems, one line each on stderr (the server goes on without what
+    /// failed).
+    fn report_store_problems(&mut self) {
+        for p in self.store.take_problems() {
+            eprintln!("kvchat serve: prefix store: {}", p.text);
         }
     }
 
