@@ -146,8 +146,10 @@ pub fn run(opts: ServeOptions) -> Result<()> {
                 engine,
                 template,
                 spec,
-                share_refusal,
-                store,
+                scheduler::Prefixes {
+                    share_refusal,
+                    store,
+                },
                 limits,
                 queued,
                 metrics,

@@ -151,6 +151,15 @@ struct Indexed {
     last_use: u64,
 }
 
+/// Where prompts' prefixes come from besides a prefill.
+pub struct Prefixes {
+    /// Why this cache cannot share rows between sequences, if it cannot
+    /// (`Session::share_refusal`).
+    pub share_refusal: Option<&'static str>,
+    /// The on-disk prefix store (or why it is off).
+    pub store: PrefixReuse,
+}
+
 pub struct Scheduler<'e> {
     engine: &'e Engine,
     template: Result<ChatTemplate, String>,
@@ -178,14 +187,14 @@ pub struct Scheduler<'e> {
 }
 
 impl<'e> Scheduler<'e> {
-    /// `share_refusal`: why this cache cannot share rows between sequences, if it cannot
-    /// (`Session::share_refusal`).
     pub fn new(
         engine: &'e Engine,
         template: Result<ChatTemplate, String>,
         spec: CacheSpec,
-        share_refusal: Option<&'static str>,
-        store: PrefixReuse,
+        Prefixes {
+            share_refusal,
+            store,
+        }: Prefixes,
         limits: Limits,
         queued: Arc<AtomicUsize>,
         metrics: Arc<Metrics>,
