@@ -120,18 +120,11 @@ impl Act for BlockQ8K {
     fn quantize(xs: &[f32], ys: &mut [Self]) {
         for (x, y) in xs.chunks_exact(256).zip(ys) {
             // A NaN input: a NaN scale carries it to the output (as `q8_scale` does).
-            if x.iter().any(|v| v.is_nan()) {
+            let Some((max, amax)) = largest_magnitude(x) else {
                 *y = Zeroable::zeroed();
                 y.d = f32::NAN;
                 continue;
-            }
-            let (mut max, mut amax) = (0f32, 0f32);
-            for &v in x {
-                if v.abs() > amax {
-                    amax = v.abs();
-                    max = v;
-                }
-            }
+            };
             if amax == 0.0 {
                 *y = Zeroable::zeroed();
                 continue;
@@ -147,6 +140,48 @@ impl Act for BlockQ8K {
             y.d = 1.0 / iscale;
         }
     }
+}
+
+/// The first value of largest magnitude and that magnitude, as one pass of
+/// `if |v| > amax { amax = |v|; max = v }` finds them (0, 0 for an empty or all-zero slice);
+/// None where a value is NaN. Taken in eight lanes, each keeping its first largest and where it
+/// was, then across them the largest with the earliest place: the same value, in a loop that
+/// vectorizes (the one-accumulator pass ran serially, ~4 cycles a value).
+pub(super) fn largest_magnitude(x: &[f32]) -> Option<(f32, f32)> {
+    let mut amax = [0f32; 8];
+    let mut at = [usize::MAX; 8];
+    let mut nan = [false; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for (c, v) in chunks.enumerate() {
+        for i in 0..8 {
+            let a = v[i].abs();
+            let larger = a > amax[i];
+            amax[i] = if larger { a } else { amax[i] };
+            at[i] = if larger { 8 * c + i } else { at[i] };
+            nan[i] |= v[i].is_nan();
+        }
+    }
+    if nan.contains(&true) || tail.iter().any(|v| v.is_nan()) {
+        return None;
+    }
+    let (mut best, mut best_at) = (0f32, usize::MAX);
+    for i in 0..8 {
+        if amax[i] > best || (amax[i] == best && at[i] < best_at) {
+            (best, best_at) = (amax[i], at[i]);
+        }
+    }
+    let head = x.len() - tail.len();
+    for (j, v) in tail.iter().enumerate() {
+        if v.abs() > best {
+            (best, best_at) = (v.abs(), head + j);
+        }
+    }
+    Some(if best > 0.0 {
+        (x[best_at], best)
+    } else {
+        (0.0, 0.0)
+    })
 }
 
 /// Activation rows below which one thread quantizes them all (a decode's one).

@@ -909,6 +909,47 @@ fn the_activation_scale_finds_the_largest_magnitude_and_a_nan_in_any_lane_or_the
 }
 
 #[test]
+fn the_largest_magnitude_is_the_first_one_a_single_pass_finds() {
+    // The reference: llama.cpp's `quantize_row_q8_K_ref` loop.
+    let reference = |x: &[f32]| {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        (max, amax)
+    };
+    for len in [256, 261, 5, 0] {
+        for at in 0..len {
+            // Ties of opposite sign before and after `at`, and in another lane.
+            for (big, twin) in [
+                (3.5f32, -3.5f32),
+                (-2.0, 2.0),
+                (1e-30, -1e-30),
+                (f32::INFINITY, 1.0),
+            ] {
+                let mut x: Vec<f32> = (0..len).map(|i| (i as f32 * 0.77).sin()).collect();
+                x[at] = big;
+                x[(at * 7 + 3) % len] = twin;
+                let (m, a) = largest_magnitude(&x).unwrap();
+                let (rm, ra) = reference(&x);
+                assert_eq!(
+                    (m.to_bits(), a.to_bits()),
+                    (rm.to_bits(), ra.to_bits()),
+                    "{len} {at}"
+                );
+            }
+            let mut x = vec![0.25f32; len];
+            x[at] = f32::NAN;
+            assert_eq!(largest_magnitude(&x), None, "NaN at {at} of {len}");
+        }
+    }
+    assert_eq!(largest_magnitude(&[0.0, -0.0, 0.0]), Some((0.0, 0.0)));
+}
+
+#[test]
 fn activation_rounding_is_round_ties_even_clamped_with_nan_as_zero() {
     let reference = |v: f32| v.round_ties_even().clamp(-127.0, 127.0) as i8;
     let mut vs: Vec<f32> = (-300_000..=300_000).map(|i| i as f32 * 1e-3).collect(); // ±300
