@@ -406,6 +406,26 @@ fn a_prompt_one_server_stored_on_disk_starts_the_next_servers_answer() {
 }
 
 #[test]
+fn a_prefix_store_that_cannot_be_made_is_said_once_and_the_server_answers_without_it() {
+    // A directory under a regular file: it cannot be created, and nothing else is written.
+    let dir = fresh_store();
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    std::fs::write(&dir, "a file, not a directory").unwrap();
+    let server = Server::start_env(&[], &dir.join("store"));
+    let answer = server.chat(json!({"messages": [{"role": "user", "content": "Hi"}],
+                                    "temperature": 0, "max_tokens": 4}));
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    let log = server.log.lock().unwrap().clone();
+    let says = format!("prefix store: cannot read {}", dir.join("store").display());
+    assert_eq!(log.matches(&says).count(), 1, "said once: {log}");
+    assert_eq!(log.lines().count(), 1, "one line: {log}");
+    assert_eq!(std::fs::read(&dir).unwrap(), b"a file, not a directory");
+    server.assert_settles();
+    drop(server);
+    std::fs::remove_file(&dir).unwrap();
+}
+
+#[test]
 fn bad_requests_get_openai_errors_naming_the_problem() {
     let server = Server::start(&["--ctx", "256"]);
     let user = r#"[{"role":"user","content":"hi"}]"#;
@@ -695,6 +715,10 @@ fn serve_refuses_unsafe_or_empty_settings_in_one_line() {
             "--queue 0 would turn every request away",
         ),
         (vec!["--kv-pool", "lots"], "--kv-pool"),
+        (
+            vec!["--kv-store-budget", "lots"],
+            "--kv-store-budget: 'lots' is not a size",
+        ),
     ] {
         let mut a = vec!["serve"];
         a.extend(args);
