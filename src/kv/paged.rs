@@ -118,18 +118,25 @@ impl RowStore for Paged {
         Ok(())
     }
 
+    /// One page's slots (attention reads a part a page, every step: no list of pieces made).
     fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>> {
-        match self.pieces(slot, len)?[..] {
-            [(i, s, n)] => self.pages[i].part(s, n, query),
-            [] => self.pages.first().map_or_else(
-                || bail!("KV slots {slot}..{slot} of an empty paged store"),
-                |p| p.part(0, 0, query),
-            ),
-            _ => bail!(
+        if slot.checked_add(len).is_none_or(|e| e > self.cap) {
+            bail!(
+                "KV slots {slot}..{} are outside the {} allocated",
+                slot.saturating_add(len),
+                self.cap
+            );
+        }
+        if len > self.contiguous(slot) {
+            bail!(
                 "KV slots {slot}..{} cross a page of {} (one part is one page at most)",
                 slot + len,
                 self.page
-            ),
+            );
+        }
+        match self.pages.get(slot / self.page) {
+            Some(p) => p.part(slot % self.page, len, query),
+            None => bail!("KV slots {slot}..{slot}: no page holds them"),
         }
     }
 
