@@ -9,7 +9,8 @@
 #       medians over ROUNDS; each round runs every file through both tools in turn.
 #       Files from scripts/make-test-models.sh suit it.
 # LLAMA_ARGS="…" adds flags to every llama-bench call: "--repack 0" where llama.cpp's repacked
-# kernels crash on this CPU (this VM's AMX path segfaults on IQ4_NL/IQ4_XS files).
+# kernels crash on this CPU (one AMX VM segfaulted on IQ4_NL/IQ4_XS files; the Xeon of
+# 2026-12-05 on every quantized file, Q4_K_M included).
 # BUSY=N keeps N other processes spinning (`yes > /dev/null`) for the whole run: the "under load"
 # case (issue 16: one core of two kept busy, BUSY=1).
 # Builds llama.cpp's llama-bench once (scripts/llamacpp.sh: from the sources vendored in the PyPI sdist
