@@ -337,7 +337,7 @@ mod avx512 {
     /// 2048-column matrix is one 4 KiB page, where the hardware prefetcher stops and starts cold
     /// again. l1b-BF16 decode at 128 (`kvchat bench --contexts 128 --gen 32 --repeat 2`),
     /// alternating, Intel Xeon with AVX-512 BF16, 2026-12-05: 99.4 / 99.9 / 99.2 ms/token
-    /// without, 86.5 / 82.1 / 85.0 with (1 KiB and 4 KiB ahead measured alike).
+    /// without, 86.5 / 82.1 / 85.0 with (1, 4 and 8 KiB ahead measured alike).
     const AHEAD: usize = 2048;
 
     /// `R` rows with `T` tokens, 32 columns a step, one register of 16 accumulators a pair (16
