@@ -47,8 +47,8 @@ impl Paged {
         self.pages.len()
     }
 
-    /// Slots `slot..slot + len` as (page, slot in it, length) pieces, in order.
-    fn pieces(&self, slot: usize, len: usize) -> Result<Vec<(usize, usize, usize)>> {
+    /// Slots `slot..slot + len` are allocated.
+    fn check_range(&self, slot: usize, len: usize) -> Result<()> {
         if slot.checked_add(len).is_none_or(|e| e > self.cap) {
             bail!(
                 "KV slots {slot}..{} are outside the {} allocated",
@@ -56,6 +56,12 @@ impl Paged {
                 self.cap
             );
         }
+        Ok(())
+    }
+
+    /// Slots `slot..slot + len` as (page, slot in it, length) pieces, in order.
+    fn pieces(&self, slot: usize, len: usize) -> Result<Vec<(usize, usize, usize)>> {
+        self.check_range(slot, len)?;
         let mut out = Vec::new();
         let mut s = slot;
         while s < slot + len {
@@ -120,13 +126,7 @@ impl RowStore for Paged {
 
     /// One page's slots (attention reads a part a page, every step: no list of pieces made).
     fn part(&self, slot: usize, len: usize, query: QueryRotation) -> Result<Part<'_>> {
-        if slot.checked_add(len).is_none_or(|e| e > self.cap) {
-            bail!(
-                "KV slots {slot}..{} are outside the {} allocated",
-                slot.saturating_add(len),
-                self.cap
-            );
-        }
+        self.check_range(slot, len)?;
         if len > self.contiguous(slot) {
             bail!(
                 "KV slots {slot}..{} cross a page of {} (one part is one page at most)",
@@ -134,9 +134,16 @@ impl RowStore for Paged {
                 self.page
             );
         }
-        match self.pages.get(slot / self.page) {
-            Some(p) => p.part(slot % self.page, len, query),
-            None => bail!("KV slots {slot}..{slot}: no page holds them"),
+        // An empty part is any page's (as before b8548c3: at the end of the last full page no
+        // page holds its slot).
+        let (page, at) = if len == 0 {
+            (0, 0)
+        } else {
+            (slot / self.page, slot % self.page)
+        };
+        match self.pages.get(page) {
+            Some(p) => p.part(at, len, query),
+            None => bail!("KV slots {slot}..{slot} of an empty paged store"),
         }
     }
 
@@ -350,6 +357,13 @@ mod tests {
             err.to_string().contains("outside the 256 allocated"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_empty_part_at_the_end_of_the_last_full_page_is_empty_not_an_error() {
+        let (_, s) = both(Precision::F32, 200, 200);
+        let part = s.part(256, 0, QueryRotation::AtPosition).unwrap();
+        assert_eq!(part.rows.len(), 0);
     }
 
     #[test]

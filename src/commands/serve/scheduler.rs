@@ -623,7 +623,7 @@ impl<'e> Scheduler<'e> {
             let found = self.store.restore(&mut session, &r.ids, &[]);
             self.report_store_problems();
             found.unwrap_or_else(|e| {
-                eprintln!("kvchat serve: prefix store: {}", crate::first_line(e));
+                say_store_problem(&crate::first_line(e));
                 0
             })
         } else {
@@ -820,7 +820,7 @@ impl<'e> Scheduler<'e> {
     /// failed).
     fn report_store_problems(&mut self) {
         for p in self.store.take_problems() {
-            eprintln!("kvchat serve: prefix store: {}", p.text);
+            say_store_problem(&p.text);
         }
     }
 
@@ -1014,6 +1014,11 @@ fn block_keys(ids: &[u32]) -> Vec<u64> {
             key
         })
         .collect()
+}
+
+/// One line on stderr about the prefix store (the server goes on without what failed).
+fn say_store_problem(text: &str) {
+    eprintln!("kvchat serve: prefix store: {text}");
 }
 
 #[cfg(test)]
