@@ -1,9 +1,12 @@
 //! The float weight types F32 and F16 through the same driver as the quantized ones
 //! ([`RowFormat`]): the weights stay as the GGUF stores them (an F16 matrix is not widened to a
-//! second, f32 copy, as candle's QMatMul widens it), and the activations are the f32 inputs
-//! themselves (no rounding of the input, where llama.cpp rounds it to F16). BF16 has its own
-//! file ([`super::bf16`]): it rounds its inputs to BF16, as llama.cpp does, for AVX-512 BF16's
-//! dot product.
+//! second, f32 copy, as candle's QMatMul widens it). F32 weights take the f32 inputs themselves;
+//! F16 weights take them rounded to F16 once per matmul (to nearest, ties to even), as llama.cpp
+//! pairs them (its `vec_dot_type` for F16): a 4 × 4 prefill tile's rows and tokens, 2,048 columns
+//! each, then fit L1 together (32 KiB, where f32 inputs made it 48 and the tile ran from L2:
+//! prefill 512 on the 1B shape 69–71 → 78 tok/s on an Intel Xeon). BF16 has its own file
+//! ([`super::bf16`]): it rounds its inputs to BF16, as llama.cpp does, for AVX-512 BF16's dot
+//! product.
 //!
 //! **The summation order** (every path): element `i` of a row goes to accumulator `i % 16` by a
 //! fused multiply-add; the 16 accumulators are then folded, `a[l] + a[l + 8]`, and the 8 left added
@@ -23,13 +26,23 @@ const L: usize = 16;
 /// A float weight: its value as f32 (exact for all three types).
 pub trait Float: bytemuck::Pod + Send + Sync + 'static {
     const DTYPE: WeightType;
+    /// The activations it pairs with: f32 for F32, F16 for F16 (llama.cpp's `vec_dot_type`,
+    /// so that a prefill tile's weights and activations fit L1 together).
+    type Act: Float + Simd;
     fn value(self) -> f32;
     /// The nearest weight to `v`.
     fn from_f32(v: f32) -> Self;
+    /// Each of `xs` as its nearest value, into `ys`.
+    fn from_f32_slice(xs: &[f32], ys: &mut [Self]) {
+        ys.iter_mut()
+            .zip(xs)
+            .for_each(|(y, &x)| *y = Self::from_f32(x));
+    }
 }
 
 impl Float for f32 {
     const DTYPE: WeightType = WeightType::F32;
+    type Act = f32;
     #[inline(always)]
     fn value(self) -> f32 {
         self
@@ -37,10 +50,14 @@ impl Float for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
+    fn from_f32_slice(xs: &[f32], ys: &mut [Self]) {
+        ys.copy_from_slice(xs);
+    }
 }
 
 impl Float for f16 {
     const DTYPE: WeightType = WeightType::F16;
+    type Act = f16;
     #[inline(always)]
     fn value(self) -> f32 {
         self.to_f32()
@@ -48,19 +65,23 @@ impl Float for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
+    fn from_f32_slice(xs: &[f32], ys: &mut [Self]) {
+        // F16C where the CPU has it (`half` checks at run time); the same rounding, to nearest.
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(ys, xs);
+    }
 }
 
 /// Elements `from..` of a row added into the accumulators (the scalar order).
 #[inline(always)]
-fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[f32], from: usize) {
+fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[W::Act], from: usize) {
     for (i, (&w, &y)) in xs.iter().zip(ys).enumerate().skip(from) {
-        acc[i % L] = w.value().mul_add(y, acc[i % L]);
+        acc[i % L] = w.value().mul_add(y.value(), acc[i % L]);
     }
 }
 
 /// The portable dot product of one weight row with one input row: the reference every SIMD path
 /// is tested against, bit for bit.
-pub fn dot_ref<W: Float>(xs: &[W], ys: &[f32]) -> f32 {
+pub fn dot_ref<W: Float>(xs: &[W], ys: &[W::Act]) -> f32 {
     let mut acc = [0f32; L];
     accumulate(&mut acc, xs, ys, 0);
     fold(acc)
@@ -71,17 +92,17 @@ pub struct Floats<W>(std::marker::PhantomData<W>);
 
 impl<W: Float + Simd> RowFormat for Floats<W> {
     type Block = W;
-    type Act = f32;
+    type Act = W::Act;
     const N: usize = 1;
     const DTYPE: WeightType = W::DTYPE;
-    fn quantize(xs: &[f32], ys: &mut [f32]) {
-        ys.copy_from_slice(xs);
+    fn quantize(xs: &[f32], ys: &mut [W::Act]) {
+        W::Act::from_f32_slice(xs, ys);
     }
     fn dequantize(x: &W, out: &mut [f32]) {
         out[0] = x.value();
     }
     #[inline]
-    fn dot(level: Level, xs: &[W], ys: &[f32]) -> f32 {
+    fn dot(level: Level, xs: &[W], ys: &[W::Act]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: the CPU runs AVX-512 (`level()`, checked at run time).
@@ -96,7 +117,7 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         dot_ref(xs, ys)
     }
     #[inline]
-    fn dot_x4(level: Level, xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+    fn dot_x4(level: Level, xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
@@ -111,7 +132,16 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         ys.map(|y| dot_ref(xs, y))
     }
     #[inline]
-    fn dot_4x4(level: Level, xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    fn dot_rows4(level: Level, xs: [&[W]; 4], y: &[W::Act]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if level.min(super::level()) >= Level::Vnni {
+            // SAFETY: as in `dot`.
+            return unsafe { avx2::dot512_rows4(xs, y) };
+        }
+        xs.map(|x| Self::dot(level, x, y))
+    }
+    #[inline]
+    fn dot_4x4(level: Level, xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
@@ -191,13 +221,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot<W: Simd>(xs: &[W], ys: &[f32]) -> f32 {
+    pub(super) unsafe fn dot<W: Simd>(xs: &[W], ys: &[W::Act]) -> f32 {
         let n = xs.len().min(ys.len());
         let body = n - n % L;
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
-            a0 = _mm256_fmadd_ps(W::load8(&x[..8]), _mm256_loadu_ps(y[..8].as_ptr()), a0);
-            a1 = _mm256_fmadd_ps(W::load8(&x[8..]), _mm256_loadu_ps(y[8..16].as_ptr()), a1);
+            a0 = _mm256_fmadd_ps(W::load8(&x[..8]), W::Act::load8(&y[..8]), a0);
+            a1 = _mm256_fmadd_ps(W::load8(&x[8..]), W::Act::load8(&y[8..]), a1);
         }
         let mut acc = spill(a0, a1);
         accumulate(&mut acc, &xs[..n], &ys[..n], body);
@@ -216,12 +246,12 @@ mod avx2 {
     /// [`dot`] with one AVX-512 register holding the 16 accumulators (the same operations on
     /// each, in the same order).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512<W: Simd>(xs: &[W], ys: &[f32]) -> f32 {
+    pub(super) unsafe fn dot512<W: Simd>(xs: &[W], ys: &[W::Act]) -> f32 {
         let n = xs.len().min(ys.len());
         let body = n - n % L;
         let mut a = _mm512_setzero_ps();
         for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
-            a = _mm512_fmadd_ps(W::load16(x), _mm512_loadu_ps(y.as_ptr()), a);
+            a = _mm512_fmadd_ps(W::load16(x), W::Act::load16(y), a);
         }
         let mut acc = spill512(a);
         accumulate(&mut acc, &xs[..n], &ys[..n], body);
@@ -230,14 +260,14 @@ mod avx2 {
 
     /// [`dot_x4`] with AVX-512: each 16 weights widened once, one register per token.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512_x4<W: Simd>(xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+    pub(super) unsafe fn dot512_x4<W: Simd>(xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
         let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
         let body = n - n % L;
         let mut a = [_mm512_setzero_ps(); 4];
         for (c, x) in xs[..body].chunks_exact(L).enumerate() {
             let w = W::load16(x);
             for (a, y) in a.iter_mut().zip(&ys) {
-                *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(y[L * c..].as_ptr()), *a);
+                *a = _mm512_fmadd_ps(w, W::Act::load16(&y[L * c..]), *a);
             }
         }
         std::array::from_fn(|t| {
@@ -247,15 +277,39 @@ mod avx2 {
         })
     }
 
+    /// Four rows with one token (decode): four chains of multiply-adds in flight where
+    /// [`dot512`]'s one waits on each add, each 16 activations widened once for the four rows.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn dot512_rows4<W: Simd>(xs: [&[W]; 4], y: &[W::Act]) -> [f32; 4] {
+        let n = shortest(xs, [y]);
+        let body = n - n % L;
+        let mut a = [_mm512_setzero_ps(); 4];
+        for c in (0..body).step_by(L) {
+            let y = W::Act::load16(&y[c..c + L]);
+            for (a, x) in a.iter_mut().zip(&xs) {
+                *a = _mm512_fmadd_ps(W::load16(&x[c..c + L]), y, *a);
+            }
+        }
+        if body == n {
+            // No tail: folded in registers, as in `dot512_4x4`.
+            return a.map(|a| hsum16_ps(a));
+        }
+        std::array::from_fn(|i| {
+            let mut acc = spill512(a[i]);
+            accumulate(&mut acc, &xs[i][..n], &y[..n], body);
+            fold(acc)
+        })
+    }
+
     /// Four rows with four tokens: 16 registers of accumulators, each 16 weights widened once
     /// and each 16 activations loaded once per step (4 + 4 loads for 16 fused multiply-adds).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    pub(super) unsafe fn dot512_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
         let n = shortest(xs, ys);
         let body = n - n % L;
         let mut a = [[_mm512_setzero_ps(); 4]; 4];
         for c in (0..body).step_by(L) {
-            let y = ys.map(|y| _mm512_loadu_ps(y[c..c + L].as_ptr()));
+            let y = ys.map(|y| W::Act::load16(&y[c..c + L]));
             for (a, x) in a.iter_mut().zip(&xs) {
                 let w = W::load16(&x[c..c + L]);
                 for (a, y) in a.iter_mut().zip(&y) {
@@ -288,7 +342,7 @@ mod avx2 {
     fn finish_4x4<W: Simd>(
         acc: impl Fn(usize, usize) -> [f32; L],
         xs: [&[W]; 4],
-        ys: [&[f32]; 4],
+        ys: [&[W::Act]; 4],
         n: usize,
     ) -> [[f32; 4]; 4] {
         std::array::from_fn(|i| {
@@ -310,7 +364,7 @@ mod avx2 {
     /// in registers, 2 + 4 loads for 8 fused multiply-adds. Each accumulator still takes its
     /// elements in increasing order, so the sums are [`super::dot_ref`]'s.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
         let n = shortest(xs, ys);
         let body = n - n % L;
         // acc[half][pair][row of the pair][token]: lanes 8·half..8·half + 8 of the 16.
@@ -359,7 +413,7 @@ mod avx2 {
     unsafe fn pass<W: Simd>(
         acc: &mut [[__m256; 4]; 2],
         x: [*const W; 2],
-        y: [*const f32; 4],
+        y: [*const W::Act; 4],
         steps: usize,
     ) {
         let [[mut a0, mut a1, mut a2, mut a3], [mut b0, mut b1, mut b2, mut b3]] = *acc;
@@ -367,16 +421,16 @@ mod avx2 {
             let o = s * L;
             let w0 = W::load8(std::slice::from_raw_parts(x[0].add(o), 8));
             let w1 = W::load8(std::slice::from_raw_parts(x[1].add(o), 8));
-            let y0 = _mm256_loadu_ps(y[0].add(o));
+            let y0 = W::Act::load8(std::slice::from_raw_parts(y[0].add(o), 8));
             a0 = _mm256_fmadd_ps(w0, y0, a0);
             b0 = _mm256_fmadd_ps(w1, y0, b0);
-            let y1 = _mm256_loadu_ps(y[1].add(o));
+            let y1 = W::Act::load8(std::slice::from_raw_parts(y[1].add(o), 8));
             a1 = _mm256_fmadd_ps(w0, y1, a1);
             b1 = _mm256_fmadd_ps(w1, y1, b1);
-            let y2 = _mm256_loadu_ps(y[2].add(o));
+            let y2 = W::Act::load8(std::slice::from_raw_parts(y[2].add(o), 8));
             a2 = _mm256_fmadd_ps(w0, y2, a2);
             b2 = _mm256_fmadd_ps(w1, y2, b2);
-            let y3 = _mm256_loadu_ps(y[3].add(o));
+            let y3 = W::Act::load8(std::slice::from_raw_parts(y[3].add(o), 8));
             a3 = _mm256_fmadd_ps(w0, y3, a3);
             b3 = _mm256_fmadd_ps(w1, y3, b3);
         }
@@ -385,7 +439,7 @@ mod avx2 {
 
     /// Four tokens at once: each 16 weights widened once, 8 accumulators in registers.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_x4<W: Simd>(xs: &[W], ys: [&[f32]; 4]) -> [f32; 4] {
+    pub(super) unsafe fn dot_x4<W: Simd>(xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
         let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
         let body = n - n % L;
         let z = _mm256_setzero_ps();
@@ -395,8 +449,8 @@ mod avx2 {
         let steps = xs[..body].chunks_exact(L).zip(c0).zip(c1);
         for (((x, y0), y1), (y2, y3)) in steps.zip(c2.zip(c3)) {
             let (w0, w1) = (W::load8(&x[..8]), W::load8(&x[8..]));
-            let lo = |y: &[f32]| _mm256_loadu_ps(y[..8].as_ptr());
-            let hi = |y: &[f32]| _mm256_loadu_ps(y[8..16].as_ptr());
+            let lo = |y: &[W::Act]| W::Act::load8(&y[..8]);
+            let hi = |y: &[W::Act]| W::Act::load8(&y[8..16]);
             a0 = _mm256_fmadd_ps(w0, lo(y0), a0);
             b0 = _mm256_fmadd_ps(w1, hi(y0), b0);
             a1 = _mm256_fmadd_ps(w0, lo(y1), a1);

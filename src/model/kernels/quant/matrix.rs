@@ -151,7 +151,18 @@ impl<F: RowFormat> Matrix<F> {
                     let (r0, r1) = (item * ROWS_PER_ITEM, n.min((item + 1) * ROWS_PER_ITEM));
                     // SAFETY (DisjointOut's contract): rows r0..r1 belong to this item alone.
                     let o = unsafe { dst.slice(r0, r1 - r0) };
-                    for (r, o) in (r0..r1).zip(o) {
+                    let mut r = r0;
+                    while r + 4 <= r1 {
+                        let w = [
+                            self.row(r),
+                            self.row(r + 1),
+                            self.row(r + 2),
+                            self.row(r + 3),
+                        ];
+                        o[r - r0..r - r0 + 4].copy_from_slice(&F::dot_rows4(level, w, act(0)));
+                        r += 4;
+                    }
+                    for (r, o) in (r..r1).zip(&mut o[r - r0..]) {
                         *o = F::dot(level, self.row(r), act(0));
                     }
                 }

@@ -358,6 +358,13 @@ pub trait RowFormat: Send + Sync + 'static {
     fn dot_4x4(level: Level, xs: [&[Self::Block]; 4], ys: [&[Self::Act]; 4]) -> [[f32; 4]; 4] {
         xs.map(|x| Self::dot_x4(level, x, ys))
     }
+    /// Four rows with one activation row (decode), each summed exactly as [`RowFormat::dot`]
+    /// sums it (a float format overrides it: four independent chains of multiply-adds where one
+    /// row's is bound by the adds' latency).
+    #[inline(always)]
+    fn dot_rows4(level: Level, xs: [&[Self::Block]; 4], y: &[Self::Act]) -> [f32; 4] {
+        xs.map(|x| Self::dot(level, x, y))
+    }
 }
 
 impl<F: Avx2> RowFormat for F {
