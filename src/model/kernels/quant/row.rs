@@ -336,8 +336,8 @@ pub(super) mod avx2 {
 
 /// A weight type as the per-row driver ([`Matrix`]) runs it: its blocks, the activation rows it
 /// pairs with, and one row's dot product with one or four of them. Every quantized [`Format`]
-/// is one (through [`dot`] and [`dot_x4`]); so are the float types ([`floats`]), whose
-/// "activations" are the f32 inputs themselves.
+/// is one (through [`dot`] and [`dot_x4`]); so are the float types ([`floats`], [`super::bf16`]),
+/// whose "activations" are the f32 inputs themselves (F32) or rounded to the weights' type.
 pub trait RowFormat: Send + Sync + 'static {
     type Block: Pod + Send + Sync;
     type Act: Pod + Send + Sync;
