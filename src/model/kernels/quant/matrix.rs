@@ -102,6 +102,11 @@ impl<F: RowFormat> Matrix<F> {
         &self.blocks[(self.row0 + r) * kb..(self.row0 + r + 1) * kb]
     }
 
+    /// Rows `r .. r + 4`.
+    fn rows4(&self, r: usize) -> [&[F::Block]; 4] {
+        std::array::from_fn(|i| self.row(r + i))
+    }
+
     pub(super) fn stack(parts: &[&Self]) -> Result<(Self, Vec<Self>)> {
         let cols = parts.first().map_or(0, |p| p.cols);
         if parts.iter().any(|p| p.cols != cols) {
@@ -153,12 +158,7 @@ impl<F: RowFormat> Matrix<F> {
                     let o = unsafe { dst.slice(r0, r1 - r0) };
                     let mut r = r0;
                     while r + 4 <= r1 {
-                        let w = [
-                            self.row(r),
-                            self.row(r + 1),
-                            self.row(r + 2),
-                            self.row(r + 3),
-                        ];
+                        let w = self.rows4(r);
                         o[r - r0..r - r0 + 4].copy_from_slice(&F::dot_rows4(level, w, act(0)));
                         r += 4;
                     }
@@ -187,12 +187,7 @@ impl<F: RowFormat> Matrix<F> {
                     let mut r = r0;
                     // Four rows at a time (four tokens each), then the rows left one by one.
                     while r + 4 <= r1 {
-                        let w = [
-                            self.row(r),
-                            self.row(r + 1),
-                            self.row(r + 2),
-                            self.row(r + 3),
-                        ];
+                        let w = self.rows4(r);
                         let mut t = t0;
                         while t + 4 <= t1 {
                             let v = F::dot_4x4(level, w, act4(t));
