@@ -26,23 +26,16 @@ const L: usize = 16;
 /// A float weight: its value as f32 (exact for all three types).
 pub trait Float: bytemuck::Pod + Send + Sync + 'static {
     const DTYPE: WeightType;
-    /// The activations it pairs with: f32 for F32, F16 for F16 (llama.cpp's `vec_dot_type`,
-    /// so that a prefill tile's weights and activations fit L1 together).
-    type Act: Float + Simd;
     fn value(self) -> f32;
     /// The nearest weight to `v`.
     fn from_f32(v: f32) -> Self;
-    /// Each of `xs` as its nearest value, into `ys`.
-    fn from_f32_slice(xs: &[f32], ys: &mut [Self]) {
-        ys.iter_mut()
-            .zip(xs)
-            .for_each(|(y, &x)| *y = Self::from_f32(x));
-    }
+    /// Each of `xs` as its nearest value, into `ys`: a matmul's inputs, which are of the
+    /// weights' own type (F32's the f32 inputs, F16's rounded to F16, llama.cpp's `vec_dot_type`).
+    fn from_f32_slice(xs: &[f32], ys: &mut [Self]);
 }
 
 impl Float for f32 {
     const DTYPE: WeightType = WeightType::F32;
-    type Act = f32;
     #[inline(always)]
     fn value(self) -> f32 {
         self
@@ -57,7 +50,6 @@ impl Float for f32 {
 
 impl Float for f16 {
     const DTYPE: WeightType = WeightType::F16;
-    type Act = f16;
     #[inline(always)]
     fn value(self) -> f32 {
         self.to_f32()
@@ -73,7 +65,7 @@ impl Float for f16 {
 
 /// Elements `from..` of a row added into the accumulators (the scalar order).
 #[inline(always)]
-fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[W::Act], from: usize) {
+fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[W], from: usize) {
     for (i, (&w, &y)) in xs.iter().zip(ys).enumerate().skip(from) {
         acc[i % L] = w.value().mul_add(y.value(), acc[i % L]);
     }
@@ -81,7 +73,7 @@ fn accumulate<W: Float>(acc: &mut [f32; L], xs: &[W], ys: &[W::Act], from: usize
 
 /// The portable dot product of one weight row with one input row: the reference every SIMD path
 /// is tested against, bit for bit.
-pub fn dot_ref<W: Float>(xs: &[W], ys: &[W::Act]) -> f32 {
+pub fn dot_ref<W: Float>(xs: &[W], ys: &[W]) -> f32 {
     let mut acc = [0f32; L];
     accumulate(&mut acc, xs, ys, 0);
     fold(acc)
@@ -92,17 +84,17 @@ pub struct Floats<W>(std::marker::PhantomData<W>);
 
 impl<W: Float + Simd> RowFormat for Floats<W> {
     type Block = W;
-    type Act = W::Act;
+    type Act = W;
     const N: usize = 1;
     const DTYPE: WeightType = W::DTYPE;
-    fn quantize(xs: &[f32], ys: &mut [W::Act]) {
-        W::Act::from_f32_slice(xs, ys);
+    fn quantize(xs: &[f32], ys: &mut [W]) {
+        W::from_f32_slice(xs, ys);
     }
     fn dequantize(x: &W, out: &mut [f32]) {
         out[0] = x.value();
     }
     #[inline]
-    fn dot(level: Level, xs: &[W], ys: &[W::Act]) -> f32 {
+    fn dot(level: Level, xs: &[W], ys: &[W]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: the CPU runs AVX-512 (`level()`, checked at run time).
@@ -117,7 +109,7 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         dot_ref(xs, ys)
     }
     #[inline]
-    fn dot_x4(level: Level, xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
+    fn dot_x4(level: Level, xs: &[W], ys: [&[W]; 4]) -> [f32; 4] {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
@@ -132,7 +124,7 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         ys.map(|y| dot_ref(xs, y))
     }
     #[inline]
-    fn dot_rows4(level: Level, xs: [&[W]; 4], y: &[W::Act]) -> [f32; 4] {
+    fn dot_rows4(level: Level, xs: [&[W]; 4], y: &[W]) -> [f32; 4] {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
@@ -141,7 +133,7 @@ impl<W: Float + Simd> RowFormat for Floats<W> {
         xs.map(|x| Self::dot(level, x, y))
     }
     #[inline]
-    fn dot_4x4(level: Level, xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
+    fn dot_4x4(level: Level, xs: [&[W]; 4], ys: [&[W]; 4]) -> [[f32; 4]; 4] {
         #[cfg(target_arch = "x86_64")]
         if level.min(super::level()) >= Level::Vnni {
             // SAFETY: as in `dot`.
@@ -221,13 +213,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot<W: Simd>(xs: &[W], ys: &[W::Act]) -> f32 {
+    pub(super) unsafe fn dot<W: Simd>(xs: &[W], ys: &[W]) -> f32 {
         let n = xs.len().min(ys.len());
         let body = n - n % L;
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
-            a0 = _mm256_fmadd_ps(W::load8(&x[..8]), W::Act::load8(&y[..8]), a0);
-            a1 = _mm256_fmadd_ps(W::load8(&x[8..]), W::Act::load8(&y[8..]), a1);
+            a0 = _mm256_fmadd_ps(W::load8(&x[..8]), W::load8(&y[..8]), a0);
+            a1 = _mm256_fmadd_ps(W::load8(&x[8..]), W::load8(&y[8..]), a1);
         }
         let mut acc = spill(a0, a1);
         accumulate(&mut acc, &xs[..n], &ys[..n], body);
@@ -246,12 +238,12 @@ mod avx2 {
     /// [`dot`] with one AVX-512 register holding the 16 accumulators (the same operations on
     /// each, in the same order).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512<W: Simd>(xs: &[W], ys: &[W::Act]) -> f32 {
+    pub(super) unsafe fn dot512<W: Simd>(xs: &[W], ys: &[W]) -> f32 {
         let n = xs.len().min(ys.len());
         let body = n - n % L;
         let mut a = _mm512_setzero_ps();
         for (x, y) in xs[..body].chunks_exact(L).zip(ys[..body].chunks_exact(L)) {
-            a = _mm512_fmadd_ps(W::load16(x), W::Act::load16(y), a);
+            a = _mm512_fmadd_ps(W::load16(x), W::load16(y), a);
         }
         let mut acc = spill512(a);
         accumulate(&mut acc, &xs[..n], &ys[..n], body);
@@ -260,14 +252,14 @@ mod avx2 {
 
     /// [`dot_x4`] with AVX-512: each 16 weights widened once, one register per token.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512_x4<W: Simd>(xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
+    pub(super) unsafe fn dot512_x4<W: Simd>(xs: &[W], ys: [&[W]; 4]) -> [f32; 4] {
         let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
         let body = n - n % L;
         let mut a = [_mm512_setzero_ps(); 4];
         for (c, x) in xs[..body].chunks_exact(L).enumerate() {
             let w = W::load16(x);
             for (a, y) in a.iter_mut().zip(&ys) {
-                *a = _mm512_fmadd_ps(w, W::Act::load16(&y[L * c..]), *a);
+                *a = _mm512_fmadd_ps(w, W::load16(&y[L * c..]), *a);
             }
         }
         std::array::from_fn(|t| {
@@ -280,12 +272,12 @@ mod avx2 {
     /// Four rows with one token (decode): four chains of multiply-adds in flight where
     /// [`dot512`]'s one waits on each add, each 16 activations widened once for the four rows.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512_rows4<W: Simd>(xs: [&[W]; 4], y: &[W::Act]) -> [f32; 4] {
+    pub(super) unsafe fn dot512_rows4<W: Simd>(xs: [&[W]; 4], y: &[W]) -> [f32; 4] {
         let n = shortest(xs, [y]);
         let body = n - n % L;
         let mut a = [_mm512_setzero_ps(); 4];
         for c in (0..body).step_by(L) {
-            let y = W::Act::load16(&y[c..c + L]);
+            let y = W::load16(&y[c..c + L]);
             for (a, x) in a.iter_mut().zip(&xs) {
                 *a = _mm512_fmadd_ps(W::load16(&x[c..c + L]), y, *a);
             }
@@ -304,12 +296,12 @@ mod avx2 {
     /// Four rows with four tokens: 16 registers of accumulators, each 16 weights widened once
     /// and each 16 activations loaded once per step (4 + 4 loads for 16 fused multiply-adds).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn dot512_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
+    pub(super) unsafe fn dot512_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W]; 4]) -> [[f32; 4]; 4] {
         let n = shortest(xs, ys);
         let body = n - n % L;
         let mut a = [[_mm512_setzero_ps(); 4]; 4];
         for c in (0..body).step_by(L) {
-            let y = ys.map(|y| W::Act::load16(&y[c..c + L]));
+            let y = ys.map(|y| W::load16(&y[c..c + L]));
             for (a, x) in a.iter_mut().zip(&xs) {
                 let w = W::load16(&x[c..c + L]);
                 for (a, y) in a.iter_mut().zip(&y) {
@@ -342,7 +334,7 @@ mod avx2 {
     fn finish_4x4<W: Simd>(
         acc: impl Fn(usize, usize) -> [f32; L],
         xs: [&[W]; 4],
-        ys: [&[W::Act]; 4],
+        ys: [&[W]; 4],
         n: usize,
     ) -> [[f32; 4]; 4] {
         std::array::from_fn(|i| {
@@ -364,7 +356,7 @@ mod avx2 {
     /// in registers, 2 + 4 loads for 8 fused multiply-adds. Each accumulator still takes its
     /// elements in increasing order, so the sums are [`super::dot_ref`]'s.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W::Act]; 4]) -> [[f32; 4]; 4] {
+    pub(super) unsafe fn dot_4x4<W: Simd>(xs: [&[W]; 4], ys: [&[W]; 4]) -> [[f32; 4]; 4] {
         let n = shortest(xs, ys);
         let body = n - n % L;
         // acc[half][pair][row of the pair][token]: lanes 8·half..8·half + 8 of the 16.
@@ -413,7 +405,7 @@ mod avx2 {
     unsafe fn pass<W: Simd>(
         acc: &mut [[__m256; 4]; 2],
         x: [*const W; 2],
-        y: [*const W::Act; 4],
+        y: [*const W; 4],
         steps: usize,
     ) {
         let [[mut a0, mut a1, mut a2, mut a3], [mut b0, mut b1, mut b2, mut b3]] = *acc;
@@ -421,16 +413,16 @@ mod avx2 {
             let o = s * L;
             let w0 = W::load8(std::slice::from_raw_parts(x[0].add(o), 8));
             let w1 = W::load8(std::slice::from_raw_parts(x[1].add(o), 8));
-            let y0 = W::Act::load8(std::slice::from_raw_parts(y[0].add(o), 8));
+            let y0 = W::load8(std::slice::from_raw_parts(y[0].add(o), 8));
             a0 = _mm256_fmadd_ps(w0, y0, a0);
             b0 = _mm256_fmadd_ps(w1, y0, b0);
-            let y1 = W::Act::load8(std::slice::from_raw_parts(y[1].add(o), 8));
+            let y1 = W::load8(std::slice::from_raw_parts(y[1].add(o), 8));
             a1 = _mm256_fmadd_ps(w0, y1, a1);
             b1 = _mm256_fmadd_ps(w1, y1, b1);
-            let y2 = W::Act::load8(std::slice::from_raw_parts(y[2].add(o), 8));
+            let y2 = W::load8(std::slice::from_raw_parts(y[2].add(o), 8));
             a2 = _mm256_fmadd_ps(w0, y2, a2);
             b2 = _mm256_fmadd_ps(w1, y2, b2);
-            let y3 = W::Act::load8(std::slice::from_raw_parts(y[3].add(o), 8));
+            let y3 = W::load8(std::slice::from_raw_parts(y[3].add(o), 8));
             a3 = _mm256_fmadd_ps(w0, y3, a3);
             b3 = _mm256_fmadd_ps(w1, y3, b3);
         }
@@ -439,7 +431,7 @@ mod avx2 {
 
     /// Four tokens at once: each 16 weights widened once, 8 accumulators in registers.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_x4<W: Simd>(xs: &[W], ys: [&[W::Act]; 4]) -> [f32; 4] {
+    pub(super) unsafe fn dot_x4<W: Simd>(xs: &[W], ys: [&[W]; 4]) -> [f32; 4] {
         let n = ys.iter().fold(xs.len(), |n, y| n.min(y.len()));
         let body = n - n % L;
         let z = _mm256_setzero_ps();
@@ -449,8 +441,8 @@ mod avx2 {
         let steps = xs[..body].chunks_exact(L).zip(c0).zip(c1);
         for (((x, y0), y1), (y2, y3)) in steps.zip(c2.zip(c3)) {
             let (w0, w1) = (W::load8(&x[..8]), W::load8(&x[8..]));
-            let lo = |y: &[W::Act]| W::Act::load8(&y[..8]);
-            let hi = |y: &[W::Act]| W::Act::load8(&y[8..16]);
+            let lo = |y: &[W]| W::load8(&y[..8]);
+            let hi = |y: &[W]| W::load8(&y[8..16]);
             a0 = _mm256_fmadd_ps(w0, lo(y0), a0);
             b0 = _mm256_fmadd_ps(w1, hi(y0), b0);
             a1 = _mm256_fmadd_ps(w0, lo(y1), a1);

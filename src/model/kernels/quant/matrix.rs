@@ -199,9 +199,11 @@ impl<F: RowFormat> Matrix<F> {
                             t += 4;
                         }
                         for t in t..t1 {
-                            for (i, w) in w.iter().enumerate() {
-                                o[t - t0][r + i - r0] = F::dot(level, w, act(t));
-                            }
+                            o[t - t0][r - r0..r - r0 + 4].copy_from_slice(&F::dot_rows4(
+                                level,
+                                w,
+                                act(t),
+                            ));
                         }
                         r += 4;
                     }

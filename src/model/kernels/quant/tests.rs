@@ -417,10 +417,10 @@ fn float_simd_level_equals_reference<W: floats::Float + floats::Simd>(level: Lev
         let w: Vec<W> = (0..n)
             .map(|_| W::from_f32(r.random_range(-1.0f32..1.0) * 2f32.powi(r.random_range(-14..15))))
             .collect();
-        let ys: Vec<Vec<W::Act>> = (0..4)
+        let ys: Vec<Vec<W>> = (0..4)
             .map(|_| {
                 (0..n)
-                    .map(|_| <W::Act as floats::Float>::from_f32(r.random_range(-3f32..3.0)))
+                    .map(|_| W::from_f32(r.random_range(-3f32..3.0)))
                     .collect()
             })
             .collect();
@@ -467,12 +467,12 @@ fn float_simd_level_equals_reference<W: floats::Float + floats::Simd>(level: Lev
             let exact: f64 = w
                 .iter()
                 .zip(y)
-                .map(|(a, b)| a.value() as f64 * floats::Float::value(*b) as f64)
+                .map(|(a, b)| a.value() as f64 * b.value() as f64)
                 .sum();
             let norm: f64 = w
                 .iter()
                 .zip(y)
-                .map(|(a, b)| (a.value() as f64 * floats::Float::value(*b) as f64).abs())
+                .map(|(a, b)| (a.value() as f64 * b.value() as f64).abs())
                 .sum();
             assert!(
                 (reference as f64 - exact).abs() <= 1e-5 * norm,
