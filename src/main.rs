@@ -28,21 +28,22 @@ fn keep_freed_memory() {}
 /// work before it parks, unless the user set `CANDLE_BARRIER_POOL_SPIN_LIMIT`: candle's default
 /// keeps a worker spinning through a decode step's gaps, and when another process wants that core
 /// the scheduler charges the spin to it and preempts it mid-step while the other thread waits at
-/// the barrier. 500 polls is still longer than the gap between two matmuls (figures and commands:
-/// docs/perf-notes.md §9). Set here, before the pool or any other thread starts (the variable is
-/// read once, when the pool is made).
-const BARRIER_POOL_SPIN_LIMIT: &str = "500";
+/// the barrier. One sequence's step: 500 polls is still longer than the gap between two matmuls
+/// (figures and commands: docs/perf-notes.md §9). A server's batched step has longer gaps (each
+/// sequence's rope and appends run on the calling thread): at 500 the worker parks in them and
+/// every dispatch after one pays a wake-up, so `serve` polls 2,000 times (§28). Set before the pool
+/// or any other thread starts (the variable is read once, when the pool is made).
 const SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
-/// Sets the pool's spin limit unless the user did; a value of theirs that candle could not read
-/// (it would fall back to 25,000 without a word) is refused in one line naming it.
-fn pool_spin_limit() -> anyhow::Result<()> {
+/// Sets the pool's spin limit to `polls` unless the user set one; a value of theirs that candle
+/// could not read (it would fall back to 25,000 without a word) is refused in one line naming it.
+fn pool_spin_limit(polls: u32) -> anyhow::Result<()> {
     match std::env::var_os(SPIN_LIMIT_VAR) {
-        None => std::env::set_var(SPIN_LIMIT_VAR, BARRIER_POOL_SPIN_LIMIT),
+        None => std::env::set_var(SPIN_LIMIT_VAR, polls.to_string()),
         Some(v) if v.to_str().and_then(|s| s.parse::<u32>().ok()).is_some() => {}
         Some(v) => anyhow::bail!(
             "{SPIN_LIMIT_VAR}={v:?} is not a whole number of polls (0 to {}); unset it for \
-             kvchat's {BARRIER_POOL_SPIN_LIMIT}",
+             kvchat's {polls}",
             u32::MAX
         ),
     }
@@ -53,13 +54,13 @@ fn main() {
     keep_freed_memory();
     // The library's notes (a lowered context, a download) go to stderr.
     kvchat::notes::install(Box::new(kvchat::notes::Stderr));
-    if let Err(e) = pool_spin_limit() {
-        kvchat::cli::report::exit_with(&e);
-    }
     let matches = Cli::command()
         .long_version(&*Box::leak(kvchat::cli::long_version().into_boxed_str()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = pool_spin_limit(cli.command.pool_spin_polls()) {
+        kvchat::cli::report::exit_with(&e);
+    }
     // candle sizes its thread pool (its kernels' and ours) from this variable, once, when the
     // first matmul starts it: set before anything runs.
     if let Some(n) = cli.command.threads() {

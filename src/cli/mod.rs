@@ -72,6 +72,15 @@ impl Command {
             _ => None,
         }
     }
+
+    /// How many times an idle worker of the thread pool polls for work before it parks
+    /// (main.rs): a server's batched steps leave it longer gaps than one sequence's step.
+    pub fn pool_spin_polls(&self) -> u32 {
+        match self {
+            Command::Serve(_) => 2_000,
+            _ => 500,
+        }
+    }
 }
 
 /// `kvchat --version`: the version, the compute features built in, and the CPU paths this machine
