@@ -29,7 +29,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Weight storage: f32, f16 or bf16 for safetensors [default: f32]; for GGUF, dequantize every
-    /// matrix to this dtype at load [default: keep them quantized]. Activations and KV stay f32.
+    /// matrix to this dtype at load [default: keep them quantized]. Activations stay f32; the KV
+    /// cache's precision is chosen apart from it.
     #[arg(long, value_parser = ["f32", "f16", "bf16"])]
     pub dtype: Option<String>,
     /// CPU threads [default: all cores; at most 4 per core]
