@@ -263,12 +263,14 @@ fn prefill_rows_have_the_bits_of_decode<F: RowFormat>(n: usize) {
     let mat = QMatrix::from_bytes(F::DTYPE, n, k, &bytes)
         .unwrap()
         .unwrap();
-    // 21 tokens: more than one 16-token tile of the prefill split.
-    let x = seeded(103, (1, 21, k));
-    let all = flat(&mat.forward(&x).unwrap());
-    for t in 0..21 {
-        let one = flat(&mat.forward(&x.narrow(1, t, 1).unwrap()).unwrap());
-        assert_eq!(&all[t * n..(t + 1) * n], &one[..], "token {t}");
+    // 21–23 tokens: a 16-token item of the prefill split, then 5–7 (four, and 1–3 left over).
+    let x = seeded(103, (1, 23, k));
+    for m in [21, 22, 23] {
+        let all = flat(&mat.forward(&x.narrow(1, 0, m).unwrap()).unwrap());
+        for t in 0..m {
+            let one = flat(&mat.forward(&x.narrow(1, t, 1).unwrap()).unwrap());
+            assert_eq!(&all[t * n..(t + 1) * n], &one[..], "token {t} of {m}");
+        }
     }
 }
 
@@ -1051,9 +1053,9 @@ fn tiles_at_level_equal_the_row_reference<F: tiled::TileKernels>(level: Level, h
     }
     let xs: Vec<f32> = {
         let mut r = rng();
-        (0..5 * kb * F::N)
+        (0..7 * kb * F::N)
             .map(|i| {
-                // Tokens 0, 2, 4 spread; 1 and 3 at the extremes (every quant ±127).
+                // Even tokens spread; odd ones at the extremes (every quant ±127).
                 if (i / (kb * F::N)) % 2 == 0 {
                     r.random_range(-3f32..3.0)
                 } else if r.random() {
@@ -1064,21 +1066,24 @@ fn tiles_at_level_equal_the_row_reference<F: tiled::TileKernels>(level: Level, h
             })
             .collect()
     };
-    let mut out = vec![0f32; 5 * rows];
-    m.matmul_at(level, &xs, 5, &mut out);
-    let mut q = vec![F::Act::zeroed(); 5 * kb];
+    let mut q = vec![F::Act::zeroed(); 7 * kb];
     for (x, q) in xs.chunks_exact(kb * F::N).zip(q.chunks_exact_mut(kb)) {
         F::Act::quantize(x, q);
     }
-    for t in 0..5 {
-        for r in 0..rows {
-            let reference =
-                dot_rows_scalar::<F>(&w[r * kb..(r + 1) * kb], &q[t * kb..(t + 1) * kb]);
-            assert_eq!(
-                out[t * rows + r].to_bits(),
-                reference.to_bits(),
-                "{level:?} token {t} row {r}"
-            );
+    // 5, 6 and 7 tokens: a call of four, then one of 1, 2 or 3.
+    for n in [5, 6, 7] {
+        let mut out = vec![0f32; n * rows];
+        m.matmul_at(level, &xs[..n * kb * F::N], n, &mut out);
+        for t in 0..n {
+            for r in 0..rows {
+                let reference =
+                    dot_rows_scalar::<F>(&w[r * kb..(r + 1) * kb], &q[t * kb..(t + 1) * kb]);
+                assert_eq!(
+                    out[t * rows + r].to_bits(),
+                    reference.to_bits(),
+                    "{level:?} token {t} of {n}, row {r}"
+                );
+            }
         }
     }
 }

@@ -914,18 +914,6 @@ impl<F: TileKernels> TiledMatrix<F> {
             "tile kernels at {level:?} on a CPU that runs {:?}",
             super::level()
         );
-        /// The 16 rows' dot products with T tokens, by the level's kernel.
-        #[inline(always)]
-        fn dot16<F: TileKernels, const T: usize>(
-            level: Level,
-            w: &[F::Tile],
-            ys: [&[F::Act]; T],
-            ysums: [&[i32]; T],
-        ) -> [[f32; TR]; T] {
-            // SAFETY: the CPU runs `level` (asserted in `matmul_at`, from `level()`'s run-time
-            // check; this fn is private to it).
-            unsafe { dot16_at::<F, T>(level, w, ys, ysums) }
-        }
         let (n, kb) = (self.rows, self.kb());
         let mut q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
         F::bias(&mut q);
@@ -952,23 +940,8 @@ impl<F: TileKernels> TiledMatrix<F> {
                     let o = unsafe { dst.slice(t * n + g * TR, TR) };
                     o.copy_from_slice(&v);
                 };
-                let mut t = t0;
-                while t + 4 <= t1 {
-                    let v = dot16::<F, 4>(
-                        level,
-                        w,
-                        [act(t), act(t + 1), act(t + 2), act(t + 3)],
-                        [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)],
-                    );
-                    for (i, v) in v.into_iter().enumerate() {
-                        put(t + i, v);
-                    }
-                    t += 4;
-                }
-                for t in t..t1 {
-                    let [v] = dot16::<F, 1>(level, w, [act(t)], [ysum(t)]);
-                    put(t, v);
-                }
+                // SAFETY: `level` is asserted above.
+                unsafe { tokens_through::<F>(level, w, t0..t1, &act, &ysum, put) };
             }
         });
     }
@@ -978,6 +951,61 @@ impl<F: TileKernels> TiledMatrix<F> {
 impl<F: Tiled> TiledMatrix<F> {
     pub(super) fn matmul(&self, _: &[f32], _: usize, _: &mut [f32]) {
         unreachable!("tiles are made only where AVX2 runs")
+    }
+}
+
+/// Tokens `ts` against one group's tiles `w` (16 rows), each token's 16 sums handed to `put`:
+/// four tokens a call, then the 1–3 left in one call for as many, so a 6-token step unpacks each
+/// tile twice, not three times. Each token's sums are the same whatever else a call holds.
+///
+/// # Safety
+/// As [`dot16_at`]: `level` is what the CPU runs (callers assert it once per matmul).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tokens_through<'q, F: TileKernels>(
+    level: super::Level,
+    w: &[F::Tile],
+    ts: std::ops::Range<usize>,
+    act: &impl Fn(usize) -> &'q [F::Act],
+    ysum: &impl Fn(usize) -> &'q [i32],
+    mut put: impl FnMut(usize, [f32; TR]),
+) where
+    F::Act: 'q,
+{
+    /// Tokens `t..t + T` in one call.
+    #[inline(always)]
+    unsafe fn call<'q, F: TileKernels, const T: usize>(
+        level: super::Level,
+        w: &[F::Tile],
+        t: usize,
+        act: &impl Fn(usize) -> &'q [F::Act],
+        ysum: &impl Fn(usize) -> &'q [i32],
+        put: &mut impl FnMut(usize, [f32; TR]),
+    ) where
+        F::Act: 'q,
+    {
+        let ys = std::array::from_fn(|i| act(t + i));
+        let sums = std::array::from_fn(|i| ysum(t + i));
+        // SAFETY: passed on from `tokens_through`'s caller.
+        let v = unsafe { dot16_at::<F, T>(level, w, ys, sums) };
+        for (i, v) in v.into_iter().enumerate() {
+            put(t + i, v);
+        }
+    }
+    let mut t = ts.start;
+    while t + 4 <= ts.end {
+        // SAFETY: as this fn's.
+        unsafe { call::<F, 4>(level, w, t, act, ysum, &mut put) };
+        t += 4;
+    }
+    // SAFETY: as this fn's.
+    unsafe {
+        match ts.end - t {
+            1 => call::<F, 1>(level, w, t, act, ysum, &mut put),
+            2 => call::<F, 2>(level, w, t, act, ysum, &mut put),
+            3 => call::<F, 3>(level, w, t, act, ysum, &mut put),
+            _ => {}
+        }
     }
 }
 
@@ -1054,22 +1082,8 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
                 let o = unsafe { dst.slice(t * rows + g * TR, TR) };
                 o.copy_from_slice(&v);
             };
-            let mut t = 0;
-            while t + 4 <= m {
-                let ys = [act(t), act(t + 1), act(t + 2), act(t + 3)];
-                let sums = [ysum(t), ysum(t + 1), ysum(t + 2), ysum(t + 3)];
-                // SAFETY: `level` is asserted above.
-                let v = unsafe { dot16_at::<F, 4>(level, &tiles, ys, sums) };
-                for (i, v) in v.into_iter().enumerate() {
-                    put(t + i, v);
-                }
-                t += 4;
-            }
-            for t in t..m {
-                // SAFETY: `level` is asserted above.
-                let [v] = unsafe { dot16_at::<F, 1>(level, &tiles, [act(t)], [ysum(t)]) };
-                put(t, v);
-            }
+            // SAFETY: `level` is asserted above.
+            unsafe { tokens_through::<F>(level, &tiles, 0..m, &act, &ysum, put) };
         }
     });
 }
