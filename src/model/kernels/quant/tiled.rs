@@ -907,23 +907,9 @@ impl<F: TileKernels> TiledMatrix<F> {
 
     /// [`Self::matmul`] by the kernels of `level` (tests run each level this CPU has).
     pub(super) fn matmul_at(&self, level: super::Level, xs: &[f32], m: usize, out: &mut [f32]) {
-        use super::{Act, Level};
-        // The tile kernels' SAFETY condition, checked once per matmul.
-        assert!(
-            level >= Level::Avx2 && level <= super::level(),
-            "tile kernels at {level:?} on a CPU that runs {:?}",
-            super::level()
-        );
-        let (n, kb) = (self.rows, self.kb());
-        let mut q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
-        F::bias(&mut q);
-        let ysums: Vec<i32> = if F::YSUM {
-            q.iter().map(F::ysum).collect()
-        } else {
-            vec![0; m * kb]
-        };
-        let act = |t: usize| &q[t * kb..(t + 1) * kb];
-        let ysum = |t: usize| &ysums[t * kb..(t + 1) * kb];
+        assert_tile_level(level);
+        let n = self.rows;
+        let inputs = TileInputs::<F>::new(xs, m, self.kb());
         let dst = super::DisjointOut::new(out);
         let groups = n / TR;
         use super::TOKENS;
@@ -933,15 +919,8 @@ impl<F: TileKernels> TiledMatrix<F> {
             for item in range {
                 let (g, t0) = (item / tiles, (item % tiles) * TOKENS);
                 let t1 = m.min(t0 + TOKENS);
-                let w = self.group(g);
-                let put = |t: usize, v: [f32; TR]| {
-                    // SAFETY (DisjointOut's contract): rows 16g..16g+16 of token t belong to this
-                    // item alone.
-                    let o = unsafe { dst.slice(t * n + g * TR, TR) };
-                    o.copy_from_slice(&v);
-                };
-                // SAFETY: `level` is asserted above.
-                unsafe { tokens_through::<F>(level, w, t0..t1, &act, &ysum, put) };
+                // SAFETY: `level` is asserted above; tokens t0..t1 of group g are this item's.
+                unsafe { tokens_through(level, self.group(g), &inputs, t0..t1, (&dst, n, g)) };
             }
         });
     }
@@ -954,56 +933,101 @@ impl<F: Tiled> TiledMatrix<F> {
     }
 }
 
-/// Tokens `ts` against one group's tiles `w` (16 rows), each token's 16 sums handed to `put`:
-/// four tokens a call, then the 1–3 left in one call for as many, so a 6-token step unpacks each
-/// tile twice, not three times. Each token's sums are the same whatever else a call holds.
+/// The tile kernels' SAFETY condition, checked once per matmul: `level` runs tiles (AVX2 or
+/// more) and this CPU runs it.
+#[cfg(target_arch = "x86_64")]
+fn assert_tile_level(level: super::Level) {
+    assert!(
+        level >= super::Level::Avx2 && level <= super::level(),
+        "tile kernels at {level:?} on a CPU that runs {:?}",
+        super::level()
+    );
+}
+
+/// A matmul's inputs as the tile kernels take them: each token's activation row (quantized,
+/// biased where the format wants it) and, where the format needs them, its blocks' sums.
+#[cfg(target_arch = "x86_64")]
+struct TileInputs<F: TileKernels> {
+    q: Vec<F::Act>,
+    ysums: Vec<i32>,
+    kb: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<F: TileKernels> TileInputs<F> {
+    /// `xs [m, kb · F::N]`.
+    fn new(xs: &[f32], m: usize, kb: usize) -> Self {
+        let mut q = super::activations(xs, m, kb, <F::Act as super::Act>::quantize);
+        F::bias(&mut q);
+        let ysums = if F::YSUM {
+            q.iter().map(F::ysum).collect()
+        } else {
+            Vec::new()
+        };
+        Self { q, ysums, kb }
+    }
+
+    fn act(&self, t: usize) -> &[F::Act] {
+        &self.q[t * self.kb..(t + 1) * self.kb]
+    }
+
+    /// Token `t`'s block sums (empty where the format needs none).
+    fn ysum(&self, t: usize) -> &[i32] {
+        self.ysums
+            .get(t * self.kb..(t + 1) * self.kb)
+            .unwrap_or(&[])
+    }
+}
+
+/// Tokens `ts` against the tiles `w` of row group `g`, each token's 16 sums written to rows
+/// 16g..16g + 16 of its row of `dst` (`rows` wide): four tokens a call, then the 1–3 left in one
+/// call for as many, so a 6-token step unpacks each tile twice, not three times. Each token's
+/// sums are the same whatever else a call holds.
 ///
 /// # Safety
-/// As [`dot16_at`]: `level` is what the CPU runs (callers assert it once per matmul).
+/// As [`dot16_at`]: `level` is what the CPU runs (callers assert it once per matmul); and, as
+/// `DisjointOut`'s contract, no other work item writes rows 16g..16g + 16 of tokens `ts`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tokens_through<'q, F: TileKernels>(
+unsafe fn tokens_through<F: TileKernels>(
     level: super::Level,
     w: &[F::Tile],
+    inputs: &TileInputs<F>,
     ts: std::ops::Range<usize>,
-    act: &impl Fn(usize) -> &'q [F::Act],
-    ysum: &impl Fn(usize) -> &'q [i32],
-    mut put: impl FnMut(usize, [f32; TR]),
-) where
-    F::Act: 'q,
-{
+    (dst, rows, g): (&super::DisjointOut<f32>, usize, usize),
+) {
     /// Tokens `t..t + T` in one call.
     #[inline(always)]
-    unsafe fn call<'q, F: TileKernels, const T: usize>(
+    unsafe fn call<F: TileKernels, const T: usize>(
         level: super::Level,
         w: &[F::Tile],
+        inputs: &TileInputs<F>,
         t: usize,
-        act: &impl Fn(usize) -> &'q [F::Act],
-        ysum: &impl Fn(usize) -> &'q [i32],
-        put: &mut impl FnMut(usize, [f32; TR]),
-    ) where
-        F::Act: 'q,
-    {
-        let ys = std::array::from_fn(|i| act(t + i));
-        let sums = std::array::from_fn(|i| ysum(t + i));
+        (dst, rows, g): (&super::DisjointOut<f32>, usize, usize),
+    ) {
+        let ys = std::array::from_fn(|i| inputs.act(t + i));
+        let sums = std::array::from_fn(|i| inputs.ysum(t + i));
         // SAFETY: passed on from `tokens_through`'s caller.
         let v = unsafe { dot16_at::<F, T>(level, w, ys, sums) };
         for (i, v) in v.into_iter().enumerate() {
-            put(t + i, v);
+            // SAFETY: passed on from `tokens_through`'s caller (these rows of token t + i).
+            let o = unsafe { dst.slice((t + i) * rows + g * TR, TR) };
+            o.copy_from_slice(&v);
         }
     }
+    let out = (dst, rows, g);
     let mut t = ts.start;
     while t + 4 <= ts.end {
         // SAFETY: as this fn's.
-        unsafe { call::<F, 4>(level, w, t, act, ysum, &mut put) };
+        unsafe { call::<F, 4>(level, w, inputs, t, out) };
         t += 4;
     }
     // SAFETY: as this fn's.
     unsafe {
         match ts.end - t {
-            1 => call::<F, 1>(level, w, t, act, ysum, &mut put),
-            2 => call::<F, 2>(level, w, t, act, ysum, &mut put),
-            3 => call::<F, 3>(level, w, t, act, ysum, &mut put),
+            1 => call::<F, 1>(level, w, inputs, t, out),
+            2 => call::<F, 2>(level, w, inputs, t, out),
+            3 => call::<F, 3>(level, w, inputs, t, out),
             _ => {}
         }
     }
@@ -1047,25 +1071,9 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
 ) where
     F::Block: 'a,
 {
-    use super::Act;
-    // The tile kernels' SAFETY condition, checked once per matmul.
-    assert!(level >= super::Level::Avx2 && level <= super::level());
+    assert_tile_level(level);
     let kb = cols / F::N;
-    let mut q = super::activations(xs, m, kb, <F::Act as Act>::quantize);
-    F::bias(&mut q);
-    let ysums: Vec<i32> = if F::YSUM {
-        q.iter().map(F::ysum).collect()
-    } else {
-        Vec::new()
-    };
-    let act = |t: usize| &q[t * kb..(t + 1) * kb];
-    let ysum = |t: usize| {
-        if F::YSUM {
-            &ysums[t * kb..(t + 1) * kb]
-        } else {
-            &[][..]
-        }
-    };
+    let inputs = TileInputs::<F>::new(xs, m, kb);
     let dst = super::DisjointOut::new(out);
     let pool = candle_core::utils::barrier_pool();
     pool.execute_chunked(rows / TR, |range| {
@@ -1076,14 +1084,8 @@ pub(super) fn staged_matmul<'a, F: TileKernels>(
                 *tile = F::Tile::zeroed();
                 F::pack(std::array::from_fn(|r| &group[r][b]), tile);
             }
-            let put = |t: usize, v: [f32; TR]| {
-                // SAFETY (DisjointOut's contract): rows 16g..16g+16 of token t belong to this
-                // item alone.
-                let o = unsafe { dst.slice(t * rows + g * TR, TR) };
-                o.copy_from_slice(&v);
-            };
-            // SAFETY: `level` is asserted above.
-            unsafe { tokens_through::<F>(level, &tiles, 0..m, &act, &ysum, put) };
+            // SAFETY: `level` is asserted above; group g (every token) is this item's.
+            unsafe { tokens_through(level, &tiles, &inputs, 0..m, (&dst, rows, g)) };
         }
     });
 }
