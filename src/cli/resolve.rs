@@ -10,7 +10,7 @@ use crate::commands::chat::ChatOptions;
 use crate::commands::kv_size::KvSizeOptions;
 use crate::commands::models::{ModelsOptions, ModelsTask};
 use crate::commands::needle::NeedleOptions;
-use crate::commands::ppl::PplOptions;
+use crate::commands::ppl::{LogitsFile, PplOptions};
 use crate::commands::run::RunOptions;
 use crate::commands::serve::ServeOptions;
 use crate::commands::tokenize::TokenizeOptions;
@@ -392,11 +392,19 @@ impl PplArgs {
         load.kv_precisions = std::iter::once(mode.precision)
             .chain(against.as_ref().map(|(_, m)| m.precision))
             .collect();
+        let logits = self.kl_divergence_base.map(|f| {
+            if self.kl_divergence {
+                LogitsFile::Compare(f)
+            } else {
+                LogitsFile::Save(f)
+            }
+        });
         Ok(PplOptions {
             file: self.file,
             load,
             mode,
             against,
+            logits,
             chunk: self.chunk,
             chunks: self.chunks,
             long: self.long,

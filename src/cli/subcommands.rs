@@ -209,8 +209,12 @@ pub struct NeedleArgs {
 
 #[derive(Args, Debug)]
 pub struct PplArgs {
-    /// Text file to score
-    pub file: PathBuf,
+    /// Text file to score (none with --kl-divergence: the base file's tokens are scored)
+    #[arg(
+        required_unless_present = "kl_divergence",
+        conflicts_with = "kl_divergence"
+    )]
+    pub file: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -229,6 +233,23 @@ pub struct PplArgs {
     /// this cache's next-token distributions from that one's, and how often their top tokens agree
     #[arg(long, value_name = "MODE")]
     pub against: Option<String>,
+    /// Save every scored token's next-token distribution to FILE, in llama-perplexity's format
+    /// (its --kl-divergence-base): another run of either tool compares with it. Never overwrites
+    #[arg(
+        long = "kl-divergence-base",
+        value_name = "FILE",
+        conflicts_with = "long"
+    )]
+    pub kl_divergence_base: Option<PathBuf>,
+    /// Score the tokens of the --kl-divergence-base FILE (written by llama-perplexity or kvchat
+    /// ppl) in its chunks, and report this run's perplexity against the file's, paired, the KL
+    /// divergence from the file's distributions and how often their top tokens agree
+    #[arg(
+        long = "kl-divergence",
+        requires = "kl_divergence_base",
+        conflicts_with_all = ["against", "long", "chunk"]
+    )]
+    pub kl_divergence: bool,
     /// Print {"ppl", "ppl_stderr", "tokens_scored", "chunks", "against"?, "divergence"?} as JSON
     #[arg(long)]
     pub json: bool,

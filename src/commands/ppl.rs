@@ -24,16 +24,26 @@ fn tick(bar: &indicatif::ProgressBar, label: String) -> impl FnMut(&[f64]) + '_ 
 /// --chunks 1`), and a chat line of one repeated letter took ~180.
 const TOKENIZE_BYTES_PER_BYTE: u64 = 200;
 
+/// What `kvchat ppl` does with a logits file (llama-perplexity's `--kl-divergence-base`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LogitsFile {
+    /// Write this run's distributions to it.
+    Save(PathBuf),
+    /// Score its tokens and compare with its distributions (`--kl-divergence`).
+    Compare(PathBuf),
+}
+
 /// `kvchat ppl`, resolved.
 #[derive(Debug, Clone)]
 pub struct PplOptions {
-    /// The text file to score.
-    pub file: PathBuf,
+    /// The text file to score (none when the tokens come from a base file).
+    pub file: Option<PathBuf>,
     /// The model, with every mode's precision.
     pub load: LoadOptions,
     pub mode: CacheMode,
     /// Another mode to score the same tokens through, with its name.
     pub against: Option<(String, CacheMode)>,
+    pub logits: Option<LogitsFile>,
     /// Chunk size in tokens (at least 4).
     pub chunk: usize,
     /// At most this many chunks (0 = all).
@@ -43,42 +53,80 @@ pub struct PplOptions {
     pub json: bool,
 }
 
-pub fn run(opts: PplOptions) -> Result<()> {
-    let text = crate::fsx::read_text(&opts.file, crate::fsx::MAX_TEXT, "text file")?;
+/// The text's tokens, read and tokenized whole (as llama-perplexity does: a cut could move the
+/// tokens at it).
+fn text_tokens(engine: &Engine, file: &std::path::Path) -> Result<Vec<u32>> {
+    let text = crate::fsx::read_text(file, crate::fsx::MAX_TEXT, "text file")?;
     if text.trim().is_empty() {
-        bail!("text file {} is empty", opts.file.display());
+        bail!("text file {} is empty", file.display());
     }
-    // The text is tokenized whole (as llama-perplexity does: a cut could move the tokens at
-    // it), which takes memory for each byte: refused before it is tried when memory cannot hold it.
+    // Tokenizing takes memory for each byte: refused before it is tried when memory cannot hold it.
     let needs = (text.len() as u64).saturating_mul(TOKENIZE_BYTES_PER_BYTE);
     let avail = crate::engine::available_memory();
     if needs > avail {
         bail!(
             "text file {} is {}; tokenizing it takes about {}, more than the {} of memory available (use a shorter text)",
-            opts.file.display(),
+            file.display(),
             crate::source::human_bytes(text.len() as u64),
             crate::source::human_bytes(needs),
             crate::source::human_bytes(avail)
         );
     }
+    engine.tokenizer().encode(&text)
+}
+
+pub fn run(opts: PplOptions) -> Result<()> {
+    // A file to write must not exist, and one to read must be one, before the model loads.
+    let mut base = match &opts.logits {
+        Some(LogitsFile::Save(path)) => {
+            Writer::refuse_existing(path)?;
+            None
+        }
+        Some(LogitsFile::Compare(path)) => Some(Reader::open(path)?),
+        None => None,
+    };
+    if let Some(f) = &opts.file {
+        crate::fsx::check_regular(f, crate::fsx::MAX_TEXT, "text file")?;
+    }
     let engine = Engine::load(&opts.load)?;
+    let vocab = engine.model().cfg.vocab;
+    let chunk = base.as_ref().map_or(opts.chunk, |b| b.n_ctx);
     // The modes must fit the context the chunks need.
     let mode = opts.mode.for_model(&engine.model().cfg)?;
-    let spec = mode.spec(engine.ctx().max(opts.chunk))?;
+    let spec = mode.spec(engine.ctx().max(chunk))?;
     if let Some((name, m)) = &opts.against {
-        m.spec(engine.ctx().max(opts.chunk))
+        m.spec(engine.ctx().max(chunk))
             .with_context(|| format!("the cache mode {name} to compare against"))?;
     }
-    let tokens = engine.tokenizer().encode(&text)?;
+    let stream = match (&mut base, &opts.file) {
+        (Some(b), _) => {
+            if b.n_vocab != vocab {
+                bail!(
+                    "--kl-divergence-base {} holds distributions over {} tokens; this model's vocabulary has {vocab} (the base was made with another model family)",
+                    b.path().display(),
+                    b.n_vocab
+                );
+            }
+            std::mem::take(&mut b.tokens)
+        }
+        (None, Some(file)) => stream(&engine, &text_tokens(&engine, file)?),
+        (None, None) => bail!("internal: no text and no base file"),
+    };
+    let run = Run {
+        chunk,
+        max_chunks: opts.chunks,
+        long: opts.long,
+    };
+    let mut save = match &opts.logits {
+        Some(LogitsFile::Save(path)) => {
+            let n = n_chunks(stream.len(), chunk, opts.chunks);
+            Some(Writer::create(path, chunk, vocab, &stream[..n * chunk])?)
+        }
+        _ => None,
+    };
     // A bar on stderr (drawn only on a terminal) with the ETA and the running perplexity, as
-    // llama-perplexity prints each chunk's (with --against, of this cache).
-    let per_pass = tokens_to_score(
-        tokens.len(),
-        engine.tokenizer().add_bos && engine.tokenizer().bos_id.is_some(),
-        opts.chunk,
-        opts.chunks,
-        opts.long,
-    );
+    // llama-perplexity prints each chunk's.
+    let per_pass = tokens_to_score(stream.len(), chunk, opts.chunks, opts.long);
     let bar = indicatif::ProgressBar::new(per_pass as u64)
         .with_finish(indicatif::ProgressFinish::AndClear);
     bar.set_style(
@@ -87,35 +135,34 @@ pub fn run(opts: PplOptions) -> Result<()> {
         )
         .expect("valid template"),
     );
-    // With --against, both caches score in lockstep (one pass over the text), so that each
-    // token's two distributions can be compared.
-    let (p, vs) = match opts.against.clone() {
-        None => {
-            let p = perplexity_with(
-                &engine,
-                mode,
-                &tokens,
-                opts.chunk,
-                opts.chunks,
-                opts.long,
-                &mut tick(&bar, String::new()),
-            )?;
-            (p, None)
-        }
-        Some((name, m)) => {
-            let (a, b, d) = compare(
-                &engine,
-                mode,
-                m,
-                &tokens,
-                opts.chunk,
-                opts.chunks,
-                opts.long,
-                &mut tick(&bar, String::new()),
-            )?;
-            let v = paired(&a, &b, &name)?;
-            (a, Some((v, d)))
-        }
+    // Compared with another cache, both score in lockstep (one pass over the text), so that each
+    // token's two distributions can be compared; with a base file, its distributions are read
+    // as the tokens are scored.
+    let (against, against_name) = match (&opts.against, base.as_mut()) {
+        (Some((name, m)), _) => (Against::Mode(*m), name.clone()),
+        (None, Some(b)) => (Against::Base(b), String::new()),
+        (None, None) => (Against::Nothing, String::new()),
+    };
+    let against_name = match &opts.logits {
+        Some(LogitsFile::Compare(path)) => path.display().to_string(),
+        _ => against_name,
+    };
+    let scored = evaluate(
+        &engine,
+        mode,
+        against,
+        &stream,
+        &run,
+        save.as_mut(),
+        &mut tick(&bar, String::new()),
+    )?;
+    if let Some(w) = save {
+        w.finish()?;
+    }
+    let p = scored.this;
+    let vs = match scored.against {
+        Some((b, d)) => Some((paired(&p, &b, &against_name)?, d)),
+        None => None,
     };
     bar.finish_and_clear();
     let mut out = std::io::stdout().lock();
@@ -134,7 +181,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
             p.ppl_stderr,
             p.tokens_scored,
             p.chunks,
-            opts.chunk,
+            chunk,
             spec.describe()
         )?;
         if let Some((v, d)) = &vs {
@@ -147,6 +194,14 @@ pub fn run(opts: PplOptions) -> Result<()> {
                 out,
                 "KL divergence from {}: mean {:.6} ± {:.6}, 99% {:.6}, max {:.6} nats; same top token {:.2}%",
                 v.against, d.kl_mean, d.kl_stderr, d.kl_p99, d.kl_max, d.same_top_pct
+            )?;
+        }
+        if let Some(LogitsFile::Save(path)) = &opts.logits {
+            writeln!(
+                out,
+                "saved every scored token's distribution to {} (compare another run with it: --kl-divergence-base {} --kl-divergence)",
+                path.display(),
+                path.display()
             )?;
         }
     }

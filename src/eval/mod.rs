@@ -4,5 +4,6 @@
 
 pub mod bench;
 pub mod kv_size;
+pub mod logits_file;
 pub mod needle;
 pub mod ppl;

@@ -13,6 +13,8 @@ use crate::engine::Engine;
 use crate::kv::CacheMode;
 use crate::model::Logits;
 use crate::session::Session;
+
+pub use super::logits_file::{scored_per_chunk, Reader, Writer};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
@@ -46,40 +48,45 @@ impl Perplexity {
     }
 }
 
-/// llama-perplexity's chunks of `tokens` (the text's, without BOS): at most `max_chunks` (0 =
-/// all) of `chunk` tokens, each starting with BOS when the model adds one. As llama-perplexity,
-/// the text is BOS and its tokens, cut into chunks whose first token is then made BOS: chunk c
-/// holds the text's tokens from c·chunk − 1 on.
+/// The text's tokens as llama-perplexity cuts its chunks from them: the model's BOS (when it adds
+/// one) and then the text's.
+pub fn stream(engine: &Engine, tokens: &[u32]) -> Vec<u32> {
+    bos(engine)
+        .into_iter()
+        .chain(tokens.iter().copied())
+        .collect()
+}
+
+/// How many chunks of `chunk` a stream of `len` tokens gives, at most `max_chunks` (0 = all).
+pub fn n_chunks(len: usize, chunk: usize, max_chunks: usize) -> usize {
+    let available = len / chunk.max(1);
+    if max_chunks == 0 {
+        available
+    } else {
+        available.min(max_chunks)
+    }
+}
+
+/// llama-perplexity's chunks of `stream` ([`stream`]): at most `max_chunks` (0 = all) of `chunk`
+/// tokens, chunk c holding the stream's tokens from c·chunk on, its first made BOS when the model
+/// adds one.
 fn chunks(
     engine: &Engine,
-    tokens: &[u32],
+    stream: &[u32],
     chunk: usize,
     max_chunks: usize,
 ) -> Result<Vec<Vec<u32>>> {
     if chunk < 4 {
         bail!("a chunk of {chunk} tokens is too short (at least 4)");
     }
-    let with_bos: Vec<u32>;
-    let tokens = match bos(engine) {
-        Some(b) => {
-            with_bos = std::iter::once(b).chain(tokens.iter().copied()).collect();
-            &with_bos[..]
-        }
-        None => tokens,
-    };
-    let available = tokens.len() / chunk;
-    if available == 0 {
+    let n = n_chunks(stream.len(), chunk, max_chunks);
+    if n == 0 {
         bail!(
             "the text has {} tokens, fewer than one chunk of {chunk}",
-            tokens.len()
+            stream.len()
         );
     }
-    let n = if max_chunks == 0 {
-        available
-    } else {
-        available.min(max_chunks)
-    };
-    Ok(tokens
+    Ok(stream
         .chunks_exact(chunk)
         .take(n)
         .map(|c| {
@@ -137,21 +144,18 @@ fn log_probs(logits: &Tensor) -> Result<Vec<f64>> {
     Ok(l.iter().map(|&x| x as f64 - lse).collect())
 }
 
-/// KL(P ‖ Q) = Σ p (log p − log q), from log-probabilities (terms where p underflows add 0).
+/// KL(P ‖ Q) = Σ p (log p − log q), from log-probabilities, over the tokens where log p > −16:
+/// llama-perplexity's sum, term for term (a logits file stores everything below its range as one
+/// floor, and the tokens left out hold less than e⁻¹⁶ each). A P read from a file is rounded to
+/// 16/65,535 nats and no longer sums to exactly 1, so the sum can come out a little below 0, as
+/// llama.cpp's does; it is not clamped.
 pub fn kl_divergence(log_p: &[f64], log_q: &[f64]) -> f64 {
     log_p
         .iter()
         .zip(log_q)
-        .map(|(&lp, &lq)| {
-            let p = lp.exp();
-            if p > 0.0 {
-                p * (lp - lq)
-            } else {
-                0.0
-            }
-        })
+        .filter(|(&lp, _)| lp > -16.0)
+        .map(|(&lp, &lq)| lp.exp() * (lp - lq))
         .sum::<f64>()
-        .max(0.0)
 }
 
 fn argmax(x: &[f64]) -> usize {
@@ -164,8 +168,26 @@ fn argmax(x: &[f64]) -> usize {
         .0
 }
 
-/// What one scored token gave each cache: its NLL under each, and — for a second cache — the
-/// KL divergence of the first's distribution from the second's and whether their top tokens agree.
+/// What a run's distributions are compared with, token by token.
+pub enum Against<'a> {
+    Nothing,
+    /// Another cache of the same engine, scored in lockstep.
+    Mode(CacheMode),
+    /// The distributions a logits file holds (llama-perplexity's `--kl-divergence-base`, or
+    /// `kvchat ppl`'s); the run then scores the file's tokens, in its chunks.
+    Base(&'a mut Reader),
+}
+
+/// A run's perplexity and, when it was compared with something, that one's perplexity over the
+/// same tokens and the divergence between the two.
+pub struct Scored {
+    pub this: Perplexity,
+    pub against: Option<(Perplexity, Divergence)>,
+}
+
+/// What one scored token gave each side: its NLL under each, and — with something to compare
+/// with — the KL divergence of this run's distribution from that one's and whether their top
+/// tokens agree.
 #[derive(Default)]
 struct Scores {
     nll: Vec<Vec<f64>>,
@@ -175,11 +197,15 @@ struct Scores {
 
 /// Prefills `seq[..warm]` into every session, then feeds the rest token by token to all of them,
 /// recording for every token after the warm-up (each predicted from the logits of the one before)
-/// what [`Scores`] holds; `tick` sees the first session's NLLs after each.
+/// what [`Scores`] holds: the first session is this run, the second (or the base file's next
+/// distribution) what it is compared with. `save` gets this run's distribution of each scored
+/// token; `tick` sees this run's NLLs after each.
 fn score(
     sessions: &mut [Session<'_>],
     seq: &[u32],
     warm: usize,
+    mut base: Option<&mut Reader>,
+    mut save: Option<&mut Writer>,
     out: &mut Scores,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<()> {
@@ -187,43 +213,45 @@ fn score(
         .iter_mut()
         .map(|s| s.feed(&seq[..warm]))
         .collect::<Result<_>>()?;
-    out.nll.resize(sessions.len(), Vec::new());
-    for &tok in &seq[warm..] {
-        let lp: Vec<Vec<f64>> = logits.iter().map(log_probs).collect::<Result<_>>()?;
-        for (i, l) in lp.iter().enumerate() {
-            out.nll[i].push(-l[tok as usize]);
+    let mut from_file = Vec::new();
+    for (i, &tok) in seq.iter().enumerate().skip(warm) {
+        let mut lp: Vec<Vec<f64>> = logits.iter().map(log_probs).collect::<Result<_>>()?;
+        if let Some(w) = save.as_deref_mut() {
+            w.token(&lp[0])?;
+        }
+        if let Some(r) = base.as_deref_mut() {
+            r.next_into(&mut from_file)?;
+            lp.push(std::mem::take(&mut from_file));
+        }
+        out.nll.resize(lp.len(), Vec::new());
+        for (side, l) in lp.iter().enumerate() {
+            out.nll[side].push(-l[tok as usize]);
         }
         if let [this, against, ..] = &lp[..] {
             out.kl.push(kl_divergence(against, this));
             out.same_top += usize::from(argmax(this) == argmax(against));
         }
         tick(&out.nll[0]);
-        logits = sessions
-            .iter_mut()
-            .map(|s| s.feed(&[tok]))
-            .collect::<Result<_>>()?;
+        if base.is_some() {
+            from_file = lp.pop().expect("the base's distribution");
+        }
+        // The last token predicts nothing: it is not fed.
+        if i + 1 < seq.len() {
+            logits = sessions
+                .iter_mut()
+                .map(|s| s.feed(&[tok]))
+                .collect::<Result<_>>()?;
+        }
     }
     Ok(())
 }
 
-/// How many tokens a run scores (what a progress bar counts to).
-pub fn tokens_to_score(
-    n_tokens: usize,
-    add_bos: bool,
-    chunk: usize,
-    max_chunks: usize,
-    long: bool,
-) -> usize {
+/// How many tokens a run over a stream of `len` ([`stream`]) scores (what a progress bar counts to).
+pub fn tokens_to_score(len: usize, chunk: usize, max_chunks: usize, long: bool) -> usize {
     if long {
-        (n_tokens + usize::from(add_bos)).saturating_sub(chunk / 2)
+        len.saturating_sub(chunk / 2)
     } else {
-        let available = n_tokens / chunk.max(1);
-        let n = if max_chunks == 0 {
-            available
-        } else {
-            available.min(max_chunks)
-        };
-        n * (chunk - chunk / 2 - 1)
+        n_chunks(len, chunk, max_chunks) * scored_per_chunk(chunk)
     }
 }
 
@@ -249,8 +277,13 @@ pub fn perplexity_with(
     long: bool,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<Perplexity> {
-    let (mut p, _) = run(engine, &[cache], tokens, chunk, max_chunks, long, tick)?;
-    Ok(p.remove(0))
+    let stream = stream(engine, tokens);
+    let run = Run {
+        chunk,
+        max_chunks,
+        long,
+    };
+    Ok(evaluate(engine, cache, Against::Nothing, &stream, &run, None, tick)?.this)
 }
 
 /// As [`perplexity`] in chunks (not `long`) with a full cache, each chunk in one forward that
@@ -265,7 +298,7 @@ pub fn perplexity_prefilled(
     max_chunks: usize,
 ) -> Result<Perplexity> {
     let spec = CacheMode::default().spec(engine.ctx().max(chunk))?;
-    let seqs = chunks(engine, tokens, chunk, max_chunks)?;
+    let seqs = chunks(engine, &stream(engine, tokens), chunk, max_chunks)?;
     let mut nlls = Vec::new();
     for seq in &seqs {
         let rows = engine.session(&spec).feed_with(seq, Logits::All)?; // [chunk, vocab]
@@ -277,7 +310,7 @@ pub fn perplexity_prefilled(
     Ok(Perplexity::of(nlls, seqs.len()))
 }
 
-/// How far one cache's next-token distributions are from another's over the same tokens
+/// How far one run's next-token distributions are from another's over the same tokens
 /// (llama-perplexity's `--kl-divergence` figures).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Divergence {
@@ -289,6 +322,25 @@ pub struct Divergence {
     pub kl_max: f64,
     /// Tokens whose most likely next token is the same under both, in percent.
     pub same_top_pct: f64,
+}
+
+impl Divergence {
+    fn of(s: &Scores) -> Self {
+        let n = s.kl.len() as f64;
+        let mean = s.kl.iter().sum::<f64>() / n;
+        let var = s.kl.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        let mut sorted = s.kl.clone();
+        sorted.sort_by(f64::total_cmp);
+        // The nearest-rank percentile.
+        let p99 = sorted[((0.99 * n).ceil() as usize).clamp(1, sorted.len()) - 1];
+        Self {
+            kl_mean: mean,
+            kl_stderr: (var / n).sqrt(),
+            kl_p99: p99,
+            kl_max: *sorted.last().expect("tokens were scored"),
+            same_top_pct: 100.0 * s.same_top as f64 / n,
+        }
+    }
 }
 
 /// `this` and `against` scored in lockstep over the same tokens: each one's perplexity, and the
@@ -304,45 +356,65 @@ pub fn compare(
     long: bool,
     tick: &mut dyn FnMut(&[f64]),
 ) -> Result<(Perplexity, Perplexity, Divergence)> {
-    let (mut p, s) = run(
-        engine,
-        &[this, against],
-        tokens,
+    let stream = stream(engine, tokens);
+    let run = Run {
         chunk,
         max_chunks,
         long,
+    };
+    let s = evaluate(
+        engine,
+        this,
+        Against::Mode(against),
+        &stream,
+        &run,
+        None,
         tick,
     )?;
-    let b = p.pop().expect("two runs");
-    let a = p.pop().expect("two runs");
-    let n = s.kl.len() as f64;
-    let mean = s.kl.iter().sum::<f64>() / n;
-    let var = s.kl.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    let mut sorted = s.kl.clone();
-    sorted.sort_by(f64::total_cmp);
-    // The nearest-rank percentile.
-    let p99 = sorted[((0.99 * n).ceil() as usize).clamp(1, sorted.len()) - 1];
-    let d = Divergence {
-        kl_mean: mean,
-        kl_stderr: (var / n).sqrt(),
-        kl_p99: p99,
-        kl_max: *sorted.last().expect("tokens were scored"),
-        same_top_pct: 100.0 * s.same_top as f64 / n,
-    };
-    Ok((a, b, d))
+    let (b, d) = s.against.expect("compared");
+    Ok((s.this, b, d))
 }
 
-/// Scores `tokens` through each of `caches` in lockstep (llama-perplexity's chunks, or one long
-/// sequence).
-fn run(
+/// How a run cuts its tokens: llama-perplexity's chunks of `chunk` (at most `max_chunks`, 0 =
+/// all), or with `long` one sequence after a warm-up of chunk/2.
+pub struct Run {
+    pub chunk: usize,
+    pub max_chunks: usize,
+    pub long: bool,
+}
+
+/// Scores `stream` (the text's tokens after BOS, [`stream`]; with a base file, the file's) through
+/// `this` cache, compared with `against`, writing each scored token's distribution to `save`.
+pub fn evaluate(
     engine: &Engine,
-    caches: &[CacheMode],
-    tokens: &[u32],
-    chunk: usize,
-    max_chunks: usize,
-    long: bool,
+    this: CacheMode,
+    against: Against<'_>,
+    stream: &[u32],
+    run: &Run,
+    mut save: Option<&mut Writer>,
     tick: &mut dyn FnMut(&[f64]),
-) -> Result<(Vec<Perplexity>, Scores)> {
+) -> Result<Scored> {
+    let &Run {
+        chunk,
+        max_chunks,
+        long,
+    } = run;
+    let (caches, mut base) = match against {
+        Against::Nothing => (vec![this], None),
+        Against::Mode(m) => (vec![this, m], None),
+        Against::Base(r) => {
+            if long || chunk != r.n_ctx {
+                bail!(
+                    "internal: a base file of chunks of {} scored in chunks of {chunk}",
+                    r.n_ctx
+                );
+            }
+            (vec![this], Some(r))
+        }
+    };
+    if long && save.is_some() {
+        bail!("internal: a logits file is written in chunks, not as one sequence");
+    }
     let specs: Vec<_> = caches
         .iter()
         .map(|c| c.spec(engine.ctx().max(chunk)))
@@ -353,31 +425,48 @@ fn run(
         if chunk < 4 {
             bail!("a chunk of {chunk} tokens is too short (at least 4)");
         }
-        if tokens.len() <= chunk / 2 + 1 {
+        if stream.len() <= chunk / 2 + 1 {
             bail!(
                 "the text has {} tokens, too few to score after a warm-up of {}",
-                tokens.len(),
+                stream.len(),
                 chunk / 2
             );
         }
-        let mut seq = Vec::with_capacity(tokens.len() + 1);
-        seq.extend(bos(engine));
-        seq.extend_from_slice(tokens);
-        score(&mut sessions(), &seq, chunk / 2, &mut scores, tick)?;
+        score(
+            &mut sessions(),
+            stream,
+            chunk / 2,
+            None,
+            None,
+            &mut scores,
+            tick,
+        )?;
         1
     } else {
-        let seqs = chunks(engine, tokens, chunk, max_chunks)?;
+        let seqs = chunks(engine, stream, chunk, max_chunks)?;
         for seq in &seqs {
-            // Positions chunk/2 .. chunk-1 predict tokens chunk/2+1 .. chunk-1.
-            score(&mut sessions(), seq, chunk / 2 + 1, &mut scores, tick)?;
+            // Positions chunk/2 .. chunk-2 predict tokens chunk/2+1 .. chunk-1.
+            score(
+                &mut sessions(),
+                seq,
+                chunk / 2 + 1,
+                base.as_deref_mut(),
+                save.as_deref_mut(),
+                &mut scores,
+                tick,
+            )?;
         }
         seqs.len()
     };
-    let ppl = std::mem::take(&mut scores.nll)
+    let divergence = (scores.nll.len() > 1).then(|| Divergence::of(&scores));
+    let mut ppl = std::mem::take(&mut scores.nll)
         .into_iter()
-        .map(|nlls| Perplexity::of(nlls, n_chunks))
-        .collect();
-    Ok((ppl, scores))
+        .map(|nlls| Perplexity::of(nlls, n_chunks));
+    let this = ppl.next().expect("this run scored");
+    Ok(Scored {
+        this,
+        against: ppl.next().zip(divergence),
+    })
 }
 
 #[cfg(test)]
@@ -387,10 +476,10 @@ mod tests {
     #[test]
     fn tokens_to_score_counts_what_the_chunks_score() {
         // Two chunks of 512 (the rest is dropped): positions 257..511 of each, 255 tokens.
-        assert_eq!(tokens_to_score(1030, true, 512, 0, false), 510);
-        assert_eq!(tokens_to_score(1030, true, 512, 1, false), 255);
+        assert_eq!(tokens_to_score(1031, 512, 0, false), 510);
+        assert_eq!(tokens_to_score(1031, 512, 1, false), 255);
         // One sequence after a warm-up of 256, the BOS included.
-        assert_eq!(tokens_to_score(1000, true, 512, 0, true), 745);
+        assert_eq!(tokens_to_score(1001, 512, 0, true), 745);
     }
 
     #[test]

@@ -510,3 +510,96 @@ fn a_needle_grid_too_long_for_memory_says_to_lower_its_longest_context() {
     assert!(!err.contains("--ctx"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// `kvchat ppl … --json` on the bench text, parsed.
+fn ppl_json(args: &[&str]) -> serde_json::Value {
+    let out = kvchat(&[&["ppl", "--json", "--threads", "2"], args].concat(), "");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn a_run_compared_with_its_own_saved_distributions_differs_only_by_their_storage() {
+    let d = temp_dir("kld-self");
+    let text = d.join("text.txt");
+    std::fs::write(&text, kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let base = d.join("self.kld");
+    let _ = std::fs::remove_file(&base);
+    let saved = ppl_json(&[
+        "--chunk",
+        "64",
+        "--chunks",
+        "2",
+        "--kl-divergence-base",
+        p(&base),
+        p(&text),
+    ]);
+    // 20-byte header, 2·64 tokens, 2·31 scored tokens of 49,152 + 4 u16 each.
+    assert_eq!(
+        std::fs::metadata(&base).unwrap().len(),
+        20 + 2 * 64 * 4 + 2 * 31 * (49_152 + 4) * 2
+    );
+    let again = ppl_json(&["--kl-divergence-base", p(&base), "--kl-divergence"]);
+    // The same tokens, the same chunks, the same figure (the run is deterministic).
+    assert_eq!(again["tokens_scored"], 62);
+    assert_eq!(again["ppl"], saved["ppl"]);
+    let div = &again["divergence"];
+    assert_eq!(div["same_top_pct"], 100.0);
+    // Stored in 65,536 steps over 16 nats: each log-probability within 8/65,535 = 1.22e-4, and
+    // so is each token's divergence (to first order it is the mean error under P).
+    assert!(div["kl_max"].as_f64().unwrap().abs() < 1.3e-4, "{div}");
+    assert!(div["kl_mean"].as_f64().unwrap().abs() < 2e-5, "{div}");
+    let vs = again["against"]["diff_pct"].as_f64().unwrap();
+    assert!(vs.abs() < 0.02, "{vs}");
+}
+
+#[test]
+fn a_saved_base_compares_as_the_cache_it_was_saved_from() {
+    let d = temp_dir("kld-mode");
+    let text = d.join("text.txt");
+    std::fs::write(&text, kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let base = d.join("f32.kld");
+    let _ = std::fs::remove_file(&base);
+    let args = ["--chunk", "64", "--chunks", "2"];
+    ppl_json(
+        &[
+            &args[..],
+            &[
+                "--kv-type",
+                "f32",
+                "--kl-divergence-base",
+                p(&base),
+                p(&text),
+            ],
+        ]
+        .concat(),
+    );
+    // int4 against the saved f32 run, and against an f32 cache run beside it: one divergence.
+    let from_file = ppl_json(&[
+        "--kv-type",
+        "int4",
+        "--kl-divergence-base",
+        p(&base),
+        "--kl-divergence",
+    ]);
+    let side_by_side = ppl_json(
+        &[
+            &args[..],
+            &["--kv-type", "int4", "--against", "full+f32", p(&text)],
+        ]
+        .concat(),
+    );
+    assert_eq!(from_file["ppl"], side_by_side["ppl"]);
+    let (a, b) = (&from_file["divergence"], &side_by_side["divergence"]);
+    assert_eq!(a["same_top_pct"], b["same_top_pct"]);
+    let (ka, kb) = (
+        a["kl_mean"].as_f64().unwrap(),
+        b["kl_mean"].as_f64().unwrap(),
+    );
+    assert!(kb > 1e-4, "int4 against f32 diverges measurably: {kb}");
+    assert!((ka - kb).abs() < 0.01 * kb, "{ka} vs {kb}");
+}

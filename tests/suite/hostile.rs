@@ -1415,3 +1415,151 @@ fn a_draft_model_that_is_not_there_is_refused_in_one_line_naming_it() {
         stderr(&o)
     );
 }
+
+/// A logits file's bytes (llama-perplexity's --kl-divergence-base format) of one chunk of 8
+/// tokens over a vocabulary of `vocab`, every stored distribution uniform.
+fn logits_file(vocab: u32) -> Vec<u8> {
+    let mut b = b"_logits_".to_vec();
+    for x in [8u32, vocab, 1] {
+        b.extend(x.to_le_bytes());
+    }
+    b.extend([0u8; 8 * 4]);
+    let nv = 2 * vocab.div_ceil(2) + 4;
+    for _ in 0..3 {
+        b.extend(0f32.to_le_bytes()); // scale
+        b.extend((-(vocab as f32).ln()).to_le_bytes()); // floor
+        b.extend(vec![0u8; 2 * (nv as usize - 4)]);
+    }
+    b
+}
+
+#[test]
+fn a_kl_divergence_base_that_exists_is_not_overwritten() {
+    let home = temp("kld-exists");
+    let base = home.join("notes.kld");
+    std::fs::write(&base, b"my notes").unwrap();
+    let text = home.join("text.txt");
+    std::fs::write(&text, "one two three four five six seven eight nine ten").unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            "/nonexistent.gguf",
+            text.to_str().unwrap(),
+            "--kl-divergence-base",
+            base.to_str().unwrap(),
+        ],
+        b"",
+    );
+    assert_refused(&o, "notes.kld already exists; kvchat will not overwrite it");
+    assert_eq!(std::fs::read(&base).unwrap(), b"my notes");
+}
+
+#[test]
+fn a_kl_divergence_base_that_is_not_a_whole_logits_file_is_refused_before_the_model_loads() {
+    let home = temp("kld-bad");
+    let whole = logits_file(40);
+    for (name, bytes, needle) in [
+        (
+            "gguf.kld",
+            b"GGUF\x03\0\0\0 rest".to_vec(),
+            "is not a logits file",
+        ),
+        ("empty.kld", vec![], "is not a logits file"),
+        (
+            "short.kld",
+            whole[..whole.len() - 2].to_vec(),
+            "take 316 bytes (cut short, or not a logits file)",
+        ),
+        (
+            "zero-ctx.kld",
+            [&b"_logits_"[..], &[0; 12]].concat(),
+            "chunks of 0 tokens",
+        ),
+    ] {
+        let f = home.join(name);
+        std::fs::write(&f, &bytes).unwrap();
+        let o = kvchat(
+            &home,
+            None,
+            &[
+                "ppl",
+                "-m",
+                "/nonexistent.gguf",
+                "--kl-divergence-base",
+                f.to_str().unwrap(),
+                "--kl-divergence",
+            ],
+            b"",
+        );
+        assert_refused(&o, needle);
+        assert!(stderr(&o).contains(name), "{}", stderr(&o));
+    }
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            "/nonexistent.gguf",
+            "--kl-divergence-base",
+            "/dev/zero",
+            "--kl-divergence",
+        ],
+        b"",
+    );
+    assert_refused(&o, "/dev/zero is a device, not a regular file");
+}
+
+#[test]
+fn a_kl_divergence_base_over_another_vocabulary_is_refused_naming_both() {
+    let home = temp("kld-vocab");
+    let model = tiny_model("kld-vocab");
+    let f = home.join("other.kld");
+    std::fs::write(&f, logits_file(7)).unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            model.to_str().unwrap(),
+            "--kl-divergence-base",
+            f.to_str().unwrap(),
+            "--kl-divergence",
+        ],
+        b"",
+    );
+    assert_refused(
+        &o,
+        "holds distributions over 7 tokens; this model's vocabulary has 40",
+    );
+}
+
+#[test]
+fn a_kl_divergence_base_read_with_the_tiny_model_scores_its_tokens() {
+    let home = temp("kld-tiny");
+    let model = tiny_model("kld-tiny");
+    let f = home.join("uniform.kld");
+    std::fs::write(&f, logits_file(40)).unwrap();
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            model.to_str().unwrap(),
+            "--kl-divergence-base",
+            f.to_str().unwrap(),
+            "--kl-divergence",
+        ],
+        b"",
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // Uniform over 40: the base's perplexity is 40 exactly.
+    assert!(out.contains("over 3 tokens in 1 chunk(s) of 8"), "{out}");
+    assert!(out.contains("ppl 40.0000;"), "{out}");
+}
