@@ -185,9 +185,12 @@ pub fn run(opts: PplOptions) -> Result<()> {
             spec.describe()
         )?;
         if let Some((v, d)) = &vs {
+            let chunks = v
+                .diff_stderr_chunks_pct
+                .map_or(String::new(), |c| format!(", ± {c:.3}% over chunks"));
             writeln!(
                 out,
-                "against {}: ppl {:.4}; this cache {:+.3}% ± {:.3}% (paired over the same tokens)",
+                "against {}: ppl {:.4}; this cache {:+.3}% ± {:.3}% (paired over the same tokens{chunks})",
                 v.against, v.against_ppl, v.diff_pct, v.diff_stderr_pct
             )?;
             writeln!(

@@ -34,13 +34,11 @@ impl Perplexity {
     /// The perplexity of these NLLs, with its standard error (delta method: stderr(exp(mean)) =
     /// exp(mean) · stderr(mean)).
     fn of(nll: Vec<f64>, chunks: usize) -> Self {
-        let n = nll.len() as f64;
-        let mean = nll.iter().sum::<f64>() / n;
-        let var = nll.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        let (mean, se) = mean_stderr(&nll);
         let ppl = mean.exp();
         Self {
             ppl,
-            ppl_stderr: ppl * (var / n).sqrt(),
+            ppl_stderr: ppl * se,
             tokens_scored: nll.len(),
             chunks,
             nll,
@@ -114,8 +112,12 @@ pub struct Paired {
     pub against_ppl: f64,
     /// ppl / against_ppl − 1, in percent.
     pub diff_pct: f64,
-    /// Its standard error, in percent.
+    /// Its standard error, in percent, with every token an independent sample.
     pub diff_stderr_pct: f64,
+    /// Its standard error with every chunk's mean difference the sample (two chunks or more):
+    /// a rounding that flips early in a chunk moves every later token of it, so its tokens are
+    /// not independent, and this error bar is the one that counts that.
+    pub diff_stderr_chunks_pct: Option<f64>,
 }
 
 /// `a` against `b` (the same tokens scored by two caches).
@@ -124,16 +126,32 @@ pub fn paired(a: &Perplexity, b: &Perplexity, against: &str) -> Result<Paired> {
         bail!("the two runs scored different tokens");
     }
     let d: Vec<f64> = a.nll.iter().zip(&b.nll).map(|(x, y)| x - y).collect();
-    let n = d.len() as f64;
-    let mean = d.iter().sum::<f64>() / n;
-    let var = d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let (mean, se) = mean_stderr(&d);
+    // Chunks score equally many tokens each.
+    let per_chunk: Vec<f64> = if a.chunks >= 2 && d.len().is_multiple_of(a.chunks) {
+        d.chunks_exact(d.len() / a.chunks)
+            .map(|c| c.iter().sum::<f64>() / c.len() as f64)
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(Paired {
         against: against.to_string(),
         against_ppl: b.ppl,
         diff_pct: 100.0 * mean.exp_m1(),
         // Delta method: d/dm e^m = e^m.
-        diff_stderr_pct: 100.0 * mean.exp() * (var / n).sqrt(),
+        diff_stderr_pct: 100.0 * mean.exp() * se,
+        diff_stderr_chunks_pct: (!per_chunk.is_empty())
+            .then(|| 100.0 * mean.exp() * mean_stderr(&per_chunk).1),
     })
+}
+
+/// The mean of `x` and its standard error.
+fn mean_stderr(x: &[f64]) -> (f64, f64) {
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (mean, (var / n).sqrt())
 }
 
 /// log p of every token under `logits` [vocab] (a log-softmax, in f64).
@@ -327,15 +345,14 @@ pub struct Divergence {
 impl Divergence {
     fn of(s: &Scores) -> Self {
         let n = s.kl.len() as f64;
-        let mean = s.kl.iter().sum::<f64>() / n;
-        let var = s.kl.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        let (mean, se) = mean_stderr(&s.kl);
         let mut sorted = s.kl.clone();
         sorted.sort_by(f64::total_cmp);
         // The nearest-rank percentile.
         let p99 = sorted[((0.99 * n).ceil() as usize).clamp(1, sorted.len()) - 1];
         Self {
             kl_mean: mean,
-            kl_stderr: (var / n).sqrt(),
+            kl_stderr: se,
             kl_p99: p99,
             kl_max: *sorted.last().expect("tokens were scored"),
             same_top_pct: 100.0 * s.same_top as f64 / n,
@@ -480,6 +497,21 @@ mod tests {
         assert_eq!(tokens_to_score(1031, 512, 1, false), 255);
         // One sequence after a warm-up of 256, the BOS included.
         assert_eq!(tokens_to_score(1001, 512, 0, true), 745);
+    }
+
+    #[test]
+    fn a_paired_difference_has_an_error_bar_per_token_and_one_per_chunk() {
+        let a = Perplexity::of(vec![1.0, 1.0, 2.0, 2.0], 2);
+        let b = Perplexity::of(vec![0.0; 4], 2);
+        let v = paired(&a, &b, "b").unwrap();
+        let e = 1.5f64.exp();
+        assert!((v.diff_pct - 100.0 * (e - 1.0)).abs() < 1e-9);
+        // Tokens: sd √(1/3) over √4. Chunks: their means 1 and 2, sd √½ over √2 = ½.
+        assert!((v.diff_stderr_pct - 100.0 * e * (1.0f64 / 12.0).sqrt()).abs() < 1e-9);
+        assert!((v.diff_stderr_chunks_pct.unwrap() - 100.0 * e * 0.5).abs() < 1e-9);
+        // One chunk (or one long sequence): no chunk error bar.
+        let one = paired(&Perplexity::of(vec![1.0; 4], 1), &b, "b").unwrap();
+        assert_eq!(one.diff_stderr_chunks_pct, None);
     }
 
     #[test]
