@@ -79,7 +79,7 @@ pub fn run(opts: PplOptions) -> Result<()> {
     // A file to write must not exist, and one to read must be one, before the model loads.
     let mut base = match &opts.logits {
         Some(LogitsFile::Save(path)) => {
-            Writer::refuse_existing(path)?;
+            Writer::check_target(path)?;
             None
         }
         Some(LogitsFile::Compare(path)) => Some(Reader::open(path)?),

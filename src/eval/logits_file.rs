@@ -111,21 +111,34 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Fails if `path` already exists (kvchat never overwrites what a user has).
-    pub fn refuse_existing(path: &Path) -> Result<()> {
+    /// Fails if `path` already exists (kvchat never overwrites what a user has) or its directory
+    /// does not.
+    pub fn check_target(path: &Path) -> Result<()> {
         match std::fs::symlink_metadata(path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => bail!("cannot check --kl-divergence-base {}: {e}", path.display()),
             Ok(_) => bail!(
                 "--kl-divergence-base {} already exists; kvchat will not overwrite it (remove it or name another file; add --kl-divergence to compare with it)",
                 path.display()
             ),
         }
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if !dir.is_dir() {
+            bail!(
+                "--kl-divergence-base {}: the directory {} does not exist",
+                path.display(),
+                dir.display()
+            );
+        }
+        Ok(())
     }
 
     /// Starts the file for `n_chunk` chunks of `n_ctx` of `stream` (the text's tokens after BOS).
     pub fn create(path: &Path, n_ctx: usize, n_vocab: usize, stream: &[u32]) -> Result<Self> {
-        Self::refuse_existing(path)?;
+        Self::check_target(path)?;
         let n_chunk = stream.len() / n_ctx;
         let dims = |x: usize, what: &str| {
             i32::try_from(x)
@@ -197,7 +210,7 @@ impl Writer {
             .and_then(|f| f.sync_all().map(|()| f))
             .with_context(|| format!("cannot write {}", self.tmp.path().display()))?;
         drop(f);
-        Self::refuse_existing(&self.path)?;
+        Self::check_target(&self.path)?;
         self.tmp.keep(&self.path)
     }
 }

@@ -1434,7 +1434,7 @@ fn logits_file(vocab: u32) -> Vec<u8> {
 }
 
 #[test]
-fn a_kl_divergence_base_that_exists_is_not_overwritten() {
+fn a_kl_divergence_base_that_exists_is_not_overwritten_and_one_in_no_directory_is_refused() {
     let home = temp("kld-exists");
     let base = home.join("notes.kld");
     std::fs::write(&base, b"my notes").unwrap();
@@ -1455,6 +1455,21 @@ fn a_kl_divergence_base_that_exists_is_not_overwritten() {
     );
     assert_refused(&o, "notes.kld already exists; kvchat will not overwrite it");
     assert_eq!(std::fs::read(&base).unwrap(), b"my notes");
+    let nowhere = home.join("missing").join("base.kld");
+    let o = kvchat(
+        &home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            "/nonexistent.gguf",
+            text.to_str().unwrap(),
+            "--kl-divergence-base",
+            nowhere.to_str().unwrap(),
+        ],
+        b"",
+    );
+    assert_refused(&o, "missing does not exist");
 }
 
 #[test]
