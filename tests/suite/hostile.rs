@@ -1433,6 +1433,23 @@ fn logits_file(vocab: u32) -> Vec<u8> {
     b
 }
 
+/// `kvchat ppl -m MODEL --kl-divergence-base BASE --kl-divergence`, with every cache under `home`.
+fn compare_with_base(home: &Path, model: &str, base: &str) -> Output {
+    kvchat(
+        home,
+        None,
+        &[
+            "ppl",
+            "-m",
+            model,
+            "--kl-divergence-base",
+            base,
+            "--kl-divergence",
+        ],
+        b"",
+    )
+}
+
 #[test]
 fn a_kl_divergence_base_that_exists_is_not_overwritten_and_one_in_no_directory_is_refused() {
     let home = temp("kld-exists");
@@ -1496,35 +1513,11 @@ fn a_kl_divergence_base_that_is_not_a_whole_logits_file_is_refused_before_the_mo
     ] {
         let f = home.join(name);
         std::fs::write(&f, &bytes).unwrap();
-        let o = kvchat(
-            &home,
-            None,
-            &[
-                "ppl",
-                "-m",
-                "/nonexistent.gguf",
-                "--kl-divergence-base",
-                f.to_str().unwrap(),
-                "--kl-divergence",
-            ],
-            b"",
-        );
+        let o = compare_with_base(&home, "/nonexistent.gguf", f.to_str().unwrap());
         assert_refused(&o, needle);
         assert!(stderr(&o).contains(name), "{}", stderr(&o));
     }
-    let o = kvchat(
-        &home,
-        None,
-        &[
-            "ppl",
-            "-m",
-            "/nonexistent.gguf",
-            "--kl-divergence-base",
-            "/dev/zero",
-            "--kl-divergence",
-        ],
-        b"",
-    );
+    let o = compare_with_base(&home, "/nonexistent.gguf", "/dev/zero");
     assert_refused(&o, "/dev/zero is a device, not a regular file");
 }
 
@@ -1534,19 +1527,7 @@ fn a_kl_divergence_base_over_another_vocabulary_is_refused_naming_both() {
     let model = tiny_model("kld-vocab");
     let f = home.join("other.kld");
     std::fs::write(&f, logits_file(7)).unwrap();
-    let o = kvchat(
-        &home,
-        None,
-        &[
-            "ppl",
-            "-m",
-            model.to_str().unwrap(),
-            "--kl-divergence-base",
-            f.to_str().unwrap(),
-            "--kl-divergence",
-        ],
-        b"",
-    );
+    let o = compare_with_base(&home, model.to_str().unwrap(), f.to_str().unwrap());
     assert_refused(
         &o,
         "holds distributions over 7 tokens; this model's vocabulary has 40",
@@ -1559,19 +1540,7 @@ fn a_kl_divergence_base_read_with_the_tiny_model_scores_its_tokens() {
     let model = tiny_model("kld-tiny");
     let f = home.join("uniform.kld");
     std::fs::write(&f, logits_file(40)).unwrap();
-    let o = kvchat(
-        &home,
-        None,
-        &[
-            "ppl",
-            "-m",
-            model.to_str().unwrap(),
-            "--kl-divergence-base",
-            f.to_str().unwrap(),
-            "--kl-divergence",
-        ],
-        b"",
-    );
+    let o = compare_with_base(&home, model.to_str().unwrap(), f.to_str().unwrap());
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     // Uniform over 40: the base's perplexity is 40 exactly.
