@@ -603,3 +603,27 @@ fn a_saved_base_compares_as_the_cache_it_was_saved_from() {
     assert!(kb > 1e-4, "int4 against f32 diverges measurably: {kb}");
     assert!((ka - kb).abs() < 0.01 * kb, "{ka} vs {kb}");
 }
+
+/// tests/data/smollm2-q4_1-c8.kld was written by llama.cpp (llama-cpp-python 0.3.36's sources,
+/// scripts/llamacpp.sh): `llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf -f
+/// assets/bench-text.txt -c 8 -b 8 --chunks 1 -t 2 --no-repack --kl-divergence-base
+/// smollm2-q4_1-c8.kld`, which printed `Final estimate: PPL = 8.9103 +/- 14.65427`.
+const LLAMA_CPP_C8_PPL: f64 = 8.9103;
+
+#[test]
+fn a_logits_file_llama_perplexity_wrote_reads_back_as_its_perplexity_and_tokens() {
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2-q4_1-c8.kld");
+    let vs = ppl_json(&["--kl-divergence-base", p(&base), "--kl-divergence"]);
+    // The file's stored distributions give llama.cpp's own figure (to its 4 decimals).
+    let theirs = vs["against"]["against_ppl"].as_f64().unwrap();
+    assert!((theirs - LLAMA_CPP_C8_PPL).abs() < 5e-4, "{theirs}");
+    assert_eq!(vs["tokens_scored"], 3);
+    assert_eq!(vs["divergence"]["same_top_pct"], 100.0);
+    assert!(vs["divergence"]["kl_mean"].as_f64().unwrap() < 0.01, "{vs}");
+    // Its tokens are the ones kvchat cuts from the same text: the same run, the same figure.
+    let d = temp_dir("kld-llama");
+    let text = d.join("text.txt");
+    std::fs::write(&text, kvchat::eval::bench::BENCH_TEXT).unwrap();
+    let ours = ppl_json(&["--chunk", "8", "--chunks", "1", p(&text)]);
+    assert_eq!(ours["ppl"], vs["ppl"]);
+}
