@@ -140,12 +140,11 @@ pub fn run(opts: PplOptions) -> Result<()> {
     // as the tokens are scored.
     let (against, against_name) = match (&opts.against, base.as_mut()) {
         (Some((name, m)), _) => (Against::Mode(*m), name.clone()),
-        (None, Some(b)) => (Against::Base(b), String::new()),
+        (None, Some(b)) => {
+            let name = b.path().display().to_string();
+            (Against::Base(b), name)
+        }
         (None, None) => (Against::Nothing, String::new()),
-    };
-    let against_name = match &opts.logits {
-        Some(LogitsFile::Compare(path)) => path.display().to_string(),
-        _ => against_name,
     };
     let scored = evaluate(
         &engine,

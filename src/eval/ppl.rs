@@ -231,15 +231,15 @@ fn score(
         .iter_mut()
         .map(|s| s.feed(&seq[..warm]))
         .collect::<Result<_>>()?;
-    let mut from_file = Vec::new();
     for (i, &tok) in seq.iter().enumerate().skip(warm) {
         let mut lp: Vec<Vec<f64>> = logits.iter().map(log_probs).collect::<Result<_>>()?;
         if let Some(w) = save.as_deref_mut() {
             w.token(&lp[0])?;
         }
         if let Some(r) = base.as_deref_mut() {
+            let mut from_file = Vec::new();
             r.next_into(&mut from_file)?;
-            lp.push(std::mem::take(&mut from_file));
+            lp.push(from_file);
         }
         out.nll.resize(lp.len(), Vec::new());
         for (side, l) in lp.iter().enumerate() {
@@ -250,9 +250,6 @@ fn score(
             out.same_top += usize::from(argmax(this) == argmax(against));
         }
         tick(&out.nll[0]);
-        if base.is_some() {
-            from_file = lp.pop().expect("the base's distribution");
-        }
         // The last token predicts nothing: it is not fed.
         if i + 1 < seq.len() {
             logits = sessions

@@ -1457,35 +1457,25 @@ fn a_kl_divergence_base_that_exists_is_not_overwritten_and_one_in_no_directory_i
     std::fs::write(&base, b"my notes").unwrap();
     let text = home.join("text.txt");
     std::fs::write(&text, "one two three four five six seven eight nine ten").unwrap();
-    let o = kvchat(
-        &home,
-        None,
-        &[
-            "ppl",
-            "-m",
-            "/nonexistent.gguf",
-            text.to_str().unwrap(),
-            "--kl-divergence-base",
-            base.to_str().unwrap(),
-        ],
-        b"",
-    );
+    let save_to = |target: &Path| {
+        kvchat(
+            &home,
+            None,
+            &[
+                "ppl",
+                "-m",
+                "/nonexistent.gguf",
+                text.to_str().unwrap(),
+                "--kl-divergence-base",
+                target.to_str().unwrap(),
+            ],
+            b"",
+        )
+    };
+    let o = save_to(&base);
     assert_refused(&o, "notes.kld already exists; kvchat will not overwrite it");
     assert_eq!(std::fs::read(&base).unwrap(), b"my notes");
-    let nowhere = home.join("missing").join("base.kld");
-    let o = kvchat(
-        &home,
-        None,
-        &[
-            "ppl",
-            "-m",
-            "/nonexistent.gguf",
-            text.to_str().unwrap(),
-            "--kl-divergence-base",
-            nowhere.to_str().unwrap(),
-        ],
-        b"",
-    );
+    let o = save_to(&home.join("missing").join("base.kld"));
     assert_refused(&o, "missing does not exist");
 }
 
