@@ -71,8 +71,12 @@ pub struct Block {
     pub attn_scale: AttnScale,
     /// Layers may differ in shape and carry extra inputs (gemma4): each layer's KV heads and
     /// FFN width, the local layers' head size, KV shared from earlier layers, per-layer token
-    /// embeddings, a final logit softcap, and experts beside the dense FFN when the file has them.
+    /// embeddings, and experts beside the dense FFN when the file has them.
     pub layer_shapes: bool,
+    /// The logits pass through c·tanh(x / c), c the file's `final_logit_softcapping`, else this
+    /// default (llama.cpp's: 0 for gemma3, 30 for gemma4); a c of 0 is none. None: the key is
+    /// not read.
+    pub softcap: Option<f32>,
 }
 
 /// Which layers attend within a sliding window.
@@ -85,9 +89,11 @@ pub enum Swa {
     Alternate,
     /// The file's `attention.sliding_window_pattern` (flags per layer, or every n-th layer
     /// global), else five local layers for every global one (llama.cpp's swa pattern 6: layer i
-    /// is global when i % 6 == 5); the local layers rotate with base 10,000 (llama.cpp's
-    /// rope_freq_base_train_swa for gemma3), or the file's value under `base_key` when it has one.
-    Pattern { base_key: Option<&'static str> },
+    /// is global when i % 6 == 5); the local layers rotate with the file's `rope.freq_base_swa`,
+    /// else base 10,000 (llama.cpp's rope_freq_base_train_swa). A file without
+    /// `attention.sliding_window` attends globally on every layer where `window_optional`
+    /// (llama.cpp's gemma3); elsewhere it is refused.
+    Pattern { window_optional: bool },
 }
 
 /// The factor on q·k.
@@ -120,6 +126,7 @@ impl Block {
             swa: Swa::None,
             attn_scale: AttnScale::HeadDim,
             layer_shapes: false,
+            softcap: None,
         };
         Some(match arch {
             "llama" | "mistral" => plain,
@@ -138,8 +145,11 @@ impl Block {
                 embed_scale: true,
                 act: Activation::GeluTanh,
                 neox_rope: true,
-                swa: Swa::Pattern { base_key: None },
+                swa: Swa::Pattern {
+                    window_optional: true,
+                },
                 attn_scale: AttnScale::Gemma3,
+                softcap: Some(0.0),
                 ..plain
             },
             "gemma4" => Block {
@@ -151,10 +161,11 @@ impl Block {
                 v_norm: true,
                 out_scale: true,
                 swa: Swa::Pattern {
-                    base_key: Some("rope.freq_base_swa"),
+                    window_optional: false,
                 },
                 attn_scale: AttnScale::One,
                 layer_shapes: true,
+                softcap: Some(30.0),
                 ..plain
             },
             "gpt-oss" => Block {
@@ -243,7 +254,7 @@ pub struct Config {
     pub layers: Option<LayerShapes>,
     /// Per-layer token embeddings of this width (Gemma 4 E2B/E4B's `per_layer_token_embd`); 0: none.
     pub per_layer_embd: usize,
-    /// Logits pass through c·tanh(x / c) (Gemma 4's `final_logit_softcapping`).
+    /// Logits pass through c·tanh(x / c) (Gemma's `final_logit_softcapping`: `Block::softcap`).
     pub final_softcap: Option<f32>,
     /// Layers whose mixer is a Gated DeltaNet with a recurrent state instead of attention
     /// (Qwen3.5), and the state's sizes. None: every layer attends.
@@ -407,10 +418,11 @@ impl Config {
                 SUPPORTED_ARCHS.join(", ")
             );
         }
-        let get = |key: &str| {
-            md.get(&format!("{arch}.{key}"))
-                .with_context(|| format!("GGUF metadata lacks {arch}.{key}"))
-        };
+        let block = Block::of(&arch).expect("checked against SUPPORTED_ARCHS");
+        // Keys are required (`get*`) or optional (`opt*`: None when absent, as llama.cpp's
+        // `get_key(.., false)`; a value of the wrong kind is an error either way).
+        let opt = |key: &str| md.get(&format!("{arch}.{key}"));
+        let get = |key: &str| opt(key).with_context(|| format!("GGUF metadata lacks {arch}.{key}"));
         let as_u = |key: &str, v: &gguf_file::Value| -> Result<usize> {
             use gguf_file::Value as V;
             let n: i128 = match v {
@@ -429,54 +441,82 @@ impl Config {
                 .filter(|&n| n as u64 <= MAX_DIM)
                 .with_context(|| format!("GGUF {arch}.{key} = {n} is out of range"))
         };
-        let get_u = |key: &str| -> Result<usize> { as_u(key, get(key)?) };
-        // An integer per layer: an array of `n` of them, or one for every layer.
-        let get_per_layer = |key: &str, n: usize| -> Result<Vec<usize>> {
-            match get(key)? {
-                gguf_file::Value::Array(a) => {
-                    if a.len() != n {
-                        bail!("GGUF {arch}.{key} has {} entries for {n} layers", a.len());
-                    }
-                    a.iter().map(|v| as_u(key, v)).collect()
-                }
-                v => Ok(vec![as_u(key, v)?; n]),
-            }
-        };
-        let get_f = |key: &str| -> Result<f32> {
-            let v = get(key)?;
+        let as_f = |key: &str, v: &gguf_file::Value| -> Result<f32> {
             v.to_f32()
                 .or_else(|_| v.to_f64().map(|x| x as f32))
                 .with_context(|| format!("GGUF {arch}.{key} is not a float"))
         };
+        let get_u = |key: &str| -> Result<usize> { as_u(key, get(key)?) };
+        let opt_u =
+            |key: &str| -> Result<Option<usize>> { opt(key).map(|v| as_u(key, v)).transpose() };
+        let get_f = |key: &str| -> Result<f32> { as_f(key, get(key)?) };
+        let opt_f =
+            |key: &str| -> Result<Option<f32>> { opt(key).map(|v| as_f(key, v)).transpose() };
+        // An integer per layer: an array of `n` of them, or one for every layer (llama.cpp's
+        // `get_key_or_arr`).
+        let opt_per_layer = |key: &str, n: usize| -> Result<Option<Vec<usize>>> {
+            Ok(Some(match opt(key) {
+                None => return Ok(None),
+                Some(gguf_file::Value::Array(a)) => {
+                    if a.len() != n {
+                        bail!("GGUF {arch}.{key} has {} entries for {n} layers", a.len());
+                    }
+                    a.iter()
+                        .map(|v| as_u(key, v))
+                        .collect::<Result<Vec<usize>>>()?
+                }
+                Some(v) => vec![as_u(key, v)?; n],
+            }))
+        };
+        let get_per_layer = |key: &str, n: usize| -> Result<Vec<usize>> {
+            opt_per_layer(key, n)?.with_context(|| format!("GGUF metadata lacks {arch}.{key}"))
+        };
         let hidden = get_u("embedding_length")?;
+        // llama.cpp reads a missing head count as 0, and then finds no attention tensor of
+        // that shape: every architecture here needs it.
         let n_head = get_u("attention.head_count")?;
         let n_layer = get_u("block_count")?;
         if n_layer > 4096 {
             bail!("model block_count = {n_layer} is beyond any real model's (at most 4096); the file is damaged");
         }
         // Gemma 4 states KV heads and FFN width per layer.
-        let kv_heads = match md.contains_key(&format!("{arch}.attention.head_count_kv")) {
-            true => get_per_layer("attention.head_count_kv", n_layer)?,
-            false => vec![n_head; n_layer],
+        let kv_heads = opt_per_layer("attention.head_count_kv", n_layer)?
+            .unwrap_or_else(|| vec![n_head; n_layer]);
+        // The dense FFN's width: llama.cpp reads a missing one as 0, and then finds no `ffn_*`
+        // tensor of that shape, so a block with a dense FFN needs it; a mixture of experts
+        // (gpt-oss, Qwen3.5 MoE) has none, and uses it only as its experts' fallback width.
+        let ffns = match block.moe {
+            true => {
+                opt_per_layer("feed_forward_length", n_layer)?.unwrap_or_else(|| vec![0; n_layer])
+            }
+            false => get_per_layer("feed_forward_length", n_layer)?,
         };
-        let ffns = get_per_layer("feed_forward_length", n_layer)?;
         let n_kv_head = kv_heads.iter().copied().max().unwrap_or(n_head);
-        let head_dim = get_u("attention.key_length").unwrap_or(hidden / n_head.max(1));
+        let head_dim = opt_u("attention.key_length")?.unwrap_or(hidden / n_head.max(1));
         let ffn = ffns.iter().copied().max().unwrap_or(0);
         let ctx_train = get_u("context_length")?;
         let rms_eps = get_f("attention.layer_norm_rms_epsilon")? as f64;
-        let rope_base = get_f("rope.freq_base").unwrap_or(10_000.0);
-        let rope_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
+        let rope_base = opt_f("rope.freq_base")?.unwrap_or(10_000.0);
+        let rope_dim = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
+        // llama.cpp's defaults: scaling is linear, by `rope.scaling.factor` (or the older
+        // `rope.scale_linear`) when the file gives one, else by 1; YaRN's original context is
+        // the trained one.
+        let factor = match opt_f("rope.scaling.factor")? {
+            Some(f) => Some(f),
+            None => opt_f("rope.scale_linear")?,
+        }
+        .unwrap_or(1.0);
         let mut yarn = None;
-        let rope_linear_scale = match md.get(&format!("{arch}.rope.scaling.type")) {
-            None => 1.0,
+        let rope_linear_scale = match opt("rope.scaling.type") {
+            None => factor,
             Some(t) => match t.to_string()?.as_str() {
                 "none" => 1.0,
-                "linear" => get_f("rope.scaling.factor")?,
+                "linear" => factor,
                 "yarn" => {
                     yarn = Some(Yarn {
-                        factor: get_f("rope.scaling.factor")?,
-                        orig_ctx: get_u("rope.scaling.original_context_length")?,
+                        factor,
+                        orig_ctx: opt_u("rope.scaling.original_context_length")?
+                            .unwrap_or(ctx_train),
                         beta_fast: get_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
                         beta_slow: get_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
                     });
@@ -501,7 +541,6 @@ impl Config {
                     .len(),
             },
         };
-        let block = Block::of(&arch).expect("checked against SUPPORTED_ARCHS");
         let rope_style = if block.neox_rope {
             RopeStyle::HalfSplit
         } else {
@@ -509,16 +548,34 @@ impl Config {
         };
         // Experts beside each dense FFN (Gemma 4 26B-A4B).
         let beside = block.layer_shapes && md.contains_key(&format!("{arch}.expert_count"));
+        // llama.cpp reads a missing expert count (or count used) as 0, and then finds no
+        // router of that shape (or asserts): a mixture needs both.
         let experts = if block.moe || beside {
+            let (count, used) = (get_u("expert_count")?, get_u("expert_used_count")?);
+            // Qwen3.5 MoE's widths fall back on the dense one where the file gives none (or 0),
+            // as llama.cpp's tensor loader: `n_ff_exp ? n_ff_exp : n_ff / n_expert_used`,
+            // `n_ff_shexp ? n_ff_shexp : n_ff`. The other architectures' experts need their
+            // width (llama.cpp finds no expert tensors of width 0) and have no shared expert.
+            let or_dense = |key: &str, dense: usize| -> Result<usize> {
+                match opt_u(key)?.filter(|&f| f != 0).unwrap_or(dense) {
+                    0 => bail!(
+                        "GGUF metadata lacks {arch}.{key} (and {arch}.feed_forward_length, its fallback)"
+                    ),
+                    f => Ok(f),
+                }
+            };
+            let (expert_ffn, shared) = match arch == "qwen35moe" {
+                true => (
+                    or_dense("expert_feed_forward_length", ffn / used.max(1))?,
+                    or_dense("expert_shared_feed_forward_length", ffn)?,
+                ),
+                false => (get_u("expert_feed_forward_length")?, 0),
+            };
             Some(Experts {
-                count: get_u("expert_count")?,
-                used: get_u("expert_used_count")?,
-                ffn: get_u("expert_feed_forward_length")?,
-                shared: match md.contains_key(&format!("{arch}.expert_shared_feed_forward_length"))
-                {
-                    true => get_u("expert_shared_feed_forward_length")?,
-                    false => 0,
-                },
+                count,
+                used,
+                ffn: expert_ffn,
+                shared,
             })
         } else {
             None
@@ -537,44 +594,51 @@ impl Config {
                 }
             }
         }
+        // Which layers attend within the window (`Swa::Pattern`).
+        let window_pattern = || -> Result<Vec<bool>> {
+            let key = "attention.sliding_window_pattern";
+            Ok(match opt(key) {
+                Some(gguf_file::Value::Array(a)) => {
+                    if a.len() != n_layer {
+                        bail!(
+                            "GGUF {arch}.{key} has {} entries for {n_layer} layers",
+                            a.len()
+                        );
+                    }
+                    a.iter()
+                        .map(|v| {
+                            v.to_bool().map_err(|_| {
+                                anyhow::anyhow!("GGUF {arch}.{key} holds a non-boolean")
+                            })
+                        })
+                        .collect::<Result<Vec<bool>>>()?
+                }
+                Some(v) => {
+                    let n = as_u(key, v)?;
+                    if n == 0 {
+                        bail!("GGUF {arch}.{key} is 0");
+                    }
+                    (0..n_layer).map(|i| i % n < n - 1).collect()
+                }
+                None => (0..n_layer).map(|i| i % 6 < 5).collect(),
+            })
+        };
         let (sliding_window, rope_base_local) = match block.swa {
             Swa::None => (None, None),
             Swa::Alternate => {
                 let w = get_u("attention.sliding_window")?;
                 (Some((w, (0..n_layer).map(|i| i % 2 == 0).collect())), None)
             }
-            Swa::Pattern { base_key } => {
-                let w = get_u("attention.sliding_window")?;
-                if w == 0 {
-                    bail!("GGUF {arch}.attention.sliding_window is 0");
-                }
-                let pattern = match md.get(&format!("{arch}.attention.sliding_window_pattern")) {
-                    Some(gguf_file::Value::Array(a)) => {
-                        if a.len() != n_layer {
-                            bail!(
-                            "GGUF {arch}.attention.sliding_window_pattern has {} entries for {n_layer} layers",
-                            a.len()
-                        );
-                        }
-                        a.iter()
-                        .map(|v| v.to_bool().map_err(|_| anyhow::anyhow!("GGUF {arch}.attention.sliding_window_pattern holds a non-boolean")))
-                        .collect::<Result<Vec<bool>>>()?
-                    }
-                    Some(_) => {
-                        let n = get_u("attention.sliding_window_pattern")?;
-                        if n == 0 {
-                            bail!("GGUF {arch}.attention.sliding_window_pattern is 0");
-                        }
-                        (0..n_layer).map(|i| i % n < n - 1).collect()
-                    }
-                    None => (0..n_layer).map(|i| i % 6 < 5).collect(),
-                };
-                let local_base = match base_key {
-                    Some(key) => get_f(key).unwrap_or(10_000.0),
-                    None => 10_000.0,
-                };
-                (Some((w, pattern)), Some(local_base))
-            }
+            Swa::Pattern { window_optional } => match opt_u("attention.sliding_window")? {
+                Some(0) => bail!("GGUF {arch}.attention.sliding_window is 0"),
+                Some(w) => (
+                    Some((w, window_pattern()?)),
+                    Some(opt_f("rope.freq_base_swa")?.unwrap_or(10_000.0)),
+                ),
+                // llama.cpp's gemma3 without a window: every layer attends globally.
+                None if window_optional => (None, None),
+                None => bail!("GGUF metadata lacks {arch}.attention.sliding_window"),
+            },
         };
         let attn_scale = match block.attn_scale {
             AttnScale::Gemma3 if n_layer == 62 => 1.0 / ((hidden / n_head.max(1)) as f32).sqrt(),
@@ -584,11 +648,11 @@ impl Config {
         let uniform = kv_heads.iter().all(|&k| k == n_kv_head) && ffns.iter().all(|&f| f == ffn);
         let layers = if block.layer_shapes {
             Some(LayerShapes {
-                head_dim_local: get_u("attention.key_length_swa").unwrap_or(head_dim),
-                rope_dim_local: get_u("rope.dimension_count_swa").unwrap_or(rope_dim),
+                head_dim_local: opt_u("attention.key_length_swa")?.unwrap_or(head_dim),
+                rope_dim_local: opt_u("rope.dimension_count_swa")?.unwrap_or(rope_dim),
                 kv_heads,
                 ffn: ffns,
-                shared_kv: get_u("attention.shared_kv_layers").unwrap_or(0),
+                shared_kv: opt_u("attention.shared_kv_layers")?.unwrap_or(0),
             })
         } else if !uniform {
             bail!(
@@ -598,13 +662,15 @@ impl Config {
             None
         };
         let per_layer_embd = match block.layer_shapes {
-            true => get_u("embedding_length_per_layer_input").unwrap_or(0),
+            true => opt_u("embedding_length_per_layer_input")?.unwrap_or(0),
             false => 0,
         };
-        let final_softcap = match block.layer_shapes {
-            true => get_f("final_logit_softcapping").ok().filter(|&c| c != 0.0),
-            false => None,
+        // llama.cpp: a softcap of 0 is none.
+        let softcap = match block.softcap {
+            Some(default) => opt_f("final_logit_softcapping")?.unwrap_or(default),
+            None => 0.0,
         };
+        let final_softcap = Some(softcap).filter(|&c| c != 0.0);
         let recurrent = match block.delta_net {
             true => {
                 let r = Recurrent {
@@ -635,10 +701,7 @@ impl Config {
                         .collect::<Result<Vec<bool>>>()?,
                     Some(_) => bail!("GGUF {key} is not an array of {n_layer} flags"),
                     None => {
-                        let every = match md.get(&format!("{arch}.full_attention_interval")) {
-                            Some(v) => as_u("full_attention_interval", v)?,
-                            None => 4,
-                        };
+                        let every = opt_u("full_attention_interval")?.unwrap_or(4);
                         if every == 0 {
                             bail!("GGUF {arch}.full_attention_interval is 0");
                         }
@@ -919,7 +982,8 @@ impl Config {
                 bail!("model {name} = {v} is beyond any real model's (at most {max}); the file is damaged");
             }
         }
-        if self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
+        // A mixture of experts has no dense FFN: its width may be 0 (`Experts` has the sizes).
+        if self.hidden == 0 || (self.ffn == 0 && !self.block.moe) || self.vocab == 0 {
             bail!(
                 "model has a zero embedding, feed-forward or vocabulary size ({}, {}, {})",
                 self.hidden,
@@ -1058,4 +1122,331 @@ fn check_text_rope_sections(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! GGUF metadata read as llama.cpp's `load_hparams` reads it: a key it reads as optional
+    //! may be absent, and then holds llama.cpp's default; a key it needs is refused by name.
+
+    use super::*;
+    use gguf_file::Value as V;
+    use std::collections::HashMap;
+
+    /// The metadata of a small model of `arch` that loads: every key llama.cpp needs for it, and
+    /// every optional key of [`OPTIONAL`] at a value other than its default.
+    fn sound(arch: &str) -> HashMap<String, V> {
+        let s = |v: &str| V::String(v.into());
+        let mut kv: Vec<(&str, V)> = vec![
+            ("block_count", V::U32(8)),
+            ("context_length", V::U32(131_072)),
+            ("embedding_length", V::U32(256)),
+            ("feed_forward_length", V::U32(512)),
+            ("attention.head_count", V::U32(4)),
+            ("attention.head_count_kv", V::U32(2)),
+            ("attention.key_length", V::U32(128)),
+            ("attention.value_length", V::U32(128)),
+            ("attention.layer_norm_rms_epsilon", V::F32(1e-6)),
+            ("rope.freq_base", V::F32(500_000.0)),
+            ("rope.dimension_count", V::U32(64)),
+            ("vocab_size", V::U32(1000)),
+        ];
+        let delta_net = || {
+            vec![
+                ("ssm.conv_kernel", V::U32(4)),
+                ("ssm.state_size", V::U32(32)),
+                ("ssm.group_count", V::U32(2)),
+                ("ssm.time_step_rank", V::U32(4)),
+                ("ssm.inner_size", V::U32(128)),
+                ("full_attention_interval", V::U32(2)),
+                (
+                    "rope.dimension_sections",
+                    V::Array([11, 11, 10, 0].map(V::I32).to_vec()),
+                ),
+            ]
+        };
+        kv.extend(match arch {
+            "llama" => vec![
+                ("rope.scaling.type", s("none")),
+                ("rope.scaling.factor", V::F32(2.0)),
+            ],
+            "mistral" => vec![
+                ("rope.scaling.type", s("linear")),
+                ("rope.scaling.factor", V::F32(2.0)),
+            ],
+            "gemma3" => vec![
+                ("attention.sliding_window", V::U32(512)),
+                ("attention.sliding_window_pattern", V::U32(4)),
+                ("rope.freq_base_swa", V::F32(20_000.0)),
+                ("final_logit_softcapping", V::F32(30.0)),
+            ],
+            "gemma4" => vec![
+                ("attention.sliding_window", V::U32(512)),
+                (
+                    "attention.sliding_window_pattern",
+                    V::Array([1, 1, 1, 1, 1, 0, 1, 0].map(|w| V::Bool(w == 1)).to_vec()),
+                ),
+                ("attention.key_length_swa", V::U32(64)),
+                ("attention.value_length_swa", V::U32(64)),
+                ("rope.dimension_count_swa", V::U32(32)),
+                ("rope.freq_base_swa", V::F32(20_000.0)),
+                ("attention.shared_kv_layers", V::U32(2)),
+                ("embedding_length_per_layer_input", V::U32(32)),
+                ("final_logit_softcapping", V::F32(50.0)),
+            ],
+            "gpt-oss" => vec![
+                ("expert_count", V::U32(8)),
+                ("expert_used_count", V::U32(2)),
+                ("expert_feed_forward_length", V::U32(64)),
+                ("attention.sliding_window", V::U32(128)),
+                ("rope.scaling.type", s("yarn")),
+                ("rope.scaling.factor", V::F32(32.0)),
+                ("rope.scaling.original_context_length", V::U32(4096)),
+            ],
+            "qwen35" => delta_net(),
+            "qwen35moe" => {
+                let mut moe = delta_net();
+                moe.extend([
+                    ("expert_count", V::U32(8)),
+                    ("expert_used_count", V::U32(2)),
+                    ("expert_feed_forward_length", V::U32(64)),
+                    ("expert_shared_feed_forward_length", V::U32(128)),
+                ]);
+                moe
+            }
+            _ => vec![],
+        });
+        let mut md: HashMap<String, V> = kv
+            .into_iter()
+            .map(|(k, v)| (format!("{arch}.{k}"), v))
+            .collect();
+        md.insert("general.architecture".into(), s(arch));
+        md
+    }
+
+    fn load(metadata: HashMap<String, V>) -> Result<Config> {
+        Config::from_gguf(&gguf_file::Content {
+            magic: gguf_file::VersionedMagic::GgufV3,
+            metadata,
+            tensor_infos: HashMap::new(),
+            tensor_data_offset: 0,
+        })
+    }
+
+    /// [`sound`] metadata of `arch` without `{arch}.{key}`.
+    fn without(arch: &str, key: &str) -> HashMap<String, V> {
+        let mut md = sound(arch);
+        let gone = md.remove(&format!("{arch}.{key}"));
+        assert!(gone.is_some(), "the sound {arch} metadata has no {key}");
+        md
+    }
+
+    // What kvchat read, as a number, for the table below.
+    type Read = fn(&Config) -> f64;
+    fn kv_heads(c: &Config) -> f64 {
+        c.n_kv_head as f64
+    }
+    fn head_dim(c: &Config) -> f64 {
+        c.head_dim as f64
+    }
+    fn rope_dim(c: &Config) -> f64 {
+        c.rope_dim as f64
+    }
+    fn rope_base(c: &Config) -> f64 {
+        c.rope_base as f64
+    }
+    fn linear_scale(c: &Config) -> f64 {
+        c.rope_linear_scale as f64
+    }
+    fn yarn_factor(c: &Config) -> f64 {
+        c.yarn.map_or(0.0, |y| y.factor as f64)
+    }
+    fn yarn_ctx(c: &Config) -> f64 {
+        c.yarn.map_or(0.0, |y| y.orig_ctx as f64)
+    }
+    fn ffn(c: &Config) -> f64 {
+        c.ffn as f64
+    }
+    fn expert_ffn(c: &Config) -> f64 {
+        c.experts.map_or(0.0, |e| e.ffn as f64)
+    }
+    fn shared_ffn(c: &Config) -> f64 {
+        c.experts.map_or(0.0, |e| e.shared as f64)
+    }
+    fn window_layers(c: &Config) -> f64 {
+        c.window_layers().map_or(0, |(_, n)| n) as f64
+    }
+    fn local_base(c: &Config) -> f64 {
+        c.rope_base_local.unwrap_or(0.0) as f64
+    }
+    fn softcap(c: &Config) -> f64 {
+        c.final_softcap.unwrap_or(0.0) as f64
+    }
+    fn shared_kv(c: &Config) -> f64 {
+        c.layers.as_ref().map_or(0.0, |l| l.shared_kv as f64)
+    }
+    fn rope_dim_local(c: &Config) -> f64 {
+        c.layers.as_ref().map_or(0.0, |l| l.rope_dim_local as f64)
+    }
+    fn recurrent_layers(c: &Config) -> f64 {
+        c.recurrent.as_ref().map_or(0, |r| r.count()) as f64
+    }
+
+    /// Keys llama.cpp reads as optional (`get_key(.., false)`): (architecture, "*" for every
+    /// supported one; key; what kvchat reads; llama.cpp's default). A file of that architecture
+    /// without the key loads, with the default.
+    #[rustfmt::skip]
+    const OPTIONAL: &[(&str, &str, Read, f64)] = &[
+        // Read for every architecture at the top of llama.cpp's `load_hparams`.
+        ("*",         "attention.head_count_kv",               kv_heads,         4.0), // head_count
+        ("*",         "attention.key_length",                  head_dim,         64.0), // embedding ÷ heads
+        ("*",         "rope.dimension_count",                  rope_dim,         128.0), // key_length
+        ("*",         "rope.freq_base",                        rope_base,        10_000.0),
+        // Scaling is linear (here by the file's factor, 2), by a factor of 1.
+        ("llama",     "rope.scaling.type",                     linear_scale,     2.0),
+        ("mistral",   "rope.scaling.factor",                   linear_scale,     1.0),
+        ("gpt-oss",   "rope.scaling.type",                     linear_scale,     32.0),
+        ("gpt-oss",   "rope.scaling.factor",                   yarn_factor,      1.0),
+        ("gpt-oss",   "rope.scaling.original_context_length",  yarn_ctx,         131_072.0), // context_length
+        // A mixture of experts has no dense FFN; Qwen3.5 MoE's experts fall back on its width.
+        ("gpt-oss",   "feed_forward_length",                   ffn,              0.0),
+        ("qwen35moe", "feed_forward_length",                   ffn,              0.0),
+        ("qwen35moe", "expert_feed_forward_length",            expert_ffn,       256.0), // 512 ÷ 2 used
+        ("qwen35moe", "expert_shared_feed_forward_length",     shared_ffn,       512.0), // feed_forward_length
+        // Gemma: no window, no layer attends within one; else swa pattern 6 (Gemma 3).
+        ("gemma3",    "attention.sliding_window",              window_layers,    0.0),
+        ("gemma3",    "attention.sliding_window_pattern",      window_layers,    7.0),
+        ("gemma3",    "rope.freq_base_swa",                    local_base,       10_000.0),
+        ("gemma3",    "final_logit_softcapping",               softcap,          0.0),
+        ("gemma4",    "final_logit_softcapping",               softcap,          30.0),
+        ("gemma4",    "rope.freq_base_swa",                    local_base,       10_000.0),
+        ("gemma4",    "attention.shared_kv_layers",            shared_kv,        0.0),
+        ("gemma4",    "rope.dimension_count_swa",              rope_dim_local,   64.0), // rope.dimension_count
+        // Every fourth layer attends.
+        ("qwen35",    "full_attention_interval",               recurrent_layers, 6.0),
+        ("qwen35moe", "full_attention_interval",               recurrent_layers, 6.0),
+    ];
+
+    /// The architectures a row of a table names ("*": every supported one).
+    fn archs(arch: &'static str) -> Vec<&'static str> {
+        match arch {
+            "*" => SUPPORTED_ARCHS.to_vec(),
+            a => vec![a],
+        }
+    }
+
+    #[test]
+    fn a_key_llama_cpp_reads_as_optional_may_be_absent_and_then_holds_its_default() {
+        for &(arch, key, read, want) in OPTIONAL {
+            for arch in archs(arch) {
+                let whole = load(sound(arch)).unwrap_or_else(|e| panic!("sound {arch}: {e:#}"));
+                assert_ne!(
+                    read(&whole),
+                    want,
+                    "{arch}.{key}: the sound metadata already holds the default"
+                );
+                let cfg = load(without(arch, key))
+                    .unwrap_or_else(|e| panic!("{arch} without {key}: {e:#}"));
+                assert_eq!(read(&cfg), want, "{arch} without {key}");
+            }
+        }
+    }
+
+    /// Keys llama.cpp needs: read as required (`get_key(..)`), or read as optional but then its
+    /// tensors (or an assertion) refuse the default — each of these is refused by name.
+    const REQUIRED: &[(&str, &str)] = &[
+        ("*", "block_count"),
+        ("*", "context_length"),
+        ("*", "embedding_length"),
+        ("*", "attention.head_count"),
+        ("*", "attention.layer_norm_rms_epsilon"),
+        ("llama", "feed_forward_length"),
+        ("mistral", "feed_forward_length"),
+        ("qwen2", "feed_forward_length"),
+        ("qwen3", "feed_forward_length"),
+        ("gemma3", "feed_forward_length"),
+        ("gemma4", "feed_forward_length"),
+        ("qwen35", "feed_forward_length"),
+        ("gemma4", "attention.sliding_window"),
+        ("gpt-oss", "attention.sliding_window"),
+        ("gpt-oss", "expert_count"),
+        ("gpt-oss", "expert_used_count"),
+        ("gpt-oss", "expert_feed_forward_length"),
+        ("qwen35moe", "expert_count"),
+        ("qwen35moe", "expert_used_count"),
+        ("qwen35", "ssm.conv_kernel"),
+        ("qwen35", "ssm.inner_size"),
+        ("qwen35", "ssm.state_size"),
+        ("qwen35", "ssm.time_step_rank"),
+        ("qwen35", "ssm.group_count"),
+        ("qwen35moe", "ssm.conv_kernel"),
+        ("qwen35moe", "ssm.inner_size"),
+        ("qwen35moe", "ssm.state_size"),
+        ("qwen35moe", "ssm.time_step_rank"),
+        ("qwen35moe", "ssm.group_count"),
+    ];
+
+    #[test]
+    fn a_key_llama_cpp_needs_is_refused_by_name_when_absent() {
+        for &(arch, key) in REQUIRED {
+            for arch in archs(arch) {
+                let Err(e) = load(without(arch, key)) else {
+                    panic!("{arch} without {key} loads");
+                };
+                let want = format!("GGUF metadata lacks {arch}.{key}");
+                assert!(format!("{e:#}").contains(&want), "{arch}: {e:#}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_qwen35moe_file_without_feed_forward_length_loads_with_its_experts_widths() {
+        let c = load(without("qwen35moe", "feed_forward_length")).unwrap();
+        assert_eq!(c.ffn, 0);
+        assert_eq!(
+            c.experts,
+            Some(Experts {
+                count: 8,
+                used: 2,
+                ffn: 64,
+                shared: 128
+            })
+        );
+    }
+
+    #[test]
+    fn a_qwen35moe_shared_expert_without_a_width_or_its_fallback_is_refused_by_name() {
+        let mut md = without("qwen35moe", "feed_forward_length");
+        md.remove("qwen35moe.expert_shared_feed_forward_length");
+        let e = format!("{:#}", load(md).unwrap_err());
+        assert!(
+            e.contains("GGUF metadata lacks qwen35moe.expert_shared_feed_forward_length (and qwen35moe.feed_forward_length, its fallback)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gemma3_without_a_window_attends_globally_on_every_layer() {
+        let c = load(without("gemma3", "attention.sliding_window")).unwrap();
+        assert_eq!((c.sliding_window, c.rope_base_local), (None, None));
+    }
+
+    #[test]
+    fn the_older_rope_scale_linear_key_scales_as_rope_scaling_factor() {
+        let mut md = without("llama", "rope.scaling.type");
+        md.remove("llama.rope.scaling.factor");
+        md.insert("llama.rope.scale_linear".into(), V::F32(4.0));
+        assert_eq!(load(md).unwrap().rope_linear_scale, 4.0);
+    }
+
+    #[test]
+    fn an_optional_key_of_the_wrong_kind_is_refused_not_defaulted() {
+        let mut md = sound("llama");
+        md.insert("llama.attention.key_length".into(), V::String("128".into()));
+        let e = format!("{:#}", load(md).unwrap_err());
+        assert!(
+            e.contains("GGUF llama.attention.key_length is not an integer"),
+            "{e}"
+        );
+    }
 }
