@@ -73,6 +73,7 @@ fn main() {
         Command::Tokenize(args) => args.resolve().and_then(commands::tokenize::run),
         Command::Ppl(args) => args.resolve().and_then(commands::ppl::run),
         Command::Needle(args) => args.resolve().and_then(commands::needle::run),
+        Command::Quiz(args) => args.resolve().and_then(commands::quiz::run),
         Command::KvSize(args) => args.resolve().and_then(commands::kv_size::run),
         Command::Bench(args) => args.resolve().and_then(commands::bench::run),
         Command::Models(args) => args.resolve().and_then(commands::models::run),

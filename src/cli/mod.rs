@@ -45,6 +45,9 @@ pub enum Command {
     Ppl(PplArgs),
     /// Pass-key retrieval through the chosen cache: a key hidden at depths in filler text, found or not.
     Needle(NeedleArgs),
+    /// A question set (facts, arithmetic, instructions, code) answered at the model's own sampling
+    /// over several seeds: how often its first answer is right.
+    Quiz(QuizArgs),
     /// Print the token ids of TEXT as a JSON array.
     Tokenize(TokenizeArgs),
     /// The model registry (models.toml): list entries and what is on disk, pull a model.
@@ -69,6 +72,7 @@ impl Command {
             Command::Bench(a) => a.model.threads(),
             Command::Ppl(a) => a.model.threads(),
             Command::Needle(a) => a.model.threads(),
+            Command::Quiz(a) => a.model.threads(),
             _ => None,
         }
     }

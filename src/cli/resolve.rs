@@ -11,6 +11,7 @@ use crate::commands::kv_size::KvSizeOptions;
 use crate::commands::models::{ModelsOptions, ModelsTask};
 use crate::commands::needle::NeedleOptions;
 use crate::commands::ppl::{LogitsFile, PplOptions};
+use crate::commands::quiz::QuizOptions;
 use crate::commands::run::RunOptions;
 use crate::commands::serve::ServeOptions;
 use crate::commands::tokenize::TokenizeOptions;
@@ -19,6 +20,7 @@ use crate::commands::{Generate, StoreChoice, TemplateChoice};
 use crate::eval::bench::Runs;
 use crate::eval::kv_size::{DimsFrom, KvSizeQuery};
 use crate::eval::needle::NeedleGrid;
+use crate::eval::quiz::QuizPlan;
 use crate::kv::size::KvDims;
 use crate::kv::{CacheMode, Retention};
 use anyhow::{bail, Context, Result};
@@ -363,6 +365,39 @@ impl NeedleArgs {
             ctx_from_grid,
             json: json_out(self.json),
             plot: self.plot,
+        })
+    }
+}
+
+impl QuizArgs {
+    pub fn resolve(self) -> Result<QuizOptions> {
+        if self.seeds == 0 {
+            bail!("--seeds must be at least 1");
+        }
+        if self.max_tokens == 0 {
+            bail!("--max-tokens must be at least 1");
+        }
+        let sampling = self.sampling.prefs()?;
+        if sampling.seed.is_some() {
+            bail!("--seed conflicts with --seeds: a quiz answers with seeds 1 to --seeds");
+        }
+        let mut load = self.model.options()?;
+        let mode = self.cache.mode_for(self.model.ctx)?;
+        load.kv_precisions = vec![mode.precision];
+        if let Some(t) = &self.chat_template {
+            crate::template::ChatTemplate::check_spec(t).context("--chat-template")?;
+        }
+        Ok(QuizOptions {
+            load,
+            mode,
+            chat_template: self.chat_template,
+            questions: self.questions,
+            plan: QuizPlan {
+                seeds: (1..=self.seeds).collect(),
+                sampling,
+                max_tokens: self.max_tokens,
+            },
+            json: json_out(self.json),
         })
     }
 }

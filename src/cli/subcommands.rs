@@ -208,6 +208,31 @@ pub struct NeedleArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct QuizArgs {
+    /// Question set: tab-separated lines of kind, question, accepted answers (`a|b`) and rejected
+    /// ones [default: the built-in set, assets/questions.tsv]
+    pub questions: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Answer each question once per seed, seeds 1 to N (the answers `kvchat run --seed S` gives)
+    #[arg(long, default_value_t = 4)]
+    pub seeds: u64,
+    /// Most tokens per answer
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Write the results as JSON to this file (`-`: to stdout, the table then goes to stderr)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
 pub struct PplArgs {
     /// Text file to score (none with --kl-divergence: the base file's tokens are scored)
     #[arg(

@@ -9,6 +9,7 @@ pub mod kv_size;
 pub mod models;
 pub mod needle;
 pub mod ppl;
+pub mod quiz;
 pub mod run;
 pub mod serve;
 pub mod style;

@@ -7,3 +7,4 @@ pub mod kv_size;
 pub mod logits_file;
 pub mod needle;
 pub mod ppl;
+pub mod quiz;
