@@ -39,6 +39,9 @@ pub enum Fix {
     RaiseContext,
     /// A shorter context would fit in memory.
     LowerContext,
+    /// The run does not fit the memory limit given: a narrower KV precision or a shorter
+    /// context (each named in the message) would, or letting kvchat choose.
+    FitMemory,
     /// The CPU device runs this.
     CpuDevice,
     /// A tokenizer.json must be given.

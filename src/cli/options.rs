@@ -39,6 +39,15 @@ pub struct ModelArgs {
     /// Context size in tokens: the most positions a sequence may reach [default: the model's trained context]
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Memory the run may take in all (e.g. 768MiB, 4GiB): weights, KV cache at the full context,
+    /// state. Checked before loading; a run over it is refused, naming what would fit
+    /// [default: the KV cache must fit in half the memory available]
+    #[arg(long, value_name = "SIZE", env = "KVCHAT_MEM")]
+    pub mem: Option<String>,
+    /// When the run would not fit in memory (--mem, or what is available): narrow the KV cache
+    /// from the default f16 to int8 or int4, else shorten the context, and say what was chosen
+    #[arg(long)]
+    pub fit: bool,
     /// CPU matmul for quantized GGUF matrices: preferred (the faster per type), ours or candle —
     /// for side-by-side measurements; gpu: the GPU's path on the CPU (candle's matmuls, KV
     /// rows as tensors, attention by candle ops), to check it where there is no GPU
@@ -84,6 +93,13 @@ impl ModelArgs {
             device,
             dtype,
             ctx: self.ctx,
+            mem: self
+                .mem
+                .as_deref()
+                .map(parse_size)
+                .transpose()
+                .context("--mem")?,
+            fit: self.fit,
             kv_precisions: Vec::new(),
             kernels: {
                 crate::model::kernels::quant::simd_cap()?;

@@ -9,6 +9,7 @@ pub fn advice(fix: Fix) -> &'static str {
     match fix {
         Fix::RaiseContext => "raise --ctx",
         Fix::LowerContext => "lower --ctx",
+        Fix::FitMemory => "set --kv-type or --ctx as named, or pass --fit to let kvchat choose",
         Fix::CpuDevice => "use --device cpu",
         Fix::Tokenizer => "pass --tokenizer tokenizer.json",
         Fix::ChatTemplate => "pass --chat-template chatml|llama3|llama2|gemma, or --raw",

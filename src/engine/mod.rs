@@ -1,5 +1,7 @@
 //! A loaded model, ready to run: decoder, tokenizer, chat template, stop tokens and device.
 
+pub mod fit;
+
 use crate::model::gguf::GgufFile;
 use crate::model::safetensors::HfCheckpoint;
 use crate::model::sampling::SamplingPrefs;
@@ -22,6 +24,8 @@ pub struct Engine {
     stop_ids: Vec<u32>,
     /// The most positions a sequence may reach (`--ctx`).
     ctx: usize,
+    /// What the run takes in memory, and the KV precision `fit` chose, if it chose one.
+    plan: fit::Plan,
     device: Device,
     /// Identifies the model for saved KV state: sha256 of its GGUF header (metadata and tensor
     /// layout; `GgufFile::digest`).
@@ -58,6 +62,7 @@ struct Loaded {
     /// The model's own chat template, when it has one.
     template_src: Option<String>,
     ctx: usize,
+    plan: fit::Plan,
     digest: String,
     weights: String,
     /// The model file's sampling recommendations, and where they were read.
@@ -261,6 +266,12 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// Context size; None = the model's trained context (lowered to what memory holds).
     pub ctx: Option<usize>,
+    /// The memory the run may take in all (weights, KV cache, state); None: the KV cache is
+    /// checked against the memory available (`available_memory`).
+    pub mem: Option<u64>,
+    /// When the run would not fit: narrow the default KV precision, then shorten the context,
+    /// until it does (`fit::plan`), instead of refusing.
+    pub fit: bool,
     /// The KV precisions the run will use: each must fit the model's heads (checked once its
     /// metadata is read, before the weights load), the widest sizes the context's memory check.
     pub kv_precisions: Vec<crate::kv::Precision>,
@@ -329,11 +340,15 @@ impl Engine {
         Self::assemble(loaded, device, registry, args, started.elapsed())
     }
 
-    /// The context size asked for, else the model's trained context. Either must fit in memory
-    /// with its KV cache at full length (keys and values in every layer at the widest precision
-    /// the run uses, plus the RoPE table): a size asked for that does not is refused, the trained
-    /// context is lowered with a note. A precision that cannot hold the model's heads is refused.
-    fn ctx_for(args: &LoadOptions, cfg: &crate::model::Config) -> Result<usize> {
+    /// The context and KV precision the run loads with (`fit::plan`): the context asked for,
+    /// else the model's trained one, checked with the weights, KV cache, RoPE table and state
+    /// against the memory limit given, else against the memory available (the trained context
+    /// lowered to fit with a note). A precision that cannot hold the model's heads is refused.
+    fn plan_memory(
+        args: &LoadOptions,
+        cfg: &crate::model::Config,
+        weights: u64,
+    ) -> Result<fit::Plan> {
         use crate::kv::{Precision, DEFAULT_PRECISION};
         if let Some(why) = args
             .kv_precisions
@@ -342,41 +357,26 @@ impl Engine {
         {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }
-        let kv = args
+        let per_token = |p: Precision| crate::kv::size::KvDims::model_bytes_per_token(cfg, p);
+        let widest = args
             .kv_precisions
             .iter()
-            .chain(args.kv_precisions.is_empty().then_some(&DEFAULT_PRECISION))
-            .map(|&p: &Precision| crate::kv::size::KvDims::model_bytes_per_token(cfg, p) as usize)
-            .max()
-            .unwrap_or(0);
-        let per_token = (kv + cfg.rope_dim * 4) as u64;
-        let avail = available_memory();
-        let fits = |c: usize| (c as u64).saturating_mul(per_token) <= avail;
-        match args.ctx {
-            Some(0) => bail!("a context of 0 tokens holds nothing"),
-            Some(c) if !fits(c) => Err(crate::fixable(
-                    crate::Fix::LowerContext,
-                    format!(
-                        "a context of {c} tokens needs {} for the KV cache at full length ({} per token), more than the {} of memory available",
-                        crate::source::human_bytes((c as u64).saturating_mul(per_token)),
-                        crate::source::human_bytes(per_token),
-                        crate::source::human_bytes(avail)
-                    ),
-                )),
-            Some(c) => Ok(c),
-            None if cfg.ctx_train == 0 => bail!("the model declares a context length of 0"),
-            None if !fits(cfg.ctx_train) => {
-                let mut c = (avail / per_token.max(1)) as usize;
-                c = 1usize << (usize::BITS - 1 - c.max(2).leading_zeros());
-                crate::notes::note(format!(
-                    "note: the model's context of {} tokens would need {} of KV cache; using a context of {c}",
-                    cfg.ctx_train,
-                    crate::source::human_bytes((cfg.ctx_train as u64).saturating_mul(per_token))
-                ));
-                Ok(c)
-            }
-            None => Ok(cfg.ctx_train),
+            .copied()
+            .max_by(|a, b| per_token(*a).total_cmp(&per_token(*b)))
+            .unwrap_or(DEFAULT_PRECISION);
+        let limit = match args.mem {
+            Some(m) => fit::Limit::Given(m),
+            None => fit::Limit::Available(available_memory()),
+        };
+        let plan = fit::plan(cfg, weights, widest, args.ctx, limit, args.fit)?;
+        if args.mem.is_some() && !args.fit {
+            crate::notes::note(format!(
+                "memory: the run takes {}, within {}",
+                plan.need,
+                crate::human_bytes(args.mem.unwrap_or(0))
+            ));
         }
+        Ok(plan)
     }
 
     fn load_gguf(path: PathBuf, args: &LoadOptions, device: &Device) -> Result<Loaded> {
@@ -384,7 +384,9 @@ impl Engine {
         gguf.dense = args.dtype;
         gguf.kernels = args.kernels;
         let cfg = gguf.config()?;
-        let ctx = Self::ctx_for(args, &cfg)?;
+        let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+        let plan = Self::plan_memory(args, &cfg, file_bytes)?;
+        let ctx = plan.need.ctx;
         let model = gguf.load_llama_with(cfg, device, ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
@@ -422,6 +424,7 @@ impl Engine {
             tokenizer,
             template_src,
             ctx,
+            plan,
             digest,
             weights,
             file_sampling: ("GGUF general.sampling", file_sampling),
@@ -438,7 +441,13 @@ impl Engine {
     ) -> Result<Loaded> {
         let dtype = args.dtype.unwrap_or(DType::F32);
         let ckpt = HfCheckpoint::open(&files)?;
-        let ctx = Self::ctx_for(args, &ckpt.cfg)?;
+        let file_bytes = files
+            .weights
+            .iter()
+            .map(|w| std::fs::metadata(w).map_or(0, |m| m.len()))
+            .sum();
+        let plan = Self::plan_memory(args, &ckpt.cfg, file_bytes)?;
+        let ctx = plan.need.ctx;
         let model = ckpt.load_llama(device, dtype, ctx)?;
         let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
             (Some(tj), _) | (None, Some(tj)) => {
@@ -474,6 +483,7 @@ impl Engine {
             tokenizer,
             template_src,
             ctx,
+            plan,
             digest,
             tensor_types: format!("{tensor_types} in the files, loaded as {weights}"),
             weights,
@@ -498,6 +508,7 @@ impl Engine {
             tokenizer,
             template_src,
             ctx,
+            plan,
             digest,
             weights,
             file_sampling,
@@ -555,6 +566,7 @@ impl Engine {
             template_problem,
             stop_ids,
             ctx,
+            plan,
             device,
             weights,
             sampling,
@@ -606,7 +618,20 @@ impl Engine {
         mode: &crate::kv::CacheMode,
         ctx: usize,
     ) -> Result<crate::kv::CacheSpec> {
+        // The precision the memory plan chose in place of the default one.
+        let mode = match self.plan.precision {
+            Some(p) if mode.precision == crate::kv::DEFAULT_PRECISION => crate::kv::CacheMode {
+                precision: p,
+                ..*mode
+            },
+            _ => *mode,
+        };
         mode.for_model(&self.model().cfg)?.spec(ctx)
+    }
+
+    /// What the run takes in memory as planned before loading, and the KV precision `fit` chose.
+    pub fn memory_plan(&self) -> &fit::Plan {
+        &self.plan
     }
 
     /// Token ids of a chat prompt: the conversation rendered by the template, ready for the answer.
