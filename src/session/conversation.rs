@@ -158,6 +158,11 @@ impl<'e> Conversation<'e> {
     }
 
     /// The session whose cache holds the conversation.
+    /// What happens when a turn no longer fits the context.
+    pub fn on_full(&self) -> OnFull {
+        self.on_full
+    }
+
     pub fn session(&self) -> &Session<'e> {
         &self.session
     }

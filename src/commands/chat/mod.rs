@@ -126,6 +126,29 @@ impl Chat<'_> {
         s
     }
 
+    /// The context meter: positions the conversation holds of the most it may reach, and what a
+    /// turn past it will do ("1,234 of 32,768 tokens (3.8 %); when full: …"). Shown after each
+    /// answer on a terminal and in `/cache`.
+    fn meter_text(&self) -> String {
+        let s = self.conv.session();
+        let held = s.tokens().len();
+        let most = s.max_positions();
+        let next = match self.conv.on_full() {
+            OnFull::Stop => "the turn is refused",
+            OnFull::Shift => "the oldest turns are dropped",
+            OnFull::Compact => "the oldest turns are summarised into a note",
+        };
+        if most == usize::MAX {
+            return format!("{held} tokens; the cache keeps a bounded window, so it never fills");
+        }
+        format!(
+            "{} of {} tokens ({:.1} %); when full: {next}",
+            crate::eval::kv_size::grouped(held as f64),
+            crate::eval::kv_size::grouped(most as f64),
+            100.0 * held as f64 / most.max(1) as f64
+        )
+    }
+
     /// `/cache`: the axes, what the cache holds now and what it would hold keeping every
     /// position, what a budget or a model's windows dropped, what the last turn reused, and the
     /// prefix store.
@@ -138,8 +161,10 @@ impl Chat<'_> {
             crate::kv::size::KvDims::model_bytes_per_token(&engine.model().cfg, p)
         };
         let mut s = format!(
-            "axes: {}
+            "context: {}
+axes: {}
 holds {} positions of the {} seen: {} used, {} allocated ({} a position in {} over all layers)",
+            self.meter_text(),
             spec.describe(),
             cache.len(),
             cache.seen(),
@@ -156,6 +181,9 @@ holds {} positions of the {} seen: {} used, {} allocated ({} a position in {} ov
                 "\nlast turn (#{}): reused {} positions from the turns before, prefilled {}",
                 t.number, t.reused, t.prefilled
             );
+            if let Some(l) = t.store.as_ref().filter(|l| l.reused > 0) {
+                s += &format!("; {} positions came from the prefix store", l.reused);
+            }
             if t.shifted > 0 {
                 s += &format!(", dropped {} old turns to fit", t.shifted);
             }
@@ -401,6 +429,10 @@ pub fn run(opts: ChatOptions) -> Result<()> {
                 }
                 if g.stats {
                     chat.print_turn_stats(&t);
+                }
+                if tty {
+                    let meter = format!("[{}]", chat.meter_text());
+                    eprintln!("{}", style::paint(chat.colour, style::DIM, &meter));
                 }
                 if let Some(pc) = &g.prompt_cache {
                     if let Err(e) = chat.conv.save(pc) {
