@@ -15,6 +15,7 @@ mod gpt_oss;
 mod hf_layout;
 mod hostile;
 mod props;
+mod quiz;
 mod qwen3;
 mod qwen35;
 mod qwen_coder;

@@ -182,3 +182,62 @@ fn qwen_greedy_code_continuation_equals_llama_cpps_for_32_tokens() {
         "\n    if n <= 0:\n        return \"Invalid input\"\n    elif n == 1:\n        return 0\n    elif n == 2"
     );
 }
+
+/// `kvchat run` on this model with `args`, its output.
+fn run(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvchat"))
+        .args(["run", "-m", qwen_path().to_str().unwrap()])
+        .args(args)
+        .env("KVCHAT_KV_STORE", crate::common::test_store())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_32k_context_over_the_memory_limit_is_refused_before_loading_naming_what_fits() {
+    // 469 MiB of weights + 384 MiB of f16 KV at 32k + 8 MiB of RoPE table > 768 MiB.
+    let out = run(&["--ctx", "32768", "--mem", "768MiB", "-n", "4", "hi"]);
+    let err = crate::common::stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("a context of 32768 tokens needs 860.64 MiB: weights 468.64 MiB, KV cache 384.00 MiB (f16 at 32768 tokens)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("more than the memory limit of 768.00 MiB"),
+        "{err}"
+    );
+    assert!(
+        err.contains("it fits with KV cache in int8 (681.01 MiB) or a context of 16384 tokens"),
+        "{err}"
+    );
+    assert!(err.contains("--fit"), "{err}");
+}
+
+#[test]
+fn fit_runs_a_32k_context_in_768_mib_with_an_int8_cache_and_says_so() {
+    let out = run(&[
+        "--ctx", "32768", "--mem", "768MiB", "--fit", "--stats", "-n", "4", "hi",
+    ]);
+    let err = crate::common::stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "fit: KV cache in int8 at a context of 32768 tokens; the run takes 681.01 MiB"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("kv cache full+int8"), "{err}");
+}
+
+#[test]
+fn fit_under_the_weights_alone_is_refused_naming_their_size() {
+    let out = run(&["--mem", "256MiB", "--fit", "hi"]);
+    let err = crate::common::stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the weights alone take 468.64 MiB, more than the memory limit of 256.00 MiB"),
+        "{err}"
+    );
+}
