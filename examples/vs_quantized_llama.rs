@@ -66,7 +66,7 @@ fn main() -> Result<()> {
     let path = args
         .get(1)
         .cloned()
-        .unwrap_or_else(|| kvchat::source::default_model_path().display().to_string());
+        .unwrap_or_else(|| kvchat::source::test_model_path().display().to_string());
     let repeats: usize = args.get(2).map_or(Ok(3), |s| s.parse())?;
     let engine = Engine::load(&LoadOptions {
         ctx: Some(4096),

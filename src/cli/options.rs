@@ -15,7 +15,7 @@ use std::path::PathBuf;
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Model: a models.toml name (`kvchat models list`), hf:owner/repo[@rev][:file.gguf], a GGUF
-    /// file, or a directory in the HF layout [default: the registry's default, smollm2-135m]
+    /// file, or a directory in the HF layout [default: the registry's default, qwen2.5-coder-0.5b]
     #[arg(short = 'm', long, env = "KVCHAT_MODEL")]
     pub model: Option<String>,
     /// Model registry to read instead of the built-in models.toml

