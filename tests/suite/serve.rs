@@ -490,6 +490,17 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
     conn.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("larger than 8 MiB"), "{answer}");
+    // A chunked body whose chunk size is not hex: a 400 that says the body is malformed, not 413.
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("malformed or was cut short"), "{answer}");
     server.assert_settles();
 }
 

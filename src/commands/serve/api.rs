@@ -277,6 +277,26 @@ fn common(
     {
         return Err(ApiError::field("logprobs", "'logprobs' is not supported"));
     }
+    // A bias kvchat would not apply is refused, not dropped: an empty map is no bias.
+    match obj.get("logit_bias").filter(|v| !v.is_null()) {
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(m)) => {
+            return Err(ApiError::field(
+                "logit_bias",
+                format!(
+                    "'logit_bias' is not supported by kvchat serve ({} entries given; send none)",
+                    m.len()
+                ),
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                "logit_bias",
+                "'logit_bias' must be an object of token ids to biases",
+            ))
+        }
+        None => {}
+    }
     for penalty in ["presence_penalty", "frequency_penalty"] {
         if let Some(v) = number(obj, penalty, -2.0, 2.0)? {
             if v != 0.0 {
@@ -522,6 +542,12 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_logit_bias_is_no_bias_and_accepted() {
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"logit_bias":{}}"#);
+        assert!(r.is_ok(), "{r:?}");
+    }
+
+    #[test]
     fn malformed_json_is_a_400_that_says_so() {
         let e = chat("{\"messages\": [").unwrap_err();
         assert_eq!(e.status, 400);
@@ -568,6 +594,11 @@ mod tests {
                 "presence_penalty",
             ),
             (format!("{{{user},\"logprobs\":true}}"), "logprobs"),
+            (
+                format!("{{{user},\"logit_bias\":{{\"42\":-100}}}}"),
+                "logit_bias",
+            ),
+            (format!("{{{user},\"logit_bias\":[1]}}"), "logit_bias"),
         ] {
             let e = chat(&body).unwrap_err();
             assert_eq!(

@@ -172,19 +172,37 @@ async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
                 BODY_TIMEOUT.as_secs()
             ),
         )),
-        Ok(Err(_)) => Err(too_large()),
+        Ok(Err(e)) => Err(body_error(e)),
         Ok(Ok(b)) => Ok(b),
     }
+}
+
+/// A body that could not be read: past the size limit (413), else badly framed or cut short by the
+/// client (400, with what was wrong: a chunk size that is not hex, a connection closed early).
+fn body_error(e: axum::Error) -> ApiError {
+    let inner = e.into_inner();
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return too_large();
+        }
+        source = s.source();
+    }
+    ApiError::new(
+        400,
+        "invalid_request_error",
+        format!(
+            "the request body is malformed or was cut short: {}",
+            crate::first_line(&inner)
+        ),
+    )
 }
 
 fn too_large() -> ApiError {
     ApiError::new(
         413,
         "invalid_request_error",
-        format!(
-            "the request body is larger than {} MiB (or was cut short)",
-            MAX_BODY >> 20
-        ),
+        format!("the request body is larger than {} MiB", MAX_BODY >> 20),
     )
 }
 
