@@ -9,6 +9,12 @@ use serde_json::{json, Map, Value};
 
 /// The most stop texts a request may give (OpenAI's limit).
 const MAX_STOPS: usize = 4;
+/// The most messages, and content parts in one message, a request may hold: counted before
+/// anything is rendered or tokenized, so that a body of many empty messages (no content bytes for
+/// the byte checks to count) costs the engine nothing. Every message takes a few template tokens,
+/// so 4,096 of them fill any context kvchat runs at below ~16k tokens a turn.
+const MAX_MESSAGES: usize = 4096;
+const MAX_PARTS: usize = 256;
 /// The longest stop text, in bytes.
 const MAX_STOP_BYTES: usize = 256;
 
@@ -107,6 +113,15 @@ pub struct Request {
 pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     let obj = object(body)?;
     let messages = match obj.get("messages") {
+        Some(Value::Array(a)) if a.len() > MAX_MESSAGES => {
+            return Err(ApiError::field(
+                "messages",
+                format!(
+                    "'messages' holds {} messages, more than the {MAX_MESSAGES} kvchat serve takes in one request",
+                    a.len()
+                ),
+            ))
+        }
         Some(Value::Array(a)) if !a.is_empty() => a
             .iter()
             .enumerate()
@@ -228,6 +243,15 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         Some(Value::String(s)) => s.clone(),
         // An assistant message with tool calls has no content; here it is empty.
         Some(Value::Null) | None if role == "assistant" => String::new(),
+        Some(Value::Array(parts)) if parts.len() > MAX_PARTS => {
+            return Err(ApiError::field(
+                &param,
+                format!(
+                    "{param}: {} content parts, more than the {MAX_PARTS} kvchat serve takes in one message",
+                    parts.len()
+                ),
+            ))
+        }
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for (j, p) in parts.iter().enumerate() {
@@ -599,6 +623,20 @@ mod tests {
                 "logit_bias",
             ),
             (format!("{{{user},\"logit_bias\":[1]}}"), "logit_bias"),
+            (
+                format!(
+                    "{{\"messages\":[{}]}}",
+                    vec![r#"{"role":"user","content":""}"#; MAX_MESSAGES + 1].join(",")
+                ),
+                "messages",
+            ),
+            (
+                format!(
+                    "{{\"messages\":[{{\"role\":\"user\",\"content\":[{}]}}]}}",
+                    vec![r#"{"type":"text","text":""}"#; MAX_PARTS + 1].join(",")
+                ),
+                "messages[0]",
+            ),
         ] {
             let e = chat(&body).unwrap_err();
             assert_eq!(
