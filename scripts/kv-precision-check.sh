@@ -18,6 +18,9 @@ threads="${2:-2}"
 out="$root/target/kv-precision"
 mkdir -p "$out"
 "$root/scripts/fetch-models.sh" >&2
+# SmolLM2-135M, the figures' model, unless KVCHAT_MODEL names another (the registry's default is
+# the 0.5B Qwen2.5-Coder since issue 61).
+export KVCHAT_MODEL="${KVCHAT_MODEL:-$("$root/scripts/fetch-models.sh" | sed -n 's/^model ok: //p')}"
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kv="$root/target/release/kvchat"
 

@@ -199,6 +199,9 @@ impl DraftArgs {
                 model: Some(how.clone()),
                 tokenizer: None,
                 kv_precisions: vec![crate::kv::DEFAULT_PRECISION],
+                // The draft is planned against the memory left, not --mem whole: not fitted.
+                mem: None,
+                fit: false,
                 ..model.clone()
             };
             crate::commands::DraftChoice::Model { load, max }

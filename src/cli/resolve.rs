@@ -236,6 +236,7 @@ impl ChatArgs {
 
 impl BenchArgs {
     pub fn resolve(self) -> Result<BenchOptions> {
+        refuse_fit(&self.model, "bench")?;
         if self.gen == 0 || self.repeat == 0 {
             bail!("--gen and --repeat must be at least 1");
         }
@@ -319,8 +320,18 @@ fn check_svg(plot: &Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// `--fit` is for the commands whose cache the engine builds at its context (run, chat, serve,
+/// quiz); a command whose workload sizes its context and caches (bench, needle, ppl) is refused.
+fn refuse_fit(model: &ModelArgs, command: &str) -> Result<()> {
+    if model.fit {
+        bail!("--fit applies to run, chat, serve and quiz; {command} sizes its context and caches from what it measures (set --ctx or --mem to check it)");
+    }
+    Ok(())
+}
+
 impl NeedleArgs {
     pub fn resolve(self) -> Result<NeedleOptions> {
+        refuse_fit(&self.model, "needle")?;
         if self.contexts.is_empty() || self.contexts.contains(&0) {
             bail!("--contexts must be a list of positive token counts");
         }
@@ -369,10 +380,16 @@ impl NeedleArgs {
     }
 }
 
+/// The most seeds a quiz answers each question with.
+const MAX_QUIZ_SEEDS: u64 = 1000;
+
 impl QuizArgs {
     pub fn resolve(self) -> Result<QuizOptions> {
-        if self.seeds == 0 {
-            bail!("--seeds must be at least 1");
+        if !(1..=MAX_QUIZ_SEEDS).contains(&self.seeds) {
+            bail!(
+                "--seeds must be from 1 to {MAX_QUIZ_SEEDS}, not {}",
+                self.seeds
+            );
         }
         if self.max_tokens == 0 {
             bail!("--max-tokens must be at least 1");
@@ -404,6 +421,7 @@ impl QuizArgs {
 
 impl PplArgs {
     pub fn resolve(self) -> Result<PplOptions> {
+        refuse_fit(&self.model, "ppl")?;
         if self.chunk < 4 {
             bail!("--chunk must be at least 4 tokens");
         }

@@ -221,7 +221,7 @@ pub struct QuizArgs {
     /// Chat template: a name (chatml, llama3, llama2, gemma), Jinja text or a file, instead of the model's own
     #[arg(long)]
     pub chat_template: Option<String>,
-    /// Answer each question once per seed, seeds 1 to N (the answers `kvchat run --seed S` gives)
+    /// Answer each question once per seed, seeds 1 to N (the answers `kvchat run --seed S -n MAX_TOKENS` gives)
     #[arg(long, default_value_t = 4)]
     pub seeds: u64,
     /// Most tokens per answer

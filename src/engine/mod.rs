@@ -619,19 +619,21 @@ impl Engine {
         ctx: usize,
     ) -> Result<crate::kv::CacheSpec> {
         // The precision the memory plan chose in place of the default one.
+        // Never the recompute baseline (no cache): its rows are rounded as the cache would store
+        // them, and it keeps none.
         let mode = match self.plan.precision {
-            Some(p) if mode.precision == crate::kv::DEFAULT_PRECISION => crate::kv::CacheMode {
-                precision: p,
-                ..*mode
-            },
+            Some(p)
+                if mode.precision == crate::kv::DEFAULT_PRECISION
+                    && mode.retention != crate::kv::Retention::None =>
+            {
+                crate::kv::CacheMode {
+                    precision: p,
+                    ..*mode
+                }
+            }
             _ => *mode,
         };
         mode.for_model(&self.model().cfg)?.spec(ctx)
-    }
-
-    /// What the run takes in memory as planned before loading, and the KV precision `fit` chose.
-    pub fn memory_plan(&self) -> &fit::Plan {
-        &self.plan
     }
 
     /// Token ids of a chat prompt: the conversation rendered by the template, ready for the answer.

@@ -47,7 +47,8 @@ fn contains_word(hay: &str, needle: &str) -> bool {
     if needle.is_empty() {
         return false;
     }
-    let word = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
+    // A letter, a digit, or a mark combining with the one before it ("é" as e + U+0301).
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || is_combining(c));
     let starts_word = word(needle.chars().next());
     let ends_word = word(needle.chars().last());
     hay.match_indices(needle).any(|(i, m)| {
@@ -57,6 +58,12 @@ fn contains_word(hay: &str, needle: &str) -> bool {
         let touches_after = ends_word && word(after);
         !(touches_before || touches_after)
     })
+}
+
+/// Whether `c` is a combining diacritical mark (the blocks U+0300–036F, U+1AB0–1AFF, U+1DC0–1DFF,
+/// U+20D0–20FF, U+FE20–FE2F): part of the letter before it, never a word's edge.
+fn is_combining(c: char) -> bool {
+    matches!(c as u32, 0x300..=0x36F | 0x1AB0..=0x1AFF | 0x1DC0..=0x1DFF | 0x20D0..=0x20FF | 0xFE20..=0xFE2F)
 }
 
 /// Parses a question set: `kind<TAB>question<TAB>accept|accept…<TAB>reject|reject…` (the last
@@ -104,7 +111,7 @@ pub fn parse_questions(text: &str) -> Result<Vec<Question>> {
         let reject = fields.get(3).map_or_else(Vec::new, |f| list(f));
         if let Some(both) = accept
             .iter()
-            .find(|a| reject.iter().any(|r| r.eq_ignore_ascii_case(a)))
+            .find(|a| reject.iter().any(|r| r.to_lowercase() == a.to_lowercase()))
         {
             bail!("line {n}: '{both}' is both accepted and rejected");
         }
@@ -165,8 +172,8 @@ impl QuizReport {
     }
 }
 
-/// Asks every question once per seed. The prompt is prefilled once per question and each seed's
-/// answer decoded from its logits, so each answer is the one a fresh run with that seed gives.
+/// Asks every question once per seed, each answer from a fresh prefill of its prompt: the answer
+/// a fresh `kvchat run --seed S -n MAX_TOKENS` gives.
 pub fn run_quiz(
     engine: &Engine,
     template: &ChatTemplate,
@@ -193,8 +200,6 @@ pub fn run_quiz(
                 engine.ctx()
             );
         }
-        session.reset()?;
-        let logits = session.feed(&ids)?;
         let mut item = QuizItem {
             kind: q.kind.clone(),
             question: q.text.clone(),
@@ -203,7 +208,11 @@ pub fn run_quiz(
             wrong: Vec::new(),
         };
         for &seed in &plan.seeds {
-            session.truncate(ids.len())?;
+            // Each answer from a fresh prefill of the prompt: truncating back to it would read a
+            // quantized cache's last positions from its rows where a fresh run reads its f16
+            // residual, and a window or budget cannot go back at all.
+            session.reset()?;
+            let logits = session.feed(&ids)?;
             let prefs = SamplingPrefs {
                 seed: Some(seed),
                 ..plan.sampling.clone()
@@ -212,7 +221,7 @@ pub fn run_quiz(
             described = resolved.describe();
             let mut sampler = Sampler::new(resolved.params);
             let (out, _, _) = session.decode(
-                logits.clone(),
+                logits,
                 &mut sampler,
                 plan.max_tokens,
                 engine.stop_ids(),
@@ -321,6 +330,12 @@ mod tests {
     fn an_answer_of_punctuation_matches_where_it_stands() {
         assert!(q(&["s[::-1]"], &[]).judge("Use `s[::-1]`."));
         assert!(q(&[".py"], &[]).judge("Python files end in .py"));
+    }
+
+    #[test]
+    fn a_combining_accent_after_a_word_makes_it_another_word() {
+        assert!(!q(&["cafe"], &[]).judge("un cafe\u{301} noir"));
+        assert!(q(&["cafe\u{301}"], &[]).judge("un cafe\u{301} noir"));
     }
 
     #[test]

@@ -157,12 +157,12 @@ impl<'e> Conversation<'e> {
         &self.template
     }
 
-    /// The session whose cache holds the conversation.
     /// What happens when a turn no longer fits the context.
     pub fn on_full(&self) -> OnFull {
         self.on_full
     }
 
+    /// The session whose cache holds the conversation.
     pub fn session(&self) -> &Session<'e> {
         &self.session
     }

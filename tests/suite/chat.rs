@@ -548,6 +548,36 @@ fn cache_shows_what_a_budget_holds_and_dropped_and_what_the_turn_reused() {
 }
 
 #[test]
+fn cache_shows_the_context_meter_and_what_a_full_context_will_do() {
+    let out = kvchat(
+        &[
+            "chat",
+            "--temperature",
+            "0",
+            "-n",
+            "4",
+            "--ctx",
+            "2048",
+            "--on-full",
+            "shift",
+        ],
+        "Hello there.\n/cache\n",
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    let held = said
+        .lines()
+        .find_map(|l| l.strip_prefix("holds "))
+        .and_then(|l| l.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    let meter = format!(
+        "context: {held} of 2,048 tokens ({:.1} %); when full: the oldest turns are dropped",
+        100.0 * held as f64 / 2048.0
+    );
+    assert!(said.contains(&meter), "{meter} not in {said}");
+}
+
+#[test]
 fn compact_on_demand_says_what_it_did_and_the_chat_goes_on() {
     let out = kvchat(
         &["chat", "--temperature", "0", "-n", "16"],

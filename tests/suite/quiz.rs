@@ -48,36 +48,41 @@ fn a_quiz_answer_is_the_answer_kvchat_run_gives_with_the_same_seed() {
 }
 
 #[test]
-fn a_quiz_counts_an_accepted_answer_right_and_reports_it_by_kind() {
-    let f = set(
-        "greedy.tsv",
-        "arithmetic\tWhat is 2 plus 2? Answer with the number only.\t4\t\n",
-    );
-    let out = kvchat(
-        &[
-            "quiz",
-            f.to_str().unwrap(),
-            "--seeds",
-            "1",
-            "--temperature",
-            "0",
-            "--json",
-            "-",
-        ],
-        "",
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let right = report["right"].as_u64().unwrap();
-    // The greedy answer, whichever it is, is judged by the set: right iff it holds "4" as a word.
-    let answer = report["items"][0]["wrong"]
-        .get(0)
-        .map(|w| w[1].as_str().unwrap().to_string());
-    assert_eq!(right == 1, answer.is_none(), "{report}");
-    assert_eq!(
-        report["by_kind"][0],
-        serde_json::json!(["arithmetic", right, 1])
-    );
+fn a_greedy_answer_is_right_by_an_accepted_answer_it_holds_and_wrong_by_a_rejected_one() {
+    // SmolLM2's greedy answer with its registry entry's repeat penalty: "L'Étoile: Paris, la
+    // maquette de la France. …" (kvchat run --temperature 0 --repeat-penalty 1.1 -n 24 QUESTION).
+    let q = "What is the capital of France?";
+    let judged = |name: &str, accept: &str, reject: &str| {
+        let f = set(name, &format!("fact\t{q}\t{accept}\t{reject}\n"));
+        let out = kvchat(
+            &[
+                "quiz",
+                f.to_str().unwrap(),
+                "--seeds",
+                "1",
+                "--temperature",
+                "0",
+                "--repeat-penalty",
+                "1.1",
+                "-n",
+                "24",
+                "--json",
+                "-",
+            ],
+            "",
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["by_kind"][0][0], "fact", "{r}");
+        (
+            r["right"].as_u64().unwrap(),
+            r["by_kind"][0][1].as_u64().unwrap(),
+        )
+    };
+    assert_eq!(judged("paris.tsv", "Paris", ""), (1, 1));
+    assert_eq!(judged("paris-lyon.tsv", "Paris", "Lyon"), (1, 1));
+    assert_eq!(judged("paris-etoile.tsv", "Paris", "étoile"), (0, 0));
+    assert_eq!(judged("lyon.tsv", "Lyon", ""), (0, 0));
 }
 
 #[test]

@@ -373,6 +373,9 @@ fn a_chat_reuses_the_stored_system_prompt_on_its_first_turn() {
         .unwrap();
     assert!(n > 5 * 64, "{line}");
     assert!(text(&o.stdout).contains("prefix store:"));
+    // /cache says how many of the turn's positions came from the store.
+    let from_store = format!("; {n} positions came from the prefix store");
+    assert!(text(&o.stdout).contains(&from_store), "{}", text(&o.stdout));
 }
 
 /// Logits after a whole prompt prefilled at once, and after the same prompt resumed from the

@@ -182,19 +182,20 @@ async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
 fn body_error(e: axum::Error) -> ApiError {
     let inner = e.into_inner();
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
+    // The innermost cause says what was wrong ("invalid chunk size line"); the outer ones only
+    // that a body could not be read.
+    let mut cause = inner.to_string();
     while let Some(s) = source {
         if s.is::<http_body_util::LengthLimitError>() {
             return too_large();
         }
+        cause = crate::first_line(s);
         source = s.source();
     }
     ApiError::new(
         400,
         "invalid_request_error",
-        format!(
-            "the request body is malformed or was cut short: {}",
-            crate::first_line(&inner)
-        ),
+        format!("the request body is malformed or was cut short: {cause}"),
     )
 }
 
