@@ -6,7 +6,7 @@
 //! context that fits, and says so.
 
 use crate::kv::size::KvDims;
-use crate::kv::{Precision, DEFAULT_PRECISION, DEFAULT_RESIDUAL, MAX_SNAPSHOTS};
+use crate::kv::{Precision, DEFAULT_PRECISION, DEFAULT_RESIDUAL};
 use crate::model::Config;
 use crate::{fixable, human_bytes, Fix};
 use anyhow::{bail, Result};
@@ -32,22 +32,11 @@ pub struct Need {
 impl Need {
     /// What a model of `cfg`, its weights `weights` bytes, takes at `ctx` positions of KV in `p`.
     pub fn of(cfg: &Config, weights: u64, p: Precision, ctx: usize) -> Self {
-        let per_token = KvDims::model_bytes_per_token(cfg, p);
-        // A quantized cache also keeps its newest positions in f16.
-        let residual = if p.quantized() {
-            ctx.min(DEFAULT_RESIDUAL) as f64 * KvDims::model_bytes_per_token(cfg, Precision::F16)
-        } else {
-            0.0
-        };
-        let state = cfg
-            .recurrent
-            .as_ref()
-            .map_or(0, |r| r.count() * r.layer_bytes() * (1 + MAX_SNAPSHOTS));
         Self {
             weights,
-            kv: (ctx as f64 * per_token + residual) as u64,
+            kv: KvDims::model_bytes_for(cfg, p, ctx, DEFAULT_RESIDUAL) as u64,
             rope: (ctx as u64).saturating_mul(cfg.rope_dim as u64 * 4),
-            state: state as u64,
+            state: KvDims::state_bytes(cfg) as u64,
             ctx,
             precision: p,
         }
@@ -179,8 +168,8 @@ pub fn plan(
         }
         None
     };
-    match fit {
-        true => {
+    match (fit, ctx, limit) {
+        (true, _, _) => {
             let chosen =
                 by_precision.or_else(|| shorter(narrower.last().copied().unwrap_or(asked)));
             let Some(n) = chosen else {
@@ -200,12 +189,9 @@ pub fn plan(
                 need: n,
             })
         }
-        false if ctx.is_none() && matches!(limit, Limit::Available(_)) => {
+        (false, None, Limit::Available(a)) => {
             // The trained context, lowered to a power of two that fits, as before any limit.
             let per_token = asked_need.per_context() / want.max(1) as u64;
-            let Limit::Available(a) = limit else {
-                unreachable!()
-            };
             let mut c = (a / per_token.max(1)) as usize;
             c = 1usize << (usize::BITS - 1 - c.max(2).leading_zeros());
             crate::notes::note(format!(
@@ -217,7 +203,7 @@ pub fn plan(
                 precision: None,
             })
         }
-        false => {
+        (false, _, _) => {
             let mut would = Vec::new();
             if let Some(n) = by_precision {
                 would.push(format!(

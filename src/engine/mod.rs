@@ -22,10 +22,10 @@ pub struct Engine {
     template_problem: Option<String>,
     /// Ids that end generation: EOS and the template's end-of-turn tokens.
     stop_ids: Vec<u32>,
-    /// The most positions a sequence may reach (`--ctx`).
+    /// The most positions a sequence may reach (`--ctx`, or what the memory plan chose).
     ctx: usize,
-    /// What the run takes in memory, and the KV precision `fit` chose, if it chose one.
-    plan: fit::Plan,
+    /// The KV precision the memory plan (`--fit`) chose in place of the default one.
+    fitted_precision: Option<crate::kv::Precision>,
     device: Device,
     /// Identifies the model for saved KV state: sha256 of its GGUF header (metadata and tensor
     /// layout; `GgufFile::digest`).
@@ -61,7 +61,7 @@ struct Loaded {
     tokenizer: Tokenizer,
     /// The model's own chat template, when it has one.
     template_src: Option<String>,
-    ctx: usize,
+    /// The context and KV precision the run loads with, and what it takes.
     plan: fit::Plan,
     digest: String,
     weights: String,
@@ -386,8 +386,7 @@ impl Engine {
         let cfg = gguf.config()?;
         let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         let plan = Self::plan_memory(args, &cfg, file_bytes)?;
-        let ctx = plan.need.ctx;
-        let model = gguf.load_llama_with(cfg, device, ctx)?;
+        let model = gguf.load_llama_with(cfg, device, plan.need.ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
         let tokenizer = match &args.tokenizer {
@@ -423,7 +422,6 @@ impl Engine {
             model,
             tokenizer,
             template_src,
-            ctx,
             plan,
             digest,
             weights,
@@ -447,8 +445,7 @@ impl Engine {
             .map(|w| std::fs::metadata(w).map_or(0, |m| m.len()))
             .sum();
         let plan = Self::plan_memory(args, &ckpt.cfg, file_bytes)?;
-        let ctx = plan.need.ctx;
-        let model = ckpt.load_llama(device, dtype, ctx)?;
+        let model = ckpt.load_llama(device, dtype, plan.need.ctx)?;
         let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
             (Some(tj), _) | (None, Some(tj)) => {
                 Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?
@@ -482,7 +479,6 @@ impl Engine {
             model,
             tokenizer,
             template_src,
-            ctx,
             plan,
             digest,
             tensor_types: format!("{tensor_types} in the files, loaded as {weights}"),
@@ -507,7 +503,6 @@ impl Engine {
             model,
             tokenizer,
             template_src,
-            ctx,
             plan,
             digest,
             weights,
@@ -565,8 +560,8 @@ impl Engine {
             template,
             template_problem,
             stop_ids,
-            ctx,
-            plan,
+            ctx: plan.need.ctx,
+            fitted_precision: plan.precision,
             device,
             weights,
             sampling,
@@ -621,7 +616,7 @@ impl Engine {
         // The precision the memory plan chose in place of the default one.
         // Never the recompute baseline (no cache): its rows are rounded as the cache would store
         // them, and it keeps none.
-        let mode = match self.plan.precision {
+        let mode = match self.fitted_precision {
             Some(p)
                 if mode.precision == crate::kv::DEFAULT_PRECISION
                     && mode.retention != crate::kv::Retention::None =>

