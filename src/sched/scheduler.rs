@@ -1,11 +1,11 @@
-//! The engine thread: requests wait in a queue, join the running batch when the batch and the KV
-//! pool have room, decode together one token a step ([`Batch`]), and leave when they end, when a
-//! stop text ends them or when their client goes.
+//! The scheduler's loop, on its own thread: jobs wait in a queue, join the running batch when the
+//! batch and the KV pool have room, decode together one token a step ([`Batch`]), and leave when
+//! they end, when a stop text ends them or when their sender goes.
 //!
 //! **The pool** holds two kinds of KV rows: each sequence's own, and blocks of
 //! [`SHARED_BLOCK`] positions that sequences share. A sequence counts in it for what its own
 //! stores hold once its next step is fed (`KvDims::bytes_up_to`: the stores grow a page of
-//! [`GROW_BY`] positions at a time, up to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
+//! [`GROW_BY`](super::pool::GROW_BY) positions at a time, up to its prompt and `max_tokens` within the context), not for all it may ever hold: a long
 //! `max_tokens` takes no memory it does not use. A request joins when its prompt (and first
 //! step) fits beside the others' next steps and the shared blocks. Before each step, when the
 //! running sequences' next rows would pass `--kv-pool`, shared blocks nobody attends to go first,
@@ -26,76 +26,34 @@
 //! Sharing is exact (`kv/layer/shared.rs`) and applies to float caches that keep every position;
 //! the start line says when the cache flags turn it off.
 
-use super::api::{ApiError, Prompt, Request};
-use super::metrics::Metrics;
+use super::pool::{Pool, ADMIT_AHEAD};
+use super::shared::SharedIndex;
+use super::stop::Text;
+use super::{counters, Event, Failure, Inbox, Job};
 use crate::engine::Engine;
-use crate::kv::size::KvDims;
 use crate::kv::{CacheSpec, SharedBlock, SHARED_BLOCK};
 use crate::session::batch::{Batch, Finished, Paused};
 use crate::session::prefix::PrefixReuse;
 use crate::session::{Sampler, Session, StopReason};
-use crate::template::ChatTemplate;
-use crate::tokenizer::TextStream;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// Positions a sequence's own stores grow by (`CacheSpec::grow_by`), the size of a page of its
-/// block table (`kv/paged.rs`: growing appends a page and copies no row): a sequence holds at
-/// most 63 positions it has not used, where doubling from 256 held up to half its store unused.
-const GROW_BY: usize = 64;
-
-/// Positions past its next step that each sequence is counted for when a request asks to join:
-/// it joins only when every running sequence (and itself) could go on that far beside it. An
-/// answer shorter than this is never preempted by the ones that joined after it; a longer one
-/// may be, when the pool is tight.
-const ADMIT_AHEAD: usize = 2 * GROW_BY;
-
-/// What the engine tells a request's handler, in order: `Started` (or `Failed`), then `Text`
-/// pieces, then `Done`.
-#[derive(Debug)]
-pub enum Event {
-    Started {
-        prompt_tokens: usize,
-        cached_tokens: usize,
-    },
-    Text(String),
-    Done {
-        reason: StopReason,
-        completion_tokens: usize,
-    },
-    Failed(ApiError),
-}
-
-/// A request handed to the engine thread.
-pub struct Job {
-    pub request: Request,
-    pub events: UnboundedSender<Event>,
-    pub arrived: Instant,
-}
-
-/// How the engine thread runs.
+/// How the scheduler runs.
 pub struct Limits {
     /// Most sequences decoding at once.
     pub parallel: usize,
     /// The KV pool's bound in bytes.
     pub pool: u64,
-    /// Tokens an answer gets when its request names no max_tokens.
-    pub default_max_tokens: usize,
-    /// Sampling settings under each request's own (the server's flags).
+    /// Sampling settings under each job's own (the server's flags).
     pub sampling: crate::model::sampling::SamplingPrefs,
 }
 
-/// A request tokenized, waiting for room.
+/// A job, waiting for room.
 struct Ready {
     job: Job,
-    ids: Vec<u32>,
-    max_tokens: usize,
-    /// Whether its client was told it started (it was preempted since, or while prefilling).
+    /// Whether its sender was told it started (it was preempted since, or while prefilling).
     started: bool,
     /// Set when it was preempted after it joined the batch: it goes on where it was.
     resumed: Option<Resumed>,
@@ -110,25 +68,15 @@ struct Resumed {
     after: u64,
 }
 
-/// A request in the batch.
+/// A job in the batch.
 struct Live {
     job: Job,
     text: Text,
-    /// Its prompt, and the positions of it read from shared blocks.
-    prompt: Vec<u32>,
+    /// Positions of its prompt read from shared blocks.
     shared: usize,
-    max_tokens: usize,
 }
 
-/// An answer's text on its way to the client.
-struct Text {
-    first_token: bool,
-    stream: TextStream,
-    /// Decoded text not sent yet: it may be the start of a stop text.
-    held: String,
-}
-
-/// A request whose prompt is being prefilled, a chunk between two decode steps of the others.
+/// A job whose prompt is being prefilled, a chunk between two decode steps of the others.
 struct Prefilling<'e> {
     ready: Ready,
     id: u64,
@@ -144,13 +92,6 @@ struct Prefilling<'e> {
     seconds: f64,
 }
 
-/// A shared block in the index, and when it was last used (a tick: larger is later).
-struct Indexed {
-    block: Arc<SharedBlock>,
-    bytes: u64,
-    last_use: u64,
-}
-
 /// Where prompts' prefixes come from besides a prefill.
 pub struct Prefixes {
     /// Why this cache cannot share rows between sequences, if it cannot
@@ -162,17 +103,15 @@ pub struct Prefixes {
 
 pub struct Scheduler<'e> {
     engine: &'e Engine,
-    template: Result<ChatTemplate, String>,
-    spec: CacheSpec,
-    limits: Limits,
+    pool: Pool<'e>,
+    parallel: usize,
+    sampling: crate::model::sampling::SamplingPrefs,
     batch: Batch<'e>,
     live: HashMap<u64, Live>,
     waiting: VecDeque<Ready>,
-    /// The request being prefilled, if one is.
+    /// The job being prefilled, if one is.
     prefilling: Option<Prefilling<'e>>,
-    /// The shared blocks, by the chained hash of their tokens ([`block_keys`]).
-    blocks: HashMap<u64, Indexed>,
-    tick: u64,
+    blocks: SharedIndex,
     /// Whether this cache shares rows (None), or why not.
     share_refusal: Option<&'static str>,
     /// The on-disk prefix store behind the shared blocks: a prompt no shared block starts is
@@ -181,51 +120,48 @@ pub struct Scheduler<'e> {
     next_id: u64,
     /// Sequences that have left the batch (answered, failed or cancelled).
     left: u64,
-    /// Requests handed over and not yet in the batch or refused (the HTTP side's 429 counts it).
-    queued: Arc<AtomicUsize>,
-    metrics: Arc<Metrics>,
+    counts: Arc<counters::Shared>,
+    /// A step's last events (`Done`, `Failed`), sent once the counts say what they end.
+    last_events: Vec<(UnboundedSender<Event>, Event)>,
 }
 
 impl<'e> Scheduler<'e> {
     pub fn new(
         engine: &'e Engine,
-        template: Result<ChatTemplate, String>,
         spec: CacheSpec,
         Prefixes {
             share_refusal,
             store,
         }: Prefixes,
         limits: Limits,
-        queued: Arc<AtomicUsize>,
-        metrics: Arc<Metrics>,
+        counts: Arc<counters::Shared>,
     ) -> Self {
-        metrics.update(|f| f.pool_bytes = limits.pool);
+        counts.update(|c| c.pool_bytes = limits.pool);
         Self {
             engine,
-            template,
-            spec,
-            limits,
+            pool: Pool::new(engine.model(), spec, limits.pool),
+            parallel: limits.parallel,
+            sampling: limits.sampling,
             batch: Batch::new(),
             live: HashMap::new(),
             waiting: VecDeque::new(),
             prefilling: None,
-            blocks: HashMap::new(),
-            tick: 0,
+            blocks: SharedIndex::default(),
             share_refusal,
             store,
             next_id: 0,
             left: 0,
-            queued,
-            metrics,
+            counts,
+            last_events: Vec::new(),
         }
     }
 
     /// Serves jobs until every sender is gone and nothing runs.
-    pub fn run(mut self, jobs: Receiver<Job>) {
+    pub fn run(mut self, inbox: Inbox) {
         loop {
-            if self.batch.is_empty() && self.waiting.is_empty() && self.prefilling.is_none() {
-                match jobs.recv() {
-                    Ok(job) => self.accept(job),
+            if self.is_idle() {
+                match inbox.0.recv() {
+                    Ok(job) => self.submit(job),
                     Err(_) => {
                         self.store.finish();
                         self.report_store_problems();
@@ -233,132 +169,56 @@ impl<'e> Scheduler<'e> {
                     }
                 }
             }
-            while let Ok(job) = jobs.try_recv() {
-                self.accept(job);
+            while let Ok(job) = inbox.0.try_recv() {
+                self.submit(job);
             }
-            self.drop_departed();
-            self.admit();
-            if !self.batch.is_empty() {
-                self.step();
-            }
-            // (A request joins only when its next step fits: the steps after it may not.)
-            self.fit_step();
-            self.publish();
+            self.tick();
         }
     }
 
-    /// Tokenizes a job and queues it, or refuses it.
-    fn accept(&mut self, job: Job) {
-        match self.prepare(&job.request) {
-            Ok((ids, max_tokens)) => {
-                let reserve = self.most_bytes(ids.len(), ids.len() + max_tokens);
-                if reserve > self.limits.pool {
-                    self.refuse(
-                        job,
-                        ApiError::bad(format!(
-                            "this request's KV cache may take {} ({} positions), more than the whole pool of {}; lower max_tokens or shorten the prompt",
-                            crate::source::human_bytes(reserve),
-                            ids.len() + max_tokens,
-                            crate::source::human_bytes(self.limits.pool)
-                        )),
-                    );
-                    return;
-                }
-                self.metrics.update(|f| f.requests += 1);
-                self.waiting.push_back(Ready {
-                    job,
-                    ids,
-                    max_tokens,
-                    started: false,
-                    resumed: None,
-                });
-            }
-            Err(e) => self.refuse(job, e),
+    /// Whether nothing waits, prefills or decodes.
+    pub fn is_idle(&self) -> bool {
+        self.batch.is_empty() && self.waiting.is_empty() && self.prefilling.is_none()
+    }
+
+    /// One turn of the loop: departed jobs dropped, waiting ones admitted (a prefill chunk), one
+    /// decode step, the next step fitted into the pool, the counts published, then the step's
+    /// last events sent.
+    pub fn tick(&mut self) {
+        self.drop_departed();
+        self.admit();
+        if !self.batch.is_empty() {
+            self.step();
+        }
+        // (A job joins only when its next step fits: the steps after it may not.)
+        self.fit_step();
+        self.publish();
+        for (to, event) in self.last_events.drain(..) {
+            let _ = to.send(event);
         }
     }
 
-    /// Refuses a job (the HTTP side counts it among the invalid requests when it answers).
-    fn refuse(&mut self, job: Job, e: ApiError) {
-        self.queued.fetch_sub(1, Ordering::SeqCst);
-        let _ = job.events.send(Event::Failed(e));
-    }
-
-    /// The prompt's token ids and how many tokens the answer may take.
-    fn prepare(&self, r: &Request) -> Result<(Vec<u32>, usize), ApiError> {
-        let ctx = self.engine.ctx();
-        let text_len = match &r.prompt {
-            Prompt::Text(t) => t.len(),
-            Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
-        };
-        let too_long = |n: &str| {
-            ApiError::bad(format!(
-                "the prompt is {n}, which does not fit the context of {ctx} tokens"
-            ))
-            .with_code("context_length_exceeded")
-        };
-        // Refused by its bytes before it is tokenized (all messages together).
-        if self.engine.tokenizer().min_tokens(text_len) >= ctx {
-            return Err(too_long(&format!("{text_len} bytes")));
+    /// Queues a job, or refuses one that could need more than the whole pool.
+    pub fn submit(&mut self, job: Job) {
+        let n = job.prompt.len();
+        let reserve = self.pool.most_bytes(n, n + job.max_tokens);
+        if reserve > self.pool.bound {
+            let why = format!(
+                "this request's KV cache may take {} ({} positions), more than the whole pool of {}; lower max_tokens or shorten the prompt",
+                crate::human_bytes(reserve),
+                n + job.max_tokens,
+                crate::human_bytes(self.pool.bound)
+            );
+            // (Its ticket goes with it.)
+            let _ = job.events.send(Event::Failed(Failure::Refused(why)));
+            return;
         }
-        let ids = match &r.prompt {
-            Prompt::Text(t) => self
-                .engine
-                .raw_prompt(t)
-                .map_err(|e| ApiError::bad(crate::first_line(e)))?,
-            Prompt::Chat(messages) => {
-                let template = self
-                    .template
-                    .as_ref()
-                    .map_err(|why| ApiError::bad(why.clone()))?;
-                self.engine.chat_prompt(template, messages).map_err(|e| {
-                    ApiError::bad(format!(
-                        "the chat template cannot render these messages: {}",
-                        crate::first_line(e)
-                    ))
-                })?
-            }
-        };
-        if ids.is_empty() {
-            return Err(ApiError::bad(
-                "the prompt is empty once rendered and tokenized: there is nothing to continue",
-            ));
-        }
-        if ids.len() >= ctx {
-            return Err(too_long(&format!("{} tokens", ids.len())));
-        }
-        let room = ctx - ids.len();
-        let max_tokens = r
-            .max_tokens
-            .unwrap_or(self.limits.default_max_tokens)
-            .min(room);
-        Ok((ids, max_tokens))
-    }
-
-    /// The cache a sequence's own stores make: built for `positions` positions, of which the
-    /// first `prompt` are its first forward.
-    fn own_spec(&self, positions: usize) -> CacheSpec {
-        CacheSpec {
-            max_positions: positions,
-            grow_by: Some(GROW_BY),
-            ..self.spec.clone()
-        }
-    }
-
-    /// Bytes a sequence's own stores may ever allocate (`KvDims::bytes_at_most`): a request
-    /// needing more than the pool is refused.
-    fn most_bytes(&self, prompt: usize, positions: usize) -> u64 {
-        let m = self.engine.model();
-        KvDims::bytes_at_most(&self.own_spec(positions), &m.cfg, prompt, m.prefill_chunk).ceil()
-            as u64
-    }
-
-    /// Bytes a sequence's own stores hold once it is `upto` positions long
-    /// (`KvDims::bytes_up_to`): its prompt `prompt` positions, the first `off` of them read from
-    /// shared blocks (its own stores start after them), and `max_tokens` to generate.
-    fn seq_bytes(&self, prompt: usize, off: usize, max_tokens: usize, upto: usize) -> u64 {
-        let m = self.engine.model();
-        let spec = self.own_spec(prompt + max_tokens - off);
-        KvDims::bytes_up_to(&spec, &m.cfg, prompt - off, m.prefill_chunk, upto - off).ceil() as u64
+        self.counts.update(|c| c.requests += 1);
+        self.waiting.push_back(Ready {
+            job,
+            started: false,
+            resumed: None,
+        });
     }
 
     /// Bytes of the pool the sequences' own rows take by their next step and `ahead` positions
@@ -368,77 +228,41 @@ impl<'e> Scheduler<'e> {
         let running = self.batch.sessions().filter_map(|(id, s)| {
             let l = self.live.get(&id)?;
             let upto = s.tokens().len() + 1 + ahead;
-            let counted = self.seq_bytes(l.prompt.len(), l.shared, l.max_tokens, upto);
+            let counted = self
+                .pool
+                .seq_bytes(l.job.prompt.len(), l.shared, l.job.max_tokens, upto);
             Some(counted.max(s.cache().bytes() as u64))
         });
         let prefilling = self.prefilling.as_ref().map(|p| {
-            let n = p.ready.ids.len();
+            let job = &p.ready.job;
+            let n = job.prompt.len();
             let at = n + p.paused.tokens().len();
-            let counted = self.seq_bytes(n, p.cached, p.ready.max_tokens, at + 1 + ahead);
+            let counted = self
+                .pool
+                .seq_bytes(n, p.cached, job.max_tokens, at + 1 + ahead);
             counted.max(p.session.cache().bytes() as u64)
         });
         running.chain(prefilling).sum()
     }
 
-    fn shared_bytes(&self) -> u64 {
-        self.blocks.values().map(|b| b.bytes).sum()
-    }
-
-    /// The longest run of indexed blocks that `ids` starts with, at most `limit` blocks; marked
-    /// used now.
+    /// The longest run of shared blocks that `ids` starts with, at most `limit` blocks (none
+    /// where this cache does not share).
     fn lookup(&mut self, ids: &[u32], limit: usize) -> Vec<Arc<SharedBlock>> {
-        let mut found = Vec::new();
         if self.share_refusal.is_some() {
-            return found;
+            return Vec::new();
         }
-        let keys = block_keys(ids);
-        for (i, key) in keys.iter().take(limit).enumerate() {
-            let span = i * SHARED_BLOCK..(i + 1) * SHARED_BLOCK;
-            match self.blocks.get(key) {
-                Some(b) if b.block.tokens[span.clone()] == ids[span] => found.push(b.block.clone()),
-                _ => break,
-            }
-        }
-        // A run's first blocks are the most recently used: the least recently used one is then
-        // always the end of a run, and a run is never left with a missing block inside it.
-        let m = found.len() as u64;
-        for (j, key) in keys.iter().take(found.len()).enumerate() {
-            if let Some(b) = self.blocks.get_mut(key) {
-                b.last_use = self.tick + m - j as u64;
-            }
-        }
-        self.tick += m + 1;
-        found
+        self.blocks.lookup(ids, limit)
     }
 
     /// Makes room for `need` more bytes beside the sequences' rows `ahead` positions past their
     /// next step (`committed`), by dropping shared blocks no sequence attends to, least recently
     /// used first; whether the room is there.
     fn make_room(&mut self, need: u64, ahead: usize) -> bool {
-        let used = self.committed(ahead) + self.shared_bytes();
-        if used + need <= self.limits.pool {
+        let used = self.committed(ahead) + self.blocks.bytes();
+        if used + need <= self.pool.bound {
             return true;
         }
-        let mut free: Vec<(u64, u64, u64)> = self
-            .blocks
-            .iter()
-            .filter(|(_, b)| Arc::strong_count(&b.block) == 1 && !b.block.in_use())
-            .map(|(k, b)| (b.last_use, *k, b.bytes))
-            .collect();
-        // Nothing is dropped unless dropping is enough.
-        if used + need > self.limits.pool + free.iter().map(|f| f.2).sum::<u64>() {
-            return false;
-        }
-        free.sort_unstable();
-        let mut over = used + need - self.limits.pool;
-        for (_, key, bytes) in free {
-            if over == 0 {
-                break;
-            }
-            self.blocks.remove(&key);
-            over = over.saturating_sub(bytes);
-        }
-        true
+        self.blocks.drop_lru(used + need - self.pool.bound)
     }
 
     /// Before a step: while the running sequences' next rows and the shared blocks would pass
@@ -473,7 +297,7 @@ impl<'e> Scheduler<'e> {
     fn too_big(&self) -> anyhow::Error {
         anyhow::anyhow!(
             "the KV pool of {} cannot hold this answer's next position beside the shared prefix blocks; start the server with a larger --kv-pool",
-            crate::source::human_bytes(self.limits.pool)
+            crate::human_bytes(self.pool.bound)
         )
     }
 
@@ -486,11 +310,9 @@ impl<'e> Scheduler<'e> {
         let Some(l) = self.live.remove(&id) else {
             return;
         };
-        self.metrics.update(|f| f.preempted += 1);
+        self.counts.update(|f| f.preempted += 1);
         self.waiting.push_front(Ready {
             job: l.job,
-            ids: l.prompt,
-            max_tokens: l.max_tokens,
             started: true,
             resumed: Some(Resumed {
                 id,
@@ -518,23 +340,21 @@ impl<'e> Scheduler<'e> {
             text,
             after,
         });
-        self.metrics.update(|f| f.preempted += 1);
+        self.counts.update(|f| f.preempted += 1);
         self.waiting.push_front(ready);
     }
 
     /// Requests whose client left: waiting ones are dropped, running ones leave the batch.
     fn drop_departed(&mut self) {
-        let (mut gone, mut new) = (0, 0);
+        let mut gone = 0;
+        // (Their tickets go with them.)
         self.waiting.retain(|r| {
             let closed = r.job.events.is_closed();
             gone += usize::from(closed);
-            new += usize::from(closed && !r.started);
             !closed
         });
-        // (The queue's count is of requests never started: a preempted one is not in it.)
-        self.queued.fetch_sub(new, Ordering::SeqCst);
         if gone > 0 {
-            self.metrics.update(|f| f.cancelled += gone as u64);
+            self.counts.update(|f| f.cancelled += gone as u64);
         }
         if self
             .prefilling
@@ -542,7 +362,7 @@ impl<'e> Scheduler<'e> {
             .is_some_and(|p| p.ready.job.events.is_closed())
         {
             self.prefilling = None;
-            self.metrics.update(|m| m.cancelled += 1);
+            self.counts.update(|m| m.cancelled += 1);
         }
         let departed: Vec<u64> = self
             .live
@@ -554,7 +374,7 @@ impl<'e> Scheduler<'e> {
             if self.batch.leave(id, StopReason::Interrupted).is_some() {
                 self.live.remove(&id);
                 self.left += 1;
-                self.metrics.update(|m| m.cancelled += 1);
+                self.counts.update(|m| m.cancelled += 1);
             }
         }
     }
@@ -570,7 +390,7 @@ impl<'e> Scheduler<'e> {
                 }
                 continue;
             }
-            if self.batch.len() >= self.limits.parallel {
+            if self.batch.len() >= self.parallel {
                 return;
             }
             let Some(next) = self.waiting.front() else {
@@ -583,24 +403,24 @@ impl<'e> Scheduler<'e> {
             {
                 return;
             }
-            let ids = next.ids.clone();
-            let max_tokens = next.max_tokens;
+            let ids = next.job.prompt.clone();
+            let max_tokens = next.job.max_tokens;
             // Where it samples next: after its prompt, or (resumed) after what it generated.
             let at = ids.len() + next.resumed.as_ref().map_or(0, |r| r.paused.tokens().len());
             // The blocks it starts from are held (so not dropped for room) while it asks; at
             // least one position of the prompt is left to prefill.
             let blocks = self.lookup(&ids, (ids.len() - 1) / SHARED_BLOCK);
             let cached = blocks.len() * SHARED_BLOCK;
-            let need = self.seq_bytes(ids.len(), cached, max_tokens, at + 1 + ADMIT_AHEAD);
+            let need = self
+                .pool
+                .seq_bytes(ids.len(), cached, max_tokens, at + 1 + ADMIT_AHEAD);
             if !self.make_room(need, ADMIT_AHEAD) {
                 return;
             }
-            let Some(ready) = self.waiting.pop_front() else {
+            let Some(mut ready) = self.waiting.pop_front() else {
                 return;
             };
-            if !ready.started {
-                self.queued.fetch_sub(1, Ordering::SeqCst);
-            }
+            ready.job.ticket.release();
             self.start(ready, blocks);
         }
     }
@@ -608,19 +428,20 @@ impl<'e> Scheduler<'e> {
     /// A request starts, or a preempted one resumes: its cache starts from the shared blocks its
     /// prompt begins with, and the rest of its prompt is to be prefilled into its own store.
     fn start(&mut self, mut r: Ready, blocks: Vec<Arc<SharedBlock>>) {
-        let positions = r.ids.len() + r.max_tokens;
+        let positions = r.job.prompt.len() + r.job.max_tokens;
         let mut session = Session::new(
             self.engine.model(),
-            self.own_spec(positions)
+            self.pool
+                .own_spec(positions)
                 .build(&self.engine.model().cfg, self.engine.kv_device()),
             positions,
         );
         // (Refused only for blocks this index never holds: then the prompt is prefilled whole.)
-        let cached = session.adopt_blocks(&r.ids, &blocks).unwrap_or(0);
+        let cached = session.adopt_blocks(&r.job.prompt, &blocks).unwrap_or(0);
         // No shared block starts it: the longest prefix the disk holds, into its own store (a
         // resumed sequence's rows were stored when it was prefilled the first time).
         let restored = if cached == 0 && r.resumed.is_none() {
-            let found = self.store.restore(&mut session, &r.ids, &[]);
+            let found = self.store.restore(&mut session, &r.job.prompt, &[]);
             self.report_store_problems();
             found.unwrap_or_else(|e| {
                 say_store_problem(&crate::first_line(e));
@@ -632,20 +453,19 @@ impl<'e> Scheduler<'e> {
         let (id, paused, text) = match r.resumed.take() {
             Some(resumed) => (resumed.id, resumed.paused, Some(resumed.text)),
             None => {
-                let sampling = self.engine.sampling_over(&[
-                    ("request", &r.job.request.sampling),
-                    ("flag", &self.limits.sampling),
-                ]);
+                let sampling = self
+                    .engine
+                    .sampling_over(&[("request", &r.job.sampling), ("flag", &self.sampling)]);
                 let sampler = Sampler::new(sampling.params);
                 self.next_id += 1;
-                let paused = Paused::new(sampler, r.max_tokens, self.engine.stop_ids());
+                let paused = Paused::new(sampler, r.job.max_tokens, self.engine.stop_ids());
                 (self.next_id - 1, paused, None)
             }
         };
         if !r.started {
             r.started = true;
             let _ = r.job.events.send(Event::Started {
-                prompt_tokens: r.ids.len(),
+                prompt_tokens: r.job.prompt.len(),
                 cached_tokens: cached + restored,
             });
         }
@@ -682,13 +502,13 @@ impl<'e> Scheduler<'e> {
                 .max(1);
             let at = p.session.tokens().len();
             let end = (at / chunk + 1) * chunk;
-            if end >= p.ready.ids.len() || p.session.evicts_by_score() {
+            if end >= p.ready.job.prompt.len() || p.session.evicts_by_score() {
                 let p = self.prefilling.take().expect("checked");
                 self.join(p);
                 return true;
             }
             let t0 = Instant::now();
-            let fed = p.session.feed(&p.ready.ids[at..end]);
+            let fed = p.session.feed(&p.ready.job.prompt[at..end]);
             p.seconds += t0.elapsed().as_secs_f64();
             if let Err(e) = fed {
                 let p = self.prefilling.take().expect("checked");
@@ -717,14 +537,15 @@ impl<'e> Scheduler<'e> {
         let t0 = Instant::now();
         let at = session.tokens().len();
         let refed = paused.tokens().len();
-        let joined = self.batch.resume(id, session, &r.ids[at..], paused);
+        let n = r.job.prompt.len();
+        let joined = self.batch.resume(id, session, &r.job.prompt[at..], paused);
         let prefill = seconds + t0.elapsed().as_secs_f64();
         let resumed = text.is_some();
-        self.metrics.update(|f| {
+        self.counts.update(|f| {
             if resumed {
-                f.recomputed_tokens += (r.ids.len() - cached + refed) as u64;
+                f.recomputed_tokens += (n - cached + refed) as u64;
             } else {
-                f.prompt_tokens += r.ids.len() as u64;
+                f.prompt_tokens += n as u64;
                 f.cached_tokens += (cached + restored) as u64;
                 f.prefix_hits += u64::from(cached + restored > 0);
             }
@@ -734,7 +555,7 @@ impl<'e> Scheduler<'e> {
             self.prefill_failed(&r.job.events, e);
             return;
         }
-        let ids = r.ids.clone();
+        let ids = r.job.prompt.clone();
         // A prompt prefilled in its own store (no shared block under it) goes to the disk, its
         // blocks copied now and written on the store's thread.
         if cached == 0 && !resumed && self.store.is_on() {
@@ -748,9 +569,7 @@ impl<'e> Scheduler<'e> {
             Live {
                 job: r.job,
                 text: text.unwrap_or_else(Text::new),
-                prompt: r.ids,
                 shared: cached,
-                max_tokens: r.max_tokens,
             },
         );
         let shared = self.share_prompt(id, &ids, cached / SHARED_BLOCK);
@@ -774,7 +593,7 @@ impl<'e> Scheduler<'e> {
         }
         let have = run.len();
         if have < to {
-            let one = self.most_bytes(SHARED_BLOCK, SHARED_BLOCK);
+            let one = self.pool.most_bytes(SHARED_BLOCK, SHARED_BLOCK);
             if !self.make_room(one * (to - have) as u64, 0) {
                 return from;
             }
@@ -785,21 +604,7 @@ impl<'e> Scheduler<'e> {
             let Ok(made) = made else {
                 return from;
             };
-            let keys = block_keys(ids);
-            for (i, block) in (have..to).zip(made) {
-                let block = Arc::new(block);
-                let bytes = block.bytes() as u64;
-                self.blocks.insert(
-                    keys[i],
-                    Indexed {
-                        block: block.clone(),
-                        bytes,
-                        last_use: 0,
-                    },
-                );
-                run.push(block);
-            }
-            self.lookup(ids, to);
+            run.extend(self.blocks.insert(ids, have, made));
         }
         let adopted = self
             .batch
@@ -829,7 +634,7 @@ impl<'e> Scheduler<'e> {
         let t0 = Instant::now();
         let tokenizer = self.engine.tokenizer();
         let live = &mut self.live;
-        let metrics = &self.metrics;
+        let counts = &self.counts;
         let mut stopped = Vec::new();
         let mut kept = 0u64;
         let result = self.batch.step(|id, token| {
@@ -838,7 +643,7 @@ impl<'e> Scheduler<'e> {
             if !l.text.first_token {
                 l.text.first_token = true;
                 let ttft = l.job.arrived.elapsed().as_secs_f64();
-                metrics.update(|f| f.observe_ttft(ttft));
+                counts.update(|f| f.observe_ttft(ttft));
             }
             if let Ok(Some(text)) = l.text.stream.push(tokenizer, token) {
                 if l.push_text(&text) {
@@ -849,7 +654,7 @@ impl<'e> Scheduler<'e> {
         let elapsed = t0.elapsed().as_secs_f64();
         match result {
             Ok(done) => {
-                self.metrics.update(|f| {
+                self.counts.update(|f| {
                     f.decode_steps += 1;
                     f.generated_tokens += kept;
                     f.decode_seconds += elapsed;
@@ -879,27 +684,23 @@ impl<'e> Scheduler<'e> {
         }
     }
 
-    /// A prompt's prefill failed: its client gets a server error saying why.
-    fn prefill_failed(&self, events: &UnboundedSender<Event>, e: anyhow::Error) {
-        self.metrics.update(|f| f.failed += 1);
-        let _ = events.send(Event::Failed(ApiError::new(
-            500,
-            "server_error",
-            format!("the prompt's prefill failed: {}", crate::first_line(e)),
-        )));
+    /// A prompt's prefill failed: its sender is told why.
+    fn prefill_failed(&mut self, events: &UnboundedSender<Event>, e: anyhow::Error) {
+        self.counts.update(|f| f.failed += 1);
+        let why = format!("the prompt's prefill failed: {}", crate::first_line(e));
+        self.last_events
+            .push((events.clone(), Event::Failed(Failure::Engine(why))));
     }
 
-    /// Ends sequence `id` with a server error saying `why`.
+    /// Ends sequence `id` with an engine failure saying `why`.
     fn fail(&mut self, id: u64, why: &str) {
         self.batch.leave(id, StopReason::Interrupted);
         self.left += 1;
         if let Some(l) = self.live.remove(&id) {
-            let _ = l
-                .job
-                .events
-                .send(Event::Failed(ApiError::new(500, "server_error", why)));
+            let failed = Event::Failed(Failure::Engine(why.to_string()));
+            self.last_events.push((l.job.events, failed));
         }
-        self.metrics.update(|f| f.failed += 1);
+        self.counts.update(|f| f.failed += 1);
     }
 
     /// A sequence ended: the rest of its text and why it ended go to its client; its own rows go
@@ -918,11 +719,12 @@ impl<'e> Scheduler<'e> {
                         .send(Event::Text(std::mem::take(&mut l.text.held)));
                 }
             }
-            let _ = l.job.events.send(Event::Done {
+            let done = Event::Done {
                 reason: f.reason,
                 completion_tokens: f.tokens.len(),
-            });
-            self.metrics.update(|m| m.finished += 1);
+            };
+            self.last_events.push((l.job.events, done));
+            self.counts.update(|m| m.finished += 1);
         }
     }
 
@@ -932,10 +734,10 @@ impl<'e> Scheduler<'e> {
             .sessions()
             .map(|(_, s)| s.cache().bytes() as u64)
             .sum::<u64>()
-            + self.shared_bytes();
-        let (committed, shared_bytes) = (self.committed(0), self.shared_bytes());
-        let in_use = self.blocks.values().filter(|b| b.block.in_use()).count();
-        self.metrics.update(|f| {
+            + self.blocks.bytes();
+        let (committed, shared_bytes) = (self.committed(0), self.blocks.bytes());
+        let in_use = self.blocks.in_use();
+        self.counts.update(|f| {
             f.committed_bytes = committed;
             f.shared_bytes = shared_bytes;
             f.allocated_bytes = allocated;
@@ -950,134 +752,11 @@ impl<'e> Scheduler<'e> {
 impl Live {
     /// Adds decoded text (`Text::push`); true when a stop text ended the answer.
     fn push_text(&mut self, text: &str) -> bool {
-        self.text
-            .push(text, &self.job.request.stop, &self.job.events)
+        self.text.push(text, &self.job.stop, &self.job.events)
     }
-}
-
-impl Text {
-    fn new() -> Self {
-        Self {
-            first_token: false,
-            stream: TextStream::new(),
-            held: String::new(),
-        }
-    }
-
-    /// Adds decoded text; sends to `events` what cannot be part of one of the `stop` texts. True
-    /// when a stop text appeared: what precedes it is sent and the answer ends there.
-    fn push(&mut self, text: &str, stop: &[String], events: &UnboundedSender<Event>) -> bool {
-        self.held.push_str(text);
-        if let Some(at) = stop.iter().filter_map(|s| self.held.find(s.as_str())).min() {
-            self.held.truncate(at);
-            if !self.held.is_empty() {
-                let _ = events.send(Event::Text(std::mem::take(&mut self.held)));
-            }
-            return true;
-        }
-        let keep = stop
-            .iter()
-            .map(|s| partial_suffix(&self.held, s))
-            .max()
-            .unwrap_or(0);
-        let send = self.held.len() - keep;
-        if send > 0 {
-            let rest = self.held.split_off(send);
-            let _ = events.send(Event::Text(std::mem::replace(&mut self.held, rest)));
-        }
-        false
-    }
-}
-
-/// The longest suffix of `text` that `stop` starts with (a stop text that may be completing).
-fn partial_suffix(text: &str, stop: &str) -> usize {
-    (1..stop.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n)
-                && stop
-                    .as_bytes()
-                    .starts_with(&text.as_bytes()[text.len() - n..])
-        })
-        .unwrap_or(0)
-}
-
-/// The key of each full block of `ids`: a hash chained over every token from position 0 to the
-/// block's end (a block names its whole prefix; the index checks the tokens too).
-fn block_keys(ids: &[u32]) -> Vec<u64> {
-    let mut key = 0u64;
-    ids.chunks_exact(SHARED_BLOCK)
-        .map(|block| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            (key, block).hash(&mut h);
-            key = h.finish();
-            key
-        })
-        .collect()
 }
 
 /// One line on stderr about the prefix store (the server goes on without what failed).
 fn say_store_problem(text: &str) {
     eprintln!("kvchat serve: prefix store: {text}");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A text on its way, with `stop` texts, and what its client receives.
-    struct Client {
-        text: Text,
-        stop: Vec<String>,
-        events: UnboundedSender<Event>,
-    }
-
-    impl Client {
-        fn push_text(&mut self, text: &str) -> bool {
-            self.text.push(text, &self.stop, &self.events)
-        }
-    }
-
-    fn live(stop: &[&str]) -> (Client, tokio::sync::mpsc::UnboundedReceiver<Event>) {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        (
-            Client {
-                text: Text::new(),
-                stop: stop.iter().map(|s| s.to_string()).collect(),
-                events: tx,
-            },
-            rx,
-        )
-    }
-
-    fn sent(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> String {
-        let mut s = String::new();
-        while let Ok(Event::Text(t)) = rx.try_recv() {
-            s.push_str(&t);
-        }
-        s
-    }
-
-    #[test]
-    fn text_that_may_start_a_stop_text_is_held_until_it_cannot() {
-        let (mut l, mut rx) = live(&["END"]);
-        assert!(!l.push_text("one E"));
-        assert_eq!(sent(&mut rx), "one ");
-        assert!(!l.push_text("Nx"));
-        assert_eq!(sent(&mut rx), "ENx");
-    }
-
-    #[test]
-    fn a_stop_text_split_across_tokens_ends_the_answer_before_it() {
-        let (mut l, mut rx) = live(&["\n\n", "END"]);
-        assert!(!l.push_text("two E"));
-        assert!(l.push_text("ND three"));
-        assert_eq!(sent(&mut rx), "two ");
-    }
-
-    #[test]
-    fn the_partial_suffix_never_splits_a_character() {
-        assert_eq!(partial_suffix("caf\u{e9}", "\u{e9}t\u{e9}"), 2);
-        assert_eq!(partial_suffix("abc", "xyz"), 0);
-    }
 }

@@ -19,6 +19,7 @@ mod quiz;
 mod qwen3;
 mod qwen35;
 mod qwen_coder;
+mod sched;
 mod serve;
 mod sources;
 mod store;

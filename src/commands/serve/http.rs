@@ -1,10 +1,12 @@
-//! The HTTP side of `kvchat serve`: routes, the API key, body limits, and turning the engine's
-//! events into a JSON answer or a stream of server-sent events. It only moves bytes: requests go
-//! to the engine thread over a channel, tokens come back over one per request.
+//! The HTTP side of `kvchat serve`: routes, the API key, body limits, and turning the
+//! scheduler's events into a JSON answer or a stream of server-sent events. It only moves bytes:
+//! a request takes a place in the scheduler's queue, goes to the preparing threads (template,
+//! tokenizer), then to the scheduler as token ids; tokens come back over a channel per request.
 
 use super::api::{self, ApiError, Endpoint, Head};
 use super::metrics::Metrics;
-use super::scheduler::{Event, Job};
+use super::prepare::{Order, Prepared};
+use crate::sched::{Event, Failure, Job, Queue};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -13,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -26,10 +28,10 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What every handler shares.
 pub struct App {
-    pub jobs: Sender<Job>,
-    pub queued: Arc<AtomicUsize>,
-    /// Requests that may wait for the batch before a 429.
-    pub max_queue: usize,
+    /// The scheduler's queue (its places bound the requests being prepared or waiting).
+    pub queue: Queue,
+    /// The threads that render and tokenize prompts.
+    pub prepare: Sender<Order>,
     pub api_key: Option<String>,
     /// The model's name, as /v1/models lists it and responses echo it.
     pub model: String,
@@ -40,17 +42,15 @@ pub struct App {
 
 impl App {
     pub fn new(
-        jobs: Sender<Job>,
-        queued: Arc<AtomicUsize>,
-        max_queue: usize,
+        queue: Queue,
+        prepare: Sender<Order>,
         api_key: Option<String>,
         model: String,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
-            jobs,
-            queued,
-            max_queue,
+            queue,
+            prepare,
             api_key,
             model,
             started: now(),
@@ -148,7 +148,7 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics.snapshot().render(),
+        app.metrics.render(),
     )
         .into_response()
 }
@@ -212,7 +212,7 @@ async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoin
         Ok(r) => r,
         Err(e) => {
             if e.status != 429 && e.status < 500 {
-                app.metrics.update(|f| f.rejected_bad += 1);
+                app.metrics.rejected_bad.fetch_add(1, Ordering::Relaxed);
             }
             let retry = e.status == 429;
             let mut r = e.into_response();
@@ -231,6 +231,7 @@ async fn respond(
     body: Body,
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     authorize(app, headers)?;
     // A body announced larger than the limit is refused before a byte of it is read.
     let announced = headers
@@ -245,36 +246,44 @@ async fn respond(
         Endpoint::Chat => api::parse_chat(&body)?,
         Endpoint::Completions => api::parse_completion(&body)?,
     };
-    // Admission: at most `max_queue` requests wait for the batch.
-    if app.queued.fetch_add(1, Ordering::SeqCst) >= app.max_queue {
-        app.queued.fetch_sub(1, Ordering::SeqCst);
-        app.metrics.update(|f| f.rejected_busy += 1);
-        return Err(ApiError::new(
+    // Admission: a place in the queue, held while the prompt is prepared and while it waits.
+    let ticket = app.queue.reserve().map_err(|busy| {
+        ApiError::new(
             429,
             "rate_limit_error",
             format!(
                 "the server is busy: {} requests are already waiting",
-                app.max_queue
+                busy.limit
             ),
-        ));
-    }
+        )
+    })?;
+    let stopped = || ApiError::new(503, "server_error", "the engine has stopped");
+    let (reply, prepared) = tokio::sync::oneshot::channel();
+    let order = Order {
+        prompt: request.prompt,
+        max_tokens: request.max_tokens,
+        reply,
+    };
+    app.prepare.send(order).map_err(|_| stopped())?;
+    let Prepared { ids, max_tokens } = prepared.await.map_err(|_| stopped())??;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stream, include_usage) = (request.stream, request.include_usage);
     let job = Job {
-        request,
+        prompt: ids,
+        max_tokens,
+        sampling: request.sampling,
+        stop: request.stop,
         events: tx,
-        arrived: Instant::now(),
+        arrived,
+        ticket,
     };
-    if app.jobs.send(job).is_err() {
-        app.queued.fetch_sub(1, Ordering::SeqCst);
-        return Err(ApiError::new(503, "server_error", "the engine has stopped"));
-    }
+    app.queue.submit(job).map_err(|_| stopped())?;
     let (prompt_tokens, cached_tokens) = match rx.recv().await {
         Some(Event::Started {
             prompt_tokens,
             cached_tokens,
         }) => (prompt_tokens, cached_tokens),
-        Some(Event::Failed(e)) => return Err(e),
+        Some(Event::Failed(f)) => return Err(failure(f)),
         _ => {
             return Err(ApiError::new(
                 500,
@@ -308,7 +317,7 @@ async fn respond(
                     let body = head.response(&text, api::finish_reason(reason), usage);
                     return Ok(axum::Json(body).into_response());
                 }
-                Some(Event::Failed(e)) => return Err(e),
+                Some(Event::Failed(f)) => return Err(failure(f)),
                 Some(Event::Started { .. }) | None => {
                     return Err(ApiError::new(
                         500,
@@ -346,7 +355,7 @@ async fn respond(
                 out.push("[DONE]".to_string());
                 out
             }
-            Event::Failed(e) => vec![e.body().to_string(), "[DONE]".to_string()],
+            Event::Failed(f) => vec![failure(f).body().to_string(), "[DONE]".to_string()],
             Event::Started { .. } => Vec::new(),
         }
     });
@@ -373,4 +382,12 @@ fn async_stream(
         }
         futures_util::stream::iter(lines.into_iter().map(|l| Ok(SseEvent::default().data(l))))
     })
+}
+
+/// A job's failure as the API words it: refused as asked (400), or the engine's fault (500).
+fn failure(f: Failure) -> ApiError {
+    match f {
+        Failure::Refused(why) => ApiError::bad(why),
+        Failure::Engine(why) => ApiError::new(500, "server_error", why),
+    }
 }

@@ -1,62 +1,45 @@
-//! What `GET /metrics` reports, in Prometheus' text format: the engine thread updates the figures
-//! after each step; the HTTP side counts what it refused before a request reached the engine.
+//! What `GET /metrics` reports, in Prometheus' text format: the scheduler's counts
+//! (`sched::counters`), published before a step's last events reach their clients, and the HTTP
+//! side's count of what it refused as invalid before a request reached the scheduler.
 
+use crate::sched::counters::{self, Counters, TTFT_BUCKETS};
 use std::fmt::Write;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-/// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
-pub const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// What `/metrics` reads: the scheduler's counts, and the front end's own (requests refused
+/// as invalid before they reached the scheduler).
+#[derive(Default)]
+pub struct Metrics {
+    pub sched: Arc<counters::Shared>,
+    pub rejected_bad: AtomicU64,
+}
 
+impl Metrics {
+    pub fn render(&self) -> String {
+        Figures {
+            counts: self.sched.snapshot(),
+            rejected_bad: self.rejected_bad.load(Ordering::Relaxed),
+        }
+        .render()
+    }
+}
+
+/// The figures `/metrics` renders, read at one moment.
 #[derive(Debug, Clone, Default)]
 pub struct Figures {
-    /// The KV pool's bound, what running sequences' own rows take in it by their next step,
-    /// and what the shared blocks hold in it.
-    pub pool_bytes: u64,
-    pub committed_bytes: u64,
-    pub shared_bytes: u64,
-    /// What the caches have allocated now (≤ committed + shared).
-    pub allocated_bytes: u64,
-    pub running: usize,
-    pub waiting: usize,
-    /// Shared blocks indexed, and those a running sequence attends to.
-    pub shared_blocks: usize,
-    pub shared_blocks_in_use: usize,
-    pub requests: u64,
-    pub finished: u64,
-    pub cancelled: u64,
-    pub failed: u64,
-    /// Sequences preempted for memory, and the positions their resumption refed.
-    pub preempted: u64,
-    pub recomputed_tokens: u64,
-    /// Refused before the engine saw them: queue full (429), bad request (4xx).
-    pub rejected_busy: u64,
+    pub counts: Counters,
     pub rejected_bad: u64,
-    pub prompt_tokens: u64,
-    /// Prompt tokens taken from shared blocks instead of prefilled.
-    pub cached_tokens: u64,
-    /// Requests that started from shared blocks.
-    pub prefix_hits: u64,
-    pub generated_tokens: u64,
-    pub decode_steps: u64,
-    /// Seconds spent in decode steps and prefills.
-    pub decode_seconds: f64,
-    pub prefill_seconds: f64,
-    pub ttft_counts: [u64; TTFT_BUCKETS.len()],
-    pub ttft_count: u64,
-    pub ttft_sum: f64,
+}
+
+impl std::ops::Deref for Figures {
+    type Target = Counters;
+    fn deref(&self) -> &Counters {
+        &self.counts
+    }
 }
 
 impl Figures {
-    pub fn observe_ttft(&mut self, seconds: f64) {
-        for (i, b) in TTFT_BUCKETS.iter().enumerate() {
-            if seconds <= *b {
-                self.ttft_counts[i] += 1;
-            }
-        }
-        self.ttft_count += 1;
-        self.ttft_sum += seconds;
-    }
-
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -79,8 +62,7 @@ impl Figures {
         gauge(
             "kv_pool_free_bytes",
             "KV bytes of the pool neither taken nor held.",
-            self.pool_bytes
-                .saturating_sub(self.committed_bytes + self.shared_bytes) as f64,
+            self.free_bytes() as f64,
         );
         gauge(
             "kv_allocated_bytes",
@@ -112,21 +94,13 @@ impl Figures {
             "Requests waiting for room in the batch or the pool.",
             self.waiting as f64,
         );
-        let hit_rate = if self.prompt_tokens > 0 {
-            self.cached_tokens as f64 / self.prompt_tokens as f64
-        } else {
-            0.0
-        };
+        let hit_rate = self.hit_rate();
         gauge(
             "prefix_hit_rate",
             "Prompt tokens taken from shared blocks over all prompt tokens.",
             hit_rate,
         );
-        let tps = if self.decode_seconds > 0.0 {
-            self.generated_tokens as f64 / self.decode_seconds
-        } else {
-            0.0
-        };
+        let tps = self.decode_rate();
         gauge(
             "decode_tokens_per_second",
             "Generated tokens over the time spent in decode steps.",
@@ -232,21 +206,6 @@ impl Figures {
     }
 }
 
-/// The figures, shared between the engine thread and the HTTP side.
-#[derive(Default)]
-pub struct Metrics(Mutex<Figures>);
-
-impl Metrics {
-    pub fn update(&self, f: impl FnOnce(&mut Figures)) {
-        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut g);
-    }
-
-    pub fn snapshot(&self) -> Figures {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,8 +213,8 @@ mod tests {
     #[test]
     fn the_ttft_histogram_counts_each_answer_in_every_bucket_above_it() {
         let mut f = Figures::default();
-        f.observe_ttft(0.07);
-        f.observe_ttft(3.0);
+        f.counts.observe_ttft(0.07);
+        f.counts.observe_ttft(3.0);
         let text = f.render();
         assert!(text.contains("kvchat_time_to_first_token_seconds_bucket{le=\"0.05\"} 0\n"));
         assert!(text.contains("kvchat_time_to_first_token_seconds_bucket{le=\"0.1\"} 1\n"));
@@ -266,9 +225,12 @@ mod tests {
     #[test]
     fn the_hit_rate_is_cached_over_prompt_tokens() {
         let f = Figures {
-            prompt_tokens: 400,
-            cached_tokens: 300,
-            ..Default::default()
+            counts: Counters {
+                prompt_tokens: 400,
+                cached_tokens: 300,
+                ..Default::default()
+            },
+            rejected_bad: 0,
         };
         assert!(f.render().contains("kvchat_prefix_hit_rate 0.75\n"));
     }

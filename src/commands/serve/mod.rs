@@ -2,28 +2,31 @@
 //!
 //! - `api`: the requests and responses' JSON shapes, read and written.
 //! - `http`: routes, the API key, body limits, server-sent events (axum on hyper, tokio).
-//! - `scheduler`: the engine thread — the queue, admission into the pool, continuous batching,
-//!   prefix sharing, stop texts.
+//! - `prepare`: prompts rendered and tokenized, on threads of their own.
 //! - `metrics`: what `/metrics` says.
 //!
-//! Threads: the runtime (one thread) only moves bytes; the engine thread runs the model, whose
-//! matmuls use candle's pool of `--threads` workers.
+//! The scheduler (`crate::sched`: queue, admission into the pool, continuous batching, prefix
+//! sharing, stop texts) runs below, on token ids.
+//!
+//! Threads: the runtime (one thread) only moves bytes; [`prepare::THREADS`] threads render and
+//! tokenize; the scheduler's thread runs the model, whose matmuls use candle's pool of
+//! `--threads` workers.
 
 pub mod api;
 pub mod http;
 pub mod metrics;
-pub mod scheduler;
+pub mod prepare;
 
 use super::{StoreChoice, TemplateChoice};
 use crate::engine::{Engine, LoadOptions};
 use crate::kv::CacheMode;
 use crate::model::sampling::SamplingPrefs;
+use crate::sched;
 use crate::session::prefix::PrefixReuse;
 use crate::source::human_bytes;
 use anyhow::{Context, Result};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Connections served at once; more are closed as they arrive.
@@ -73,7 +76,8 @@ pub fn run(opts: ServeOptions) -> Result<()> {
                 crate::first_line(e)
             )
         });
-    // What the machine can spare once the weights are in: half of what is available.
+    // What the machine can spare once the weights are in: half of `available_memory`, itself
+    // half of MemAvailable, so a quarter of it (the start line says so).
     let pool = opts
         .pool
         .unwrap_or_else(|| crate::engine::available_memory() / 2);
@@ -122,40 +126,40 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         spec.name(),
         engine.ctx(),
     );
-    let queued = Arc::new(AtomicUsize::new(0));
     let metrics = Arc::new(metrics::Metrics::default());
-    let (jobs, inbox) = std::sync::mpsc::channel();
+    let (queue, inbox) = sched::queue(opts.queue, metrics.sched.clone());
+    let (orders, to_prepare) = std::sync::mpsc::channel();
     let app = Arc::new(http::App::new(
-        jobs,
-        queued.clone(),
-        opts.queue,
+        queue,
+        orders,
         opts.api_key.clone(),
         model,
         metrics.clone(),
     ));
-    let limits = scheduler::Limits {
+    let limits = sched::Limits {
         parallel: opts.parallel,
         pool,
-        default_max_tokens: opts.max_tokens,
         sampling: opts.sampling.clone(),
     };
+    let preparer = prepare::Preparer {
+        engine: &engine,
+        template,
+        default_max_tokens: opts.max_tokens,
+    };
+    let to_prepare = Mutex::new(to_prepare);
     std::thread::scope(|s| {
         let engine = &engine;
+        let counts = metrics.sched.clone();
         s.spawn(move || {
-            scheduler::Scheduler::new(
-                engine,
-                template,
-                spec,
-                scheduler::Prefixes {
-                    share_refusal,
-                    store,
-                },
-                limits,
-                queued,
-                metrics,
-            )
-            .run(inbox)
+            let prefixes = sched::Prefixes {
+                share_refusal,
+                store,
+            };
+            sched::Scheduler::new(engine, spec, prefixes, limits, counts).run(inbox)
         });
+        for _ in 0..prepare::THREADS {
+            s.spawn(|| preparer.serve(&to_prepare));
+        }
         let served = runtime.block_on(serve(listener, http::router(app), opts.exit_after));
         // Dropping the runtime closes every connection; the engine thread then sees each
         // request's channel closed and the job channel gone, and returns.

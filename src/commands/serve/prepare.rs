@@ -1,0 +1,104 @@
+//! Preparing a request for the scheduler, on threads of its own: the prompt rendered with the
+//! chat template and tokenized, checked against the context, its `max_tokens` fitted. A request
+//! that takes long to prepare (a long conversation, a slow template) delays no other request's
+//! tokens: the scheduler's thread only ever sees token ids.
+
+use super::api::{ApiError, Prompt};
+use crate::engine::Engine;
+use crate::template::ChatTemplate;
+use std::sync::mpsc::Receiver;
+use std::sync::Mutex;
+
+/// Threads that prepare requests.
+pub const THREADS: usize = 2;
+
+/// A request's prompt as token ids, and how many tokens its answer may take.
+#[derive(Debug)]
+pub struct Prepared {
+    pub ids: Vec<u32>,
+    pub max_tokens: usize,
+}
+
+/// A prompt to prepare, and where its answer goes.
+pub struct Order {
+    pub prompt: Prompt,
+    pub max_tokens: Option<usize>,
+    pub reply: tokio::sync::oneshot::Sender<Result<Prepared, ApiError>>,
+}
+
+/// What preparing needs: the model's tokenizer and context, its chat template (or why there is
+/// none), the server's default answer length.
+pub struct Preparer<'e> {
+    pub engine: &'e Engine,
+    pub template: Result<ChatTemplate, String>,
+    pub default_max_tokens: usize,
+}
+
+impl Preparer<'_> {
+    /// Answers orders until every sender is gone; `THREADS` threads may share `orders`.
+    pub fn serve(&self, orders: &Mutex<Receiver<Order>>) {
+        loop {
+            let order = {
+                let rx = orders.lock().unwrap_or_else(|p| p.into_inner());
+                rx.recv()
+            };
+            let Ok(order) = order else { return };
+            // (A client gone meanwhile drops the answer.)
+            let _ = order
+                .reply
+                .send(self.prepare(&order.prompt, order.max_tokens));
+        }
+    }
+
+    /// The prompt's token ids and how many tokens the answer may take.
+    pub fn prepare(
+        &self,
+        prompt: &Prompt,
+        max_tokens: Option<usize>,
+    ) -> Result<Prepared, ApiError> {
+        let ctx = self.engine.ctx();
+        let text_len = match prompt {
+            Prompt::Text(t) => t.len(),
+            Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+        };
+        let too_long = |n: &str| {
+            ApiError::bad(format!(
+                "the prompt is {n}, which does not fit the context of {ctx} tokens"
+            ))
+            .with_code("context_length_exceeded")
+        };
+        // Refused by its bytes before it is tokenized (all messages together).
+        if self.engine.tokenizer().min_tokens(text_len) >= ctx {
+            return Err(too_long(&format!("{text_len} bytes")));
+        }
+        let ids = match prompt {
+            Prompt::Text(t) => self
+                .engine
+                .raw_prompt(t)
+                .map_err(|e| ApiError::bad(crate::first_line(e)))?,
+            Prompt::Chat(messages) => {
+                let template = self
+                    .template
+                    .as_ref()
+                    .map_err(|why| ApiError::bad(why.clone()))?;
+                self.engine.chat_prompt(template, messages).map_err(|e| {
+                    ApiError::bad(format!(
+                        "the chat template cannot render these messages: {}",
+                        crate::first_line(e)
+                    ))
+                })?
+            }
+        };
+        if ids.is_empty() {
+            return Err(ApiError::bad(
+                "the prompt is empty once rendered and tokenized: there is nothing to continue",
+            ));
+        }
+        if ids.len() >= ctx {
+            return Err(too_long(&format!("{} tokens", ids.len())));
+        }
+        let room = ctx - ids.len();
+        let max_tokens = max_tokens.unwrap_or(self.default_max_tokens).min(room);
+        Ok(Prepared { ids, max_tokens })
+    }
+}
