@@ -134,10 +134,10 @@ fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
     let every = crate::kv::size::KvDims::bytes_for_spec(&full, cfg, seen);
     let used = cache.bytes_used() as f64;
     Some(format!(
-        "kv budget: {} positions evicted per layer on average ({} of {} layers under the budget); {} held against {} with every position kept ({:.2}×)",
+        "kv budget: {} positions evicted per layer on average ({} of {} KV layers under the budget); {} held against {} with every position kept ({:.2}×)",
         evicted.iter().sum::<usize>() / evicted.len(),
         evicted.len(),
-        cfg.n_layer,
+        cfg.kv_layers(),
         human_bytes(used as u64),
         human_bytes(every as u64),
         if every > 0.0 { used / every } else { 1.0 }

@@ -152,7 +152,7 @@ pub fn plan(
     let narrower: Vec<Precision> = [Precision::Int8, Precision::Int4]
         .into_iter()
         .filter(|_| asked == DEFAULT_PRECISION)
-        .filter(|p| (0..cfg.kv_layers()).all(|i| p.unfit(cfg.layer_kv_shape(i).1).is_none()))
+        .filter(|p| cfg.kv_shapes().all(|(_, hd)| p.unfit(hd).is_none()))
         .collect();
     let by_precision = narrower
         .iter()

@@ -353,7 +353,7 @@ impl Engine {
         if let Some(why) = args
             .kv_precisions
             .iter()
-            .find_map(|p| (0..cfg.kv_layers()).find_map(|i| p.unfit(cfg.layer_kv_shape(i).1)))
+            .find_map(|p| cfg.kv_shapes().find_map(|(_, hd)| p.unfit(hd)))
         {
             return Err(crate::fixable(crate::Fix::KvType, why));
         }

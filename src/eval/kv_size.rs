@@ -197,7 +197,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
                 .map(|i| {
                     KvDims {
                         kv_heads: h,
-                        ..KvDims::layer(c, i)
+                        ..KvDims::kv_layer(c, i)
                     }
                     .bytes_per_token(headline)
                 })
@@ -223,7 +223,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
         };
         // Every layer keeping every position of its own (shared layers too).
         let uniform = (0..cfg.n_layer)
-            .map(|i| KvDims::layer(cfg, i).bytes_for_mode(&spec.mode, args.ctx))
+            .map(|i| KvDims::block(cfg, i).bytes_for_mode(&spec.mode, args.ctx))
             .sum();
         Some(DeclaredWindows {
             window: w,
@@ -243,7 +243,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
             state_bytes: (r.count() * r.layer_bytes()) as f64,
             uniform_bytes_per_context: (0..c.n_layer)
                 .map(|i| {
-                    KvDims::layer(c, i).bytes_for(headline, args.ctx, args.residual.min(args.ctx))
+                    KvDims::block(c, i).bytes_for(headline, args.ctx, args.residual.min(args.ctx))
                 })
                 .sum(),
         })
@@ -267,12 +267,12 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
 /// none, reading those of layers 2 and 3".
 pub fn layer_kinds(cfg: &crate::model::Config) -> String {
     let own = cfg.kv_layers();
+    let map = cfg.layer_map();
     let kind = |window: bool| {
         let layers: Vec<usize> = (0..own)
-            .filter(|&i| cfg.layer_window(i).is_some() == window)
+            .filter(|&c| cfg.layer_window(map.kv_block(c)).is_some() == window)
             .collect();
-        let mut shapes: Vec<(usize, usize)> =
-            layers.iter().map(|&i| cfg.layer_kv_shape(i)).collect();
+        let mut shapes: Vec<(usize, usize)> = layers.iter().map(|&c| cfg.kv_shape(c)).collect();
         shapes.dedup();
         let shapes: Vec<String> = shapes.iter().map(|(k, d)| format!("{k} × {d}")).collect();
         (layers.len(), shapes.join(" or "))
@@ -283,7 +283,12 @@ pub fn layer_kinds(cfg: &crate::model::Config) -> String {
         cfg.n_layer
     );
     if own < cfg.n_layer {
-        let mut sources: Vec<usize> = (own..cfg.n_layer).map(|i| cfg.kv_source(i)).collect();
+        let mut sources: Vec<usize> = (0..cfg.n_layer)
+            .filter_map(|i| match map.block(i) {
+                crate::model::layers::BlockMemory::Kv { kv, own: false } => Some(map.kv_block(kv)),
+                _ => None,
+            })
+            .collect();
         sources.sort();
         sources.dedup();
         let sources: Vec<String> = sources.iter().map(|s| s.to_string()).collect();

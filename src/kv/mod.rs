@@ -514,23 +514,26 @@ impl CacheSpec {
 
     /// Why this cache cannot hold rows of this model, if it cannot.
     pub fn unfit(&self, cfg: &Config) -> Option<String> {
-        (0..cfg.kv_layers()).find_map(|i| self.mode.precision.unfit(cfg.layer_kv_shape(i).1))
+        cfg.kv_shapes()
+            .find_map(|(_, hd)| self.mode.precision.unfit(hd))
     }
 
-    /// Layer i's axes: the configured ones, except that a layer the model declares a sliding
-    /// window for keeps no more than that window (and no sinks), and its attention sees, per query,
-    /// only that window. A `--kv-window` narrower than the model's is the user's approximation
-    /// (sinks and a ring) and governs that layer alone.
-    pub fn layer_spec(&self, cfg: &Config, i: usize) -> LayerSpec {
+    /// KV layer `c`'s axes (those of block `cfg.kv_block(c)`): the configured ones, except that
+    /// a layer the model declares a sliding window for keeps no more than that window (and no
+    /// sinks), and its attention sees, per query, only that window. A `--kv-window` narrower
+    /// than the model's is the user's approximation (sinks and a ring) and governs that layer
+    /// alone.
+    pub fn layer_spec(&self, cfg: &Config, c: usize) -> LayerSpec {
         let m = &self.mode;
+        let declared_window = cfg.layer_window(cfg.kv_block(c));
         // The declared window plus a few spare positions, so that a chat going back a few
         // tokens (a re-tokenized answer, /undo of a short turn) still has every key its next
         // query needs; attention still sees only the declared window.
         let declared = Retention::Window {
-            window: cfg.layer_window(i).unwrap_or(0) + DECLARED_WINDOW_SPARE,
+            window: declared_window.unwrap_or(0) + DECLARED_WINDOW_SPARE,
             sinks: 0,
         };
-        let (retention, attend_window) = match (m.retention, cfg.layer_window(i)) {
+        let (retention, attend_window) = match (m.retention, declared_window) {
             (Retention::All | Retention::Budget { .. }, Some(w)) => (declared, Some(w)),
             (
                 Retention::Budget {
@@ -542,7 +545,7 @@ impl CacheSpec {
                 None,
             ) => (
                 Retention::Budget {
-                    budget: pyramid_budget(budget, budget_least(sinks, m.newest_kept()), i, cfg),
+                    budget: pyramid_budget(budget, budget_least(sinks, m.newest_kept()), c, cfg),
                     sinks,
                     evict,
                     pyramid: true,
@@ -572,9 +575,8 @@ impl CacheSpec {
         // layers (Qwen3.5) keep a recurrent state instead.
         let layers = (0..cfg.kv_layers())
             .map(|c| {
-                let i = cfg.kv_block(c);
-                let (nkv, hd) = cfg.layer_kv_shape(i);
-                Layer::new(&self.layer_spec(cfg, i), nkv, hd, tensors_on)
+                let (nkv, hd) = cfg.kv_shape(c);
+                Layer::new(&self.layer_spec(cfg, c), nkv, hd, tensors_on)
             })
             .collect();
         let states = match &cfg.recurrent {
@@ -590,16 +592,14 @@ impl CacheSpec {
     }
 }
 
-/// Layer i's share of a pyramid budget (PyramidKV): from 1.5 × `budget` at the first layer that
-/// takes a budget down to 0.5 × at the last, in a straight line, so the layers hold `budget` on
-/// average; never below `least` ([`budget_least`]). Layers with a declared window
+/// KV layer `c`'s share of a pyramid budget (PyramidKV): from 1.5 × `budget` at the first KV
+/// layer that takes a budget down to 0.5 × at the last, in a straight line, so the layers hold
+/// `budget` on average; never below `least` ([`budget_least`]). Layers with a declared window
 /// keep their window and take no share.
-pub fn pyramid_budget(budget: usize, least: usize, i: usize, cfg: &Config) -> usize {
-    let budgeted: Vec<usize> = (0..cfg.kv_layers())
-        .filter(|&l| cfg.layer_window(l).is_none())
-        .collect();
-    let n = budgeted.len();
-    let rank = budgeted.iter().position(|&l| l == i).unwrap_or(0);
+pub fn pyramid_budget(budget: usize, least: usize, c: usize, cfg: &Config) -> usize {
+    let budgeted = |k: &usize| cfg.layer_window(cfg.kv_block(*k)).is_none();
+    let n = (0..cfg.kv_layers()).filter(budgeted).count();
+    let rank = (0..c).filter(budgeted).count();
     let share = if n > 1 {
         1.5 - rank as f64 / (n - 1) as f64
     } else {
@@ -990,7 +990,7 @@ impl KvCache {
     /// and values, shared or not): the saving's reference.
     pub fn bytes_uniform(&self, cfg: &crate::model::Config) -> f64 {
         (0..cfg.n_layer)
-            .map(|i| size::KvDims::layer(cfg, i).bytes_for_mode(&self.spec.mode, self.seen()))
+            .map(|i| size::KvDims::block(cfg, i).bytes_for_mode(&self.spec.mode, self.seen()))
             .sum()
     }
 }
@@ -1009,7 +1009,7 @@ pub const DECLARED_WINDOW_SPARE: usize = 64;
 /// A config with `nkv` KV heads of `hd` values, for unit tests.
 #[cfg(test)]
 pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
-    Config {
+    let mut cfg = Config {
         arch: "llama".into(),
         n_layer: 1,
         n_head: nkv,
@@ -1034,7 +1034,30 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         per_layer_embd: 0,
         final_softcap: None,
         recurrent: None,
-    }
+        layer_map: Default::default(),
+    };
+    cfg.remap();
+    cfg
+}
+
+/// A Qwen3.5-like config for unit tests: `n_layer` blocks, every `every`-th attending (`nkv` KV
+/// heads of `hd` values), the others Gated DeltaNet layers.
+#[cfg(test)]
+pub(crate) fn test_hybrid_config(n_layer: usize, every: usize, nkv: usize, hd: usize) -> Config {
+    let mut cfg = test_config(nkv, hd);
+    cfg.arch = "qwen35".into();
+    cfg.block = crate::model::config::Block::of("qwen35").unwrap();
+    cfg.n_layer = n_layer;
+    cfg.recurrent = Some(crate::model::config::Recurrent {
+        layers: (0..n_layer).map(|i| (i + 1) % every != 0).collect(),
+        conv: 4,
+        k_heads: 1,
+        v_heads: 1,
+        head_dim: 8,
+    });
+    cfg.remap();
+    cfg.validate().unwrap();
+    cfg
 }
 
 #[cfg(test)]
@@ -1148,9 +1171,41 @@ mod tests {
     }
 
     #[test]
+    fn a_pyramid_budget_on_a_hybrid_model_ranks_its_kv_layers_as_the_arithmetic_does() {
+        // Qwen3.5's shape: 24 blocks, every 4th attends (3, 7, …, 23): 6 KV layers. Ranked by
+        // block number, block 3 took rank 3 and the rest rank 0 (8.4 N where 6 N was counted).
+        let cfg = test_hybrid_config(24, 4, 2, 64);
+        assert_eq!(cfg.layer_map().kv_blocks(), [3, 7, 11, 15, 19, 23]);
+        let spec = CacheSpec::full(Precision::F16, 4096).with(|m| {
+            m.retention = Retention::Budget {
+                budget: 200,
+                sinks: 4,
+                evict: Evict::SnapKv,
+                pyramid: true,
+            }
+        });
+        let budget = |r: Retention| match r {
+            Retention::Budget { budget, .. } => budget,
+            r => panic!("{r:?}"),
+        };
+        let built: Vec<usize> = spec
+            .build(&cfg, None)
+            .layers()
+            .iter()
+            .map(|l| budget(l.retention()))
+            .collect();
+        let counted: Vec<usize> = (0..cfg.kv_layers())
+            .map(|c| budget(spec.layer_spec(&cfg, c).retention))
+            .collect();
+        assert_eq!(built, [300, 260, 220, 180, 140, 100]);
+        assert_eq!(built, counted);
+    }
+
+    #[test]
     fn a_pyramid_budget_gives_lower_layers_more_and_keeps_the_total() {
         let mut cfg = test_config(1, 8);
         cfg.n_layer = 30;
+        cfg.remap();
         let spec = CacheSpec::full(Precision::F16, 4096).with(|m| {
             m.retention = Retention::Budget {
                 budget: 512,
@@ -1171,6 +1226,7 @@ mod tests {
         assert!(total.abs_diff(30 * 512) <= 15, "{total}");
         // A model's declared-window layers keep their window; the budget is the others'.
         cfg.sliding_window = Some((64, (0..30).map(|i| i % 6 != 5).collect()));
+        cfg.remap();
         let global: Vec<usize> = (0..30)
             .filter_map(|i| match spec.layer_spec(&cfg, i).retention {
                 Retention::Budget { budget, .. } => Some(budget),

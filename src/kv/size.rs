@@ -33,13 +33,22 @@ impl KvDims {
     /// whose layers are alike.
     pub fn model_bytes_per_token(cfg: &Config, p: Precision) -> f64 {
         (0..cfg.kv_layers())
-            .map(|i| Self::layer(cfg, i).bytes_per_token(p))
+            .map(|i| Self::kv_layer(cfg, i).bytes_per_token(p))
             .sum()
     }
 
-    /// Layer `i` of a model alone (Gemma 4's layers differ in shape).
-    pub fn layer(cfg: &Config, i: usize) -> Self {
-        let (kv_heads, head_dim) = cfg.layer_kv_shape(i);
+    /// KV layer `c` of a model alone (Gemma 4's layers differ in shape).
+    pub fn kv_layer(cfg: &Config, c: usize) -> Self {
+        Self::one(cfg.kv_shape(c))
+    }
+
+    /// Block `i` of a model alone, as if it kept keys and values (a reference: a cache on every
+    /// block).
+    pub fn block(cfg: &Config, i: usize) -> Self {
+        Self::one(cfg.layer_kv_shape(i))
+    }
+
+    fn one((kv_heads, head_dim): (usize, usize)) -> Self {
         Self {
             layers: 1,
             kv_heads,
@@ -58,7 +67,7 @@ impl KvDims {
                     retention: spec.layer_spec(cfg, i).retention,
                     ..spec.mode
                 };
-                Self::layer(cfg, i).bytes_for_mode(&layer, n)
+                Self::kv_layer(cfg, i).bytes_for_mode(&layer, n)
             })
             .sum()
     }
@@ -111,7 +120,7 @@ impl KvDims {
     /// layers that may differ in shape (Gemma 4).
     pub fn model_bytes_for(cfg: &Config, p: Precision, n: usize, residual: usize) -> f64 {
         (0..cfg.kv_layers())
-            .map(|i| Self::layer(cfg, i).bytes_for(p, n, residual))
+            .map(|i| Self::kv_layer(cfg, i).bytes_for(p, n, residual))
             .sum()
     }
 
@@ -122,7 +131,7 @@ impl KvDims {
         Self::state_bytes(cfg)
             + (0..cfg.kv_layers())
                 .map(|i| {
-                    Self::layer(cfg, i).bytes_for(
+                    Self::kv_layer(cfg, i).bytes_for(
                         spec.mode.precision,
                         held(spec.layer_spec(cfg, i).retention),
                         spec.mode.residual.min(n),

@@ -1,5 +1,6 @@
 //! Hyperparameters of a llama-family decoder, read once at load from GGUF metadata (or, later, config.json).
 
+use super::layers::LayerMap;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 
@@ -259,6 +260,9 @@ pub struct Config {
     /// Layers whose mixer is a Gated DeltaNet with a recurrent state instead of attention
     /// (Qwen3.5), and the state's sizes. None: every layer attends.
     pub recurrent: Option<Recurrent>,
+    /// Which memory each block reads, built from the fields above by [`Config::remap`] (every
+    /// constructor's last step): the one conversion between block, KV-layer and state numbers.
+    pub(crate) layer_map: LayerMap,
 }
 
 /// Qwen3.5's Gated DeltaNet layers (llama.cpp's `ssm.*` keys): a short causal convolution over
@@ -358,50 +362,74 @@ impl Config {
         self.layers.as_ref().map_or(self.ffn, |l| l.ffn[i])
     }
 
+    /// Rebuilds the layer map: every constructor's last step; call it after changing
+    /// `n_layer`, `recurrent`, `layers` or `sliding_window` by hand.
+    pub fn remap(&mut self) {
+        self.layer_map = LayerMap::of(self);
+    }
+
+    /// The map of blocks to KV layers and states.
+    pub fn layer_map(&self) -> &LayerMap {
+        &self.layer_map
+    }
+
+    /// Checks the numbers, builds the layer map, checks what depends on it: what every
+    /// constructor ends with.
+    pub(crate) fn finish(mut self) -> Result<Self> {
+        // (A layer count beyond any real model's is refused before a map of it is made.)
+        self.validate_sizes()?;
+        self.remap();
+        self.validate()?;
+        Ok(self)
+    }
+
     /// Whether layer `i` keeps a recurrent state instead of attending (Qwen3.5's DeltaNet layers).
     pub fn is_recurrent(&self, i: usize) -> bool {
-        self.recurrent
-            .as_ref()
-            .is_some_and(|r| r.layers.get(i).copied().unwrap_or(false))
+        self.layer_map.is_recurrent(i)
     }
 
     /// Whether layer `i` keeps keys and values of its own: an attention layer that shares no
     /// earlier layer's (Gemma 4's last `shared_kv` layers do).
     pub fn own_kv(&self, i: usize) -> bool {
-        let shared = self.layers.as_ref().map_or(0, |l| l.shared_kv);
-        i < self.n_layer - shared && !self.is_recurrent(i)
+        self.layer_map.own_kv(i)
     }
 
     /// How many layers keep keys and values of their own: the KV cache's layers.
     pub fn kv_layers(&self) -> usize {
-        (0..self.n_layer).filter(|&i| self.own_kv(i)).count()
+        self.layer_map.kv_layers()
     }
 
-    /// The block whose keys and values the KV cache's layer `c` holds (the `c`-th layer that
-    /// keeps its own).
+    /// The block whose keys and values the KV cache's layer `c` holds.
     pub fn kv_block(&self, c: usize) -> usize {
-        (0..self.n_layer)
-            .filter(|&i| self.own_kv(i))
-            .nth(c)
-            .unwrap_or(c)
+        self.layer_map.kv_block(c)
     }
 
-    /// The KV cache layer that attention layer `i` attends over: its own (its place among the
-    /// layers that keep theirs), or for a shared layer llama.cpp's choice for Gemma 4: layer
-    /// `kv_layers − 2` for a window layer, `kv_layers − 1` for a global one (`validate` checks
-    /// that it is of the same kind and shape).
+    /// KV layer `c`'s heads and head size (those of the block it holds).
+    pub fn kv_shape(&self, c: usize) -> (usize, usize) {
+        self.layer_kv_shape(self.kv_block(c))
+    }
+
+    /// Every KV layer's heads and head size, in order.
+    pub fn kv_shapes(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.layer_map
+            .kv_blocks()
+            .iter()
+            .map(|&i| self.layer_kv_shape(i))
+    }
+
+    /// The KV cache layer that attention block `i` attends over: its own, or for a shared block
+    /// llama.cpp's choice for Gemma 4 (`LayerMap::new`).
     pub fn kv_source(&self, i: usize) -> usize {
-        let own = self.kv_layers();
-        match (self.own_kv(i), self.layer_window(i)) {
-            (true, _) => (0..i).filter(|&j| self.own_kv(j)).count(),
-            (false, Some(_)) => own - 2,
-            (false, None) => own - 1,
-        }
+        self.layer_map
+            .kv_source(i)
+            .expect("kv_source of an attention block")
     }
 
-    /// The recurrent state of DeltaNet layer `i`: its place among the recurrent layers.
+    /// The recurrent state of DeltaNet block `i`.
     pub fn state_index(&self, i: usize) -> usize {
-        (0..i).filter(|&j| self.is_recurrent(j)).count()
+        self.layer_map
+            .state_index(i)
+            .expect("state_index of a DeltaNet block")
     }
 
     /// Reads the hyperparameters from GGUF metadata (`{arch}.block_count`, …).
@@ -738,9 +766,9 @@ impl Config {
             layers,
             per_layer_embd,
             final_softcap,
+            layer_map: LayerMap::default(),
         };
-        cfg.validate()?;
-        Ok(cfg)
+        cfg.finish()
     }
 
     /// Reads the hyperparameters from a Hugging Face `config.json`. HF checkpoints keep Q/K rows in
@@ -823,9 +851,9 @@ impl Config {
             final_softcap: None,
             recurrent: None,
             arch,
+            layer_map: LayerMap::default(),
         };
-        cfg.validate()?;
-        Ok(cfg)
+        cfg.finish()
     }
 
     /// Llama 3's `rope_scaling` (type llama3) as per-frequency divisors, the same numbers GGUF stores
@@ -943,7 +971,7 @@ impl Config {
             );
         };
         for i in own..self.n_layer {
-            let s = self.kv_source(i);
+            let s = self.kv_block(self.kv_source(i));
             let kind = |l: usize| self.layer_window(l).is_some();
             if kind(s) != kind(i) || self.layer_kv_shape(s) != self.layer_kv_shape(i) {
                 bail!(
@@ -956,7 +984,8 @@ impl Config {
         Ok(())
     }
 
-    pub fn validate(&self) -> Result<()> {
+    /// The counts and sizes in range (what a layer map may be built from).
+    fn validate_sizes(&self) -> Result<()> {
         if self.n_layer == 0 || self.n_head == 0 || self.n_kv_head == 0 || self.head_dim == 0 {
             bail!(
                 "model has zero layers, heads or head size ({} layers, {} heads, {} KV heads, head size {})",
@@ -982,6 +1011,13 @@ impl Config {
                 bail!("model {name} = {v} is beyond any real model's (at most {max}); the file is damaged");
             }
         }
+        Ok(())
+    }
+
+    /// Checks a config as a whole: sizes, shapes and the layer map's sense. Each constructor
+    /// calls it (through `finish`); call it again after changing a config by hand.
+    pub fn validate(&self) -> Result<()> {
+        self.validate_sizes()?;
         // A mixture of experts has no dense FFN: its width may be 0 (`Experts` has the sizes).
         if self.hidden == 0 || (self.ffn == 0 && !self.block.moe) || self.vocab == 0 {
             bail!(

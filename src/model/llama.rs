@@ -14,6 +14,7 @@ use super::deltanet::{DeltaNet, RecurrentState};
 use super::kernels::attention::SeqQuery;
 use super::kernels::norm::rms_norm;
 use super::kernels::quant::QMatrix;
+use super::layers::BlockMemory;
 use super::moe::Moe;
 use super::rope::Rope;
 use anyhow::{bail, ensure, Result};
@@ -351,22 +352,16 @@ impl Llama {
                     c.layer(next).prefetch()?;
                 }
             }
-            let memory = match &layer.mixer {
-                Mixer::Attention(_) => {
-                    let src = self.cfg.kv_source(i);
-                    StepMemory::Kv(StepCache::PerRow(
-                        caches.iter_mut().map(|c| c.layer(src)).collect(),
-                    ))
-                }
-                Mixer::DeltaNet(_) => {
-                    let r = self.cfg.state_index(i);
-                    StepMemory::StatePerRow(
-                        caches
-                            .iter_mut()
-                            .map(|c| c.state(r))
-                            .collect::<Result<_>>()?,
-                    )
-                }
+            let memory = match self.cfg.layer_map().block(i) {
+                BlockMemory::Kv { kv, .. } => StepMemory::Kv(StepCache::PerRow(
+                    caches.iter_mut().map(|c| c.layer(kv)).collect(),
+                )),
+                BlockMemory::State { state } => StepMemory::StatePerRow(
+                    caches
+                        .iter_mut()
+                        .map(|c| c.state(state))
+                        .collect::<Result<_>>()?,
+                ),
             };
             x = self.block(i, layer, &x, memory, per_layer.as_ref())?;
         }
@@ -380,10 +375,10 @@ impl Llama {
     /// The KV cache layer to start moving to the device while block `i` computes (offload): the
     /// next block's, where it keeps its own and is not the first (moved before the loop).
     fn next_prefetch(&self, i: usize) -> Option<usize> {
-        let next = i + 1;
-        (next < self.cfg.n_layer && self.cfg.own_kv(next))
-            .then(|| self.cfg.kv_source(next))
-            .filter(|&c| c > 0)
+        match self.cfg.layer_map().get(i + 1)? {
+            BlockMemory::Kv { kv, own: true } if kv > 0 => Some(kv),
+            _ => None,
+        }
     }
 
     /// Logits through c·tanh(x / c) where the model caps them (gemma4).
@@ -440,13 +435,12 @@ impl Llama {
             if let Some(next) = self.next_prefetch(i) {
                 cache.layer(next).prefetch()?;
             }
-            let memory = match &layer.mixer {
-                Mixer::Attention(_) => {
+            let memory = match self.cfg.layer_map().block(i) {
+                BlockMemory::Kv { kv, .. } => {
                     let apart = cache.rows_apart();
-                    let src = self.cfg.kv_source(i);
-                    StepMemory::Kv(StepCache::One(cache.layer(src), apart))
+                    StepMemory::Kv(StepCache::One(cache.layer(kv), apart))
                 }
-                Mixer::DeltaNet(_) => StepMemory::State(cache.state(self.cfg.state_index(i))?),
+                BlockMemory::State { state } => StepMemory::State(cache.state(state)?),
             };
             x = self.block(i, layer, &x, memory, per_layer.as_ref())?;
         }

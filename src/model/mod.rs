@@ -8,6 +8,7 @@ pub mod files;
 pub mod gguf;
 pub mod gguf_types;
 pub mod kernels;
+pub mod layers;
 pub mod llama;
 pub mod moe;
 pub mod rope;

@@ -228,7 +228,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> Config {
-        Config {
+        let mut cfg = Config {
             arch: "llama".into(),
             n_layer: 1,
             n_head: 2,
@@ -253,7 +253,10 @@ mod tests {
             per_layer_embd: 0,
             final_softcap: None,
             recurrent: None,
-        }
+            layer_map: Default::default(),
+        };
+        cfg.remap();
+        cfg
     }
 
     #[test]

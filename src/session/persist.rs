@@ -49,7 +49,7 @@ impl Session<'_> {
             model_digest,
             cache_key,
             shapes: (0..self.cache.layers().len())
-                .map(|c| cfg.layer_kv_shape(cfg.kv_block(c)))
+                .map(|c| cfg.kv_shape(c))
                 .collect(),
             max_positions: self.max_positions,
             states: self

@@ -842,3 +842,32 @@ fn a_paged_layer_attends_as_a_contiguous_one_in_every_precision_and_retention() 
         }
     }
 }
+
+#[test]
+fn a_pyramid_budget_on_a_hybrid_model_allocates_what_the_size_arithmetic_counts() {
+    use crate::kv::{size::KvDims, CacheSpec};
+    // 24 blocks, every 4th attending: 6 KV layers with budgets 1.5 N down to 0.5 N.
+    let cfg = crate::kv::test_hybrid_config(24, 4, NKV, HD);
+    let prompt = 400;
+    let spec = CacheSpec::full(Precision::F16, prompt).with(|m| {
+        m.retention = Retention::Budget {
+            budget: 200,
+            sinks: 4,
+            evict: Evict::SnapKv,
+            pyramid: true,
+        }
+    });
+    let mut cache = spec.build(&cfg, None);
+    for l in cache.layers_mut() {
+        l.forward_begins(prompt).unwrap();
+        run(l, &[100; 4]);
+    }
+    let row = Precision::F16.row_bytes(HD);
+    assert_eq!(cache.bytes_used(), 2 * NKV * row * 6 * 200);
+    assert_eq!(
+        cache.bytes_used() as f64,
+        KvDims::bytes_for_spec(&spec, &cfg, prompt)
+    );
+    // No more than a server reserves for it (its states included).
+    assert!(cache.bytes() as f64 <= KvDims::bytes_at_most(&spec, &cfg, prompt, 100));
+}
