@@ -5,7 +5,7 @@ pub mod fit;
 use crate::model::gguf::GgufFile;
 use crate::model::safetensors::HfCheckpoint;
 use crate::model::sampling::SamplingPrefs;
-use crate::model::Llama;
+use crate::model::Decoder;
 use crate::source::Location;
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::Tokenizer;
@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 pub struct Engine {
     path: PathBuf,
-    model: Llama,
+    model: Decoder,
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     /// Why the model's own template is not `template`, when it has one that cannot run.
@@ -57,7 +57,7 @@ pub struct Engine {
 /// What a loader (GGUF or safetensors) read: the engine's parts that depend on the format.
 struct Loaded {
     path: PathBuf,
-    model: Llama,
+    model: Decoder,
     tokenizer: Tokenizer,
     /// The model's own chat template, when it has one.
     template_src: Option<String>,
@@ -76,7 +76,7 @@ impl Engine {
     pub fn path(&self) -> &std::path::Path {
         &self.path
     }
-    pub fn model(&self) -> &Llama {
+    pub fn model(&self) -> &Decoder {
         &self.model
     }
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -445,7 +445,7 @@ impl Engine {
             .map(|w| std::fs::metadata(w).map_or(0, |m| m.len()))
             .sum();
         let plan = Self::plan_memory(args, &ckpt.cfg, file_bytes)?;
-        let model = ckpt.load_llama(device, dtype, plan.need.ctx)?;
+        let model = ckpt.load_decoder(device, dtype, plan.need.ctx)?;
         let (tokenizer, template_src) = match (&args.tokenizer, &files.tokenizer) {
             (Some(tj), _) | (None, Some(tj)) => {
                 Tokenizer::from_hf(tj, files.tokenizer_config.as_deref())?

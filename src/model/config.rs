@@ -17,7 +17,7 @@ pub enum RopeStyle {
 /// or hostile file, not a model.
 const MAX_DIM: u64 = 1 << 31;
 
-/// Architectures whose decoder is the one in `model::llama` (each a row of [`Block::of`]).
+/// Architectures whose decoder is the one in `model::decoder` (each a row of [`Block::of`]).
 pub const SUPPORTED_ARCHS: &[&str] = &[
     "llama",
     "mistral",

@@ -21,11 +21,11 @@
 //! into steps give the same bits.
 
 use super::config::Recurrent;
+use super::decoder::{Linear, Weight};
 use super::kernels::disjoint::for_each_row_pair;
 use super::kernels::glu::{sigmoid, silu};
 use super::kernels::norm;
 use super::kernels::quant::QMatrix;
-use super::llama::{Linear, Weight};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 

@@ -2,12 +2,12 @@
 //! in `kernels::quant`, or candle's QMatMul where those do not run or are slower).
 
 use super::config::Config;
+use super::decoder::{
+    expect_dims, Attention, Block, Decoder, Embedding, Ffn, Linear, Mixer, MoeBeside,
+    PerLayerBlock, PerLayerEmbeddings, Weight,
+};
 use super::deltanet::DeltaNet;
 use super::kernels::quant::{Kernels, Packer, QMatrix, WeightType};
-use super::llama::{
-    expect_dims, Attention, Block, Embedding, Ffn, Linear, Llama, Mixer, MoeBeside, PerLayerBlock,
-    PerLayerEmbeddings, Weight,
-};
 use super::moe::{Expert, GateUp, Moe, SharedExpert};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
@@ -717,7 +717,7 @@ impl GgufFile {
     }
 
     /// Builds the decoder. `max_positions` sizes the RoPE table (the most positions a run may reach).
-    pub fn load_llama(&mut self, device: &Device, max_positions: usize) -> Result<Llama> {
+    pub fn load_decoder(&mut self, device: &Device, max_positions: usize) -> Result<Decoder> {
         let cfg = self.config()?;
         self.load_llama_with(cfg, device, max_positions)
     }
@@ -728,7 +728,7 @@ impl GgufFile {
         cfg: Config,
         device: &Device,
         max_positions: usize,
-    ) -> Result<Llama> {
+    ) -> Result<Decoder> {
         let h = cfg.hidden;
         // Every matrix our kernels run, read first into one store (q, k, v and gate, up end to
         // end there, so stacking them below copies nothing).
@@ -949,7 +949,7 @@ impl GgufFile {
                 _ => Embedding::Quantized(t),
             },
         };
-        Ok(Llama {
+        Ok(Decoder {
             cfg,
             embed,
             layers,
@@ -959,7 +959,7 @@ impl GgufFile {
             rope,
             rope_local,
             device: device.clone(),
-            prefill_chunk: super::llama::PREFILL_CHUNK,
+            prefill_chunk: super::decoder::PREFILL_CHUNK,
         })
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod decoder;
 pub mod deltanet;
 pub mod export;
 pub mod files;
@@ -9,11 +10,10 @@ pub mod gguf;
 pub mod gguf_types;
 pub mod kernels;
 pub mod layers;
-pub mod llama;
 pub mod moe;
 pub mod rope;
 pub mod safetensors;
 pub mod sampling;
 
 pub use config::Config;
-pub use llama::{Llama, Logits};
+pub use decoder::{Decoder, Logits};

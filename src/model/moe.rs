@@ -15,9 +15,9 @@
 //! `down [hidden, ffn]`; the biases `[2·ffn]` and `[hidden]`.
 
 use super::config::Activation;
+use super::decoder::Linear;
 use super::kernels::glu;
 use super::kernels::quant::QMatrix;
-use super::llama::Linear;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 

@@ -6,8 +6,10 @@
 //! Both are the same model; here the weights are kept as stored and the rotary style is half-split.
 
 use super::config::Config;
+use super::decoder::{
+    expect_dims, Attention, Block, Decoder, Embedding, Ffn, Linear, Mixer, Weight,
+};
 use super::files::HfFiles;
-use super::llama::{expect_dims, Attention, Block, Embedding, Ffn, Linear, Llama, Mixer, Weight};
 use super::rope::Rope;
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -132,7 +134,12 @@ impl HfCheckpoint {
     }
 
     /// Builds the decoder with dense weights in `dtype`; norms, biases and activations stay f32.
-    pub fn load_llama(&self, device: &Device, dtype: DType, max_positions: usize) -> Result<Llama> {
+    pub fn load_decoder(
+        &self,
+        device: &Device,
+        dtype: DType,
+        max_positions: usize,
+    ) -> Result<Decoder> {
         let cfg = self.cfg.clone();
         let (h, nh, nkv, hd, ffn) = (cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn);
         let f32 = DType::F32;
@@ -191,7 +198,7 @@ impl HfCheckpoint {
         };
         let freq_factors = cfg.llama3_freq_factors(&self.json)?;
         let rope = Rope::new(&cfg, max_positions, freq_factors.as_deref(), f32, device)?;
-        Ok(Llama {
+        Ok(Decoder {
             cfg,
             embed: Embedding::Dense(embed),
             layers,
@@ -201,7 +208,7 @@ impl HfCheckpoint {
             per_layer: None,
             rope_local: None,
             device: device.clone(),
-            prefill_chunk: super::llama::PREFILL_CHUNK,
+            prefill_chunk: super::decoder::PREFILL_CHUNK,
         })
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::kv::size::KvDims;
 use crate::kv::CacheSpec;
-use crate::model::Llama;
+use crate::model::Decoder;
 
 /// Positions a sequence's own stores grow by (`CacheSpec::grow_by`), the size of a page of its
 /// block table (`kv/paged.rs`: growing appends a page and copies no row): a sequence holds at
@@ -19,14 +19,14 @@ pub const ADMIT_AHEAD: usize = 2 * GROW_BY;
 
 /// The KV pool: its bound, and the cache each sequence's own stores are built as.
 pub struct Pool<'e> {
-    model: &'e Llama,
+    model: &'e Decoder,
     spec: CacheSpec,
     /// The bound in bytes.
     pub bound: u64,
 }
 
 impl<'e> Pool<'e> {
-    pub fn new(model: &'e Llama, spec: CacheSpec, bound: u64) -> Self {
+    pub fn new(model: &'e Decoder, spec: CacheSpec, bound: u64) -> Self {
         Self { model, spec, bound }
     }
 

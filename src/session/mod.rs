@@ -13,7 +13,7 @@ pub use sampler::{argmax, Resolved, Sampler, SamplingParams};
 
 use crate::kv::KvCache;
 use crate::model::sampling::SamplingPrefs;
-use crate::model::{Llama, Logits};
+use crate::model::{Decoder, Logits};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use std::time::{Duration, Instant};
@@ -132,7 +132,7 @@ impl crate::engine::Engine {
 /// Invariant: `tokens` is the sequence the cache has seen (`cache.seen() == tokens.len()`). The
 /// fields are private so that only the methods here change either, always both together.
 pub struct Session<'m> {
-    model: &'m Llama,
+    model: &'m Decoder,
     cache: KvCache,
     /// Every token of the sequence so far, in order.
     tokens: Vec<u32>,
@@ -141,7 +141,7 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    pub fn new(model: &'m Llama, cache: KvCache, max_positions: usize) -> Self {
+    pub fn new(model: &'m Decoder, cache: KvCache, max_positions: usize) -> Self {
         Self {
             model,
             cache,
@@ -251,7 +251,7 @@ impl<'m> Session<'m> {
 
     /// One decode step of several sessions of the same model at once (continuous batching's
     /// step): `tokens[i]` continues `sessions[i]`. The weights are read once for all of them
-    /// (`Llama::forward_rows`), each row attends its own session's cache — whatever its axes —
+    /// (`Decoder::forward_rows`), each row attends its own session's cache — whatever its axes —
     /// and each session gets the logits `[vocab]` it would get decoding alone, bit for bit.
     pub fn feed_each(sessions: &mut [&mut Session<'m>], tokens: &[u32]) -> Result<Vec<Tensor>> {
         if sessions.len() != tokens.len() || sessions.is_empty() {

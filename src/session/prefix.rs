@@ -8,7 +8,7 @@
 //! is made for cuBLAS). Float caches are then exact: each row is stored and read back in one format
 //! whatever the steps. A quantized cache reads a step's last `residual` positions from their f16
 //! copies and earlier ones quantized, so its values depend on where steps end. Prefill steps end at
-//! multiples of the prefill chunk counted from position 0 (`Llama::forward`), so a resumed prompt
+//! multiples of the prefill chunk counted from position 0 (`Decoder::forward`), so a resumed prompt
 //! steps as a whole one does; then what differs is where the prompt ends, and a quantized cache
 //! (1) stores only blocks ending `residual` positions before its prompt's end, (2) resumes at most
 //! `residual` before the reader's end and not inside the last `residual` positions of a chunk (there

@@ -8,7 +8,7 @@ use crate::common::tiny::prefill_and_decode;
 use candle_core::Device;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
-use kvchat::model::Llama;
+use kvchat::model::Decoder;
 
 /// sha256 of the file `write_random_gemma4` writes: if it changes, the reference below must be
 /// measured again on the new file.
@@ -24,17 +24,17 @@ fn random_gemma4() -> std::path::PathBuf {
     )
 }
 
-fn load() -> Llama {
+fn load() -> Decoder {
     GgufFile::open(&random_gemma4())
         .unwrap()
-        .load_llama(&Device::Cpu, 256)
+        .load_decoder(&Device::Cpu, 256)
         .unwrap()
 }
 
-fn load_moe() -> Llama {
+fn load_moe() -> Decoder {
     GgufFile::open(&random_gemma4_moe())
         .unwrap()
-        .load_llama(&Device::Cpu, 256)
+        .load_decoder(&Device::Cpu, 256)
         .unwrap()
 }
 
@@ -93,7 +93,7 @@ fn gemma4_past_its_window_prefill_decode_and_recompute_give_the_same_logits() {
 }
 
 /// Logits of `n` positions, one prefill, token by token and recomputed, are the same bits.
-fn prefill_decode_and_recompute_agree(m: &Llama, n: usize) {
+fn prefill_decode_and_recompute_agree(m: &Decoder, n: usize) {
     let tokens: Vec<u32> = (0..n).map(|i| (i * 7919 % 49152) as u32).collect();
     let full = CacheSpec::full(kvchat::kv::Precision::F32, 256);
     let (prefill, decode) = prefill_and_decode(m, &full, &tokens, 256);

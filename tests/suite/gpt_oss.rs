@@ -7,7 +7,7 @@ use crate::common::tiny::prefill_and_decode;
 use candle_core::Device;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
-use kvchat::model::Llama;
+use kvchat::model::Decoder;
 
 /// sha256 of the file `write_random_gpt_oss` writes: if it changes, the reference below must be
 /// measured again on the new file.
@@ -39,10 +39,10 @@ fn gpt_oss_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_f
     );
 }
 
-fn load() -> Llama {
+fn load() -> Decoder {
     GgufFile::open(&random_gpt_oss())
         .unwrap()
-        .load_llama(&Device::Cpu, 256)
+        .load_decoder(&Device::Cpu, 256)
         .unwrap()
 }
 
@@ -65,7 +65,7 @@ fn gpt_oss_reads_its_pieces_from_the_table_and_the_file() {
     assert_eq!(a.sinks.as_ref().map(Vec::len), Some(4));
     assert!(a.wq.b.is_some() && a.wo.b.is_some());
     match &l.ffn {
-        kvchat::model::llama::Ffn::Moe(moe) => {
+        kvchat::model::decoder::Ffn::Moe(moe) => {
             assert_eq!(moe.experts.len(), 8);
             let x = &moe.experts[3];
             assert_eq!(

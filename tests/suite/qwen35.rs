@@ -7,7 +7,7 @@ use crate::common::tiny::{prefill_and_decode, run_two_tokens as run, set_u32, QW
 use candle_core::Device;
 use kvchat::kv::{CacheSpec, Precision};
 use kvchat::model::gguf::GgufFile;
-use kvchat::model::Llama;
+use kvchat::model::Decoder;
 use kvchat::session::Session;
 
 /// sha256 of the file `write_random_qwen35` writes: if it changes, the reference below must be
@@ -23,10 +23,10 @@ fn random_qwen35() -> std::path::PathBuf {
     )
 }
 
-fn load() -> Llama {
+fn load() -> Decoder {
     GgufFile::open(&random_qwen35())
         .unwrap()
-        .load_llama(&Device::Cpu, 512)
+        .load_decoder(&Device::Cpu, 512)
         .unwrap()
 }
 
@@ -82,7 +82,7 @@ fn tokens(n: usize, seed: usize) -> Vec<u32> {
 }
 
 /// A session of 512 positions over an f16 cache.
-fn session(m: &Llama) -> Session<'_> {
+fn session(m: &Decoder) -> Session<'_> {
     Session::new(
         m,
         CacheSpec::full(Precision::F16, 512).build(&m.cfg, None),
@@ -91,7 +91,7 @@ fn session(m: &Llama) -> Session<'_> {
 }
 
 /// The logits after `seq` fed in one prefill to a fresh session.
-fn fresh(m: &Llama, seq: &[u32]) -> Vec<f32> {
+fn fresh(m: &Decoder, seq: &[u32]) -> Vec<f32> {
     session(m).feed(seq).unwrap().to_vec1().unwrap()
 }
 
@@ -308,13 +308,13 @@ fn qwen35moe_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same
 fn qwen35moe_reads_its_routed_and_shared_experts() {
     let m = GgufFile::open(&random_qwen35_moe())
         .unwrap()
-        .load_llama(&Device::Cpu, 512)
+        .load_decoder(&Device::Cpu, 512)
         .unwrap();
     let e = m.cfg.experts.unwrap();
     assert_eq!((e.count, e.used, e.ffn, e.shared), (8, 2, 128, 256));
     for (i, b) in m.layers.iter().enumerate() {
         match &b.ffn {
-            kvchat::model::llama::Ffn::Moe(moe) => {
+            kvchat::model::decoder::Ffn::Moe(moe) => {
                 assert_eq!(moe.experts.len(), 8, "layer {i}");
                 let s = moe.shared.as_ref().expect("a shared expert");
                 assert_eq!((s.ffn, s.gate.len()), (256, 256));
@@ -328,7 +328,7 @@ fn qwen35moe_reads_its_routed_and_shared_experts() {
 fn qwen35moe_prefill_and_decode_give_the_same_logits() {
     let m = GgufFile::open(&random_qwen35_moe())
         .unwrap()
-        .load_llama(&Device::Cpu, 512)
+        .load_decoder(&Device::Cpu, 512)
         .unwrap();
     let tokens: Vec<u32> = (0..40).map(|i| (i * 7919 % 49152) as u32).collect();
     let (prefill, decode) =
@@ -353,7 +353,7 @@ fn qwen35moe_runs_the_gpus_path_with_its_experts_on_the_host() {
     let load = |kernels| {
         let mut f = GgufFile::open(&random_qwen35_moe()).unwrap();
         f.kernels = kernels;
-        f.load_llama(&Device::Cpu, 512).unwrap()
+        f.load_decoder(&Device::Cpu, 512).unwrap()
     };
     use kvchat::model::kernels::quant::Kernels;
     let (gpu, cpu) = (load(Kernels::Gpu), load(Kernels::Candle));

@@ -5,19 +5,19 @@ use crate::common::tiny::*;
 use candle_core::Device;
 use kvchat::kv::CacheSpec;
 use kvchat::model::gguf::GgufFile;
-use kvchat::model::{Llama, Logits};
+use kvchat::model::{Decoder, Logits};
 use kvchat::session::Session;
 use kvchat::tokenizer::Tokenizer;
 
-fn load(name: &str) -> Llama {
+fn load(name: &str) -> Decoder {
     let path = write_tiny_qwen2(name);
     GgufFile::open(&path)
         .unwrap()
-        .load_llama(&Device::Cpu, 128)
+        .load_decoder(&Device::Cpu, 128)
         .unwrap()
 }
 
-fn session<'a>(m: &'a Llama, spec: &CacheSpec) -> Session<'a> {
+fn session<'a>(m: &'a Decoder, spec: &CacheSpec) -> Session<'a> {
     Session::new(m, spec.build(&m.cfg, None), 128)
 }
 
@@ -120,11 +120,11 @@ fn sentencepiece_tokenizer_falls_back_to_bytes() {
     assert_eq!(tk.decode(&ids, false).unwrap(), "hé");
 }
 
-fn load_arch(name: &str, arch: &str) -> Llama {
+fn load_arch(name: &str, arch: &str) -> Decoder {
     let path = write_tiny_arch(name, arch, Vec::new());
     GgufFile::open(&path)
         .unwrap()
-        .load_llama(&Device::Cpu, 128)
+        .load_decoder(&Device::Cpu, 128)
         .unwrap()
 }
 
@@ -188,7 +188,7 @@ fn gemma3_window_changes_the_answer_once_the_sequence_outgrows_it() {
     let open = || {
         GgufFile::open(&path)
             .unwrap()
-            .load_llama(&Device::Cpu, 128)
+            .load_decoder(&Device::Cpu, 128)
             .unwrap()
     };
     let windowed = open();
@@ -269,7 +269,7 @@ fn an_iq4_nl_model_answers_as_its_weights_dequantized_to_f32() {
     let logits = |path: &std::path::Path, dense: Option<candle_core::DType>| -> Vec<f32> {
         let mut f = GgufFile::open(path).unwrap();
         f.dense = dense;
-        let m = f.load_llama(&Device::Cpu, 128).unwrap();
+        let m = f.load_decoder(&Device::Cpu, 128).unwrap();
         let out = session(&m, &FULL).feed(&[3, 17, 5, 9, 22]).unwrap();
         out.to_vec1().unwrap()
     };

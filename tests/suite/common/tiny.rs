@@ -618,7 +618,7 @@ pub fn pinned_perplexity_in(path: &std::path::Path, sha256: &str, mode: &str) ->
 /// Logits at every position of `tokens`: one prefill, then token by token, through `spec` (a
 /// session of `max_positions`).
 pub fn prefill_and_decode(
-    m: &kvchat::model::Llama,
+    m: &kvchat::model::Decoder,
     spec: &kvchat::kv::CacheSpec,
     tokens: &[u32],
     max_positions: usize,

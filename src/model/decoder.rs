@@ -164,10 +164,10 @@ pub enum Logits {
     All,
 }
 
-/// Longest prefill step by default (`Llama::prefill_chunk`).
+/// Longest prefill step by default (`Decoder::prefill_chunk`).
 pub const PREFILL_CHUNK: usize = 512;
 
-pub struct Llama {
+pub struct Decoder {
     pub cfg: Config,
     pub embed: Embedding,
     pub layers: Vec<Block>,
@@ -260,7 +260,7 @@ enum StepMemory<'c> {
     StatePerRow(Vec<&'c mut RecurrentState>),
 }
 
-impl Llama {
+impl Decoder {
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -696,7 +696,7 @@ impl Llama {
         Ok(out.reshape((1, nh, t, hd))?)
     }
 
-    /// [`Llama::attend`] for a step whose row r is the next position of sequence r: each row
+    /// [`Decoder::attend`] for a step whose row r is the next position of sequence r: each row
     /// appends to its own sequence's cache, and then all rows attend in one call of the kernel
     /// (one dispatch of the pool for the whole batch on the CPU), each over its own view, with
     /// the bits it gets alone. Returns `[1, nh, t, hd]`.
