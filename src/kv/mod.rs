@@ -1027,7 +1027,7 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
         sliding_window: None,
         rope_base_local: None,
         attn_scale: 0.125,
-        block: crate::model::config::Block::of("llama").unwrap(),
+        pieces: crate::model::arch::find("llama").unwrap().pieces,
         yarn: None,
         experts: None,
         layers: None,
@@ -1046,7 +1046,7 @@ pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
 pub(crate) fn test_hybrid_config(n_layer: usize, every: usize, nkv: usize, hd: usize) -> Config {
     let mut cfg = test_config(nkv, hd);
     cfg.arch = "qwen35".into();
-    cfg.block = crate::model::config::Block::of("qwen35").unwrap();
+    cfg.pieces = crate::model::arch::find("qwen35").unwrap().pieces;
     cfg.n_layer = n_layer;
     cfg.recurrent = Some(crate::model::config::Recurrent {
         layers: (0..n_layer).map(|i| (i + 1) % every != 0).collect(),

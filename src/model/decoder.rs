@@ -413,7 +413,7 @@ impl Decoder {
     /// The embeddings of `tokens` (`ids` on the device), scaled where the model says: `[1, t, hidden]`.
     fn embed(&self, ids: &Tensor, tokens: &[u32]) -> Result<Tensor> {
         let mut x = self.embed.rows(ids, tokens)?.unsqueeze(0)?; // [1, t, hidden]
-        if self.cfg.block.embed_scale {
+        if self.cfg.pieces.embed_scale {
             x = (x * (self.cfg.hidden as f64).sqrt())?;
         }
         Ok(x)
@@ -505,7 +505,7 @@ impl Decoder {
                     None => (gate.forward(&h)?, up.forward(&h)?), // [1, t, ffn] each
                 };
                 // act(gate, up) in one pass.
-                let act = super::kernels::glu::gated(self.cfg.block.act, &gate, &up)?; // [1, t, ffn]
+                let act = super::kernels::glu::gated(self.cfg.pieces.act, &gate, &up)?; // [1, t, ffn]
                 down.forward(&act)? // [1, t, hidden]
             }
             Ffn::Moe(moe) => moe.forward(&h)?, // [1, t, hidden]
@@ -557,7 +557,7 @@ impl Decoder {
         let (_, t, _) = h.dims3()?;
         let (nh, (nkv, hd)) = (cfg.n_head, cfg.layer_kv_shape(i));
         // Queries, and beside each head's an output gate where the model has them (qwen35).
-        let qw = if cfg.block.q_gate {
+        let qw = if cfg.pieces.q_gate {
             2 * nh * hd
         } else {
             nh * hd
@@ -598,7 +598,7 @@ impl Decoder {
             })
         };
         // [1, t, nh, 2·hd] -> queries and gates, [1, t, nh, hd] each.
-        let (q, gate) = match cfg.block.q_gate {
+        let (q, gate) = match cfg.pieces.q_gate {
             true => {
                 let qg = q.reshape((1, t, nh, 2 * hd))?;
                 let gate = qg.narrow(3, hd, hd)?.reshape((1, t, nh * hd))?;

@@ -60,12 +60,14 @@ pub fn gguf_to_hf(gguf_path: &Path, out_dir: &Path) -> Result<()> {
     let dev = Device::Cpu;
     let mut gguf = GgufFile::open(gguf_path)?;
     let cfg = gguf.config()?;
-    if !["llama", "mistral", "qwen2"].contains(&cfg.arch.as_str()) {
+    let hf_class = super::arch::find(&cfg.arch).and_then(|a| a.hf_class);
+    let Some(architecture) = hf_class else {
         anyhow::bail!(
-            "exporting a {} model to the HF layout is not supported (llama, mistral, qwen2 only): its extra norms would be lost",
-            cfg.arch
+            "exporting a {} model to the HF layout is not supported ({} only): its extra norms would be lost",
+            cfg.arch,
+            super::arch::hf_names().join(", ")
         );
-    }
+    };
     let interleaved = cfg.rope_style == RopeStyle::Interleaved;
     if interleaved && cfg.rope_dim != cfg.head_dim {
         bail!("partial rotary with interleaved pairs is not supported by the exporter");
@@ -93,11 +95,6 @@ pub fn gguf_to_hf(gguf_path: &Path, out_dir: &Path) -> Result<()> {
     candle_core::safetensors::save(&tensors, out_dir.join("model.safetensors"))?;
     drop(tensors);
 
-    let architecture = match cfg.arch.as_str() {
-        "qwen2" => "Qwen2ForCausalLM",
-        "mistral" => "MistralForCausalLM",
-        _ => "LlamaForCausalLM",
-    };
     let mut config = serde_json::json!({
         "architectures": [architecture],
         "model_type": cfg.arch,

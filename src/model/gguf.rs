@@ -105,7 +105,7 @@ fn layer_matrices(cfg: &Config, i: usize) -> [(String, [usize; 2]); 7] {
     let (h, nh, ffn) = (cfg.hidden, cfg.n_head, cfg.layer_ffn(i));
     let (nkv, hd) = cfg.layer_kv_shape(i);
     let p = format!("blk.{i}");
-    let q_rows = if cfg.block.q_gate {
+    let q_rows = if cfg.pieces.q_gate {
         2 * nh * hd
     } else {
         nh * hd
@@ -612,7 +612,7 @@ impl GgufFile {
             experts,
             used: e.used,
             ffn: f,
-            act: cfg.block.act,
+            act: cfg.pieces.act,
             shared,
         })
     }
@@ -705,7 +705,7 @@ impl GgufFile {
     fn layer_reads(&self, cfg: &Config, i: usize, name: &str) -> bool {
         let kv = name.ends_with(".attn_k.weight") || name.ends_with(".attn_v.weight");
         let v_from_k =
-            cfg.block.v_norm && name.ends_with(".attn_v.weight") && !self.has_tensor(name);
+            cfg.pieces.v_norm && name.ends_with(".attn_v.weight") && !self.has_tensor(name);
         let shared = kv && !cfg.own_kv(i);
         !shared && !v_from_k
     }
@@ -736,7 +736,7 @@ impl GgufFile {
         for i in 0..cfg.n_layer {
             // A mixture of experts has no dense FFN matrices (its experts are read below); a
             // DeltaNet layer has its own instead of attention's.
-            let (skip, n) = match (cfg.is_recurrent(i), cfg.block.moe) {
+            let (skip, n) = match (cfg.is_recurrent(i), cfg.pieces.moe) {
                 (true, true) => (4, 0),
                 (true, false) => (4, 3),
                 (false, true) => (0, 4),
@@ -770,7 +770,7 @@ impl GgufFile {
         // embeddings, the output matrix is the same store); else candle's tensor.
         let embed = self.matrix("token_embd.weight", [cfg.vocab, h], device)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
-        let block = cfg.block;
+        let block = cfg.pieces;
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
             let qkv_bias = self.has_tensor(&format!("{p}.attn_q.bias"));

@@ -1,5 +1,6 @@
 //! Loading a model: hyperparameters, weights and the decoder built on them.
 
+pub mod arch;
 pub mod cache;
 pub mod config;
 pub mod decoder;

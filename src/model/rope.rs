@@ -246,7 +246,7 @@ mod tests {
             sliding_window: None,
             rope_base_local: None,
             attn_scale: 0.125,
-            block: crate::model::config::Block::of("llama").unwrap(),
+            pieces: crate::model::arch::find("llama").unwrap().pieces,
             yarn: None,
             experts: None,
             layers: None,

@@ -2,6 +2,7 @@
 //! may be absent, and then holds llama.cpp's default; a key it needs is refused by name.
 
 use super::*;
+use candle_core::quantized::gguf_file;
 use gguf_file::Value as V;
 use std::collections::HashMap;
 
@@ -202,7 +203,7 @@ const OPTIONAL: &[(&str, &str, Read, f64)] = &[
 /// The architectures a row of a table names ("*": every supported one).
 fn archs(arch: &'static str) -> Vec<&'static str> {
     match arch {
-        "*" => SUPPORTED_ARCHS.to_vec(),
+        "*" => crate::model::arch::names(),
         a => vec![a],
     }
 }

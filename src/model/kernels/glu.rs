@@ -134,7 +134,7 @@ const OAI_ALPHA: f32 = 1.702;
 const OAI_LIMIT: f32 = 7.0;
 
 /// The activation a gated FFN applies to its gate and up (the architectures' table,
-/// `config::Block::of`, names it as `config::Activation`).
+/// `arch::ARCHS`, names it as `arch::Activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gate {
     /// SwiGLU: silu(gate) · up.
