@@ -386,7 +386,7 @@ impl Engine {
         let cfg = gguf.config()?;
         let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         let plan = Self::plan_memory(args, &cfg, file_bytes)?;
-        let model = gguf.load_llama_with(cfg, device, plan.need.ctx)?;
+        let model = gguf.load_decoder_with(cfg, device, plan.need.ctx)?;
         let gguf_tokenizer = Tokenizer::from_gguf(&gguf.content)
             .with_context(|| format!("tokenizer of {}", path.display()));
         let tokenizer = match &args.tokenizer {
