@@ -147,28 +147,8 @@ fn budget_saving(engine: &Engine, cache: &KvCache) -> Option<String> {
 /// For a model with recurrent layers (Qwen3.5): its memory by kind, against a cache of keys and
 /// values on every layer.
 fn recurrent_memory(engine: &Engine, cache: &KvCache) -> Option<String> {
-    let cfg = &engine.model().cfg;
-    let r = cfg.recurrent.as_ref()?;
-    let states = cache.states();
-    let (kv, state, snaps) = (
-        cache.bytes_used() as f64,
-        states.bytes() as f64,
-        states.snapshot_bytes() as f64,
-    );
-    let uniform = cache.bytes_uniform(cfg);
-    Some(format!(
-        "memory by kind: attention KV {} on {} of {} layers + recurrent state {} (fixed) on the other {} + {} snapshots of it ({}): {} held against {} for a uniform cache ({:.2}×)",
-        human_bytes(kv as u64),
-        cfg.kv_layers(),
-        cfg.n_layer,
-        human_bytes(state as u64),
-        r.count(),
-        states.counts().1,
-        human_bytes(snaps as u64),
-        human_bytes((kv + state + snaps) as u64),
-        human_bytes(uniform as u64),
-        if uniform > 0.0 { (kv + state + snaps) / uniform } else { 1.0 }
-    ))
+    let m = cache.memory_by_kind(&engine.model().cfg)?;
+    Some(format!("memory by kind: {m}"))
 }
 
 /// For a model whose layers declare sliding windows: what the cache holds against a uniform one.

@@ -60,6 +60,9 @@ pub struct Cell {
     /// keys and values of `kv_bytes` (0 for other models).
     #[serde(default)]
     pub state_bytes: usize,
+    /// The same, by kind (`kv::size::MemoryByKind`), for a model with recurrent layers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_by_kind: Option<crate::kv::size::MemoryByKind>,
     pub rss_bytes: Option<u64>,
     /// The cell hit its time budget.
     pub capped: bool,
@@ -151,6 +154,7 @@ struct Run {
     kv_bytes_uniform: usize,
     kv_bytes_allocated: usize,
     state_bytes: usize,
+    memory_by_kind: Option<crate::kv::size::MemoryByKind>,
 }
 
 /// One prefill + decode, stopping early once `deadline` would be passed.
@@ -190,6 +194,7 @@ fn one_run(
         kv_bytes_uniform: s.cache().bytes_uniform(&engine.model().cfg) as usize,
         kv_bytes_allocated: s.cache().bytes(),
         state_bytes: s.cache().states().bytes() + s.cache().states().snapshot_bytes(),
+        memory_by_kind: s.cache().memory_by_kind(&engine.model().cfg),
     })
 }
 
@@ -269,6 +274,7 @@ pub fn measure_cell(
         kv_bytes_uniform: r.kv_bytes_uniform,
         kv_bytes_allocated: r.kv_bytes_allocated,
         state_bytes: r.state_bytes,
+        memory_by_kind: r.memory_by_kind.clone(),
         rss_bytes: rss().0,
         capped,
     })
@@ -450,29 +456,21 @@ pub fn render_table(r: &BenchReport) -> String {
         .cells
         .iter()
         .filter(|c| c.kv_bytes_uniform > c.kv_bytes + c.state_bytes)
-        .map(|c| {
-            let held = c.kv_bytes + c.state_bytes;
-            let state = match c.state_bytes {
-                0 => String::new(),
-                b => format!(
-                    " ({} of keys and values + {} of recurrent state)",
-                    crate::source::human_bytes(c.kv_bytes as u64),
-                    crate::source::human_bytes(b as u64)
-                ),
-            };
-            format!(
-                "{} @ {}: {}{state} against {} ({:.2}×)",
+        .map(|c| match &c.memory_by_kind {
+            Some(m) => format!("{} @ {}: {m}", c.mode, c.context),
+            None => format!(
+                "{} @ {}: {} against {} ({:.2}×)",
                 c.mode,
                 c.context,
-                crate::source::human_bytes(held as u64),
+                crate::source::human_bytes(c.kv_bytes as u64),
                 crate::source::human_bytes(c.kv_bytes_uniform as u64),
-                held as f64 / c.kv_bytes_uniform as f64
-            )
+                c.kv_bytes as f64 / c.kv_bytes_uniform as f64
+            ),
         })
         .collect();
     if !saved.is_empty() {
         s += match r.cells.iter().any(|c| c.state_bytes > 0) {
-            true => "memory by kind (attention layers' keys and values + the DeltaNet layers' fixed state and its snapshots), against keys and values on every layer:\n",
+            true => "memory by kind:\n",
             false => "kv mem with the model's sliding-window layers kept to their window, against a uniform cache:\n",
         };
         for l in saved {

@@ -33,21 +33,7 @@ pub struct KvSizeReport {
     /// keeps, in words (the dims above are then its widest layer's).
     pub layer_kinds: Option<String>,
     /// A model with recurrent layers (Qwen3.5): what its two kinds of memory hold per user.
-    pub recurrent: Option<RecurrentMemory>,
-}
-
-/// The memory of a model whose DeltaNet layers keep a recurrent state beside its attention
-/// layers' keys and values, per user at the report's context in its precision.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct RecurrentMemory {
-    pub attention_layers: usize,
-    pub recurrent_layers: usize,
-    pub layers: usize,
-    pub kv_bytes_per_context: f64,
-    /// f32, whatever the context.
-    pub state_bytes: f64,
-    /// Keys and values on every layer (what a model of attention layers alone would hold).
-    pub uniform_bytes_per_context: f64,
+    pub recurrent: Option<crate::kv::size::MemoryByKind>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -234,19 +220,7 @@ pub fn report(args: &KvSizeQuery) -> Result<KvSizeReport> {
     });
     let layer_kinds = cfg.as_ref().filter(|c| c.layers.is_some()).map(layer_kinds);
     let recurrent = cfg.as_ref().and_then(|c| {
-        let r = c.recurrent.as_ref()?;
-        Some(RecurrentMemory {
-            attention_layers: c.kv_layers(),
-            recurrent_layers: r.count(),
-            layers: c.n_layer,
-            kv_bytes_per_context: bytes_for(headline, args.ctx),
-            state_bytes: (r.count() * r.layer_bytes()) as f64,
-            uniform_bytes_per_context: (0..c.n_layer)
-                .map(|i| {
-                    KvDims::block(c, i).bytes_for(headline, args.ctx, args.residual.min(args.ctx))
-                })
-                .sum(),
-        })
+        crate::kv::size::MemoryByKind::predicted(c, headline, args.ctx, args.residual)
     });
     Ok(KvSizeReport {
         dims,
@@ -343,19 +317,7 @@ pub fn render(r: &KvSizeReport) -> String {
         );
     }
     if let Some(m) = &r.recurrent {
-        let both = m.kv_bytes_per_context + m.state_bytes;
-        s += &format!(
-            "memory by kind: attention KV {} on {} of {} layers + recurrent state {} (fixed, f32) on the other {}: {} per user at {} tokens, against {} for a uniform cache ({:.2}×)\n",
-            human(m.kv_bytes_per_context),
-            m.attention_layers,
-            m.layers,
-            human(m.state_bytes),
-            m.recurrent_layers,
-            human(both),
-            r.ctx,
-            human(m.uniform_bytes_per_context),
-            both / m.uniform_bytes_per_context
-        );
+        s += &format!("memory by kind per user at {} tokens: {m}\n", r.ctx);
     }
     if let Some(w) = &r.declared_windows {
         s += &format!(

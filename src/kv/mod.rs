@@ -512,6 +512,23 @@ impl KvCache {
         self.layers.iter().map(|l| l.bytes_used()).sum()
     }
 
+    /// Its memory by kind (a model with recurrent layers), as it stands; None for other models.
+    pub fn memory_by_kind(&self, cfg: &crate::model::Config) -> Option<size::MemoryByKind> {
+        let r = cfg.recurrent.as_ref()?;
+        let states = self.states();
+        Some(size::MemoryByKind {
+            kv_bytes: self.bytes_used() as f64,
+            kv_layers: cfg.kv_layers(),
+            layers: cfg.n_layer,
+            state_bytes: states.bytes() as f64,
+            state_layers: r.count(),
+            snapshots: states.counts().1,
+            snapshot_bytes: states.snapshot_bytes() as f64,
+            snapshots_at_most: false,
+            uniform_bytes: self.bytes_uniform(cfg),
+        })
+    }
+
     /// What a cache of the same axes would hold for the positions seen if no layer kept less than
     /// the others (the model's declared windows ignored, and every layer keeping its own keys
     /// and values, shared or not): the saving's reference.
@@ -695,6 +712,23 @@ mod tests {
             (none.retention, none.attend_window),
             (Retention::None, Some(16))
         );
+    }
+
+    #[test]
+    fn memory_by_kind_counts_what_the_server_reserves_for_a_sequence() {
+        let cfg = test_hybrid_config(8, 4, 2, 64);
+        let m = size::MemoryByKind::predicted(&cfg, Precision::F16, 1000, 0).unwrap();
+        let spec = CacheSpec::full(Precision::F16, 1000);
+        assert_eq!(
+            m.held(),
+            size::KvDims::bytes_at_most(&spec, &cfg, 1000, 100)
+        );
+        assert_eq!(
+            (m.kv_layers, m.state_layers, m.snapshots),
+            (2, 6, MAX_SNAPSHOTS)
+        );
+        // Keys and values on all 8 layers, 4× the 2 attention layers'.
+        assert_eq!(m.uniform_bytes, 4.0 * m.kv_bytes);
     }
 
     #[test]

@@ -195,6 +195,84 @@ fn held_up_to(
     }
 }
 
+/// A cache's memory by kind, for a model whose DeltaNet layers keep a recurrent state beside
+/// its attention layers' keys and values (Qwen3.5): the keys and values, one copy of the states
+/// and the snapshots of them the cache keeps (`kv::States`), against keys and values on every
+/// layer for the same positions. The one definition `kvchat kv-size`, `--stats` and `kvchat
+/// bench` render, with its one `Display`; the server's pool counts the same (`state_bytes`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MemoryByKind {
+    pub kv_bytes: f64,
+    pub kv_layers: usize,
+    pub layers: usize,
+    /// One copy of every recurrent layer's state (f32, whatever the context).
+    pub state_bytes: f64,
+    pub state_layers: usize,
+    /// Snapshots of the states kept, and their bytes; `snapshots_at_most`: a prediction's
+    /// bound ([`super::MAX_SNAPSHOTS`]), not a count.
+    pub snapshots: usize,
+    pub snapshot_bytes: f64,
+    pub snapshots_at_most: bool,
+    /// Keys and values on every layer (what a model of attention layers alone would hold).
+    pub uniform_bytes: f64,
+}
+
+impl MemoryByKind {
+    /// Everything held: keys and values, the states and their snapshots.
+    pub fn held(&self) -> f64 {
+        self.kv_bytes + self.state_bytes + self.snapshot_bytes
+    }
+
+    /// What a sequence of `n` positions may hold at most in precision `p` (the newest `residual`
+    /// positions also in f16), every snapshot kept; None for a model without recurrent layers.
+    pub fn predicted(cfg: &Config, p: Precision, n: usize, residual: usize) -> Option<Self> {
+        let r = cfg.recurrent.as_ref()?;
+        let state = (r.count() * r.layer_bytes()) as f64;
+        Some(Self {
+            kv_bytes: KvDims::model_bytes_for(cfg, p, n, residual),
+            kv_layers: cfg.kv_layers(),
+            layers: cfg.n_layer,
+            state_bytes: state,
+            state_layers: r.count(),
+            snapshots: super::MAX_SNAPSHOTS,
+            snapshot_bytes: state * super::MAX_SNAPSHOTS as f64,
+            snapshots_at_most: true,
+            uniform_bytes: (0..cfg.n_layer)
+                .map(|i| KvDims::block(cfg, i).bytes_for(p, n, residual.min(n)))
+                .sum(),
+        })
+    }
+}
+
+impl std::fmt::Display for MemoryByKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let h = |b: f64| crate::human_bytes(b as u64);
+        let at_most = if self.snapshots_at_most {
+            "at most "
+        } else {
+            ""
+        };
+        write!(
+            f,
+            "attention KV {} on {} of {} layers + recurrent state {} (fixed, f32) on the other {} + {at_most}{} snapshots of it ({}): {} held against {} for a uniform cache ({:.2}×)",
+            h(self.kv_bytes),
+            self.kv_layers,
+            self.layers,
+            h(self.state_bytes),
+            self.state_layers,
+            self.snapshots,
+            h(self.snapshot_bytes),
+            h(self.held()),
+            h(self.uniform_bytes),
+            if self.uniform_bytes > 0.0 {
+                self.held() / self.uniform_bytes
+            } else {
+                1.0
+            }
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

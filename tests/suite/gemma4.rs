@@ -57,7 +57,7 @@ fn gemma4_perplexity_is_within_half_a_percent_of_llama_perplexity_on_the_same_fi
 fn gemma4_reads_its_pieces_from_the_table_and_the_file() {
     let m = load();
     let c = &m.cfg;
-    assert!(c.block.v_norm && c.block.out_scale && c.block.qk_norm && c.block.post_norms);
+    assert!(c.pieces.v_norm && c.pieces.out_scale && c.pieces.qk_norm && c.pieces.post_norms);
     assert_eq!(c.attn_scale, 1.0);
     assert_eq!(c.final_softcap, Some(30.0));
     assert_eq!(c.per_layer_embd, 32);
@@ -200,7 +200,7 @@ fn gemma4_moe_reads_its_experts_beside_the_dense_ffn() {
     let m = load_moe();
     let e = m.cfg.experts.unwrap();
     assert_eq!((e.count, e.used, e.ffn), (4, 2, 128));
-    assert!(!m.cfg.block.moe, "the dense FFN stays");
+    assert!(!m.cfg.pieces.moe, "the dense FFN stays");
     for l in &m.layers {
         let mb = l.moe_beside.as_ref().expect("experts on every layer");
         assert_eq!(mb.moe.experts.len(), 4);

@@ -50,8 +50,8 @@ fn load() -> Decoder {
 fn gpt_oss_reads_its_pieces_from_the_table_and_the_file() {
     let m = load();
     let c = &m.cfg;
-    assert!(c.block.moe && c.block.attn_sinks);
-    assert_eq!(c.block.ffn_norm, "post_attention_norm");
+    assert!(c.pieces.moe && c.pieces.attn_sinks);
+    assert_eq!(c.pieces.ffn_norm, "post_attention_norm");
     let e = c.experts.unwrap();
     assert_eq!((e.count, e.used, e.ffn), (8, 4, 256));
     assert_eq!(c.sliding_window, Some((64, vec![true, false])));

@@ -52,7 +52,7 @@ fn qwen35_reads_its_recurrent_and_attention_layers_from_the_file() {
     assert_eq!((r.conv, r.k_heads, r.v_heads, r.head_dim), (4, 2, 4, 32));
     let recurrent: Vec<bool> = QWEN35_ATTENDS.iter().map(|a| !a).collect();
     assert_eq!(r.layers, recurrent);
-    assert!(c.block.q_gate && c.block.qk_norm);
+    assert!(c.pieces.q_gate && c.pieces.qk_norm);
     assert_eq!((c.kv_layers(), c.kv_source(2), c.kv_source(5)), (2, 0, 1));
     assert_eq!((c.state_index(3), c.state_index(4)), (2, 3));
     assert_eq!(c.rope_dim, 16);
@@ -249,7 +249,8 @@ fn a_saved_state_with_a_damaged_recurrent_state_is_refused() {
 /// kv-size by kind, by hand from the metadata: 2 attention layers × 2 KV heads × 64 × (K and V)
 /// × 2 bytes (f16) = 1,024 bytes a token, 4 MiB at 4,096 tokens; 4 DeltaNet layers each keeping
 /// (4 − 1) × 256 convolution inputs and 4 matrices of 32 × 32, f32: 4 × 19,456 = 77,824 B
-/// (76 KiB) at any context; a uniform cache would keep 6 layers' keys and values: 12 MiB.
+/// (76 KiB) at any context, and at most 8 snapshots of it (608 KiB: what the server's pool counts
+/// too); a uniform cache would keep 6 layers' keys and values: 12 MiB.
 #[test]
 fn kv_size_shows_qwen35_memory_by_kind() {
     let path = random_qwen35();
@@ -262,7 +263,7 @@ fn kv_size_shows_qwen35_memory_by_kind() {
     for want in [
         "KV cache of 2 layers × 2 KV heads × 64 head dim, context 4096 tokens",
         "f16: 1,024 bytes (1.00 KiB) per token, 4.00 MiB per user at 4096 tokens",
-        "memory by kind: attention KV 4.00 MiB on 2 of 6 layers + recurrent state 76.00 KiB (fixed, f32) on the other 4: 4.07 MiB per user at 4096 tokens, against 12.00 MiB for a uniform cache (0.34×)",
+        "memory by kind per user at 4096 tokens: attention KV 4.00 MiB on 2 of 6 layers + recurrent state 76.00 KiB (fixed, f32) on the other 4 + at most 8 snapshots of it (608.00 KiB): 4.67 MiB held against 12.00 MiB for a uniform cache (0.39×)",
     ] {
         assert!(out.contains(want), "{want:?} not in:\n{out}");
     }

@@ -131,14 +131,14 @@ fn load_arch(name: &str, arch: &str) -> Decoder {
 #[test]
 fn qwen3_and_gemma3_read_their_block_pieces_from_the_table() {
     let q = load_arch("cfg-qwen3", "qwen3");
-    assert!(q.cfg.block.qk_norm && !q.cfg.block.post_norms && !q.cfg.block.embed_scale);
+    assert!(q.cfg.pieces.qk_norm && !q.cfg.pieces.post_norms && !q.cfg.pieces.embed_scale);
     assert!(
         q.layers[0].attention().unwrap().q_norm.is_some()
             && q.layers[0].attention().unwrap().wq.b.is_none()
     );
     assert_eq!(q.cfg.sliding_window, None);
     let g = load_arch("cfg-gemma3", "gemma3");
-    let b = g.cfg.block;
+    let b = g.cfg.pieces;
     assert!(b.qk_norm && b.post_norms && b.embed_scale);
     assert_eq!(b.act, kvchat::model::config::Activation::GeluTanh);
     assert!(g.layers[1].post_ffn_norm.is_some());
