@@ -1,5 +1,5 @@
 //! The KV cache: one [`layer::Layer`] per decoder layer, composed from three axes that flags choose
-//! independently — precision (`store.rs`: f32, f16, bf16, int8, int4), retention (all positions, a
+//! independently — precision (`rows.rs`: f32, f16, bf16, int8, int4), retention (all positions, a
 //! window with sinks, or nothing: `--no-cache`) and placement (on the compute device, or offloaded
 //! to host memory). Every combination is one code path per axis (`layer.rs`).
 //!
@@ -12,8 +12,8 @@ pub mod paged;
 pub mod persist;
 pub mod prefix;
 pub mod qrows;
+pub mod rows;
 pub mod size;
-pub mod store;
 
 mod mode;
 mod states;

@@ -1,7 +1,7 @@
 //! A layer's own rows in fixed-size pages: the server's paged pool (`kvchat serve`, issue 39).
 //!
 //! Slot s lives in page `s / page` at slot `s % page` of it; the list of pages is the layer's
-//! block table. Growing appends pages and leaves every stored row where it is (a contiguous store
+//! page table. Growing appends pages and leaves every stored row where it is (a contiguous store
 //! grows by allocating the larger buffer and copying every row into it). Every page is `page`
 //! slots but the last, which is shorter only where the capacity asked for is not a multiple of
 //! `page`: a context or a window's ring that ends inside a page (never grown past), or a budget's
@@ -14,7 +14,7 @@
 //!
 //! Pages are host stores of the layer's precision: every precision applies to the pool.
 
-use super::store::{new_store, retain_by_copy, RowStore};
+use super::rows::{new_store, retain_by_copy, RowStore};
 use crate::model::cache::{Part, Precision, QueryRotation};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -25,7 +25,7 @@ pub struct Paged {
     hd: usize,
     /// Slots per page.
     page: usize,
-    /// The block table: page i holds slots `i·page..`.
+    /// The page table: page i holds slots `i·page..`.
     pages: Vec<Box<dyn RowStore>>,
     cap: usize,
 }
@@ -42,7 +42,7 @@ impl Paged {
         }
     }
 
-    /// Pages in the block table.
+    /// Pages in the page table.
     pub fn pages(&self) -> usize {
         self.pages.len()
     }

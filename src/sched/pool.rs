@@ -7,7 +7,7 @@ use crate::kv::CacheSpec;
 use crate::model::Decoder;
 
 /// Positions a sequence's own stores grow by (`CacheSpec::grow_by`), the size of a page of its
-/// block table (`kv/paged.rs`: growing appends a page and copies no row): a sequence holds at
+/// page table (`kv/paged.rs`: growing appends a page and copies no row): a sequence holds at
 /// most 63 positions it has not used, where doubling from 256 held up to half its store unused.
 pub const GROW_BY: usize = 64;
 

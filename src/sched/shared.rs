@@ -153,7 +153,7 @@ mod tests {
     /// The block ending `ids`'s first `n` blocks: one layer of f32 rows, one head of 4 values
     /// (512 bytes; the index reads only its tokens, its bytes and its holders).
     fn block(ids: &[u32], n: usize) -> SharedBlock {
-        let mut rows = crate::kv::store::new_store(crate::kv::Precision::F32, 1, 4, None);
+        let mut rows = crate::kv::rows::new_store(crate::kv::Precision::F32, 1, 4, None);
         rows.grow(SHARED_BLOCK, 0).unwrap();
         SharedBlock {
             tokens: ids[..n * SHARED_BLOCK].to_vec(),

@@ -24,7 +24,7 @@
 
 use super::Session;
 use crate::kv::persist::Snapshot;
-use crate::kv::prefix::{Found, Piece, PieceRows, PrefixStore, Problem, Shape, BLOCK};
+use crate::kv::prefix::{Found, Piece, PieceRows, PrefixStore, Problem, Shape, STORE_BLOCK};
 use crate::kv::{Retention, SharedBlock, States, SHARED_BLOCK};
 use anyhow::Result;
 use candle_core::Tensor;
@@ -82,9 +82,9 @@ impl Session<'_> {
         let upto = len.saturating_sub(self.residual());
         let quantized = self.cache.spec().precision().quantized();
         let step = if quantized {
-            self.model.prefill_chunk.max(BLOCK)
+            self.model.prefill_chunk.max(STORE_BLOCK)
         } else {
-            BLOCK
+            STORE_BLOCK
         };
         let ends = [upto / step * step, upto.saturating_sub(1) / step * step];
         let splits = |m: &usize| !quantized || m.is_multiple_of(step);

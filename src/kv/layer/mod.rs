@@ -1,6 +1,6 @@
 //! One layer's cache: the three axes composed, each in one place.
 //!
-//! - **Precision** (`store.rs`): the format of a row. Quantized rows are stored Hadamard-rotated
+//! - **Precision** (`rows.rs`): the format of a row. Quantized rows are stored Hadamard-rotated
 //!   (`kvrows::hadamard`), and the newest `residual` positions are also kept in f16 ([`Residual`]),
 //!   where attention reads them instead of their quantized copies.
 //! - **Retention** ([`Retention`]): which positions are kept and in which slot. `All`: position p in
@@ -23,7 +23,7 @@
 //! its rows wait in a store of their own ([`Pending`]) and enter the ring at the next call.
 
 use super::paged::Paged;
-use super::store::{new_store, stage, RowStore};
+use super::rows::{new_store, stage, RowStore};
 use crate::model::cache::{Attend, KvView, LayerCache, Part, Precision, QueryRotation};
 use crate::model::kernels::kvrows;
 use crate::model::rope::Rope;

@@ -116,7 +116,7 @@ impl PrefixStore {
             "parent": parent.map(|p| hex(p)).unwrap_or_default(),
             "start": piece.start,
             "len": piece.len,
-            "block": BLOCK,
+            "block": STORE_BLOCK,
             "model": self.ident.model,
             "axes": self.ident.axes,
             "layers": self.shape.layers,

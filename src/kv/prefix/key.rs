@@ -6,8 +6,8 @@ use sha2::{Digest, Sha256};
 impl PrefixStore {
     /// The chained key of each full block of `tokens`.
     pub fn keys(&self, tokens: &[u32]) -> Vec<[u8; 32]> {
-        let mut out: Vec<[u8; 32]> = Vec::with_capacity(tokens.len() / BLOCK);
-        for block in tokens.chunks_exact(BLOCK) {
+        let mut out: Vec<[u8; 32]> = Vec::with_capacity(tokens.len() / STORE_BLOCK);
+        for block in tokens.chunks_exact(STORE_BLOCK) {
             let key = self.key(out.last(), false, block);
             out.push(key);
         }
@@ -23,7 +23,7 @@ impl PrefixStore {
                     h.update((part.len() as u64).to_le_bytes());
                     h.update(part.as_bytes());
                 }
-                h.update((BLOCK as u64).to_le_bytes());
+                h.update((STORE_BLOCK as u64).to_le_bytes());
             }
             Some(p) => h.update(p),
         }
@@ -44,7 +44,7 @@ impl PrefixStore {
         piece: Piece,
         full: &[[u8; 32]],
     ) -> ([u8; 32], Option<[u8; 32]>) {
-        let i = piece.start / BLOCK;
+        let i = piece.start / STORE_BLOCK;
         let parent = (i > 0).then(|| full[i - 1]);
         let key = if piece.is_tail() {
             self.key(parent.as_ref(), true, &tokens[piece.start..piece.end()])
@@ -61,16 +61,16 @@ impl PrefixStore {
     /// The pieces of `tokens[..upto]` a store may hold: its full blocks, and for each of
     /// `boundaries` that is not a block's end, the tail from the block it falls in to it.
     pub fn pieces(&self, upto: usize, boundaries: &[usize]) -> Vec<Piece> {
-        let mut out: Vec<Piece> = (0..upto / BLOCK)
+        let mut out: Vec<Piece> = (0..upto / STORE_BLOCK)
             .map(|i| Piece {
-                start: i * BLOCK,
-                len: BLOCK,
+                start: i * STORE_BLOCK,
+                len: STORE_BLOCK,
             })
             .collect();
         for &b in boundaries {
             let tail = Piece {
-                start: b / BLOCK * BLOCK,
-                len: b % BLOCK,
+                start: b / STORE_BLOCK * STORE_BLOCK,
+                len: b % STORE_BLOCK,
             };
             if b <= upto && tail.len > 0 && !out.contains(&tail) {
                 out.push(tail);

@@ -1,4 +1,4 @@
-//! The prefix store: the KV state of every full block of [`BLOCK`] prompt tokens, kept on disk under
+//! The prefix store: the KV state of every full block of [`STORE_BLOCK`] prompt tokens, kept on disk under
 //! the cache directory, so that any later run or chat whose prompt starts with the same tokens
 //! restores those blocks instead of prefilling them (vLLM's automatic prefix caching, across
 //! processes and on disk).
@@ -56,7 +56,7 @@ use std::time::{Duration, SystemTime};
 /// Tokens per block. 64 rather than 256: a prompt reuses only whole blocks, so a shared document
 /// followed by different questions loses on average half a block; at 64 that is ~32 tokens. (Reading
 /// 28 blocks of 64, 39 MiB, takes ~80 ms here; 256-token blocks were not measured against it.)
-pub const BLOCK: usize = 64;
+pub const STORE_BLOCK: usize = 64;
 /// The default byte budget of the whole store (`--kv-store-budget`).
 pub const DEFAULT_BUDGET: u64 = 2 << 30;
 const MAGIC: &[u8; 8] = b"KVCHATB1";
@@ -106,8 +106,8 @@ impl Shape {
     }
 }
 
-/// The positions a stored block holds: a full block (`start` a multiple of [`BLOCK`], `len` =
-/// BLOCK), or a *tail*: the positions from the last full block to a boundary where prompts tend to
+/// The positions a stored block holds: a full block (`start` a multiple of [`STORE_BLOCK`], `len` =
+/// STORE_BLOCK), or a *tail*: the positions from the last full block to a boundary where prompts tend to
 /// part (the end of the system message), shorter than a block. Full blocks chain; a tail ends its
 /// chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +121,7 @@ impl Piece {
         self.start + self.len
     }
     fn is_tail(&self) -> bool {
-        self.len != BLOCK
+        self.len != STORE_BLOCK
     }
 }
 

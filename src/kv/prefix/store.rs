@@ -91,8 +91,8 @@ impl PrefixStore {
         let mut at = 0;
         for i in 0..full.len() {
             let piece = Piece {
-                start: i * BLOCK,
-                len: BLOCK,
+                start: i * STORE_BLOCK,
+                len: STORE_BLOCK,
             };
             if !try_piece(piece, &mut read, &mut found) {
                 break;
@@ -103,7 +103,7 @@ impl PrefixStore {
             let mut tails: Vec<usize> = boundaries
                 .iter()
                 .copied()
-                .filter(|&b| b > at && b < at + BLOCK && b <= limit && ok(b))
+                .filter(|&b| b > at && b < at + STORE_BLOCK && b <= limit && ok(b))
                 .collect();
             tails.sort_unstable_by_key(|&b| std::cmp::Reverse(b));
             for b in tails {

@@ -188,7 +188,7 @@ fn a_block_of_another_model_under_this_models_key_is_foreign() {
 fn the_budget_evicts_the_least_recently_used_blocks_first() {
     let root = tmp("budget");
     let s0 = store(&root, "m", 1 << 30);
-    let one = s0.block_bytes(BLOCK, false);
+    let one = s0.block_bytes(STORE_BLOCK, false);
     // Room for 5 blocks (and a little).
     let s = store(&root, "m", 5 * one + one / 2);
     let (a, b, c) = (prompt(128, 1), prompt(128, 2), prompt(128, 3));
