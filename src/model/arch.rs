@@ -278,6 +278,14 @@ mod tests {
     }
 
     #[test]
+    fn pieces_read_only_beside_per_layer_shapes_come_with_them() {
+        // config/gguf.rs reads shared_kv_layers where a row has layer_shapes.
+        for a in ARCHS {
+            assert!(!a.pieces.shared_kv || a.pieces.layer_shapes, "{}", a.name);
+        }
+    }
+
+    #[test]
     fn the_hf_layout_is_read_for_llama_mistral_and_qwen2() {
         assert_eq!(hf_names(), ["llama", "mistral", "qwen2"]);
         assert_eq!(find("qwen2").unwrap().hf_class, Some("Qwen2ForCausalLM"));

@@ -198,19 +198,32 @@ impl<'e> Scheduler<'e> {
         }
     }
 
-    /// Queues a job, or refuses one that could need more than the whole pool.
+    /// Queues a job, or refuses one that is empty, passes the context or could need more than
+    /// the whole pool.
     pub fn submit(&mut self, job: Job) {
         let n = job.prompt.len();
-        let reserve = self.pool.most_bytes(n, n + job.max_tokens);
-        if reserve > self.pool.bound {
-            let why = format!(
+        let ctx = self.engine.ctx();
+        let refusal = if n == 0 {
+            Some("the prompt is empty: there is nothing to continue".to_string())
+        } else if n + job.max_tokens > ctx {
+            Some(format!(
+                "the prompt's {n} tokens and max_tokens {} pass the context of {ctx} tokens",
+                job.max_tokens
+            ))
+        } else {
+            let reserve = self.pool.most_bytes(n, n + job.max_tokens);
+            (reserve > self.pool.bound).then(|| format!(
                 "this request's KV cache may take {} ({} positions), more than the whole pool of {}; lower max_tokens or shorten the prompt",
                 crate::human_bytes(reserve),
                 n + job.max_tokens,
                 crate::human_bytes(self.pool.bound)
-            );
-            // (Its ticket goes with it.)
-            let _ = job.events.send(Event::Failed(Failure::Refused(why)));
+            ))
+        };
+        if let Some(why) = refusal {
+            // Its place in the queue is given back before its sender hears.
+            let Job { events, ticket, .. } = job;
+            drop(ticket);
+            let _ = events.send(Event::Failed(Failure::Refused(why)));
             return;
         }
         self.counts.update(|c| c.requests += 1);

@@ -322,3 +322,20 @@ fn a_job_whose_sender_left_is_dropped_with_its_place() {
     assert_eq!((c.finished, c.cancelled), (1, 1));
     assert_eq!(q.waiting(), 0);
 }
+
+#[test]
+fn an_empty_prompt_or_one_past_the_context_is_refused_not_run() {
+    let (mut s, _, q) = scheduler(2, 1 << 30);
+    let (empty, mut re) = job(&q, Vec::new(), 8);
+    let (long, mut rl) = job(&q, prompt(1, 20), CTX);
+    s.submit(empty);
+    s.submit(long);
+    assert!(s.is_idle());
+    for (rx, want) in [(&mut re, "empty"), (&mut rl, "pass the context")] {
+        match answer(rx) {
+            Answer::Failed(Failure::Refused(why)) => assert!(why.contains(want), "{why}"),
+            a => panic!("{a:?}"),
+        }
+    }
+    assert_eq!(q.waiting(), 0);
+}

@@ -231,7 +231,6 @@ async fn respond(
     body: Body,
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
     authorize(app, headers)?;
     // A body announced larger than the limit is refused before a byte of it is read.
     let announced = headers
@@ -246,6 +245,7 @@ async fn respond(
         Endpoint::Chat => api::parse_chat(&body)?,
         Endpoint::Completions => api::parse_completion(&body)?,
     };
+    let arrived = Instant::now();
     // Admission: a place in the queue, held while the prompt is prepared and while it waits.
     let ticket = app.queue.reserve().map_err(|busy| {
         ApiError::new(
@@ -262,10 +262,15 @@ async fn respond(
     let order = Order {
         prompt: request.prompt,
         max_tokens: request.max_tokens,
+        ticket,
         reply,
     };
     app.prepare.send(order).map_err(|_| stopped())?;
-    let Prepared { ids, max_tokens } = prepared.await.map_err(|_| stopped())??;
+    let Prepared {
+        ids,
+        max_tokens,
+        ticket,
+    } = prepared.await.map_err(|_| stopped())??;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stream, include_usage) = (request.stream, request.include_usage);
     let job = Job {

@@ -5,6 +5,7 @@
 
 use super::api::{ApiError, Prompt};
 use crate::engine::Engine;
+use crate::sched::Ticket;
 use crate::template::ChatTemplate;
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
@@ -12,17 +13,20 @@ use std::sync::Mutex;
 /// Threads that prepare requests.
 pub const THREADS: usize = 2;
 
-/// A request's prompt as token ids, and how many tokens its answer may take.
+/// A request's prompt as token ids, and how many tokens its answer may take; with its place in
+/// the scheduler's queue, held from before it was prepared until the scheduler takes it.
 #[derive(Debug)]
 pub struct Prepared {
     pub ids: Vec<u32>,
     pub max_tokens: usize,
+    pub ticket: Ticket,
 }
 
-/// A prompt to prepare, and where its answer goes.
+/// A prompt to prepare, its place in the queue, and where its answer goes.
 pub struct Order {
     pub prompt: Prompt,
     pub max_tokens: Option<usize>,
+    pub ticket: Ticket,
     pub reply: tokio::sync::oneshot::Sender<Result<Prepared, ApiError>>,
 }
 
@@ -43,10 +47,27 @@ impl Preparer<'_> {
                 rx.recv()
             };
             let Ok(order) = order else { return };
-            // (A client gone meanwhile drops the answer.)
-            let _ = order
-                .reply
-                .send(self.prepare(&order.prompt, order.max_tokens));
+            // A client gone while its order waited is not prepared (its place goes with it).
+            if order.reply.is_closed() {
+                continue;
+            }
+            // A fault in preparing one request (a template's, say) answers that request alone.
+            let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.prepare(&order.prompt, order.max_tokens)
+            }))
+            .unwrap_or_else(|_| {
+                Err(ApiError::new(
+                    500,
+                    "server_error",
+                    "preparing this request's prompt failed inside kvchat",
+                ))
+            });
+            let answer = prepared.map(|(ids, max_tokens)| Prepared {
+                ids,
+                max_tokens,
+                ticket: order.ticket,
+            });
+            let _ = order.reply.send(answer);
         }
     }
 
@@ -55,7 +76,7 @@ impl Preparer<'_> {
         &self,
         prompt: &Prompt,
         max_tokens: Option<usize>,
-    ) -> Result<Prepared, ApiError> {
+    ) -> Result<(Vec<u32>, usize), ApiError> {
         let ctx = self.engine.ctx();
         let text_len = match prompt {
             Prompt::Text(t) => t.len(),
@@ -99,6 +120,6 @@ impl Preparer<'_> {
         }
         let room = ctx - ids.len();
         let max_tokens = max_tokens.unwrap_or(self.default_max_tokens).min(room);
-        Ok(Prepared { ids, max_tokens })
+        Ok((ids, max_tokens))
     }
 }

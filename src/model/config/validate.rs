@@ -76,8 +76,14 @@ impl Config {
                 self.n_layer
             );
         };
+        let map = self.layer_map();
         for i in own..self.n_layer {
-            let s = self.kv_block(self.kv_source(i));
+            let source = map
+                .kv_source(i)
+                .and_then(|c| map.kv_blocks().get(c).copied());
+            let Some(s) = source else {
+                bail!("layer {i} shares keys and values, but no earlier layer keeps any");
+            };
             let kind = |l: usize| self.layer_window(l).is_some();
             if kind(s) != kind(i) || self.layer_kv_shape(s) != self.layer_kv_shape(i) {
                 bail!(
@@ -124,6 +130,10 @@ impl Config {
     /// calls it (through `finish`); call it again after changing a config by hand.
     pub fn validate(&self) -> Result<()> {
         self.validate_sizes()?;
+        // The map every check below reads: the one built of these fields.
+        if *self.layer_map() != LayerMap::of(self) {
+            bail!("the layer map does not match the layers (a config changed by hand needs Config::remap)");
+        }
         // A mixture of experts has no dense FFN: its width may be 0 (`Experts` has the sizes).
         if self.hidden == 0 || (self.ffn == 0 && !self.pieces.moe) || self.vocab == 0 {
             bail!(
