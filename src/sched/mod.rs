@@ -35,6 +35,9 @@ pub struct Job {
     pub sampling: SamplingPrefs,
     /// Texts that end the answer (not included in it).
     pub stop: Vec<String>,
+    /// Generate `max_tokens` tokens whatever the model's end-of-text tokens say (llama.cpp
+    /// server's and vLLM's `ignore_eos`: load tests and tests that need answers of a length).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
     /// Its place in the queue, given back when it starts (or is refused, or its client goes).

@@ -471,7 +471,11 @@ impl<'e> Scheduler<'e> {
                     .sampling_over(&[("request", &r.job.sampling), ("flag", &self.sampling)]);
                 let sampler = Sampler::new(sampling.params);
                 self.next_id += 1;
-                let paused = Paused::new(sampler, r.job.max_tokens, self.engine.stop_ids());
+                let stop_ids = match r.job.ignore_eos {
+                    true => &[][..],
+                    false => self.engine.stop_ids(),
+                };
+                let paused = Paused::new(sampler, r.job.max_tokens, stop_ids);
                 (self.next_id - 1, paused, None)
             }
         };

@@ -278,6 +278,7 @@ async fn respond(
         max_tokens,
         sampling: request.sampling,
         stop: request.stop,
+        ignore_eos: false,
         events: tx,
         arrived,
         ticket,
