@@ -148,6 +148,16 @@ const QWEN35: Pieces = Pieces {
     ..PLAIN
 };
 
+/// Gemma 3 and 4's common pieces: q/k norms, post norms, scaled embeddings, GeGLU, NEOX rotation.
+const GEMMA: Pieces = Pieces {
+    qk_norm: true,
+    post_norms: true,
+    embed_scale: true,
+    act: Activation::GeluTanh,
+    neox_rope: true,
+    ..PLAIN
+};
+
 /// The table.
 pub const ARCHS: &[Arch] = &[
     Arch {
@@ -180,28 +190,18 @@ pub const ARCHS: &[Arch] = &[
     Arch {
         name: "gemma3",
         pieces: Pieces {
-            qk_norm: true,
-            post_norms: true,
-            embed_scale: true,
-            act: Activation::GeluTanh,
-            neox_rope: true,
             swa: Swa::Pattern {
                 window_optional: true,
             },
             attn_scale: AttnScale::Gemma3,
             softcap: Some(0.0),
-            ..PLAIN
+            ..GEMMA
         },
         hf_class: None,
     },
     Arch {
         name: "gemma4",
         pieces: Pieces {
-            qk_norm: true,
-            post_norms: true,
-            embed_scale: true,
-            act: Activation::GeluTanh,
-            neox_rope: true,
             v_norm: true,
             out_scale: true,
             swa: Swa::Pattern {
@@ -213,7 +213,7 @@ pub const ARCHS: &[Arch] = &[
             per_layer_embd: true,
             experts_beside: true,
             softcap: Some(30.0),
-            ..PLAIN
+            ..GEMMA
         },
         hf_class: None,
     },
@@ -251,18 +251,19 @@ pub fn find(name: &str) -> Option<&'static Arch> {
     ARCHS.iter().find(|a| a.name == name)
 }
 
+/// The names of the rows that `keep` keeps, in the table's order.
+pub fn names_where(keep: impl Fn(&Arch) -> bool) -> Vec<&'static str> {
+    ARCHS.iter().filter(|a| keep(a)).map(|a| a.name).collect()
+}
+
 /// Every architecture's name, in the table's order.
 pub fn names() -> Vec<&'static str> {
-    ARCHS.iter().map(|a| a.name).collect()
+    names_where(|_| true)
 }
 
 /// The names of those read from the HF (safetensors) layout.
 pub fn hf_names() -> Vec<&'static str> {
-    ARCHS
-        .iter()
-        .filter(|a| a.hf_class.is_some())
-        .map(|a| a.name)
-        .collect()
+    names_where(|a| a.hf_class.is_some())
 }
 
 #[cfg(test)]

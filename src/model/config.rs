@@ -257,5 +257,39 @@ impl Config {
     }
 }
 
+/// A config with `nkv` KV heads of `hd` values, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_config(nkv: usize, hd: usize) -> Config {
+    let mut cfg = Config {
+        arch: "llama".into(),
+        n_layer: 1,
+        n_head: nkv,
+        n_kv_head: nkv,
+        head_dim: hd,
+        hidden: nkv * hd,
+        ffn: 2,
+        vocab: 2,
+        ctx_train: 4096,
+        rope_base: 10_000.0,
+        rope_dim: hd,
+        rope_linear_scale: 1.0,
+        rope_style: RopeStyle::Interleaved,
+        rms_eps: 1e-5,
+        sliding_window: None,
+        rope_base_local: None,
+        attn_scale: 0.125,
+        pieces: crate::model::arch::find("llama").unwrap().pieces,
+        yarn: None,
+        experts: None,
+        layers: None,
+        per_layer_embd: 0,
+        final_softcap: None,
+        recurrent: None,
+        layer_map: Default::default(),
+    };
+    cfg.remap();
+    cfg
+}
+
 #[cfg(test)]
 mod tests;

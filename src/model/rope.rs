@@ -228,34 +228,8 @@ mod tests {
     use super::*;
 
     fn cfg() -> Config {
-        let mut cfg = Config {
-            arch: "llama".into(),
-            n_layer: 1,
-            n_head: 2,
-            n_kv_head: 2,
-            head_dim: 8,
-            hidden: 16,
-            ffn: 2,
-            vocab: 2,
-            ctx_train: 64,
-            rope_base: 10_000.0,
-            rope_dim: 8,
-            rope_linear_scale: 1.0,
-            rope_style: RopeStyle::Interleaved,
-            rms_eps: 1e-5,
-            sliding_window: None,
-            rope_base_local: None,
-            attn_scale: 0.125,
-            pieces: crate::model::arch::find("llama").unwrap().pieces,
-            yarn: None,
-            experts: None,
-            layers: None,
-            per_layer_embd: 0,
-            final_softcap: None,
-            recurrent: None,
-            layer_map: Default::default(),
-        };
-        cfg.remap();
+        let mut cfg = crate::model::config::test_config(2, 8);
+        cfg.ctx_train = 64;
         cfg
     }
 

@@ -261,11 +261,7 @@ impl Config {
                 },
             })
         } else if !uniform {
-            let shaped: Vec<&str> = crate::model::arch::ARCHS
-                .iter()
-                .filter(|a| a.pieces.layer_shapes)
-                .map(|a| a.name)
-                .collect();
+            let shaped = crate::model::arch::names_where(|a| a.pieces.layer_shapes);
             bail!(
                 "GGUF {arch}: layers of different KV heads or FFN widths are read for {} only",
                 shaped.join(", ")

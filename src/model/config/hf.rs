@@ -14,11 +14,7 @@ impl Config {
             .to_string();
         let hf = crate::model::arch::find(&arch).filter(|a| a.hf_class.is_some());
         let Some(row) = hf else {
-            let gguf_only: Vec<&str> = crate::model::arch::ARCHS
-                .iter()
-                .filter(|a| a.hf_class.is_none())
-                .map(|a| a.name)
-                .collect();
+            let gguf_only = crate::model::arch::names_where(|a| a.hf_class.is_none());
             bail!(
                 "unsupported model_type '{arch}' in config.json (supported in the safetensors layout: {}; {} run from GGUF only)",
                 crate::model::arch::hf_names().join(", "),

@@ -322,3 +322,14 @@ fn an_optional_key_of_the_wrong_kind_is_refused_not_defaulted() {
         "{e}"
     );
 }
+
+#[test]
+fn a_config_changed_by_hand_without_a_remap_is_refused_by_validate() {
+    let mut c = test_config(2, 8);
+    c.n_layer = 4;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("Config::remap"), "{e}");
+    c.remap();
+    c.validate().unwrap();
+    assert_eq!(c.kv_layers(), 4);
+}
