@@ -3,6 +3,7 @@
 
 pub mod hub;
 pub mod raw_gguf;
+pub mod server;
 pub mod tiny;
 
 use kvchat::engine::Engine;
