@@ -9,6 +9,7 @@ mod bench;
 mod chat;
 mod cli;
 mod engine;
+mod flood;
 mod gemma;
 mod gemma4;
 mod gpt_oss;

@@ -18,6 +18,117 @@ const MAX_PARTS: usize = 256;
 /// The longest stop text, in bytes.
 const MAX_STOP_BYTES: usize = 256;
 
+/// The messages and content parts of a request, counted before its JSON is read into values.
+///
+/// As values, JSON takes many times its size: 8 MiB of `{"role":"user","content":""}` is 289,260
+/// maps, ~250 MB. This pass reads the same bytes into nothing (serde's `IgnoredAny`) and only
+/// counts, so a body past the counts is refused at the cost of its bytes alone. A body it cannot
+/// read (wrong types, bad JSON) passes on to the full reading, whose errors name the field.
+mod counted {
+    use super::{ApiError, MAX_MESSAGES, MAX_PARTS};
+    use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
+    use serde::Deserialize;
+    use std::fmt;
+
+    #[derive(Deserialize)]
+    struct Request {
+        #[serde(default)]
+        messages: Messages,
+    }
+
+    /// How many messages, and the first with too many content parts (its index, its parts).
+    #[derive(Default)]
+    struct Messages {
+        count: usize,
+        over_parts: Option<(usize, usize)>,
+    }
+
+    #[derive(Deserialize)]
+    struct Message {
+        #[serde(default)]
+        content: Parts,
+    }
+
+    /// A content's parts (0 for a string or null).
+    #[derive(Default)]
+    struct Parts(usize);
+
+    impl<'de> Deserialize<'de> for Messages {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Counting;
+            impl<'de> Visitor<'de> for Counting {
+                type Value = Messages;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("an array of messages")
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+                    let mut m = Messages::default();
+                    while let Some(msg) = seq.next_element::<Message>()? {
+                        if msg.content.0 > MAX_PARTS && m.over_parts.is_none() {
+                            m.over_parts = Some((m.count, msg.content.0));
+                        }
+                        m.count += 1;
+                    }
+                    Ok(m)
+                }
+            }
+            d.deserialize_seq(Counting)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Parts {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Counting;
+            impl<'de> Visitor<'de> for Counting {
+                type Value = Parts;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a string or an array of parts")
+                }
+                fn visit_str<E>(self, _: &str) -> Result<Parts, E> {
+                    Ok(Parts(0))
+                }
+                fn visit_unit<E>(self) -> Result<Parts, E> {
+                    Ok(Parts(0))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Parts, A::Error> {
+                    let mut n = 0;
+                    while seq.next_element::<IgnoredAny>()?.is_some() {
+                        n += 1;
+                    }
+                    Ok(Parts(n))
+                }
+            }
+            d.deserialize_any(Counting)
+        }
+    }
+
+    /// Refuses a request past the counts; anything else passes.
+    pub fn check(body: &[u8]) -> Result<(), ApiError> {
+        let Ok(Request { messages }) = serde_json::from_slice::<Request>(body) else {
+            return Ok(());
+        };
+        if messages.count > MAX_MESSAGES {
+            return Err(ApiError::field(
+                "messages",
+                format!(
+                    "'messages' holds {} messages, more than the {MAX_MESSAGES} kvchat serve takes in one request",
+                    messages.count
+                ),
+            ));
+        }
+        if let Some((i, parts)) = messages.over_parts {
+            let param = format!("messages[{i}]");
+            return Err(ApiError::field(
+                &param,
+                format!(
+                    "{param}: {parts} content parts, more than the {MAX_PARTS} kvchat serve takes in one message"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// An error as the API reports it: an HTTP status and OpenAI's error object.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -198,6 +309,7 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, ApiError> {
 
 /// The body as a JSON object.
 fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    counted::check(body)?;
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::bad("the request body must be a JSON object")),
@@ -536,6 +648,27 @@ impl Head<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_refuse_a_body_before_it_is_read_into_values_and_pass_what_they_cannot_read() {
+        let many = format!(
+            "{{\"messages\":[{}]}}",
+            vec![r#"{"role":"user","content":""}"#; MAX_MESSAGES + 1].join(",")
+        );
+        let e = counted::check(many.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.message.contains("4097 messages"), "{}", e.message);
+        // What the count cannot read is left to the full reading, whose errors name the field.
+        for body in [
+            r#"{"messages":"hi"}"#,
+            r#"{"messages":[1,2]}"#,
+            r#"{"messages":[{"role":"user","content":7}]}"#,
+            "not json",
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"n":1}"#,
+        ] {
+            assert_eq!(counted::check(body.as_bytes()), Ok(()), "{body}");
+        }
+    }
 
     fn chat(body: &str) -> Result<Request, ApiError> {
         parse_chat(body.as_bytes())

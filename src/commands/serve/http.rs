@@ -19,12 +19,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The largest request body read.
 pub const MAX_BODY: usize = 8 << 20;
 /// How long a client may take to send a request's body (slow clients hold a connection, never
 /// the engine).
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of request bodies held at once, from their first byte read until their prompt is
+/// prepared, beyond each body's first [`FREE_BODY`] bytes. Past it a large body waits up to
+/// [`BUDGET_WAIT`] for a share, then gets a 503: a flood of large bodies costs this much memory,
+/// not their count times [`MAX_BODY`].
+pub const BODY_BUDGET: usize = 64 << 20;
+/// The bytes of each body that need no share of the budget (the connection cap bounds them:
+/// 512 × 64 KiB), so that an ordinary request never waits for large ones.
+pub const FREE_BODY: usize = 64 << 10;
+/// How long a large body waits for its share of the budget.
+pub const BUDGET_WAIT: Duration = Duration::from_secs(1);
 
 /// What every handler shares.
 pub struct App {
@@ -37,6 +48,8 @@ pub struct App {
     pub model: String,
     pub started: u64,
     pub metrics: Arc<Metrics>,
+    /// [`BODY_BUDGET`]'s bytes, as permits.
+    bodies: Arc<Semaphore>,
     next: AtomicU64,
 }
 
@@ -55,6 +68,7 @@ impl App {
             model,
             started: now(),
             metrics,
+            bodies: Arc::new(Semaphore::new(BODY_BUDGET)),
             next: AtomicU64::new(1),
         }
     }
@@ -161,9 +175,95 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     handle(app, headers, body, Endpoint::Completions).await
 }
 
-/// Reads the body within its limits of size and time.
-async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
-    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_BODY)).await {
+/// A body's share of [`BODY_BUDGET`]: the bytes past its first [`FREE_BODY`] it may hold. When
+/// the last share goes back, the freed memory goes back to the system.
+struct BodyShare {
+    budget: Arc<Semaphore>,
+    permit: Option<OwnedSemaphorePermit>,
+    /// Bytes the body may hold now.
+    covered: usize,
+}
+
+impl BodyShare {
+    fn new(budget: Arc<Semaphore>) -> Self {
+        Self {
+            budget,
+            permit: None,
+            covered: FREE_BODY,
+        }
+    }
+
+    /// Lets the body hold `bytes`, waiting up to [`BUDGET_WAIT`] for the share; a 503 if none came.
+    async fn cover(&mut self, bytes: usize) -> Result<(), ApiError> {
+        if bytes <= self.covered {
+            return Ok(());
+        }
+        let more = (bytes - self.covered).next_multiple_of(FREE_BODY);
+        let got = tokio::time::timeout(
+            BUDGET_WAIT,
+            self.budget.clone().acquire_many_owned(more as u32),
+        )
+        .await;
+        let Ok(Ok(permit)) = got else {
+            return Err(ApiError::new(
+                503,
+                "server_error",
+                format!(
+                    "the server is receiving too many large request bodies at once (its budget is {} MiB); retry in a second",
+                    BODY_BUDGET >> 20
+                ),
+            ));
+        };
+        match &mut self.permit {
+            Some(held) => held.merge(permit),
+            None => self.permit = Some(permit),
+        }
+        self.covered += more;
+        Ok(())
+    }
+}
+
+impl Drop for BodyShare {
+    fn drop(&mut self) {
+        if self.permit.take().is_some() && self.budget.available_permits() == BODY_BUDGET {
+            // The last large body is gone: what it and its parse took goes back to the system
+            // (the allocator keeps freed memory otherwise; main.rs).
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(crate::membudget::release_free_memory)),
+                Err(_) => crate::membudget::release_free_memory(),
+            }
+        }
+    }
+}
+
+/// Reads the body within its limits of size, time and the budget of bodies held at once.
+async fn read_body(
+    body: Body,
+    announced: Option<u64>,
+    budget: &Arc<Semaphore>,
+) -> Result<(axum::body::Bytes, BodyShare), ApiError> {
+    use http_body_util::BodyExt;
+    let mut share = BodyShare::new(budget.clone());
+    // A body that says its length takes its whole share before a byte of it is read.
+    let announced = announced.map_or(0, |n| n as usize);
+    share.cover(announced).await?;
+    let read = async {
+        let mut body = body;
+        let mut bytes = Vec::with_capacity(announced);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(body_error)?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if bytes.len() + data.len() > MAX_BODY {
+                return Err(too_large());
+            }
+            share.cover(bytes.len() + data.len()).await?;
+            bytes.extend_from_slice(&data);
+        }
+        Ok(bytes)
+    };
+    match tokio::time::timeout(BODY_TIMEOUT, read).await {
         Err(_) => Err(ApiError::new(
             408,
             "invalid_request_error",
@@ -172,8 +272,8 @@ async fn read_body(body: Body) -> Result<axum::body::Bytes, ApiError> {
                 BODY_TIMEOUT.as_secs()
             ),
         )),
-        Ok(Err(e)) => Err(body_error(e)),
-        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(b)) => Ok((b.into(), share)),
     }
 }
 
@@ -214,7 +314,7 @@ async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoin
             if e.status != 429 && e.status < 500 {
                 app.metrics.rejected_bad.fetch_add(1, Ordering::Relaxed);
             }
-            let retry = e.status == 429;
+            let retry = e.status == 429 || e.status == 503;
             let mut r = e.into_response();
             if retry {
                 r.headers_mut()
@@ -240,10 +340,19 @@ async fn respond(
     if announced.is_some_and(|n| n > MAX_BODY as u64) {
         return Err(too_large());
     }
-    let body = read_body(body).await?;
-    let request = match endpoint {
-        Endpoint::Chat => api::parse_chat(&body)?,
-        Endpoint::Completions => api::parse_completion(&body)?,
+    let (body, share) = read_body(body, announced, &app.bodies).await?;
+    let parse = move || match endpoint {
+        Endpoint::Chat => api::parse_chat(&body),
+        Endpoint::Completions => api::parse_completion(&body),
+    };
+    // A large body's JSON takes the runtime's one thread for tens of milliseconds (an 8 MiB
+    // array of 289,260 messages: its parse and its refusal), so it is read on a blocking thread.
+    let request = if share.permit.is_some() {
+        tokio::task::spawn_blocking(parse)
+            .await
+            .map_err(|_| ApiError::new(500, "server_error", "reading the request failed"))??
+    } else {
+        parse()?
     };
     let arrived = Instant::now();
     // Admission: a place in the queue, held while the prompt is prepared and while it waits.
@@ -271,6 +380,8 @@ async fn respond(
         max_tokens,
         ticket,
     } = prepared.await.map_err(|_| stopped())??;
+    // The request is token ids now: its body's share of the budget goes back.
+    drop(share);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stream, include_usage) = (request.stream, request.include_usage);
     let job = Job {

@@ -13,6 +13,7 @@
 //! `--threads` workers.
 
 pub mod api;
+pub mod conns;
 pub mod http;
 pub mod metrics;
 pub mod prepare;
@@ -29,10 +30,26 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Connections served at once; more are closed as they arrive.
-const MAX_CONNECTIONS: usize = 512;
-/// How long a client may take to send a request's headers.
+/// Connections open at once, of one peer address, and how long an idle one is kept (less as the
+/// server fills): see `conns`.
+const CONNECTIONS: conns::Limits = conns::Limits {
+    total: 512,
+    per_peer: 256,
+    idle: Duration::from_secs(10),
+    min_idle: Duration::from_millis(500),
+};
+/// How long a client may take to send a request's headers once it has begun them.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a connection buffers of a request's head (a larger head is a 431).
+const MAX_HEAD: usize = 64 << 10;
+/// Sockets being told "503, full" at once; past it a newcomer is closed without a word.
+const REFUSING: usize = 512;
+/// How long a refused socket is read from after its 503, so that the client reads the answer
+/// rather than a reset.
+const REFUSAL_LINGER: Duration = Duration::from_millis(250);
+/// Open files the server asks for (connections and refusals, with the model's files): raised to
+/// this, or the hard limit if lower, from a soft limit that is often 1,024.
+const OPEN_FILES: u64 = 4096;
 
 /// `kvchat serve`, resolved.
 #[derive(Debug, Clone)]
@@ -175,13 +192,15 @@ async fn serve(
     router: axum::Router,
     exit_after: Option<Duration>,
 ) -> Result<()> {
-    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    raise_open_files();
+    let conns = conns::Conns::new(CONNECTIONS);
+    let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSING));
     let stop = stop_signal(exit_after);
     tokio::pin!(stop);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 // Out of file descriptors and the like: wait, then go on.
                 Err(_) => {
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -190,19 +209,86 @@ async fn serve(
             },
             _ = &mut stop => return Ok(()),
         };
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
-            continue;
-        };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
-        });
+        match conns.admit(peer.ip()) {
+            conns::Admission::In(conn) => {
+                tokio::spawn(serve_connection(stream, conn, router.clone()));
+            }
+            conns::Admission::Full(why) => {
+                if let Ok(permit) = refusing.clone().try_acquire_owned() {
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        refuse(stream, why).await;
+                    });
+                }
+            }
+        }
     }
+}
+
+/// Serves one connection's requests until the client closes it or `conn` must close.
+async fn serve_connection(stream: tokio::net::TcpStream, conn: conns::Conn, router: axum::Router) {
+    let conn = Arc::new(conn);
+    let router = hyper_util::service::TowerToHyperService::new(router);
+    let marker = conn.clone();
+    let service = hyper::service::service_fn(move |req| {
+        // In flight from its headers until its answer's last byte (the body holds the mark).
+        let in_flight = marker.request();
+        let answer = hyper::service::Service::call(&router, req);
+        async move {
+            let answer = answer.await?;
+            Ok::<_, std::convert::Infallible>(
+                answer.map(|body| axum::body::Body::new(conns::Tracked { body, in_flight })),
+            )
+        }
+    });
+    let serving = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    // Dropping the connection closes it: done only while it is idle (no request to cut short).
+    tokio::select! {
+        _ = serving => {}
+        _ = conn.must_close() => {}
+    }
+}
+
+/// Raises the soft limit on open files to [`OPEN_FILES`] (within the hard limit), so that the
+/// connection cap, not the file table, is what refuses a flood.
+#[cfg(unix)]
+fn raise_open_files() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let want = OPEN_FILES.min(hard);
+        if soft < want {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, want, hard);
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_open_files() {}
+
+/// Tells a connection there is no place for it (503, `Retry-After`), then reads what it sent for
+/// a moment before closing, so that the client sees the answer rather than a reset.
+async fn refuse(mut stream: tokio::net::TcpStream, why: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let moment = REFUSAL_LINGER;
+    let told = tokio::time::timeout(moment, stream.write_all(&conns::full_answer(why))).await;
+    if !matches!(told, Ok(Ok(()))) || stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = [0u8; 4096];
+    let _ = tokio::time::timeout(moment, async {
+        let mut read = 0;
+        while read < MAX_HEAD {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+    })
+    .await;
 }
 
 /// Resolves at Ctrl-C, SIGTERM or after `exit_after`.
