@@ -19,6 +19,7 @@ pub mod session;
 pub mod source;
 pub mod template;
 pub mod tokenizer;
+pub mod toolcall;
 
 /// The system allocator, counting the bytes of threads under a memory budget (chat templates:
 /// `membudget`). Declared here so that the binary and every test of the library run on it.

@@ -9,10 +9,19 @@ use anyhow::{anyhow, bail, Context, Result};
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::Serialize;
 
+/// One turn of a conversation, as chat templates read it (Hugging Face's shape: an assistant's
+/// `tool_calls`, a tool's answer with the `tool_call_id` it answers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool message's function name, where the client gave it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -20,6 +29,35 @@ impl Message {
         Self {
             role: role.to_string(),
             content: content.to_string(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
+    }
+}
+
+/// A call an assistant made: `{"id", "type": "function", "function": {"name", "arguments"}}`,
+/// its arguments a JSON object (templates print them with `tojson`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
+}
+
+impl ToolCall {
+    pub fn function(id: String, name: String, arguments: serde_json::Value) -> Self {
+        Self {
+            id,
+            kind: "function",
+            function: FunctionCall { name, arguments },
         }
     }
 }
@@ -242,12 +280,41 @@ impl ChatTemplate {
     /// and the budget can end the wait: a render cut off by time stops on its own when its fuel
     /// runs out, one cut off by memory sleeps for good holding at most its budget.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let env = self.env(messages.len())?;
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// Whether the template reads a request's `tools` (renders them into the prompt).
+    pub fn takes_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// [`Self::render`], with the functions the model may call (OpenAI's `tools` entries, which
+    /// templates read as `tools`; none: `tools` is undefined, as without them).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let env = self.env(messages.len() + tools.len())?;
         let messages = messages.to_vec();
+        let tools = (!tools.is_empty()).then(|| tools.to_vec());
         let input: usize = messages
             .iter()
-            .map(|m| m.role.len() + m.content.len())
-            .sum();
+            .map(|m| {
+                m.role.len()
+                    + m.content.len()
+                    + m.tool_calls
+                        .iter()
+                        .map(|c| c.function.name.len() + c.function.arguments.to_string().len())
+                        .sum::<usize>()
+            })
+            .sum::<usize>()
+            + tools
+                .iter()
+                .flatten()
+                .map(|t| t.to_string().len())
+                .sum::<usize>();
         let budget =
             crate::membudget::Budget::new(MEMORY_BUDGET.saturating_add(input.saturating_mul(2)));
         let (bos, eos) = (self.bos_token.clone(), self.eos_token.clone());
@@ -266,6 +333,7 @@ impl ChatTemplate {
                     let rendered = tmpl.render_captured_to(
                         context! {
                             messages => messages,
+                            tools => tools,
                             add_generation_prompt => add_generation_prompt,
                             bos_token => bos,
                             eos_token => eos,

@@ -638,6 +638,19 @@ impl Engine {
         self.encode_conversation(template, messages, true)
     }
 
+    /// [`Self::chat_prompt`] with the functions the model may call, as the template shows them
+    /// (OpenAI's `tools` entries). The caller keeps control-token text out of them: only the
+    /// messages' content is kept literal.
+    pub fn chat_prompt_with_tools(
+        &self,
+        template: &ChatTemplate,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+    ) -> Result<Vec<u32>> {
+        let text = template.render_with_tools(messages, tools, true)?;
+        self.encode_rendered(&text, messages)
+    }
+
     /// The positions of `ids` (`messages` rendered for an answer) where each leading run of
     /// messages ends, where the template renders that run as a prefix of `ids`: where prompts
     /// that share those messages part (the prefix store ends a block there).

@@ -26,4 +26,5 @@ mod sources;
 mod store;
 mod strategies;
 mod tiny;
+mod tools;
 mod weights;

@@ -11,7 +11,7 @@ use kvchat::kv::{CacheSpec, Precision};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-fn qwen_path() -> PathBuf {
+pub fn qwen_path() -> PathBuf {
     let p = kvchat::source::kvchat_home()
         .join("models")
         .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");

@@ -3,7 +3,7 @@
 //! kills it when done; the official `openai` Python client (installed by scripts/test.sh into
 //! target/pyenv) talks to one of them.
 
-use crate::common::server::{fresh_store, greedy_chat, Server};
+use crate::common::server::{fresh_store, greedy_chat, python, Server};
 use crate::common::stderr;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -17,12 +17,6 @@ fn text_of(v: &Value) -> String {
         .or_else(|| v["choices"][0]["text"].as_str())
         .unwrap()
         .to_string()
-}
-
-/// The Python of the virtual environment scripts/test.sh makes (with the `openai` package).
-fn python() -> String {
-    std::env::var("KVCHAT_TEST_PYTHON")
-        .unwrap_or_else(|_| format!("{}/target/pyenv/bin/python", env!("CARGO_MANIFEST_DIR")))
 }
 
 const OPENAI_CLIENT: &str = r#"

@@ -1,8 +1,10 @@
 //! The OpenAI API's shapes as `kvchat serve` reads and writes them: a request is read from its
 //! JSON field by field, so a wrong type or value is a 400 that names the field; responses, stream
 //! chunks and errors are written in OpenAI's shapes. Fields kvchat does not know are ignored;
-//! values it cannot honour (n > 1, tools, logprobs) are refused, never silently dropped.
+//! values it cannot honour (n > 1, logprobs, a tool_choice that needs a grammar) are refused,
+//! never silently dropped. The tools of a request are `tools.rs`'s.
 
+use super::tools::{self, Offered};
 use crate::model::sampling::SamplingPrefs;
 use crate::template::Message;
 use serde_json::{json, Map, Value};
@@ -218,6 +220,8 @@ pub struct Request {
     pub stream: bool,
     /// Streaming: a last chunk with the usage (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// The tools a chat request offers (none for completions).
+    pub offered: Offered,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -247,17 +251,8 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
         }
         None => return Err(ApiError::field("messages", "'messages' is required")),
     };
-    for unsupported in ["tools", "functions"] {
-        if obj
-            .get(unsupported)
-            .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
-        {
-            return Err(ApiError::field(
-                unsupported,
-                format!("'{unsupported}' is not supported by kvchat serve (no tool calling yet)"),
-            ));
-        }
-    }
+    let offered = tools::read(&obj)?;
+    tools::check_answers(&messages)?;
     if let Some(rf) = obj.get("response_format").filter(|v| !v.is_null()) {
         if rf.get("type").and_then(Value::as_str) != Some("text") {
             return Err(ApiError::field(
@@ -270,7 +265,9 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
         Some(n) => Some(n),
         None => positive(&obj, "max_tokens")?,
     };
-    common(&obj, Endpoint::Chat, Prompt::Chat(messages), max_tokens)
+    let mut request = common(&obj, Endpoint::Chat, Prompt::Chat(messages), max_tokens)?;
+    request.offered = offered;
+    Ok(request)
 }
 
 /// Reads a `/v1/completions` body.
@@ -329,19 +326,19 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         ));
     };
     let role = match m.get("role").and_then(Value::as_str) {
-        Some(r @ ("system" | "user" | "assistant")) => r,
+        Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
         // OpenAI's newer name for the system message.
         Some("developer") => "system",
-        Some(r @ ("tool" | "function")) => {
+        Some("function") => {
             return Err(ApiError::field(
                 &param,
-                format!("{param}: role '{r}' is not supported (no tool calling yet)"),
+                format!("{param}: role 'function' is OpenAI's deprecated form: send role 'tool' with a 'tool_call_id'"),
             ))
         }
         Some(r) => {
             return Err(ApiError::field(
                 &param,
-                format!("{param}: unknown role '{r}' (system, developer, user or assistant)"),
+                format!("{param}: unknown role '{r}' (system, developer, user, assistant or tool)"),
             ))
         }
         None => {
@@ -392,7 +389,26 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
             ))
         }
     };
-    Ok(Message::new(role, &content))
+    let mut message = Message::new(role, &content);
+    if role == "assistant" {
+        if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+            message.tool_calls = tools::read_calls(&param, calls)?;
+        }
+    }
+    if role == "tool" {
+        let id = m
+            .get("tool_call_id")
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                ApiError::field(
+                    &param,
+                    format!("{param}: a tool message needs a 'tool_call_id'"),
+                )
+            })?;
+        message.tool_call_id = Some(id.to_string());
+        message.name = m.get("name").and_then(Value::as_str).map(str::to_string);
+    }
+    Ok(message)
 }
 
 /// What both endpoints read the same way: sampling, stop texts, streaming, n.
@@ -530,6 +546,7 @@ fn common(
         stop,
         stream,
         include_usage,
+        offered: Offered::default(),
     })
 }
 
@@ -632,6 +649,20 @@ impl Head<'_> {
                              "finish_reason": finish}],
             }),
         }
+    }
+
+    /// A stream chunk with one whole tool call (`delta.tool_calls`, see `tools::call_delta`).
+    pub fn tool_chunk(&self, call: Value, first: bool) -> Value {
+        let mut delta = json!({"tool_calls": [call]});
+        if first {
+            delta["role"] = json!("assistant");
+            delta["content"] = Value::Null;
+        }
+        json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}],
+        })
     }
 
     /// The usage chunk a stream ends with when the client asked for it (no choices).

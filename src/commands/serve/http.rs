@@ -6,7 +6,9 @@
 use super::api::{self, ApiError, Endpoint, Head};
 use super::metrics::Metrics;
 use super::prepare::{Order, Prepared};
+use super::tools;
 use crate::sched::{Event, Failure, Job, Queue};
+use crate::toolcall::{self, Piece};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -15,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
+use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -368,8 +371,10 @@ async fn respond(
     })?;
     let stopped = || ApiError::new(503, "server_error", "the engine has stopped");
     let (reply, prepared) = tokio::sync::oneshot::channel();
+    let offered = request.offered;
     let order = Order {
         prompt: request.prompt,
+        tools: offered.tools.clone(),
         max_tokens: request.max_tokens,
         ticket,
         reply,
@@ -379,7 +384,16 @@ async fn respond(
         ids,
         max_tokens,
         ticket,
+        tool_format,
     } = prepared.await.map_err(|_| stopped())??;
+    // Where the request offers tools, the model's calls are read out of its answer.
+    let mut calls = tool_format
+        .filter(|_| offered.reads_calls())
+        .map(|format| Calls {
+            scanner: toolcall::Scanner::new(format),
+            parallel: offered.parallel,
+            given: 0,
+        });
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -431,7 +445,29 @@ async fn respond(
                         endpoint,
                     };
                     let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
-                    let body = head.response(&text, api::finish_reason(reason), usage);
+                    let Some(calls) = calls.as_mut() else {
+                        let body = head.response(&text, api::finish_reason(reason), usage);
+                        return Ok(axum::Json(body).into_response());
+                    };
+                    // The answer's text and its calls apart.
+                    let mut pieces = calls.scanner.push(&text);
+                    pieces.extend(calls.scanner.finish().0);
+                    let (mut content, mut made) = (String::new(), Vec::new());
+                    for piece in pieces {
+                        match piece {
+                            Piece::Text(t) => content.push_str(&t),
+                            Piece::Call(c) => made.extend(calls.give(&id, &c)),
+                        }
+                    }
+                    let finish = calls.finish_reason(reason);
+                    let mut body = head.response(&content, finish, usage);
+                    if !made.is_empty() {
+                        let message = &mut body["choices"][0]["message"];
+                        message["tool_calls"] = Value::Array(made);
+                        if content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                    }
                     return Ok(axum::Json(body).into_response());
                 }
                 Some(Event::Failed(f)) => return Err(failure(f)),
@@ -449,22 +485,51 @@ async fn respond(
     // asked, then [DONE]. The stream owns the receiver: a client that goes drops it, and the
     // engine sees the channel closed and ends the sequence.
     let model = app.model.clone();
-    let events = async_stream(rx, move |ev, first| {
+    let events = async_stream(rx, move |ev, mut first| {
         let head = Head {
             id: &id,
             model: &model,
             created,
             endpoint,
         };
+        // A tool call's pieces, as chunks: text as content, each call whole as a tool delta.
+        let chunks = |pieces: Vec<Piece>, calls: &mut Calls, first: &mut bool| {
+            let mut out = Vec::new();
+            for piece in pieces {
+                match piece {
+                    Piece::Text(t) => out.push(head.chunk(&t, *first, None).to_string()),
+                    Piece::Call(c) => out.extend(
+                        calls
+                            .give_delta(&id, &c)
+                            .map(|d| head.tool_chunk(d, *first).to_string()),
+                    ),
+                }
+                if !out.is_empty() {
+                    *first = false;
+                }
+            }
+            out
+        };
         match ev {
-            Event::Text(t) => vec![head.chunk(&t, first, None).to_string()],
+            Event::Text(t) => match calls.as_mut() {
+                None => vec![head.chunk(&t, first, None).to_string()],
+                Some(c) => {
+                    let pieces = c.scanner.push(&t);
+                    chunks(pieces, c, &mut first)
+                }
+            },
             Event::Done {
                 reason,
                 completion_tokens,
             } => {
-                let mut out = vec![head
-                    .chunk("", first, Some(api::finish_reason(reason)))
-                    .to_string()];
+                let (mut out, finish) = match calls.as_mut() {
+                    None => (Vec::new(), api::finish_reason(reason)),
+                    Some(c) => {
+                        let pieces = c.scanner.finish().0;
+                        (chunks(pieces, c, &mut first), c.finish_reason(reason))
+                    }
+                };
+                out.push(head.chunk("", first, Some(finish)).to_string());
                 if include_usage {
                     let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
                     out.push(head.usage_chunk(usage).to_string());
@@ -477,6 +542,44 @@ async fn respond(
         }
     });
     Ok(Sse::new(events).into_response())
+}
+
+/// The calls of an answer as they are read out of it, and how many were given to the client.
+struct Calls {
+    scanner: toolcall::Scanner,
+    /// Whether more than one call may be given (`parallel_tool_calls`); past the first, calls are
+    /// dropped where not.
+    parallel: bool,
+    given: usize,
+}
+
+impl Calls {
+    /// A call as `message.tool_calls` holds it, with an id of its own; None past the one call a
+    /// request without parallel calls gets.
+    fn give(&mut self, id: &str, call: &toolcall::Call) -> Option<Value> {
+        if !self.parallel && self.given > 0 {
+            return None;
+        }
+        self.given += 1;
+        Some(tools::call_json(&format!("call_{id}_{}", self.given), call))
+    }
+
+    /// The same, as a streamed `delta.tool_calls` entry (its index counts from 0).
+    fn give_delta(&mut self, id: &str, call: &toolcall::Call) -> Option<Value> {
+        let json = self.give(id, call)?;
+        let mut delta = tools::call_delta(self.given - 1, "", call);
+        delta["id"] = json["id"].clone();
+        Some(delta)
+    }
+
+    /// `tool_calls` where a call was given, else why the answer ended.
+    fn finish_reason(&self, reason: crate::session::StopReason) -> &'static str {
+        if self.given > 0 {
+            "tool_calls"
+        } else {
+            api::finish_reason(reason)
+        }
+    }
 }
 
 /// The SSE events of a request's engine events: `render(event, first)` gives each one's data

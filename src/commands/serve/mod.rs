@@ -3,6 +3,7 @@
 //! - `api`: the requests and responses' JSON shapes, read and written.
 //! - `http`: routes, the API key, body limits, server-sent events (axum on hyper, tokio).
 //! - `prepare`: prompts rendered and tokenized, on threads of their own.
+//! - `tools`: a request's tools and tool messages read; an answer's calls written.
 //! - `metrics`: what `/metrics` says.
 //!
 //! The scheduler (`crate::sched`: queue, admission into the pool, continuous batching, prefix
@@ -17,6 +18,7 @@ pub mod conns;
 pub mod http;
 pub mod metrics;
 pub mod prepare;
+pub mod tools;
 
 use super::{StoreChoice, TemplateChoice};
 use crate::engine::{Engine, LoadOptions};

@@ -7,6 +7,7 @@ use super::api::{ApiError, Prompt};
 use crate::engine::Engine;
 use crate::sched::Ticket;
 use crate::template::ChatTemplate;
+use crate::toolcall::{self, Format, Tool};
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
 
@@ -20,11 +21,14 @@ pub struct Prepared {
     pub ids: Vec<u32>,
     pub max_tokens: usize,
     pub ticket: Ticket,
+    /// How the model writes tool calls, where the request offers tools.
+    pub tool_format: Option<&'static Format>,
 }
 
 /// A prompt to prepare, its place in the queue, and where its answer goes.
 pub struct Order {
     pub prompt: Prompt,
+    pub tools: Vec<Tool>,
     pub max_tokens: Option<usize>,
     pub ticket: Ticket,
     pub reply: tokio::sync::oneshot::Sender<Result<Prepared, ApiError>>,
@@ -53,7 +57,7 @@ impl Preparer<'_> {
             }
             // A fault in preparing one request (a template's, say) answers that request alone.
             let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.prepare(&order.prompt, order.max_tokens)
+                self.prepare(&order.prompt, &order.tools, order.max_tokens)
             }))
             .unwrap_or_else(|_| {
                 Err(ApiError::new(
@@ -62,26 +66,32 @@ impl Preparer<'_> {
                     "preparing this request's prompt failed inside kvchat",
                 ))
             });
-            let answer = prepared.map(|(ids, max_tokens)| Prepared {
+            let answer = prepared.map(|(ids, max_tokens, tool_format)| Prepared {
                 ids,
                 max_tokens,
                 ticket: order.ticket,
+                tool_format,
             });
             let _ = order.reply.send(answer);
         }
     }
 
-    /// The prompt's token ids and how many tokens the answer may take.
+    /// The prompt's token ids, how many tokens the answer may take, and (where `tools` are
+    /// offered) how the model writes its calls.
     pub fn prepare(
         &self,
         prompt: &Prompt,
+        tools: &[Tool],
         max_tokens: Option<usize>,
-    ) -> Result<(Vec<u32>, usize), ApiError> {
+    ) -> Result<(Vec<u32>, usize, Option<&'static Format>), ApiError> {
         let ctx = self.engine.ctx();
-        let text_len = match prompt {
-            Prompt::Text(t) => t.len(),
-            Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
-        };
+        let tools: Vec<serde_json::Value> = tools.iter().map(Tool::for_template).collect();
+        let tools_len: usize = tools.iter().map(|t| t.to_string().len()).sum();
+        let text_len = tools_len
+            + match prompt {
+                Prompt::Text(t) => t.len(),
+                Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+            };
         let too_long = |n: &str| {
             ApiError::bad(format!(
                 "the prompt is {n}, which does not fit the context of {ctx} tokens"
@@ -92,6 +102,7 @@ impl Preparer<'_> {
         if self.engine.tokenizer().min_tokens(text_len) >= ctx {
             return Err(too_long(&format!("{text_len} bytes")));
         }
+        let mut tool_format = None;
         let ids = match prompt {
             Prompt::Text(t) => self
                 .engine
@@ -102,12 +113,17 @@ impl Preparer<'_> {
                     .template
                     .as_ref()
                     .map_err(|why| ApiError::bad(why.clone()))?;
-                self.engine.chat_prompt(template, messages).map_err(|e| {
-                    ApiError::bad(format!(
-                        "the chat template cannot render these messages: {}",
-                        crate::first_line(e)
-                    ))
-                })?
+                if !tools.is_empty() {
+                    tool_format = Some(self.tool_format(template, &tools, messages)?);
+                }
+                self.engine
+                    .chat_prompt_with_tools(template, messages, &tools)
+                    .map_err(|e| {
+                        ApiError::bad(format!(
+                            "the chat template cannot render these messages: {}",
+                            crate::first_line(e)
+                        ))
+                    })?
             }
         };
         if ids.is_empty() {
@@ -120,6 +136,48 @@ impl Preparer<'_> {
         }
         let room = ctx - ids.len();
         let max_tokens = max_tokens.unwrap_or(self.default_max_tokens).min(room);
-        Ok((ids, max_tokens))
+        Ok((ids, max_tokens, tool_format))
+    }
+
+    /// The format this model writes tool calls in; refused where its template does not show the
+    /// tools to it, kvchat does not know its format, or the tools or earlier calls hold
+    /// control-token text (only message content is kept literal).
+    fn tool_format(
+        &self,
+        template: &ChatTemplate,
+        tools: &[serde_json::Value],
+        messages: &[crate::template::Message],
+    ) -> Result<&'static Format, ApiError> {
+        if !template.takes_tools() {
+            return Err(ApiError::field(
+                "tools",
+                "this model's chat template does not show tools to the model (it never reads 'tools'); start the server with a --chat-template that does",
+            ));
+        }
+        let format = toolcall::for_template(template.source()).ok_or_else(|| {
+            let known: Vec<&str> = toolcall::FORMATS.iter().map(|f| f.name).collect();
+            ApiError::field(
+                "tools",
+                format!(
+                    "kvchat does not know how this model writes tool calls (its chat template is none of: {})",
+                    known.join(", ")
+                ),
+            )
+        })?;
+        let texts = tools.iter().map(|t| t.to_string()).chain(
+            messages
+                .iter()
+                .flat_map(|m| &m.tool_calls)
+                .map(|c| c.function.arguments.to_string()),
+        );
+        for text in texts {
+            if self.engine.tokenizer().has_special_text(&text) {
+                return Err(ApiError::field(
+                    "tools",
+                    "a tool definition or call holds control-token text, which would not stay text in the prompt",
+                ));
+            }
+        }
+        Ok(format)
     }
 }

@@ -36,7 +36,19 @@ impl Server {
         server
     }
 
+    /// A server of `model` (not the tests' model), with a prefix store of its own.
+    pub fn start_model(model: &std::path::Path, args: &[&str]) -> Server {
+        let store = fresh_store();
+        let mut server = Self::start_with(model, args, &store);
+        server.store = Some(store);
+        server
+    }
+
     pub fn start_env(args: &[&str], store: &std::path::Path) -> Server {
+        Self::start_with(&model_path(), args, store)
+    }
+
+    fn start_with(model: &std::path::Path, args: &[&str], store: &std::path::Path) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvchat"))
             .args([
                 "serve",
@@ -48,7 +60,7 @@ impl Server {
                 "600",
             ])
             .args(args)
-            .env("KVCHAT_MODEL", model_path())
+            .env("KVCHAT_MODEL", model)
             .env("KVCHAT_KV_STORE", store)
             .env_remove("KVCHAT_API_KEY")
             .stdin(Stdio::null())
@@ -211,4 +223,10 @@ impl Drop for Server {
 pub fn greedy_chat(question: &str, max_tokens: usize) -> Value {
     json!({"model": "m", "messages": [{"role": "user", "content": question}],
            "temperature": 0, "max_tokens": max_tokens})
+}
+
+/// The Python of the virtual environment scripts/test.sh makes (with the `openai` package).
+pub fn python() -> String {
+    std::env::var("KVCHAT_TEST_PYTHON")
+        .unwrap_or_else(|_| format!("{}/target/pyenv/bin/python", env!("CARGO_MANIFEST_DIR")))
 }
