@@ -110,10 +110,14 @@ impl Scanner {
                 continue;
             }
             if f.bare_json && !self.spoke && self.calls == 0 {
-                // An answer that opens with `{"name"` is its calls, bare.
+                // An answer that opens with `{"name"` is its calls, bare (or in a ```json fence).
                 const BARE: &str = "{\"name\"";
-                let start: String = self
-                    .held
+                let held = self.held.trim_start();
+                if held.len() < FENCE.len() && FENCE.starts_with(held) {
+                    break;
+                }
+                let unfenced = held.strip_prefix(FENCE).unwrap_or(held);
+                let start: String = unfenced
                     .chars()
                     .filter(|c| !c.is_whitespace())
                     .take(BARE.len())
@@ -165,7 +169,11 @@ impl Scanner {
         let held = std::mem::take(&mut self.held);
         let mut unclosed = false;
         if self.bare {
-            match formats::read_bare_json_calls(&held) {
+            let calls = held.trim();
+            let calls = calls
+                .strip_prefix(FENCE)
+                .map_or(calls, |c| c.trim_end().strip_suffix("```").unwrap_or(c));
+            match formats::read_bare_json_calls(calls) {
                 Ok(calls) => {
                     self.calls += calls.len();
                     out.extend(calls.into_iter().map(Piece::Call));
@@ -222,6 +230,9 @@ impl Scanner {
         }
     }
 }
+
+/// The Markdown fence small models put bare calls in.
+const FENCE: &str = "```json";
 
 /// The length of the longest end of `text` that `open` starts with (shorter than `open`).
 fn longest_opening_suffix(text: &str, open: &str) -> usize {
@@ -286,6 +297,13 @@ mod tests {
             let (pieces, _) = scan(hermes(), &[&answer[..cut], &answer[cut..]]);
             assert_eq!(pieces, [call("f", json!({"x": 1}))], "cut at {cut}");
         }
+        let fenced = "```json\n{\n  \"name\": \"f\",\n  \"arguments\": {}\n}\n```";
+        for cut in 1..fenced.len() {
+            let (pieces, _) = scan(hermes(), &[&fenced[..cut], &fenced[cut..]]);
+            assert_eq!(pieces, [call("f", json!({}))], "cut at {cut}");
+        }
+        let (pieces, _) = scan(hermes(), &["```json\n[1, 2]\n```"]);
+        assert_eq!(pieces, [Piece::Text("```json\n[1, 2]\n```".into())]);
         let (pieces, _) = scan(hermes(), &["{\"answer\": 42}"]);
         assert_eq!(pieces, [Piece::Text("{\"answer\": 42}".into())]);
         let (pieces, _) = scan(hermes(), &["{\"name\": \"f\", \"argu"]);
