@@ -2,6 +2,7 @@
 //!
 //! - `api`: the requests and responses' JSON shapes, read and written.
 //! - `http`: routes, the API key, body limits, server-sent events (axum on hyper, tokio).
+//! - `conns`: which connections are let in, and which are closed to make room.
 //! - `prepare`: prompts rendered and tokenized, on threads of their own.
 //! - `tools`: a request's tools and tool messages read; an answer's calls written.
 //! - `metrics`: what `/metrics` says.
