@@ -310,3 +310,46 @@ fn requests_that_would_cost_work_before_admission_are_refused_by_count_while_oth
     }
     assert_recovers(&server, idle, "of 289,260-message requests", took);
 }
+
+#[test]
+fn large_bodies_of_tiny_json_values_cost_their_bytes_not_their_values() {
+    let (server, idle) = warm_server();
+    // 8 MiB of `{}`: ~270 MB each if read into JSON values. Beside the fields kvchat reads they
+    // are read past; inside one (a tool's schema) they are counted and refused before any is made.
+    let filler = vec!["{}"; ((8 << 20) - 300) / 3].join(",");
+    let user = r#"[{"role":"user","content":"hi"}]"#;
+    let beside = format!(r#"{{"messages":{user},"max_tokens":1,"x":[{filler}]}}"#);
+    let inside = format!(
+        r#"{{"messages":{user},"max_tokens":1,"tools":[{{"type":"function","function":{{"name":"f","parameters":{{"x":[{filler}]}}}}}}]}}"#
+    );
+    let bodies = [Arc::new(beside), Arc::new(inside)];
+    let floods: Vec<_> = (0..8)
+        .map(|i| {
+            let (addr, body) = (server.base.clone(), bodies[i % 2].clone());
+            std::thread::spawn(move || {
+                let r = ureq::post(&format!("{addr}/v1/chat/completions"))
+                    .set("Content-Type", "application/json")
+                    .send_string(&body);
+                let (code, text) = match r {
+                    Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
+                    Ok(r) => (r.status(), r.into_string().unwrap()),
+                    Err(e) => panic!("{e}"),
+                };
+                (i % 2, code, text)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let took = ordinary_request(&server);
+    for f in floods {
+        match f.join().unwrap() {
+            // Past the body budget a large body may be told to come back (503).
+            (0, code, text) => assert!(code == 200 || code == 503, "{code} {text}"),
+            (_, code, text) => {
+                assert!(code == 400 || code == 503, "{code} {text}");
+                assert!(code == 503 || text.contains("JSON values"), "{text}");
+            }
+        }
+    }
+    assert_recovers(&server, idle, "of 8 MiB bodies of tiny values", took);
+}

@@ -304,15 +304,239 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, ApiError> {
     common(&obj, Endpoint::Completions, Prompt::Text(text), max_tokens)
 }
 
-/// The body as a JSON object.
+/// The body as a JSON object, holding only the fields kvchat reads (`known::REQUEST`).
 fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     counted::check(body)?;
-    match serde_json::from_slice::<Value>(body) {
+    if let Some(n) = known::count(body).filter(|&n| n > known::MAX_VALUES) {
+        return Err(ApiError::bad(format!(
+            "the request holds {n} JSON values in the fields kvchat reads, more than the {} it takes",
+            known::MAX_VALUES
+        )));
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let read = serde::de::DeserializeSeed::deserialize(known::Keep(&known::REQUEST), &mut de)
+        .and_then(|v| de.end().map(|()| v));
+    match read {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::bad("the request body must be a JSON object")),
         Err(e) => Err(ApiError::bad(format!(
             "the request body is not valid JSON: {e}"
         ))),
+    }
+}
+
+/// The fields of a request that kvchat reads, as a tree: what a body holds beside them is read
+/// past (serde's `IgnoredAny`) and never becomes a JSON value. As values, JSON takes up to ~30
+/// times its bytes, and a flood of large bodies that the server has freed leaves part of that
+/// behind in the allocator's per-thread arenas; a field nobody reads costs its bytes alone. A
+/// key read anywhere in `api.rs` or `tools.rs` must be listed: each field has a wrong-value case
+/// in `each_wrong_field_is_a_400_naming_it` (and the completions' in theirs), which fails for a
+/// field left out.
+mod known {
+    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde::Deserialize;
+    use serde_json::{Map, Value};
+    use std::fmt;
+
+    /// What is kept of a value.
+    pub enum Shape {
+        /// All of it.
+        Any,
+        /// An object's listed fields (anything else: all of it, for its reader to refuse).
+        Object(&'static [(&'static str, &'static Shape)]),
+        /// An array's items, each kept as the shape says (anything else: all of it).
+        Array(&'static Shape),
+    }
+
+    static ANY: Shape = Shape::Any;
+    static PART: Shape = Shape::Object(&[("type", &ANY), ("text", &ANY)]);
+    static CONTENT: Shape = Shape::Array(&PART);
+    static MESSAGE: Shape = Shape::Object(&[
+        ("role", &ANY),
+        ("content", &CONTENT),
+        ("tool_calls", &ANY),
+        ("tool_call_id", &ANY),
+        ("name", &ANY),
+    ]);
+    static MESSAGES: Shape = Shape::Array(&MESSAGE);
+    pub static REQUEST: Shape = Shape::Object(&[
+        ("messages", &MESSAGES),
+        ("prompt", &ANY),
+        ("max_tokens", &ANY),
+        ("max_completion_tokens", &ANY),
+        ("temperature", &ANY),
+        ("top_p", &ANY),
+        ("top_k", &ANY),
+        ("min_p", &ANY),
+        ("repeat_penalty", &ANY),
+        ("frequency_penalty", &ANY),
+        ("presence_penalty", &ANY),
+        ("seed", &ANY),
+        ("stop", &ANY),
+        ("stream", &ANY),
+        ("stream_options", &ANY),
+        ("n", &ANY),
+        ("logprobs", &ANY),
+        ("top_logprobs", &ANY),
+        ("logit_bias", &ANY),
+        ("response_format", &ANY),
+        ("tools", &ANY),
+        ("tool_choice", &ANY),
+        ("parallel_tool_calls", &ANY),
+        ("functions", &ANY),
+        ("echo", &ANY),
+        ("suffix", &ANY),
+        ("best_of", &ANY),
+    ]);
+
+    /// The most JSON values (objects, arrays, strings, numbers, …) a request may hold in the
+    /// fields kvchat reads: ~25 MB as values. Counted before any is made.
+    pub const MAX_VALUES: u64 = 1 << 18;
+
+    /// How many values the fields kvchat reads hold (None: the body does not read as JSON, for
+    /// the full reading to say why).
+    pub fn count(body: &[u8]) -> Option<u64> {
+        let mut de = serde_json::Deserializer::from_slice(body);
+        DeserializeSeed::deserialize(Count(&REQUEST), &mut de).ok()
+    }
+
+    /// Counts the values a read with [`Keep`] would make, making none.
+    struct Count(&'static Shape);
+
+    impl<'de> DeserializeSeed<'de> for Count {
+        type Value = u64;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+            d.deserialize_any(Counting(self.0))
+        }
+    }
+
+    struct Counting(&'static Shape);
+
+    impl<'de> Visitor<'de> for Counting {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_unit<E>(self) -> Result<u64, E> {
+            Ok(1)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+            let item = match self.0 {
+                Shape::Array(item) => *item,
+                _ => &ANY,
+            };
+            let mut n = 1;
+            while let Some(k) = seq.next_element_seed(Count(item))? {
+                n += k;
+            }
+            Ok(n)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+            let mut n = 1;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                let keep = match self.0 {
+                    Shape::Object(fields) => fields.iter().find(|(k, _)| *k == key).map(|f| f.1),
+                    _ => Some(&ANY),
+                };
+                match keep {
+                    Some(shape) => n += 1 + map.next_value_seed(Count(shape))?,
+                    None => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(n)
+        }
+    }
+
+    /// Reads a value, keeping what its shape lists.
+    pub struct Keep(pub &'static Shape);
+
+    impl<'de> DeserializeSeed<'de> for Keep {
+        type Value = Value;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            match self.0 {
+                Shape::Any => Value::deserialize(d),
+                shape => d.deserialize_any(Keeping(shape)),
+            }
+        }
+    }
+
+    struct Keeping(&'static Shape);
+
+    impl<'de> Visitor<'de> for Keeping {
+        type Value = Value;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let item = match self.0 {
+                Shape::Array(item) => *item,
+                _ => &ANY,
+            };
+            let mut out = Vec::new();
+            while let Some(v) = seq.next_element_seed(Keep(item))? {
+                out.push(v);
+            }
+            Ok(Value::Array(out))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut out = Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let keep = match self.0 {
+                    Shape::Object(fields) => fields.iter().find(|(k, _)| *k == key).map(|f| f.1),
+                    _ => Some(&ANY),
+                };
+                match keep {
+                    Some(shape) => {
+                        out.insert(key, map.next_value_seed(Keep(shape))?);
+                    }
+                    None => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(Value::Object(out))
+        }
     }
 }
 
@@ -681,6 +905,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_request_keeps_the_fields_kvchat_reads_and_reads_past_the_rest() {
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi","x":[1]}],"meta":{"a":[{}]}}],
+                        "temperature":0,"stop":["a"],"tools":[{"type":"function","function":{"name":"f","extra":1}}],
+                        "metadata":{"big":[{},{},{}]},"user":"u"}"#;
+        let v = Value::Object(object(body).unwrap());
+        assert_eq!(
+            v,
+            json!({"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+                   "temperature":0,"stop":["a"],
+                   "tools":[{"type":"function","function":{"name":"f","extra":1}}]})
+        );
+        // Wrong types are kept whole, for their readers to name.
+        let v = Value::Object(object(br#"{"messages":"hi","prompt":[1,{"a":2}]}"#).unwrap());
+        assert_eq!(v, json!({"messages":"hi","prompt":[1,{"a":2}]}));
+        assert!(object(b"{} trailing").is_err());
+        assert!(object(b"[1]").is_err());
+    }
+
+    #[test]
+    fn values_past_the_count_are_refused_before_they_are_made_and_unread_ones_do_not_count() {
+        let many = vec!["{}"; known::MAX_VALUES as usize].join(",");
+        let inside = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","parameters":{{"x":[{many}]}}}}}}]}}"#
+        );
+        let e = object(inside.as_bytes()).unwrap_err();
+        assert!(
+            e.message.contains("JSON values in the fields kvchat reads"),
+            "{}",
+            e.message
+        );
+        let beside = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"x":[{many}]}}"#);
+        assert!(object(beside.as_bytes()).is_ok());
+        // The object, each key kept and its value: 1 + (1 + array 1 + (message 1 + 2 + 2)).
+        assert_eq!(
+            known::count(br#"{"messages":[{"role":"user","content":"hi"}]}"#),
+            Some(8)
+        );
+    }
+
+    #[test]
     fn counts_refuse_a_body_before_it_is_read_into_values_and_pass_what_they_cannot_read() {
         let many = format!(
             "{{\"messages\":[{}]}}",
@@ -770,7 +1034,39 @@ mod tests {
             (format!("{{{user},\"n\":2}}"), "n"),
             (
                 format!("{{{user},\"tools\":[{{\"type\":\"function\"}}]}}"),
-                "tools",
+                "tools[0]",
+            ),
+            (format!("{{{user},\"tools\":{{}}}}"), "tools"),
+            // Every field kvchat reads has a case here: one left out of `known::REQUEST` would be
+            // read past, and its case would fail.
+            (format!("{{{user},\"top_p\":7}}"), "top_p"),
+            (format!("{{{user},\"top_k\":-1}}"), "top_k"),
+            (format!("{{{user},\"min_p\":2}}"), "min_p"),
+            (
+                format!("{{{user},\"repeat_penalty\":-1}}"),
+                "repeat_penalty",
+            ),
+            (format!("{{{user},\"seed\":\"x\"}}"), "seed"),
+            (
+                format!("{{{user},\"max_completion_tokens\":0}}"),
+                "max_completion_tokens",
+            ),
+            (
+                format!("{{{user},\"response_format\":{{\"type\":\"json_object\"}}}}"),
+                "response_format",
+            ),
+            (
+                format!("{{{user},\"tool_choice\":\"always\"}}"),
+                "tool_choice",
+            ),
+            (
+                format!("{{{user},\"parallel_tool_calls\":1}}"),
+                "parallel_tool_calls",
+            ),
+            (format!("{{{user},\"functions\":[]}}"), "functions"),
+            (
+                format!("{{{user},\"frequency_penalty\":0.5}}"),
+                "frequency_penalty",
             ),
             (
                 format!("{{{user},\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}}"),

@@ -39,6 +39,11 @@ pub const BODY_BUDGET: usize = 64 << 20;
 pub const FREE_BODY: usize = 64 << 10;
 /// How long a large body waits for its share of the budget.
 pub const BUDGET_WAIT: Duration = Duration::from_secs(1);
+/// Large bodies read into JSON values at once. As values, JSON takes up to ~30 times its bytes (8
+/// MiB of `{}` is ~270 MB), so this, not the body budget, bounds what their reading costs.
+pub const LARGE_PARSES: usize = 2;
+/// How long a large body waits for its turn to be read.
+pub const PARSE_WAIT: Duration = Duration::from_secs(10);
 
 /// What every handler shares.
 pub struct App {
@@ -53,6 +58,8 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// [`BODY_BUDGET`]'s bytes, as permits.
     bodies: Arc<Semaphore>,
+    /// [`LARGE_PARSES`] turns.
+    parses: Arc<Semaphore>,
     next: AtomicU64,
 }
 
@@ -72,6 +79,7 @@ impl App {
             started: now(),
             metrics,
             bodies: Arc::new(Semaphore::new(BODY_BUDGET)),
+            parses: Arc::new(Semaphore::new(LARGE_PARSES)),
             next: AtomicU64::new(1),
         }
     }
@@ -351,9 +359,23 @@ async fn respond(
     // A large body's JSON takes the runtime's one thread for tens of milliseconds (an 8 MiB
     // array of 289,260 messages: its parse and its refusal), so it is read on a blocking thread.
     let request = if share.permit.is_some() {
-        tokio::task::spawn_blocking(parse)
+        let busy = || {
+            ApiError::new(
+                503,
+                "server_error",
+                "the server is reading too many large requests at once; retry in a second",
+            )
+        };
+        let turn = tokio::time::timeout(PARSE_WAIT, app.parses.clone().acquire_owned())
             .await
-            .map_err(|_| ApiError::new(500, "server_error", "reading the request failed"))??
+            .map_err(|_| busy())?
+            .map_err(|_| busy())?;
+        let parsed = tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            parse()
+        })
+        .await;
+        parsed.map_err(|_| ApiError::new(500, "server_error", "reading the request failed"))??
     } else {
         parse()?
     };
