@@ -13,10 +13,11 @@ cargo clippy --release --all-targets -- -D warnings
 cargo build --release --quiet
 target/release/kvchat models pull gemma3-270m >/dev/null
 target/release/kvchat models pull qwen2.5-coder-0.5b >/dev/null
-# The official OpenAI Python client, for tests/suite/serve.rs (a virtual environment under target/).
-if ! target/pyenv/bin/python -c "import openai" 2>/dev/null; then
+# The official OpenAI and Anthropic Python clients, for tests/suite/serve.rs, tools.rs and
+# messages.rs (a virtual environment under target/).
+if ! target/pyenv/bin/python -c "import openai, anthropic" 2>/dev/null; then
     python3 -m venv target/pyenv
-    target/pyenv/bin/pip install --quiet --disable-pip-version-check "openai==3.57.0"
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check "openai==3.57.0" "anthropic==2.17.0"
 fi
 # The tests run several engines at once in one process: their pools park idle workers after 500
 # polls, as the kvchat binary sets for itself (main.rs), instead of candle's 25,000, which keep two

@@ -53,11 +53,17 @@ pub enum Event {
         cached_tokens: usize,
     },
     Text(String),
-    Done {
-        reason: StopReason,
-        completion_tokens: usize,
-    },
+    Done(Done),
     Failed(Failure),
+}
+
+/// How an answer ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Done {
+    pub reason: StopReason,
+    pub completion_tokens: usize,
+    /// The stop text that ended it, where one did (its reason is then `EndOfText`).
+    pub stop_text: Option<String>,
 }
 
 /// Why a job ended without its answer.

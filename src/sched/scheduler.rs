@@ -736,10 +736,15 @@ impl<'e> Scheduler<'e> {
                         .send(Event::Text(std::mem::take(&mut l.text.held)));
                 }
             }
-            let done = Event::Done {
+            let done = Event::Done(super::Done {
                 reason: f.reason,
                 completion_tokens: f.tokens.len(),
-            };
+                stop_text: if by_stop_text {
+                    l.text.stopped_by.take()
+                } else {
+                    None
+                },
+            });
             self.last_events.push((l.job.events, done));
             self.counts.update(|m| m.finished += 1);
         }

@@ -11,6 +11,8 @@ pub(super) struct Text {
     pub stream: TextStream,
     /// Decoded text not sent yet: it may be the start of a stop text.
     pub held: String,
+    /// The stop text that ended the answer.
+    pub stopped_by: Option<String>,
 }
 
 impl Text {
@@ -19,6 +21,7 @@ impl Text {
             first_token: false,
             stream: TextStream::new(),
             held: String::new(),
+            stopped_by: None,
         }
     }
 
@@ -26,7 +29,12 @@ impl Text {
     /// when a stop text appeared: what precedes it is sent and the answer ends there.
     pub fn push(&mut self, text: &str, stop: &[String], events: &UnboundedSender<Event>) -> bool {
         self.held.push_str(text);
-        if let Some(at) = stop.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        let first = stop
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, s)) = first {
+            self.stopped_by = Some(s.clone());
             self.held.truncate(at);
             if !self.held.is_empty() {
                 let _ = events.send(Event::Text(std::mem::take(&mut self.held)));

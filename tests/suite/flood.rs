@@ -322,12 +322,23 @@ fn large_bodies_of_tiny_json_values_cost_their_bytes_not_their_values() {
     let inside = format!(
         r#"{{"messages":{user},"max_tokens":1,"tools":[{{"type":"function","function":{{"name":"f","parameters":{{"x":[{filler}]}}}}}}]}}"#
     );
-    let bodies = [Arc::new(beside), Arc::new(inside)];
+    // The same through Anthropic's Messages API, whose reading shares the counts and the budget.
+    let beside_m = format!(r#"{{"messages":{user},"max_tokens":1,"x":[{filler}]}}"#);
+    let inside_m = format!(
+        r#"{{"messages":{user},"max_tokens":1,"tools":[{{"name":"f","input_schema":{{"x":[{filler}]}}}}]}}"#
+    );
+    let bodies = [
+        ("/v1/chat/completions", Arc::new(beside)),
+        ("/v1/chat/completions", Arc::new(inside)),
+        ("/v1/messages", Arc::new(beside_m)),
+        ("/v1/messages", Arc::new(inside_m)),
+    ];
     let floods: Vec<_> = (0..8)
         .map(|i| {
-            let (addr, body) = (server.base.clone(), bodies[i % 2].clone());
+            let (path, body) = (bodies[i % 4].0, bodies[i % 4].1.clone());
+            let addr = server.base.clone();
             std::thread::spawn(move || {
-                let r = ureq::post(&format!("{addr}/v1/chat/completions"))
+                let r = ureq::post(&format!("{addr}{path}"))
                     .set("Content-Type", "application/json")
                     .send_string(&body);
                 let (code, text) = match r {

@@ -15,6 +15,7 @@ mod gemma4;
 mod gpt_oss;
 mod hf_layout;
 mod hostile;
+mod messages;
 mod props;
 mod quiz;
 mod qwen3;

@@ -102,14 +102,12 @@ fn answer(rx: &mut UnboundedReceiver<Event>) -> Answer {
                 cached_tokens,
             } => (prompt, cached) = (prompt_tokens, cached_tokens),
             Event::Text(t) => text.push_str(&t),
-            Event::Done {
-                completion_tokens, ..
-            } => {
+            Event::Done(done) => {
                 return Answer::Done {
                     prompt,
                     cached,
                     text,
-                    tokens: completion_tokens,
+                    tokens: done.completion_tokens,
                 }
             }
             Event::Failed(f) => return Answer::Failed(f),

@@ -4,11 +4,13 @@
 //! tokenizer), then to the scheduler as token ids; tokens come back over a channel per request.
 
 use super::api::{self, ApiError, Endpoint, Head};
+use super::body::{read_body, too_large, BODY_BUDGET, LARGE_PARSES, MAX_BODY, PARSE_WAIT};
+use super::messages;
 use super::metrics::Metrics;
 use super::prepare::{Order, Prepared};
-use super::tools;
-use crate::sched::{Event, Failure, Job, Queue};
-use crate::toolcall::{self, Piece};
+use super::tools::{self, Calls};
+use crate::sched::{Done, Event, Failure, Job, Queue};
+use crate::toolcall::Piece;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -21,29 +23,9 @@ use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-/// The largest request body read.
-pub const MAX_BODY: usize = 8 << 20;
-/// How long a client may take to send a request's body (slow clients hold a connection, never
-/// the engine).
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Bytes of request bodies held at once, from their first byte read until their prompt is
-/// prepared, beyond each body's first [`FREE_BODY`] bytes. Past it a large body waits up to
-/// [`BUDGET_WAIT`] for a share, then gets a 503: a flood of large bodies costs this much memory,
-/// not their count times [`MAX_BODY`].
-pub const BODY_BUDGET: usize = 64 << 20;
-/// The bytes of each body that need no share of the budget (the connection cap bounds them:
-/// 512 × 64 KiB), so that an ordinary request never waits for large ones.
-pub const FREE_BODY: usize = 64 << 10;
-/// How long a large body waits for its share of the budget.
-pub const BUDGET_WAIT: Duration = Duration::from_secs(1);
-/// Large bodies read into JSON values at once. As values, JSON takes up to ~30 times its bytes (8
-/// MiB of `{}` is ~270 MB), so this, not the body budget, bounds what their reading costs.
-pub const LARGE_PARSES: usize = 2;
-/// How long a large body waits for its turn to be read.
-pub const PARSE_WAIT: Duration = Duration::from_secs(10);
+use std::time::{Instant, SystemTime};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Semaphore;
 
 /// What every handler shares.
 pub struct App {
@@ -99,6 +81,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages_endpoint))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)
@@ -111,15 +94,17 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The API key, where one is set: `Authorization: Bearer KEY`.
+/// The API key, where one is set: `Authorization: Bearer KEY` or `x-api-key: KEY`.
 fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.api_key else {
         return Ok(());
     };
+    // OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
     match given {
         Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => Ok(()),
         Some(_) => Err(
@@ -129,7 +114,7 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         None => Err(ApiError::new(
             401,
             "invalid_request_error",
-            "no API key: send the header 'Authorization: Bearer KEY'",
+            "no API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
         )
         .with_code("invalid_api_key")),
     }
@@ -179,169 +164,79 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    handle(app, headers, body, Endpoint::Chat).await
+    handle(app, headers, body, Api::OpenAi(Endpoint::Chat)).await
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    handle(app, headers, body, Endpoint::Completions).await
+    handle(app, headers, body, Api::OpenAi(Endpoint::Completions)).await
 }
 
-/// A body's share of [`BODY_BUDGET`]: the bytes past its first [`FREE_BODY`] it may hold. When
-/// the last share goes back, the freed memory goes back to the system.
-struct BodyShare {
-    budget: Arc<Semaphore>,
-    permit: Option<OwnedSemaphorePermit>,
-    /// Bytes the body may hold now.
-    covered: usize,
-}
-
-impl BodyShare {
-    fn new(budget: Arc<Semaphore>) -> Self {
-        Self {
-            budget,
-            permit: None,
-            covered: FREE_BODY,
-        }
-    }
-
-    /// Lets the body hold `bytes`, waiting up to [`BUDGET_WAIT`] for the share; a 503 if none came.
-    async fn cover(&mut self, bytes: usize) -> Result<(), ApiError> {
-        if bytes <= self.covered {
-            return Ok(());
-        }
-        let more = (bytes - self.covered).next_multiple_of(FREE_BODY);
-        let got = tokio::time::timeout(
-            BUDGET_WAIT,
-            self.budget.clone().acquire_many_owned(more as u32),
-        )
-        .await;
-        let Ok(Ok(permit)) = got else {
-            return Err(ApiError::new(
-                503,
-                "server_error",
-                format!(
-                    "the server is receiving too many large request bodies at once (its budget is {} MiB); retry in a second",
-                    BODY_BUDGET >> 20
-                ),
-            ));
-        };
-        match &mut self.permit {
-            Some(held) => held.merge(permit),
-            None => self.permit = Some(permit),
-        }
-        self.covered += more;
-        Ok(())
-    }
-}
-
-impl Drop for BodyShare {
-    fn drop(&mut self) {
-        if self.permit.take().is_some() && self.budget.available_permits() == BODY_BUDGET {
-            // The last large body is gone: what it and its parse took goes back to the system
-            // (the allocator keeps freed memory otherwise; main.rs).
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => drop(rt.spawn_blocking(crate::membudget::release_free_memory)),
-                Err(_) => crate::membudget::release_free_memory(),
-            }
-        }
-    }
-}
-
-/// Reads the body within its limits of size, time and the budget of bodies held at once.
-async fn read_body(
+async fn messages_endpoint(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
     body: Body,
-    announced: Option<u64>,
-    budget: &Arc<Semaphore>,
-) -> Result<(axum::body::Bytes, BodyShare), ApiError> {
-    use http_body_util::BodyExt;
-    let mut share = BodyShare::new(budget.clone());
-    // A body that says its length takes its whole share before a byte of it is read.
-    let announced = announced.map_or(0, |n| n as usize);
-    share.cover(announced).await?;
-    let read = async {
-        let mut body = body;
-        let mut bytes = Vec::with_capacity(announced);
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(body_error)?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            if bytes.len() + data.len() > MAX_BODY {
-                return Err(too_large());
-            }
-            share.cover(bytes.len() + data.len()).await?;
-            bytes.extend_from_slice(&data);
-        }
-        Ok(bytes)
+) -> Response {
+    handle(app, headers, body, Api::Messages).await
+}
+
+/// Which API a request speaks: OpenAI's (chat or text completions) or Anthropic's Messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    OpenAi(Endpoint),
+    Messages,
+}
+
+async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Response {
+    let answered = match start(&app, &headers, body, api).await {
+        Ok(started) => match api {
+            Api::OpenAi(endpoint) => openai_answer(&app, started, endpoint).await,
+            Api::Messages => messages_answer(&app, started).await,
+        },
+        Err(e) => Err(e),
     };
-    match tokio::time::timeout(BODY_TIMEOUT, read).await {
-        Err(_) => Err(ApiError::new(
-            408,
-            "invalid_request_error",
-            format!(
-                "the request body took more than {} s to arrive",
-                BODY_TIMEOUT.as_secs()
-            ),
-        )),
-        Ok(Err(e)) => Err(e),
-        Ok(Ok(b)) => Ok((b.into(), share)),
+    let e = match answered {
+        Ok(r) => return r,
+        Err(e) => e,
+    };
+    if e.status != 429 && e.status < 500 {
+        app.metrics.rejected_bad.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// A body that could not be read: past the size limit (413), else badly framed or cut short by the
-/// client (400, with what was wrong: a chunk size that is not hex, a connection closed early).
-fn body_error(e: axum::Error) -> ApiError {
-    let inner = e.into_inner();
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
-    // The innermost cause says what was wrong ("invalid chunk size line"); the outer ones only
-    // that a body could not be read.
-    let mut cause = inner.to_string();
-    while let Some(s) = source {
-        if s.is::<http_body_util::LengthLimitError>() {
-            return too_large();
+    let retry = e.status == 429 || e.status == 503;
+    let mut r = match api {
+        Api::OpenAi(_) => e.into_response(),
+        Api::Messages => {
+            let status =
+                StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, axum::Json(messages::error_body(&e))).into_response()
         }
-        cause = crate::first_line(s);
-        source = s.source();
+    };
+    if retry {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
-    ApiError::new(
-        400,
-        "invalid_request_error",
-        format!("the request body is malformed or was cut short: {cause}"),
-    )
+    r
 }
 
-fn too_large() -> ApiError {
-    ApiError::new(
-        413,
-        "invalid_request_error",
-        format!("the request body is larger than {} MiB", MAX_BODY >> 20),
-    )
+/// A request past admission: the scheduler's events for it, what its prompt cost, and the reader
+/// of its calls where it offers tools.
+struct Started {
+    rx: UnboundedReceiver<Event>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    calls: Option<Calls>,
+    stream: bool,
+    include_usage: bool,
+    /// The request's number (its ids).
+    n: u64,
 }
 
-async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
-    match respond(&app, &headers, body, endpoint).await {
-        Ok(r) => r,
-        Err(e) => {
-            if e.status != 429 && e.status < 500 {
-                app.metrics.rejected_bad.fetch_add(1, Ordering::Relaxed);
-            }
-            let retry = e.status == 429 || e.status == 503;
-            let mut r = e.into_response();
-            if retry {
-                r.headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            }
-            r
-        }
-    }
-}
-
-async fn respond(
+/// Reads, prepares and admits a request, and waits until the scheduler starts it.
+async fn start(
     app: &Arc<App>,
     headers: &HeaderMap,
     body: Body,
-    endpoint: Endpoint,
-) -> Result<Response, ApiError> {
+    api: Api,
+) -> Result<Started, ApiError> {
     authorize(app, headers)?;
     // A body announced larger than the limit is refused before a byte of it is read.
     let announced = headers
@@ -352,13 +247,14 @@ async fn respond(
         return Err(too_large());
     }
     let (body, share) = read_body(body, announced, &app.bodies).await?;
-    let parse = move || match endpoint {
-        Endpoint::Chat => api::parse_chat(&body),
-        Endpoint::Completions => api::parse_completion(&body),
+    let parse = move || match api {
+        Api::OpenAi(Endpoint::Chat) => api::parse_chat(&body),
+        Api::OpenAi(Endpoint::Completions) => api::parse_completion(&body),
+        Api::Messages => messages::parse(&body),
     };
     // A large body's JSON takes the runtime's one thread for tens of milliseconds (an 8 MiB
     // array of 289,260 messages: its parse and its refusal), so it is read on a blocking thread.
-    let request = if share.permit.is_some() {
+    let request = if share.is_large() {
         let busy = || {
             ApiError::new(
                 503,
@@ -408,18 +304,13 @@ async fn respond(
         ticket,
         tool_format,
     } = prepared.await.map_err(|_| stopped())??;
-    // Where the request offers tools, the model's calls are read out of its answer.
-    let mut calls = tool_format
-        .filter(|_| offered.reads_calls())
-        .map(|format| Calls {
-            scanner: toolcall::Scanner::new(format),
-            parallel: offered.parallel,
-            given: 0,
-        });
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
+    // Where the request offers tools, the model's calls are read out of its answer.
+    let calls = tool_format
+        .filter(|_| offered.reads_calls())
+        .map(|format| Calls::new(format, offered.parallel));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let (stream, include_usage) = (request.stream, request.include_usage);
     let job = Job {
         prompt: ids,
         max_tokens,
@@ -437,193 +328,292 @@ async fn respond(
             cached_tokens,
         }) => (prompt_tokens, cached_tokens),
         Some(Event::Failed(f)) => return Err(failure(f)),
-        _ => {
-            return Err(ApiError::new(
-                500,
-                "server_error",
-                "the engine dropped the request",
-            ))
+        _ => return Err(dropped()),
+    };
+    Ok(Started {
+        rx,
+        prompt_tokens,
+        cached_tokens,
+        calls,
+        stream: request.stream,
+        include_usage: request.include_usage,
+        n: app.next.fetch_add(1, Ordering::Relaxed),
+    })
+}
+
+fn dropped() -> ApiError {
+    ApiError::new(500, "server_error", "the engine dropped the request")
+}
+
+/// The whole answer's text, and why and after how many tokens it ended.
+async fn whole(rx: &mut UnboundedReceiver<Event>) -> Result<(String, Done), ApiError> {
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done(done)) => return Ok((text, done)),
+            Some(Event::Failed(f)) => return Err(failure(f)),
+            Some(Event::Started { .. }) | None => return Err(dropped()),
         }
-    };
-    let n = app.next.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The answer's text and calls apart (all text where the request offers no tools).
+fn split(calls: Option<&mut Calls>, text: String) -> Vec<Piece> {
+    match calls {
+        None => vec![Piece::Text(text)],
+        Some(c) => {
+            let mut pieces = c.scanner.push(&text);
+            pieces.extend(c.scanner.finish().0);
+            pieces
+        }
+    }
+}
+
+/// An OpenAI answer: the whole response, or a chunk per text piece (and a tool delta per call),
+/// a last chunk with the finish reason, the usage chunk if asked, then `[DONE]`.
+async fn openai_answer(
+    app: &Arc<App>,
+    mut s: Started,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
     let id = match endpoint {
-        Endpoint::Chat => format!("chatcmpl-{n}"),
-        Endpoint::Completions => format!("cmpl-{n}"),
+        Endpoint::Chat => format!("chatcmpl-{}", s.n),
+        Endpoint::Completions => format!("cmpl-{}", s.n),
     };
+    let n = s.n;
+    let call_id = move |k: usize| format!("call_{n}_{k}");
     let created = now();
-    if !stream {
-        let mut text = String::new();
-        loop {
-            match rx.recv().await {
-                Some(Event::Text(t)) => text.push_str(&t),
-                Some(Event::Done {
-                    reason,
-                    completion_tokens,
-                }) => {
-                    let head = Head {
-                        id: &id,
-                        model: &app.model,
-                        created,
-                        endpoint,
-                    };
-                    let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
-                    let Some(calls) = calls.as_mut() else {
-                        let body = head.response(&text, api::finish_reason(reason), usage);
-                        return Ok(axum::Json(body).into_response());
-                    };
-                    // The answer's text and its calls apart.
-                    let mut pieces = calls.scanner.push(&text);
-                    pieces.extend(calls.scanner.finish().0);
-                    let (mut content, mut made) = (String::new(), Vec::new());
-                    for piece in pieces {
-                        match piece {
-                            Piece::Text(t) => content.push_str(&t),
-                            Piece::Call(c) => made.extend(calls.give(&id, &c)),
-                        }
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let head = Head {
+            id: &id,
+            model: &app.model,
+            created,
+            endpoint,
+        };
+        let usage = api::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+        let (mut content, mut made) = (String::new(), Vec::new());
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        made.push(tools::call_json(&call_id(k), &c));
                     }
-                    let finish = calls.finish_reason(reason);
-                    let mut body = head.response(&content, finish, usage);
-                    if !made.is_empty() {
-                        let message = &mut body["choices"][0]["message"];
-                        message["tool_calls"] = Value::Array(made);
-                        if content.is_empty() {
-                            message["content"] = Value::Null;
-                        }
-                    }
-                    return Ok(axum::Json(body).into_response());
-                }
-                Some(Event::Failed(f)) => return Err(failure(f)),
-                Some(Event::Started { .. }) | None => {
-                    return Err(ApiError::new(
-                        500,
-                        "server_error",
-                        "the engine dropped the request",
-                    ))
                 }
             }
         }
+        let finish = match &s.calls {
+            Some(c) => c.finish_reason(done.reason),
+            None => api::finish_reason(done.reason),
+        };
+        let mut body = head.response(&content, finish, usage);
+        if !made.is_empty() {
+            let message = &mut body["choices"][0]["message"];
+            message["tool_calls"] = Value::Array(made);
+            if content.is_empty() {
+                message["content"] = Value::Null;
+            }
+        }
+        return Ok(axum::Json(body).into_response());
     }
-    // Streamed: a chunk per text piece, a last chunk with the finish reason, the usage chunk if
-    // asked, then [DONE]. The stream owns the receiver: a client that goes drops it, and the
-    // engine sees the channel closed and ends the sequence.
-    let model = app.model.clone();
-    let events = async_stream(rx, move |ev, mut first| {
+    // The stream owns the receiver: a client that goes drops it, and the engine sees the channel
+    // closed and ends the sequence.
+    let (model, include_usage, mut calls) = (app.model.clone(), s.include_usage, s.calls);
+    let mut first = true;
+    let events = events_of(s.rx, move |ev| {
         let head = Head {
             id: &id,
             model: &model,
             created,
             endpoint,
         };
-        // A tool call's pieces, as chunks: text as content, each call whole as a tool delta.
-        let chunks = |pieces: Vec<Piece>, calls: &mut Calls, first: &mut bool| {
-            let mut out = Vec::new();
-            for piece in pieces {
-                match piece {
-                    Piece::Text(t) => out.push(head.chunk(&t, *first, None).to_string()),
-                    Piece::Call(c) => out.extend(
-                        calls
-                            .give_delta(&id, &c)
-                            .map(|d| head.tool_chunk(d, *first).to_string()),
-                    ),
-                }
-                if !out.is_empty() {
-                    *first = false;
+        let mut out = Vec::new();
+        let mut chunk = |out: &mut Vec<Value>, piece: Piece, calls: &mut Option<Calls>| {
+            match piece {
+                Piece::Text(t) => out.push(head.chunk(&t, first, None)),
+                Piece::Call(c) => {
+                    let Some(k) = calls.as_mut().and_then(Calls::take) else {
+                        return;
+                    };
+                    let delta = tools::call_delta(k - 1, &call_id(k), &c);
+                    out.push(head.tool_chunk(delta, first));
                 }
             }
-            out
+            first = false;
         };
         match ev {
-            Event::Text(t) => match calls.as_mut() {
-                None => vec![head.chunk(&t, first, None).to_string()],
-                Some(c) => {
-                    let pieces = c.scanner.push(&t);
-                    chunks(pieces, c, &mut first)
-                }
-            },
-            Event::Done {
-                reason,
-                completion_tokens,
-            } => {
-                let (mut out, finish) = match calls.as_mut() {
-                    None => (Vec::new(), api::finish_reason(reason)),
-                    Some(c) => {
-                        let pieces = c.scanner.finish().0;
-                        (chunks(pieces, c, &mut first), c.finish_reason(reason))
-                    }
+            Event::Text(t) => {
+                let pieces = match calls.as_mut() {
+                    None => vec![Piece::Text(t)],
+                    Some(c) => c.scanner.push(&t),
                 };
-                out.push(head.chunk("", first, Some(finish)).to_string());
-                if include_usage {
-                    let usage = api::usage(prompt_tokens, cached_tokens, completion_tokens);
-                    out.push(head.usage_chunk(usage).to_string());
+                for p in pieces {
+                    chunk(&mut out, p, &mut calls);
                 }
-                out.push("[DONE]".to_string());
-                out
             }
-            Event::Failed(f) => vec![failure(f).body().to_string(), "[DONE]".to_string()],
-            Event::Started { .. } => Vec::new(),
+            Event::Done(done) => {
+                let pieces = calls
+                    .as_mut()
+                    .map(|c| c.scanner.finish().0)
+                    .unwrap_or_default();
+                for p in pieces {
+                    chunk(&mut out, p, &mut calls);
+                }
+                let finish = match &calls {
+                    Some(c) => c.finish_reason(done.reason),
+                    None => api::finish_reason(done.reason),
+                };
+                out.push(head.chunk("", first, Some(finish)));
+                if include_usage {
+                    let usage = api::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+                    out.push(head.usage_chunk(usage));
+                }
+                let mut events: Vec<SseEvent> = out.iter().map(data_event).collect();
+                events.push(SseEvent::default().data("[DONE]"));
+                return events;
+            }
+            Event::Failed(f) => {
+                return vec![
+                    data_event(&failure(f).body()),
+                    SseEvent::default().data("[DONE]"),
+                ]
+            }
+            Event::Started { .. } => {}
         }
+        out.iter().map(data_event).collect()
     });
     Ok(Sse::new(events).into_response())
 }
 
-/// The calls of an answer as they are read out of it, and how many were given to the client.
-struct Calls {
-    scanner: toolcall::Scanner,
-    /// Whether more than one call may be given (`parallel_tool_calls`); past the first, calls are
-    /// dropped where not.
-    parallel: bool,
-    given: usize,
+fn data_event(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
 }
 
-impl Calls {
-    /// A call as `message.tool_calls` holds it, with an id of its own; None past the one call a
-    /// request without parallel calls gets.
-    fn give(&mut self, id: &str, call: &toolcall::Call) -> Option<Value> {
-        if !self.parallel && self.given > 0 {
-            return None;
+/// An Anthropic Messages answer: the whole message, or its named events (`message_start`, a
+/// block's start, deltas and stop per text run or call, `message_delta`, `message_stop`).
+async fn messages_answer(app: &Arc<App>, mut s: Started) -> Result<Response, ApiError> {
+    let id = format!("msg_{}", s.n);
+    let n = s.n;
+    let tool_id = move |k: usize| format!("toolu_{n}_{k}");
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let mut content = Vec::new();
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => match content.last_mut() {
+                    Some(Value::Object(b)) if b["type"] == "text" => {
+                        let joined = format!("{}{t}", b["text"].as_str().unwrap_or_default());
+                        b.insert("text".into(), Value::String(joined));
+                    }
+                    _ => content.push(json!({"type": "text", "text": t})),
+                },
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        content.push(messages::tool_use(&tool_id(k), &c));
+                    }
+                }
+            }
         }
-        self.given += 1;
-        Some(tools::call_json(&format!("call_{id}_{}", self.given), call))
+        let called = s.calls.as_ref().is_some_and(|c| c.given > 0);
+        let reason = messages::stop_reason(done.reason, called, done.stop_text.as_deref());
+        let usage = messages::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+        let body = messages::response(
+            &id,
+            &app.model,
+            content,
+            reason,
+            done.stop_text.as_deref(),
+            usage,
+        );
+        return Ok(axum::Json(body).into_response());
     }
-
-    /// The same, as a streamed `delta.tool_calls` entry (its index counts from 0).
-    fn give_delta(&mut self, id: &str, call: &toolcall::Call) -> Option<Value> {
-        let json = self.give(id, call)?;
-        let mut delta = tools::call_delta(self.given - 1, "", call);
-        delta["id"] = json["id"].clone();
-        Some(delta)
-    }
-
-    /// `tool_calls` where a call was given, else why the answer ended.
-    fn finish_reason(&self, reason: crate::session::StopReason) -> &'static str {
-        if self.given > 0 {
-            "tool_calls"
-        } else {
-            api::finish_reason(reason)
+    // The message as it starts: no content yet, its stop_reason null until message_delta.
+    let mut start = messages::response(
+        &id,
+        &app.model,
+        Vec::new(),
+        "",
+        None,
+        messages::usage(prompt_tokens, cached_tokens, 0),
+    );
+    start["stop_reason"] = Value::Null;
+    let begin_event = named_event(
+        "message_start",
+        &json!({"type": "message_start", "message": start}),
+    );
+    let (mut calls, mut blocks) = (s.calls, messages::Blocks::default());
+    let events = events_of(s.rx, move |ev| {
+        let mut out = Vec::new();
+        let mut add =
+            |out: &mut Vec<(&'static str, Value)>, piece: Piece, calls: &mut Option<Calls>| {
+                match piece {
+                    Piece::Text(t) => out.extend(blocks.text(&t)),
+                    Piece::Call(c) => {
+                        if let Some(k) = calls.as_mut().and_then(Calls::take) {
+                            out.extend(blocks.call(&tool_id(k), &c));
+                        }
+                    }
+                }
+            };
+        match ev {
+            Event::Text(t) => {
+                let pieces = match calls.as_mut() {
+                    None => vec![Piece::Text(t)],
+                    Some(c) => c.scanner.push(&t),
+                };
+                for p in pieces {
+                    add(&mut out, p, &mut calls);
+                }
+            }
+            Event::Done(done) => {
+                let pieces = calls
+                    .as_mut()
+                    .map(|c| c.scanner.finish().0)
+                    .unwrap_or_default();
+                for p in pieces {
+                    add(&mut out, p, &mut calls);
+                }
+                out.extend(blocks.close_text());
+                let called = calls.as_ref().is_some_and(|c| c.given > 0);
+                let reason = messages::stop_reason(done.reason, called, done.stop_text.as_deref());
+                out.push((
+                    "message_delta",
+                    json!({"type": "message_delta",
+                           "delta": {"stop_reason": reason, "stop_sequence": done.stop_text},
+                           "usage": {"output_tokens": done.completion_tokens}}),
+                ));
+                out.push(("message_stop", json!({"type": "message_stop"})));
+            }
+            Event::Failed(f) => out.push(("error", messages::error_body(&failure(f)))),
+            Event::Started { .. } => {}
         }
-    }
+        out.iter().map(|(name, v)| named_event(name, v)).collect()
+    });
+    use futures_util::StreamExt;
+    let all = futures_util::stream::once(async move { Ok(begin_event) }).chain(events);
+    Ok(Sse::new(all).into_response())
 }
 
-/// The SSE events of a request's engine events: `render(event, first)` gives each one's data
-/// lines (`first`: no text chunk was sent before).
-fn async_stream(
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    mut render: impl FnMut(Event, bool) -> Vec<String> + Send + 'static,
+fn named_event(name: &str, v: &Value) -> SseEvent {
+    SseEvent::default().event(name).data(v.to_string())
+}
+
+/// The SSE events of a request's engine events, `render` giving each one's.
+fn events_of(
+    rx: UnboundedReceiver<Event>,
+    mut render: impl FnMut(Event) -> Vec<SseEvent> + Send + 'static,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> + Send + 'static {
     use futures_util::StreamExt;
-    let mut first = true;
     // The stream ends when the engine drops the sender: after Done or Failed.
     futures_util::stream::unfold(
         rx,
         |mut rx| async move { rx.recv().await.map(|ev| (ev, rx)) },
     )
-    .flat_map(move |ev| {
-        let lines = render(ev, first);
-        if !lines.is_empty() {
-            first = false;
-        }
-        futures_util::stream::iter(lines.into_iter().map(|l| Ok(SseEvent::default().data(l))))
-    })
+    .flat_map(move |ev| futures_util::stream::iter(render(ev).into_iter().map(Ok)))
 }
 
 /// A job's failure as the API words it: refused as asked (400), or the engine's fault (500).

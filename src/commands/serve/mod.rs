@@ -1,7 +1,10 @@
 //! `kvchat serve`: an OpenAI-compatible HTTP server. Many clients, one model, one KV pool.
 //!
 //! - `api`: the requests and responses' JSON shapes, read and written.
-//! - `http`: routes, the API key, body limits, server-sent events (axum on hyper, tokio).
+//! - `http`: routes, the API key, answers and server-sent events (axum on hyper, tokio).
+//! - `body`: a request's body read within its size, time and the budget all bodies share.
+//! - `fields`: what of a request's JSON is read, and counted before it is.
+//! - `messages`: Anthropic's Messages API, read into the same request and written back.
 //! - `conns`: which connections are let in, and which are closed to make room.
 //! - `prepare`: prompts rendered and tokenized, on threads of their own.
 //! - `tools`: a request's tools and tool messages read; an answer's calls written.
@@ -15,8 +18,11 @@
 //! `--threads` workers.
 
 pub mod api;
+pub mod body;
 pub mod conns;
+pub mod fields;
 pub mod http;
+pub mod messages;
 pub mod metrics;
 pub mod prepare;
 pub mod tools;

@@ -40,6 +40,44 @@ impl Offered {
     }
 }
 
+/// The calls of an answer as they are read out of it, and how many were given to the client.
+pub struct Calls {
+    pub scanner: crate::toolcall::Scanner,
+    /// Whether more than one call may be given (`parallel_tool_calls`); past the first, calls are
+    /// dropped where not.
+    parallel: bool,
+    pub given: usize,
+}
+
+impl Calls {
+    pub fn new(format: &'static crate::toolcall::Format, parallel: bool) -> Self {
+        Self {
+            scanner: crate::toolcall::Scanner::new(format),
+            parallel,
+            given: 0,
+        }
+    }
+
+    /// The number (from 1) of the call just read, if it may be given: None past the one call a
+    /// request without parallel calls gets.
+    pub fn take(&mut self) -> Option<usize> {
+        if !self.parallel && self.given > 0 {
+            return None;
+        }
+        self.given += 1;
+        Some(self.given)
+    }
+
+    /// `tool_calls` where a call was given, else why the answer ended.
+    pub fn finish_reason(&self, reason: crate::session::StopReason) -> &'static str {
+        if self.given > 0 {
+            "tool_calls"
+        } else {
+            super::api::finish_reason(reason)
+        }
+    }
+}
+
 /// A function name as OpenAI allows it: 1 to 64 of `a-z A-Z 0-9 _ -`.
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
