@@ -72,6 +72,11 @@ impl ApiError {
         self
     }
 
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_string());
+        self
+    }
+
     /// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
     pub fn body(&self) -> Value {
         json!({"error": {

@@ -8,8 +8,10 @@ use super::body::{read_body, too_large, BODY_BUDGET, LARGE_PARSES, MAX_BODY, PAR
 use super::messages;
 use super::metrics::Metrics;
 use super::prepare::{Order, Prepared};
+use super::responses;
 use super::tools::{self, Calls};
 use crate::sched::{Done, Event, Failure, Job, Queue};
+use crate::template::Message;
 use crate::toolcall::Piece;
 use axum::body::Body;
 use axum::extract::State;
@@ -42,6 +44,8 @@ pub struct App {
     bodies: Arc<Semaphore>,
     /// [`LARGE_PARSES`] turns.
     parses: Arc<Semaphore>,
+    /// Stored responses (`previous_response_id`).
+    responses: Arc<responses::Store>,
     next: AtomicU64,
 }
 
@@ -62,6 +66,7 @@ impl App {
             metrics,
             bodies: Arc::new(Semaphore::new(BODY_BUDGET)),
             parses: Arc::new(Semaphore::new(LARGE_PARSES)),
+            responses: Arc::default(),
             next: AtomicU64::new(1),
         }
     }
@@ -82,6 +87,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages_endpoint))
+        .route("/v1/responses", post(responses_endpoint))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)
@@ -171,6 +177,14 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     handle(app, headers, body, Api::OpenAi(Endpoint::Completions)).await
 }
 
+async fn responses_endpoint(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(app, headers, body, Api::Responses).await
+}
+
 async fn messages_endpoint(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -184,6 +198,7 @@ async fn messages_endpoint(
 enum Api {
     OpenAi(Endpoint),
     Messages,
+    Responses,
 }
 
 async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Response {
@@ -191,6 +206,7 @@ async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Resp
         Ok(started) => match api {
             Api::OpenAi(endpoint) => openai_answer(&app, started, endpoint).await,
             Api::Messages => messages_answer(&app, started).await,
+            Api::Responses => responses_answer(&app, started).await,
         },
         Err(e) => Err(e),
     };
@@ -203,7 +219,7 @@ async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Resp
     }
     let retry = e.status == 429 || e.status == 503;
     let mut r = match api {
-        Api::OpenAi(_) => e.into_response(),
+        Api::OpenAi(_) | Api::Responses => e.into_response(),
         Api::Messages => {
             let status =
                 StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -228,6 +244,8 @@ struct Started {
     include_usage: bool,
     /// The request's number (its ids).
     n: u64,
+    /// The conversation a stored response keeps (Responses with `store`).
+    keep: Option<Vec<Message>>,
 }
 
 /// Reads, prepares and admits a request, and waits until the scheduler starts it.
@@ -247,14 +265,16 @@ async fn start(
         return Err(too_large());
     }
     let (body, share) = read_body(body, announced, &app.bodies).await?;
+    let store = app.responses.clone();
     let parse = move || match api {
-        Api::OpenAi(Endpoint::Chat) => api::parse_chat(&body),
-        Api::OpenAi(Endpoint::Completions) => api::parse_completion(&body),
-        Api::Messages => messages::parse(&body),
+        Api::OpenAi(Endpoint::Chat) => api::parse_chat(&body).map(|r| (r, None)),
+        Api::OpenAi(Endpoint::Completions) => api::parse_completion(&body).map(|r| (r, None)),
+        Api::Messages => messages::parse(&body).map(|r| (r, None)),
+        Api::Responses => responses::parse(&body, &store).map(|p| (p.request, p.keep)),
     };
     // A large body's JSON takes the runtime's one thread for tens of milliseconds (an 8 MiB
     // array of 289,260 messages: its parse and its refusal), so it is read on a blocking thread.
-    let request = if share.is_large() {
+    let (request, keep) = if share.is_large() {
         let busy = || {
             ApiError::new(
                 503,
@@ -338,6 +358,7 @@ async fn start(
         stream: request.stream,
         include_usage: request.include_usage,
         n: app.next.fetch_add(1, Ordering::Relaxed),
+        keep,
     })
 }
 
@@ -595,6 +616,213 @@ async fn messages_answer(app: &Arc<App>, mut s: Started) -> Result<Response, Api
     });
     use futures_util::StreamExt;
     let all = futures_util::stream::once(async move { Ok(begin_event) }).chain(events);
+    Ok(Sse::new(all).into_response())
+}
+
+/// A Responses answer: the response object, or its events (`response.created`, an output item
+/// per text run or call with its deltas, `response.completed`); stored, where asked, for a later
+/// `previous_response_id`.
+async fn responses_answer(app: &Arc<App>, mut s: Started) -> Result<Response, ApiError> {
+    let (n, created) = (s.n, now());
+    let id = format!("resp_{n}");
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let (mut content, mut made) = (String::new(), Vec::new());
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        made.push((format!("call_{n}_{k}"), c));
+                    }
+                }
+            }
+        }
+        let mut output = Vec::new();
+        if !content.is_empty() || made.is_empty() {
+            output.push(responses::message_item(
+                &format!("msg_{n}"),
+                &content,
+                "completed",
+            ));
+        }
+        for (k, (call_id, c)) in made.iter().enumerate() {
+            output.push(responses::call_item(
+                &format!("fc_{n}_{}", k + 1),
+                call_id,
+                c,
+            ));
+        }
+        if let Some(keep) = s.keep {
+            let conversation = responses::answered(keep, &content, &made);
+            app.responses.put(id.clone(), conversation);
+        }
+        let incomplete = done.reason != crate::session::StopReason::EndOfText;
+        let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
+        let body = responses::response(&id, &app.model, created, output, incomplete, Some(usage));
+        return Ok(axum::Json(body).into_response());
+    }
+    let model = app.model.clone();
+    let store = app.responses.clone();
+    let (mut calls, mut keep) = (s.calls, s.keep);
+    // What the stream has said so far: the output items, the open message's text, the count.
+    let (mut output, mut text, mut open, mut seq) =
+        (Vec::<Value>::new(), String::new(), false, 0u64);
+    let mut made: Vec<(String, crate::toolcall::Call)> = Vec::new();
+    let msg_id = format!("msg_{n}");
+    let begin = responses::response(&id, &model, created, Vec::new(), false, None);
+    let event = |seq: &mut u64, kind: &'static str, mut v: Value| {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(*seq);
+        *seq += 1;
+        named_event(kind, &v)
+    };
+    let first = vec![
+        event(
+            &mut seq,
+            "response.created",
+            json!({"response": begin.clone()}),
+        ),
+        event(&mut seq, "response.in_progress", json!({"response": begin})),
+    ];
+    let events = events_of(s.rx, move |ev| {
+        let mut out = Vec::new();
+        let close_text = |out: &mut Vec<SseEvent>,
+                          seq: &mut u64,
+                          output: &mut Vec<Value>,
+                          text: &str,
+                          open: &mut bool| {
+            if !*open {
+                return;
+            }
+            *open = false;
+            let i = output.len();
+            let part = json!({"type": "output_text", "text": text, "annotations": []});
+            out.push(event(
+                seq,
+                "response.output_text.done",
+                json!({"item_id": msg_id, "output_index": i, "content_index": 0, "text": text}),
+            ));
+            out.push(event(
+                seq,
+                "response.content_part.done",
+                json!({"item_id": msg_id, "output_index": i, "content_index": 0, "part": part}),
+            ));
+            let item = responses::message_item(&msg_id, text, "completed");
+            out.push(event(
+                seq,
+                "response.output_item.done",
+                json!({"output_index": i, "item": item}),
+            ));
+            output.push(item);
+        };
+        let finished = match &ev {
+            Event::Done(done) => Some(done.clone()),
+            _ => None,
+        };
+        let mut pieces = match ev {
+            Event::Text(t) => match calls.as_mut() {
+                None => vec![Piece::Text(t)],
+                Some(c) => c.scanner.push(&t),
+            },
+            Event::Done(_) => calls
+                .as_mut()
+                .map(|c| c.scanner.finish().0)
+                .unwrap_or_default(),
+            Event::Failed(f) => {
+                let e = failure(f);
+                return vec![event(
+                    &mut seq,
+                    "error",
+                    json!({"code": e.kind, "message": e.message, "param": e.param}),
+                )];
+            }
+            Event::Started { .. } => Vec::new(),
+        };
+        for piece in pieces.drain(..) {
+            match piece {
+                Piece::Text(t) => {
+                    let i = output.len();
+                    if !open {
+                        open = true;
+                        let item = json!({"type": "message", "id": msg_id, "status": "in_progress",
+                                          "role": "assistant", "content": []});
+                        out.push(event(
+                            &mut seq,
+                            "response.output_item.added",
+                            json!({"output_index": i, "item": item}),
+                        ));
+                        out.push(event(
+                            &mut seq,
+                            "response.content_part.added",
+                            json!({"item_id": msg_id, "output_index": i, "content_index": 0,
+                                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+                        ));
+                    }
+                    text.push_str(&t);
+                    out.push(event(&mut seq, "response.output_text.delta",
+                        json!({"item_id": msg_id, "output_index": i, "content_index": 0, "delta": t})));
+                }
+                Piece::Call(c) => {
+                    let Some(k) = calls.as_mut().and_then(Calls::take) else {
+                        continue;
+                    };
+                    close_text(&mut out, &mut seq, &mut output, &text, &mut open);
+                    let i = output.len();
+                    let call_id = format!("call_{n}_{k}");
+                    let item = responses::call_item(&format!("fc_{n}_{k}"), &call_id, &c);
+                    let mut added = item.clone();
+                    added["arguments"] = json!("");
+                    added["status"] = json!("in_progress");
+                    out.push(event(
+                        &mut seq,
+                        "response.output_item.added",
+                        json!({"output_index": i, "item": added}),
+                    ));
+                    out.push(event(&mut seq, "response.function_call_arguments.delta",
+                        json!({"item_id": item["id"], "output_index": i, "delta": item["arguments"]})));
+                    out.push(event(&mut seq, "response.function_call_arguments.done",
+                        json!({"item_id": item["id"], "output_index": i, "arguments": item["arguments"]})));
+                    out.push(event(
+                        &mut seq,
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": item}),
+                    ));
+                    output.push(item);
+                    made.push((call_id, c));
+                }
+            }
+        }
+        if let Some(done) = finished {
+            close_text(&mut out, &mut seq, &mut output, &text, &mut open);
+            if output.is_empty() {
+                output.push(responses::message_item(&msg_id, "", "completed"));
+            }
+            if let Some(keep) = keep.take() {
+                let conversation = responses::answered(keep, &text, &made);
+                store.put(id.clone(), conversation);
+            }
+            let incomplete = done.reason != crate::session::StopReason::EndOfText;
+            let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
+            let body = responses::response(
+                &id,
+                &model,
+                created,
+                output.clone(),
+                incomplete,
+                Some(usage),
+            );
+            out.push(event(
+                &mut seq,
+                "response.completed",
+                json!({"response": body}),
+            ));
+        }
+        out
+    });
+    use futures_util::StreamExt;
+    let all = futures_util::stream::iter(first.into_iter().map(Ok)).chain(events);
     Ok(Sse::new(all).into_response())
 }
 

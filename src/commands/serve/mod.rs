@@ -5,6 +5,7 @@
 //! - `body`: a request's body read within its size, time and the budget all bodies share.
 //! - `fields`: what of a request's JSON is read, and counted before it is.
 //! - `messages`: Anthropic's Messages API, read into the same request and written back.
+//! - `responses`: OpenAI's Responses API and the store `previous_response_id` continues.
 //! - `conns`: which connections are let in, and which are closed to make room.
 //! - `prepare`: prompts rendered and tokenized, on threads of their own.
 //! - `tools`: a request's tools and tool messages read; an answer's calls written.
@@ -25,6 +26,7 @@ pub mod http;
 pub mod messages;
 pub mod metrics;
 pub mod prepare;
+pub mod responses;
 pub mod tools;
 
 use super::{StoreChoice, TemplateChoice};

@@ -1,0 +1,91 @@
+//! OpenAI's Responses API over `kvchat serve` (issue 63): a conversation continued by
+//! `previous_response_id` answers each turn as the same conversation sent whole to
+//! /v1/chat/completions does, and prefills only what is new (scripts/responses-turns.py, the
+//! official openai client, the real Qwen2.5-Coder-0.5B, greedy); function tools go out as
+//! `function_call` items and come back as `function_call_output`; a response it never stored is a
+//! 404.
+
+use crate::common::server::{python, Server};
+use crate::qwen_coder::qwen_path;
+use serde_json::{json, Value};
+
+fn script(args: &[&str]) -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/responses-turns.py");
+    let out = std::process::Command::new(python())
+        .arg(path)
+        .args(args)
+        .output()
+        .expect("target/pyenv/bin/python with the openai package (scripts/test.sh makes it)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn a_conversation_by_previous_response_id_answers_as_sent_whole_and_prefills_only_what_is_new() {
+    let server = Server::start_model(&qwen_path(), &["--ctx", "4096"]);
+    let v = script(&[&server.base, "--turns", "4"]);
+    assert_eq!(v["all_same"], true, "{v}");
+    // Every turn after the first finds at least 90 % of its prompt in memory (the target).
+    let least = v["least_cached_share_after_first"].as_f64().unwrap();
+    assert!(least >= 0.9, "{v}");
+    assert_eq!(v["turns"][3]["streamed"], true);
+    server.assert_settles();
+}
+
+const TOOLS: &str = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="sk", max_retries=0, timeout=300)
+tools = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+r = c.responses.create(model="m", input="What is the weather in Paris?", tools=tools, temperature=0,
+                       max_output_tokens=80)
+calls = [o for o in r.output if o.type == "function_call"]
+out = {"calls": [[o.name, json.loads(o.arguments)] for o in calls]}
+r2 = c.responses.create(model="m", previous_response_id=r.id, tools=tools, temperature=0, max_output_tokens=60,
+                        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                "output": "{\"temperature_c\": 18, \"sky\": \"sunny\"}"}])
+out["after"] = r2.output_text
+try:
+    c.responses.create(model="m", input="hi", previous_response_id="resp_never")
+    out["unknown"] = None
+except openai.NotFoundError as e:
+    out["unknown"] = [e.status_code, e.body["param"]]
+r3 = c.responses.create(model="m", input="Say hi.", store=False, temperature=0, max_output_tokens=8)
+try:
+    c.responses.create(model="m", input="again", previous_response_id=r3.id)
+    out["unstored"] = None
+except openai.NotFoundError as e:
+    out["unstored"] = e.status_code
+print(json.dumps(out))
+"#;
+
+#[test]
+fn function_calls_go_out_as_items_and_their_output_comes_back_and_unstored_responses_are_404s() {
+    let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
+    let out = std::process::Command::new(python())
+        .args(["-c", TOOLS, &server.base])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["calls"],
+        json!([["get_weather", {"city": "Paris"}]]),
+        "{v}"
+    );
+    assert!(
+        v["after"].as_str().unwrap_or_default().contains("18"),
+        "{v}"
+    );
+    assert_eq!(v["unknown"], json!([404, "previous_response_id"]), "{v}");
+    assert_eq!(v["unstored"], 404, "{v}");
+    server.assert_settles();
+}
