@@ -1,7 +1,8 @@
 //! `kvchat serve`: an OpenAI-compatible HTTP server. Many clients, one model, one KV pool.
 //!
 //! - `api`: the requests and responses' JSON shapes, read and written.
-//! - `http`: routes, the API key, answers and server-sent events (axum on hyper, tokio).
+//! - `http`: routes, the API key, a request read, prepared and started (axum on hyper, tokio).
+//! - `answers`: a started request's answer in its API's shape, whole or as server-sent events.
 //! - `body`: a request's body read within its size, time and the budget all bodies share.
 //! - `fields`: what of a request's JSON is read, and counted before it is.
 //! - `messages`: Anthropic's Messages API, read into the same request and written back.
@@ -18,6 +19,7 @@
 //! tokenize; the scheduler's thread runs the model, whose matmuls use candle's pool of
 //! `--threads` workers.
 
+pub mod answers;
 pub mod api;
 pub mod body;
 pub mod conns;

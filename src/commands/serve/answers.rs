@@ -1,0 +1,495 @@
+//! The answer to a started request, in its API's shape: OpenAI's chat and text completions
+//! (whole, or chunks ending in `[DONE]`), Anthropic's messages (whole, or named events), OpenAI's
+//! responses (whole, or `response.*` events, and stored for `previous_response_id`). Each reads
+//! the scheduler's events for the request and the calls in its text (`tools::Calls`).
+
+use super::api::{self, ApiError, Endpoint, Head};
+use super::http::{dropped, failure, now, App, Started};
+use super::messages;
+use super::responses;
+use super::tools::{self, Calls};
+use crate::sched::{Done, Event};
+use crate::toolcall::Piece;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// The whole answer's text, and why and after how many tokens it ended.
+async fn whole(rx: &mut UnboundedReceiver<Event>) -> Result<(String, Done), ApiError> {
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done(done)) => return Ok((text, done)),
+            Some(Event::Failed(f)) => return Err(failure(f)),
+            Some(Event::Started { .. }) | None => return Err(dropped()),
+        }
+    }
+}
+
+/// The answer's text and calls apart (all text where the request offers no tools).
+fn split(calls: Option<&mut Calls>, text: String) -> Vec<Piece> {
+    match calls {
+        None => vec![Piece::Text(text)],
+        Some(c) => {
+            let mut pieces = c.scanner.push(&text);
+            pieces.extend(c.scanner.finish().0);
+            pieces
+        }
+    }
+}
+
+/// An OpenAI answer: the whole response, or a chunk per text piece (and a tool delta per call),
+/// a last chunk with the finish reason, the usage chunk if asked, then `[DONE]`.
+pub(super) async fn openai(
+    app: &Arc<App>,
+    mut s: Started,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    let id = match endpoint {
+        Endpoint::Chat => format!("chatcmpl-{}", s.n),
+        Endpoint::Completions => format!("cmpl-{}", s.n),
+    };
+    let n = s.n;
+    let call_id = move |k: usize| format!("call_{n}_{k}");
+    let created = now();
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let head = Head {
+            id: &id,
+            model: &app.model,
+            created,
+            endpoint,
+        };
+        let usage = api::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+        let (mut content, mut made) = (String::new(), Vec::new());
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        made.push(tools::call_json(&call_id(k), &c));
+                    }
+                }
+            }
+        }
+        let finish = match &s.calls {
+            Some(c) => c.finish_reason(done.reason),
+            None => api::finish_reason(done.reason),
+        };
+        let mut body = head.response(&content, finish, usage);
+        if !made.is_empty() {
+            let message = &mut body["choices"][0]["message"];
+            message["tool_calls"] = Value::Array(made);
+            if content.is_empty() {
+                message["content"] = Value::Null;
+            }
+        }
+        return Ok(axum::Json(body).into_response());
+    }
+    // The stream owns the receiver: a client that goes drops it, and the engine sees the channel
+    // closed and ends the sequence.
+    let (model, include_usage, mut calls) = (app.model.clone(), s.include_usage, s.calls);
+    let mut first = true;
+    let events = events_of(s.rx, move |ev| {
+        let head = Head {
+            id: &id,
+            model: &model,
+            created,
+            endpoint,
+        };
+        let mut out = Vec::new();
+        let mut chunk = |out: &mut Vec<Value>, piece: Piece, calls: &mut Option<Calls>| {
+            match piece {
+                Piece::Text(t) => out.push(head.chunk(&t, first, None)),
+                Piece::Call(c) => {
+                    let Some(k) = calls.as_mut().and_then(Calls::take) else {
+                        return;
+                    };
+                    let delta = tools::call_delta(k - 1, &call_id(k), &c);
+                    out.push(head.tool_chunk(delta, first));
+                }
+            }
+            first = false;
+        };
+        match ev {
+            Event::Text(t) => {
+                let pieces = match calls.as_mut() {
+                    None => vec![Piece::Text(t)],
+                    Some(c) => c.scanner.push(&t),
+                };
+                for p in pieces {
+                    chunk(&mut out, p, &mut calls);
+                }
+            }
+            Event::Done(done) => {
+                let pieces = calls
+                    .as_mut()
+                    .map(|c| c.scanner.finish().0)
+                    .unwrap_or_default();
+                for p in pieces {
+                    chunk(&mut out, p, &mut calls);
+                }
+                let finish = match &calls {
+                    Some(c) => c.finish_reason(done.reason),
+                    None => api::finish_reason(done.reason),
+                };
+                out.push(head.chunk("", first, Some(finish)));
+                if include_usage {
+                    let usage = api::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+                    out.push(head.usage_chunk(usage));
+                }
+                let mut events: Vec<SseEvent> = out.iter().map(data_event).collect();
+                events.push(SseEvent::default().data("[DONE]"));
+                return events;
+            }
+            Event::Failed(f) => {
+                return vec![
+                    data_event(&failure(f).body()),
+                    SseEvent::default().data("[DONE]"),
+                ]
+            }
+            Event::Started { .. } => {}
+        }
+        out.iter().map(data_event).collect()
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+fn data_event(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// An Anthropic Messages answer: the whole message, or its named events (`message_start`, a
+/// block's start, deltas and stop per text run or call, `message_delta`, `message_stop`).
+pub(super) async fn messages(app: &Arc<App>, mut s: Started) -> Result<Response, ApiError> {
+    let id = format!("msg_{}", s.n);
+    let n = s.n;
+    let tool_id = move |k: usize| format!("toolu_{n}_{k}");
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let mut content = Vec::new();
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => match content.last_mut() {
+                    Some(Value::Object(b)) if b["type"] == "text" => {
+                        let joined = format!("{}{t}", b["text"].as_str().unwrap_or_default());
+                        b.insert("text".into(), Value::String(joined));
+                    }
+                    _ => content.push(json!({"type": "text", "text": t})),
+                },
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        content.push(messages::tool_use(&tool_id(k), &c));
+                    }
+                }
+            }
+        }
+        let called = s.calls.as_ref().is_some_and(|c| c.given > 0);
+        let reason = messages::stop_reason(done.reason, called, done.stop_text.as_deref());
+        let usage = messages::usage(prompt_tokens, cached_tokens, done.completion_tokens);
+        let body = messages::response(
+            &id,
+            &app.model,
+            content,
+            reason,
+            done.stop_text.as_deref(),
+            usage,
+        );
+        return Ok(axum::Json(body).into_response());
+    }
+    // The message as it starts: no content yet, its stop_reason null until message_delta.
+    let mut start = messages::response(
+        &id,
+        &app.model,
+        Vec::new(),
+        "",
+        None,
+        messages::usage(prompt_tokens, cached_tokens, 0),
+    );
+    start["stop_reason"] = Value::Null;
+    let begin_event = named_event(
+        "message_start",
+        &json!({"type": "message_start", "message": start}),
+    );
+    let (mut calls, mut blocks) = (s.calls, messages::Blocks::default());
+    let events = events_of(s.rx, move |ev| {
+        let mut out = Vec::new();
+        let mut add =
+            |out: &mut Vec<(&'static str, Value)>, piece: Piece, calls: &mut Option<Calls>| {
+                match piece {
+                    Piece::Text(t) => out.extend(blocks.text(&t)),
+                    Piece::Call(c) => {
+                        if let Some(k) = calls.as_mut().and_then(Calls::take) {
+                            out.extend(blocks.call(&tool_id(k), &c));
+                        }
+                    }
+                }
+            };
+        match ev {
+            Event::Text(t) => {
+                let pieces = match calls.as_mut() {
+                    None => vec![Piece::Text(t)],
+                    Some(c) => c.scanner.push(&t),
+                };
+                for p in pieces {
+                    add(&mut out, p, &mut calls);
+                }
+            }
+            Event::Done(done) => {
+                let pieces = calls
+                    .as_mut()
+                    .map(|c| c.scanner.finish().0)
+                    .unwrap_or_default();
+                for p in pieces {
+                    add(&mut out, p, &mut calls);
+                }
+                out.extend(blocks.close_text());
+                let called = calls.as_ref().is_some_and(|c| c.given > 0);
+                let reason = messages::stop_reason(done.reason, called, done.stop_text.as_deref());
+                out.push((
+                    "message_delta",
+                    json!({"type": "message_delta",
+                           "delta": {"stop_reason": reason, "stop_sequence": done.stop_text},
+                           "usage": {"output_tokens": done.completion_tokens}}),
+                ));
+                out.push(("message_stop", json!({"type": "message_stop"})));
+            }
+            Event::Failed(f) => out.push(("error", messages::error_body(&failure(f)))),
+            Event::Started { .. } => {}
+        }
+        out.iter().map(|(name, v)| named_event(name, v)).collect()
+    });
+    use futures_util::StreamExt;
+    let all = futures_util::stream::once(async move { Ok(begin_event) }).chain(events);
+    Ok(Sse::new(all).into_response())
+}
+
+/// A Responses answer: the response object, or its events (`response.created`, an output item
+/// per text run or call with its deltas, `response.completed`); stored, where asked, for a later
+/// `previous_response_id`.
+pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response, ApiError> {
+    let (n, created) = (s.n, now());
+    let id = format!("resp_{n}");
+    let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
+    if !s.stream {
+        let (text, done) = whole(&mut s.rx).await?;
+        let (mut content, mut made) = (String::new(), Vec::new());
+        for piece in split(s.calls.as_mut(), text) {
+            match piece {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call(c) => {
+                    if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
+                        made.push((format!("call_{n}_{k}"), c));
+                    }
+                }
+            }
+        }
+        let mut output = Vec::new();
+        if !content.is_empty() || made.is_empty() {
+            output.push(responses::message_item(
+                &format!("msg_{n}"),
+                &content,
+                "completed",
+            ));
+        }
+        for (k, (call_id, c)) in made.iter().enumerate() {
+            output.push(responses::call_item(
+                &format!("fc_{n}_{}", k + 1),
+                call_id,
+                c,
+            ));
+        }
+        if let Some(keep) = s.keep {
+            let conversation = responses::answered(keep, &content, &made);
+            app.responses.put(id.clone(), conversation);
+        }
+        let incomplete = done.reason != crate::session::StopReason::EndOfText;
+        let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
+        let body = responses::response(&id, &app.model, created, output, incomplete, Some(usage));
+        return Ok(axum::Json(body).into_response());
+    }
+    let model = app.model.clone();
+    let store = app.responses.clone();
+    let (mut calls, mut keep) = (s.calls, s.keep);
+    // What the stream has said so far: the output items, the open message's text, the count.
+    let (mut output, mut text, mut open, mut seq) =
+        (Vec::<Value>::new(), String::new(), false, 0u64);
+    let mut made: Vec<(String, crate::toolcall::Call)> = Vec::new();
+    let msg_id = format!("msg_{n}");
+    let begin = responses::response(&id, &model, created, Vec::new(), false, None);
+    let event = |seq: &mut u64, kind: &'static str, mut v: Value| {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(*seq);
+        *seq += 1;
+        named_event(kind, &v)
+    };
+    let first = vec![
+        event(
+            &mut seq,
+            "response.created",
+            json!({"response": begin.clone()}),
+        ),
+        event(&mut seq, "response.in_progress", json!({"response": begin})),
+    ];
+    let events = events_of(s.rx, move |ev| {
+        let mut out = Vec::new();
+        let close_text = |out: &mut Vec<SseEvent>,
+                          seq: &mut u64,
+                          output: &mut Vec<Value>,
+                          text: &str,
+                          open: &mut bool| {
+            if !*open {
+                return;
+            }
+            *open = false;
+            let i = output.len();
+            let part = json!({"type": "output_text", "text": text, "annotations": []});
+            out.push(event(
+                seq,
+                "response.output_text.done",
+                json!({"item_id": msg_id, "output_index": i, "content_index": 0, "text": text}),
+            ));
+            out.push(event(
+                seq,
+                "response.content_part.done",
+                json!({"item_id": msg_id, "output_index": i, "content_index": 0, "part": part}),
+            ));
+            let item = responses::message_item(&msg_id, text, "completed");
+            out.push(event(
+                seq,
+                "response.output_item.done",
+                json!({"output_index": i, "item": item}),
+            ));
+            output.push(item);
+        };
+        let finished = match &ev {
+            Event::Done(done) => Some(done.clone()),
+            _ => None,
+        };
+        let mut pieces = match ev {
+            Event::Text(t) => match calls.as_mut() {
+                None => vec![Piece::Text(t)],
+                Some(c) => c.scanner.push(&t),
+            },
+            Event::Done(_) => calls
+                .as_mut()
+                .map(|c| c.scanner.finish().0)
+                .unwrap_or_default(),
+            Event::Failed(f) => {
+                let e = failure(f);
+                return vec![event(
+                    &mut seq,
+                    "error",
+                    json!({"code": e.kind, "message": e.message, "param": e.param}),
+                )];
+            }
+            Event::Started { .. } => Vec::new(),
+        };
+        for piece in pieces.drain(..) {
+            match piece {
+                Piece::Text(t) => {
+                    let i = output.len();
+                    if !open {
+                        open = true;
+                        let item = json!({"type": "message", "id": msg_id, "status": "in_progress",
+                                          "role": "assistant", "content": []});
+                        out.push(event(
+                            &mut seq,
+                            "response.output_item.added",
+                            json!({"output_index": i, "item": item}),
+                        ));
+                        out.push(event(
+                            &mut seq,
+                            "response.content_part.added",
+                            json!({"item_id": msg_id, "output_index": i, "content_index": 0,
+                                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+                        ));
+                    }
+                    text.push_str(&t);
+                    out.push(event(&mut seq, "response.output_text.delta",
+                        json!({"item_id": msg_id, "output_index": i, "content_index": 0, "delta": t})));
+                }
+                Piece::Call(c) => {
+                    let Some(k) = calls.as_mut().and_then(Calls::take) else {
+                        continue;
+                    };
+                    close_text(&mut out, &mut seq, &mut output, &text, &mut open);
+                    let i = output.len();
+                    let call_id = format!("call_{n}_{k}");
+                    let item = responses::call_item(&format!("fc_{n}_{k}"), &call_id, &c);
+                    let mut added = item.clone();
+                    added["arguments"] = json!("");
+                    added["status"] = json!("in_progress");
+                    out.push(event(
+                        &mut seq,
+                        "response.output_item.added",
+                        json!({"output_index": i, "item": added}),
+                    ));
+                    out.push(event(&mut seq, "response.function_call_arguments.delta",
+                        json!({"item_id": item["id"], "output_index": i, "delta": item["arguments"]})));
+                    out.push(event(&mut seq, "response.function_call_arguments.done",
+                        json!({"item_id": item["id"], "output_index": i, "arguments": item["arguments"]})));
+                    out.push(event(
+                        &mut seq,
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": item}),
+                    ));
+                    output.push(item);
+                    made.push((call_id, c));
+                }
+            }
+        }
+        if let Some(done) = finished {
+            close_text(&mut out, &mut seq, &mut output, &text, &mut open);
+            if output.is_empty() {
+                output.push(responses::message_item(&msg_id, "", "completed"));
+            }
+            if let Some(keep) = keep.take() {
+                let conversation = responses::answered(keep, &text, &made);
+                store.put(id.clone(), conversation);
+            }
+            let incomplete = done.reason != crate::session::StopReason::EndOfText;
+            let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
+            let body = responses::response(
+                &id,
+                &model,
+                created,
+                output.clone(),
+                incomplete,
+                Some(usage),
+            );
+            out.push(event(
+                &mut seq,
+                "response.completed",
+                json!({"response": body}),
+            ));
+        }
+        out
+    });
+    use futures_util::StreamExt;
+    let all = futures_util::stream::iter(first.into_iter().map(Ok)).chain(events);
+    Ok(Sse::new(all).into_response())
+}
+
+fn named_event(name: &str, v: &Value) -> SseEvent {
+    SseEvent::default().event(name).data(v.to_string())
+}
+
+/// The SSE events of a request's engine events, `render` giving each one's.
+fn events_of(
+    rx: UnboundedReceiver<Event>,
+    mut render: impl FnMut(Event) -> Vec<SseEvent> + Send + 'static,
+) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> + Send + 'static {
+    use futures_util::StreamExt;
+    // The stream ends when the engine drops the sender: after Done or Failed.
+    futures_util::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|ev| (ev, rx)) },
+    )
+    .flat_map(move |ev| futures_util::stream::iter(render(ev).into_iter().map(Ok)))
+}
