@@ -14,6 +14,7 @@ pub mod membudget;
 pub mod model;
 pub mod notes;
 pub mod plot;
+pub mod reasoning;
 pub mod sched;
 pub mod session;
 pub mod source;

@@ -296,7 +296,26 @@ impl ChatTemplate {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let env = self.env(messages.len() + tools.len())?;
+        self.render_full(
+            messages,
+            tools,
+            &serde_json::Map::new(),
+            add_generation_prompt,
+        )
+    }
+
+    /// [`Self::render_with_tools`], with variables a request sets for the template (its
+    /// `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); the template's own variables
+    /// (`messages`, `tools`, …) are not theirs to change.
+    pub fn render_full(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        extra: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let env = self.env(messages.len() + tools.len() + extra.len())?;
+        let extra = minijinja::Value::from_serialize(extra);
         let messages = messages.to_vec();
         let tools = (!tools.is_empty()).then(|| tools.to_vec());
         let input: usize = messages
@@ -337,6 +356,7 @@ impl ChatTemplate {
                             add_generation_prompt => add_generation_prompt,
                             bos_token => bos,
                             eos_token => eos,
+                            ..extra
                         },
                         &mut out,
                     );

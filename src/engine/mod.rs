@@ -639,15 +639,16 @@ impl Engine {
     }
 
     /// [`Self::chat_prompt`] with the functions the model may call, as the template shows them
-    /// (OpenAI's `tools` entries). The caller keeps control-token text out of them: only the
-    /// messages' content is kept literal.
+    /// (OpenAI's `tools` entries), and variables the request sets for the template (`extra`). The
+    /// caller keeps control-token text out of them: only the messages' content is kept literal.
     pub fn chat_prompt_with_tools(
         &self,
         template: &ChatTemplate,
         messages: &[Message],
         tools: &[serde_json::Value],
+        extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Vec<u32>> {
-        let text = template.render_with_tools(messages, tools, true)?;
+        let text = template.render_full(messages, tools, extra, true)?;
         self.encode_rendered(&text, messages)
     }
 

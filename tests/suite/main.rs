@@ -21,6 +21,7 @@ mod quiz;
 mod qwen3;
 mod qwen35;
 mod qwen_coder;
+mod reasoning;
 mod responses;
 mod sched;
 mod serve;

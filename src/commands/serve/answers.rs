@@ -8,6 +8,7 @@ use super::http::{dropped, failure, now, App, Started};
 use super::messages;
 use super::responses;
 use super::tools::{self, Calls};
+use crate::reasoning::{Part, Splitter};
 use crate::sched::{Done, Event};
 use crate::toolcall::Piece;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -29,16 +30,49 @@ async fn whole(rx: &mut UnboundedReceiver<Event>) -> Result<(String, Done), ApiE
     }
 }
 
-/// The answer's text and calls apart (all text where the request offers no tools).
-fn split(calls: Option<&mut Calls>, text: String) -> Vec<Piece> {
-    match calls {
-        None => vec![Piece::Text(text)],
-        Some(c) => {
-            let mut pieces = c.scanner.push(&text);
-            pieces.extend(c.scanner.finish().0);
-            pieces
+/// A piece of a started answer: its reasoning, or its text or a call.
+enum Bit {
+    Reasoning(String),
+    Piece(Piece),
+}
+
+/// What the answer's next text adds (`None`: the answer ended): a thinking model's reasoning
+/// apart first (`reasoning::Splitter`), then calls read out of the rest (`tools::Calls`); all
+/// text where the request offers no tools and the model does not think.
+fn read(
+    reasoning: &mut Option<Splitter>,
+    calls: &mut Option<Calls>,
+    text: Option<&str>,
+) -> Vec<Bit> {
+    let parts = match (reasoning.as_mut(), text) {
+        (Some(r), Some(t)) => r.push(t),
+        (Some(r), None) => r.finish(),
+        (None, Some(t)) => vec![Part::Answer(t.to_string())],
+        (None, None) => Vec::new(),
+    };
+    let mut out = Vec::new();
+    for part in parts {
+        match (part, calls.as_mut()) {
+            (Part::Reasoning(r), _) => out.push(Bit::Reasoning(r)),
+            (Part::Answer(a), Some(c)) => {
+                out.extend(c.scanner.push(&a).into_iter().map(Bit::Piece))
+            }
+            (Part::Answer(a), None) => out.push(Bit::Piece(Piece::Text(a))),
         }
     }
+    if text.is_none() {
+        if let Some(c) = calls.as_mut() {
+            out.extend(c.scanner.finish().0.into_iter().map(Bit::Piece));
+        }
+    }
+    out
+}
+
+/// The whole answer read: its bits in order.
+fn read_whole(s: &mut Started, text: &str) -> Vec<Bit> {
+    let mut bits = read(&mut s.reasoning, &mut s.calls, Some(text));
+    bits.extend(read(&mut s.reasoning, &mut s.calls, None));
+    bits
 }
 
 /// An OpenAI answer: the whole response, or a chunk per text piece (and a tool delta per call),
@@ -65,11 +99,12 @@ pub(super) async fn openai(
             endpoint,
         };
         let usage = api::usage(prompt_tokens, cached_tokens, done.completion_tokens);
-        let (mut content, mut made) = (String::new(), Vec::new());
-        for piece in split(s.calls.as_mut(), text) {
-            match piece {
-                Piece::Text(t) => content.push_str(&t),
-                Piece::Call(c) => {
+        let (mut content, mut made, mut thought) = (String::new(), Vec::new(), String::new());
+        for bit in read_whole(&mut s, &text) {
+            match bit {
+                Bit::Reasoning(r) => thought.push_str(&r),
+                Bit::Piece(Piece::Text(t)) => content.push_str(&t),
+                Bit::Piece(Piece::Call(c)) => {
                     if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
                         made.push(tools::call_json(&call_id(k), &c));
                     }
@@ -81,6 +116,9 @@ pub(super) async fn openai(
             None => api::finish_reason(done.reason),
         };
         let mut body = head.response(&content, finish, usage);
+        if !thought.is_empty() {
+            body["choices"][0]["message"]["reasoning_content"] = Value::String(thought);
+        }
         if !made.is_empty() {
             let message = &mut body["choices"][0]["message"];
             message["tool_calls"] = Value::Array(made);
@@ -93,6 +131,7 @@ pub(super) async fn openai(
     // The stream owns the receiver: a client that goes drops it, and the engine sees the channel
     // closed and ends the sequence.
     let (model, include_usage, mut calls) = (app.model.clone(), s.include_usage, s.calls);
+    let mut reasoning = s.reasoning;
     let mut first = true;
     let events = events_of(s.rx, move |ev| {
         let head = Head {
@@ -102,10 +141,11 @@ pub(super) async fn openai(
             endpoint,
         };
         let mut out = Vec::new();
-        let mut chunk = |out: &mut Vec<Value>, piece: Piece, calls: &mut Option<Calls>| {
-            match piece {
-                Piece::Text(t) => out.push(head.chunk(&t, first, None)),
-                Piece::Call(c) => {
+        let mut chunk = |out: &mut Vec<Value>, bit: Bit, calls: &mut Option<Calls>| {
+            match bit {
+                Bit::Reasoning(r) => out.push(head.reasoning_chunk(&r, first)),
+                Bit::Piece(Piece::Text(t)) => out.push(head.chunk(&t, first, None)),
+                Bit::Piece(Piece::Call(c)) => {
                     let Some(k) = calls.as_mut().and_then(Calls::take) else {
                         return;
                     };
@@ -117,21 +157,13 @@ pub(super) async fn openai(
         };
         match ev {
             Event::Text(t) => {
-                let pieces = match calls.as_mut() {
-                    None => vec![Piece::Text(t)],
-                    Some(c) => c.scanner.push(&t),
-                };
-                for p in pieces {
-                    chunk(&mut out, p, &mut calls);
+                for bit in read(&mut reasoning, &mut calls, Some(&t)) {
+                    chunk(&mut out, bit, &mut calls);
                 }
             }
             Event::Done(done) => {
-                let pieces = calls
-                    .as_mut()
-                    .map(|c| c.scanner.finish().0)
-                    .unwrap_or_default();
-                for p in pieces {
-                    chunk(&mut out, p, &mut calls);
+                for bit in read(&mut reasoning, &mut calls, None) {
+                    chunk(&mut out, bit, &mut calls);
                 }
                 let finish = match &calls {
                     Some(c) => c.finish_reason(done.reason),
@@ -173,7 +205,22 @@ pub(super) async fn messages(app: &Arc<App>, mut s: Started) -> Result<Response,
     if !s.stream {
         let (text, done) = whole(&mut s.rx).await?;
         let mut content = Vec::new();
-        for piece in split(s.calls.as_mut(), text) {
+        for bit in read_whole(&mut s, &text) {
+            let piece = match bit {
+                Bit::Piece(p) => p,
+                Bit::Reasoning(r) => {
+                    match content.last_mut() {
+                        Some(Value::Object(b)) if b["type"] == "thinking" => {
+                            let joined =
+                                format!("{}{r}", b["thinking"].as_str().unwrap_or_default());
+                            b.insert("thinking".into(), Value::String(joined));
+                        }
+                        _ => content
+                            .push(json!({"type": "thinking", "thinking": r, "signature": ""})),
+                    }
+                    continue;
+                }
+            };
             match piece {
                 Piece::Text(t) => match content.last_mut() {
                     Some(Value::Object(b)) if b["type"] == "text" => {
@@ -217,36 +264,28 @@ pub(super) async fn messages(app: &Arc<App>, mut s: Started) -> Result<Response,
         &json!({"type": "message_start", "message": start}),
     );
     let (mut calls, mut blocks) = (s.calls, messages::Blocks::default());
+    let mut reasoning = s.reasoning;
     let events = events_of(s.rx, move |ev| {
         let mut out = Vec::new();
         let mut add =
-            |out: &mut Vec<(&'static str, Value)>, piece: Piece, calls: &mut Option<Calls>| {
-                match piece {
-                    Piece::Text(t) => out.extend(blocks.text(&t)),
-                    Piece::Call(c) => {
-                        if let Some(k) = calls.as_mut().and_then(Calls::take) {
-                            out.extend(blocks.call(&tool_id(k), &c));
-                        }
+            |out: &mut Vec<(&'static str, Value)>, bit: Bit, calls: &mut Option<Calls>| match bit {
+                Bit::Reasoning(r) => out.extend(blocks.thinking(&r)),
+                Bit::Piece(Piece::Text(t)) => out.extend(blocks.text(&t)),
+                Bit::Piece(Piece::Call(c)) => {
+                    if let Some(k) = calls.as_mut().and_then(Calls::take) {
+                        out.extend(blocks.call(&tool_id(k), &c));
                     }
                 }
             };
         match ev {
             Event::Text(t) => {
-                let pieces = match calls.as_mut() {
-                    None => vec![Piece::Text(t)],
-                    Some(c) => c.scanner.push(&t),
-                };
-                for p in pieces {
-                    add(&mut out, p, &mut calls);
+                for bit in read(&mut reasoning, &mut calls, Some(&t)) {
+                    add(&mut out, bit, &mut calls);
                 }
             }
             Event::Done(done) => {
-                let pieces = calls
-                    .as_mut()
-                    .map(|c| c.scanner.finish().0)
-                    .unwrap_or_default();
-                for p in pieces {
-                    add(&mut out, p, &mut calls);
+                for bit in read(&mut reasoning, &mut calls, None) {
+                    add(&mut out, bit, &mut calls);
                 }
                 out.extend(blocks.close_text());
                 let called = calls.as_ref().is_some_and(|c| c.given > 0);
@@ -278,11 +317,12 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
     let (prompt_tokens, cached_tokens) = (s.prompt_tokens, s.cached_tokens);
     if !s.stream {
         let (text, done) = whole(&mut s.rx).await?;
-        let (mut content, mut made) = (String::new(), Vec::new());
-        for piece in split(s.calls.as_mut(), text) {
-            match piece {
-                Piece::Text(t) => content.push_str(&t),
-                Piece::Call(c) => {
+        let (mut content, mut made, mut thought) = (String::new(), Vec::new(), String::new());
+        for bit in read_whole(&mut s, &text) {
+            match bit {
+                Bit::Reasoning(r) => thought.push_str(&r),
+                Bit::Piece(Piece::Text(t)) => content.push_str(&t),
+                Bit::Piece(Piece::Call(c)) => {
                     if let Some(k) = s.calls.as_mut().and_then(Calls::take) {
                         made.push((format!("call_{n}_{k}"), c));
                     }
@@ -290,6 +330,9 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
             }
         }
         let mut output = Vec::new();
+        if !thought.is_empty() {
+            output.push(responses::reasoning_item(&format!("rs_{n}"), &thought));
+        }
         if !content.is_empty() || made.is_empty() {
             output.push(responses::message_item(
                 &format!("msg_{n}"),
@@ -315,7 +358,10 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
     }
     let model = app.model.clone();
     let store = app.responses.clone();
-    let (mut calls, mut keep) = (s.calls, s.keep);
+    let (mut calls, mut keep, mut reasoning) = (s.calls, s.keep, s.reasoning);
+    // A thinking model's reasoning, given as one item once it ends.
+    let (mut thought, mut thought_given) = (String::new(), false);
+    let rs_id = format!("rs_{n}");
     // What the stream has said so far: the output items, the open message's text, the count.
     let (mut output, mut text, mut open, mut seq) =
         (Vec::<Value>::new(), String::new(), false, 0u64);
@@ -371,15 +417,9 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
             Event::Done(done) => Some(done.clone()),
             _ => None,
         };
-        let mut pieces = match ev {
-            Event::Text(t) => match calls.as_mut() {
-                None => vec![Piece::Text(t)],
-                Some(c) => c.scanner.push(&t),
-            },
-            Event::Done(_) => calls
-                .as_mut()
-                .map(|c| c.scanner.finish().0)
-                .unwrap_or_default(),
+        let bits = match ev {
+            Event::Text(t) => read(&mut reasoning, &mut calls, Some(&t)),
+            Event::Done(_) => read(&mut reasoning, &mut calls, None),
             Event::Failed(f) => {
                 let e = failure(f);
                 return vec![event(
@@ -390,6 +430,54 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
             }
             Event::Started { .. } => Vec::new(),
         };
+        let give_thought = |out: &mut Vec<SseEvent>,
+                            seq: &mut u64,
+                            output: &mut Vec<Value>,
+                            thought: &str,
+                            given: &mut bool| {
+            if *given || thought.is_empty() {
+                return;
+            }
+            *given = true;
+            let i = output.len();
+            let item = responses::reasoning_item(&rs_id, thought);
+            out.push(event(
+                seq,
+                "response.output_item.added",
+                json!({"output_index": i, "item": item}),
+            ));
+            out.push(event(
+                seq,
+                "response.output_item.done",
+                json!({"output_index": i, "item": item}),
+            ));
+            output.push(item);
+        };
+        let mut pieces = Vec::new();
+        for bit in bits {
+            match bit {
+                Bit::Reasoning(r) => thought.push_str(&r),
+                Bit::Piece(p) => {
+                    give_thought(
+                        &mut out,
+                        &mut seq,
+                        &mut output,
+                        &thought,
+                        &mut thought_given,
+                    );
+                    pieces.push(p);
+                }
+            }
+        }
+        if finished.is_some() {
+            give_thought(
+                &mut out,
+                &mut seq,
+                &mut output,
+                &thought,
+                &mut thought_given,
+            );
+        }
         for piece in pieces.drain(..) {
             match piece {
                 Piece::Text(t) => {

@@ -18,6 +18,8 @@ const MAX_STOPS: usize = 4;
 /// so 4,096 of them fill any context kvchat runs at below ~16k tokens a turn.
 pub const MAX_MESSAGES: usize = 4096;
 pub const MAX_PARTS: usize = 256;
+/// The most variables a request may set for the chat template.
+const MAX_TEMPLATE_KWARGS: usize = 32;
 /// The longest stop text, in bytes.
 const MAX_STOP_BYTES: usize = 256;
 
@@ -117,6 +119,8 @@ pub struct Request {
     pub include_usage: bool,
     /// The tools a chat request offers (none for completions).
     pub offered: Offered,
+    /// Variables for the chat template (`chat_template_kwargs`: Qwen3's `enable_thinking`, …).
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -162,6 +166,16 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     };
     let mut request = common(&obj, Endpoint::Chat, Prompt::Chat(messages), max_tokens)?;
     request.offered = offered;
+    request.template_kwargs = match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) if m.len() <= MAX_TEMPLATE_KWARGS => m.clone(),
+        Some(_) => {
+            return Err(ApiError::field(
+                "chat_template_kwargs",
+                format!("'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} variables"),
+            ))
+        }
+    };
     Ok(request)
 }
 
@@ -459,6 +473,7 @@ pub fn common(
         stream,
         include_usage,
         offered: Offered::default(),
+        template_kwargs: Map::new(),
     })
 }
 
@@ -561,6 +576,19 @@ impl Head<'_> {
                              "finish_reason": finish}],
             }),
         }
+    }
+
+    /// A stream chunk of a thinking model's reasoning (`delta.reasoning_content`).
+    pub fn reasoning_chunk(&self, text: &str, first: bool) -> Value {
+        let mut delta = json!({"reasoning_content": text});
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}],
+        })
     }
 
     /// A stream chunk with one whole tool call (`delta.tool_calls`, see `tools::call_delta`).
@@ -753,6 +781,10 @@ mod tests {
             (
                 format!("{{{user},\"frequency_penalty\":0.5}}"),
                 "frequency_penalty",
+            ),
+            (
+                format!("{{{user},\"chat_template_kwargs\":[1]}}"),
+                "chat_template_kwargs",
             ),
             (
                 format!("{{{user},\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}}"),

@@ -175,6 +175,7 @@ pub mod known {
         ("echo", &ANY),
         ("suffix", &ANY),
         ("best_of", &ANY),
+        ("chat_template_kwargs", &ANY),
     ]);
 
     /// The most JSON values (objects, arrays, strings, numbers, …) a request may hold in the

@@ -11,6 +11,7 @@ use super::metrics::Metrics;
 use super::prepare::{Order, Prepared};
 use super::responses;
 use super::tools::Calls;
+use crate::reasoning::Splitter;
 use crate::sched::{Event, Failure, Job, Queue};
 use crate::template::Message;
 use axum::body::Body;
@@ -244,6 +245,8 @@ pub(super) struct Started {
     pub n: u64,
     /// The conversation a stored response keeps (Responses with `store`).
     pub keep: Option<Vec<Message>>,
+    /// A thinking model's reasoning, split from its answer before calls are read.
+    pub reasoning: Option<Splitter>,
 }
 
 /// Reads, prepares and admits a request, and waits until the scheduler starts it.
@@ -311,6 +314,7 @@ async fn start(
     let order = Order {
         prompt: request.prompt,
         tools: offered.tools.clone(),
+        template_kwargs: request.template_kwargs,
         max_tokens: request.max_tokens,
         ticket,
         reply,
@@ -321,6 +325,7 @@ async fn start(
         max_tokens,
         ticket,
         tool_format,
+        thinking,
     } = prepared.await.map_err(|_| stopped())??;
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
@@ -357,6 +362,7 @@ async fn start(
         include_usage: request.include_usage,
         n: app.next.fetch_add(1, Ordering::Relaxed),
         keep,
+        reasoning: thinking.map(|(markers, inside)| Splitter::new(markers, inside)),
     })
 }
 

@@ -321,32 +321,45 @@ pub fn error_body(e: &ApiError) -> Value {
     json!({"type": "error", "error": {"type": kind, "message": e.message}})
 }
 
-/// The stream's events, as (name, data) pairs: what a text piece or a call adds, given which
-/// block is open.
+/// The stream's events, as (name, data) pairs: what a text piece, a piece of reasoning or a call
+/// adds, given which block is open.
 #[derive(Default)]
 pub struct Blocks {
     /// The index the next block takes.
     next: usize,
-    /// A text block is open (at `next - 1`).
-    text_open: bool,
+    /// The kind of the block open (at `next - 1`): "text" or "thinking".
+    open: Option<&'static str>,
 }
 
 impl Blocks {
     pub fn text(&mut self, t: &str) -> Vec<(&'static str, Value)> {
+        self.piece("text", json!({"type": "text_delta", "text": t}))
+    }
+
+    /// A thinking model's reasoning, as Anthropic's thinking blocks (no signature: kvchat signs
+    /// nothing).
+    pub fn thinking(&mut self, t: &str) -> Vec<(&'static str, Value)> {
+        self.piece("thinking", json!({"type": "thinking_delta", "thinking": t}))
+    }
+
+    fn piece(&mut self, kind: &'static str, delta: Value) -> Vec<(&'static str, Value)> {
         let mut out = Vec::new();
-        if !self.text_open {
+        if self.open != Some(kind) {
+            out.extend(self.close_text());
+            let block = match kind {
+                "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                _ => json!({"type": "text", "text": ""}),
+            };
             out.push((
                 "content_block_start",
-                json!({"type": "content_block_start", "index": self.next,
-                       "content_block": {"type": "text", "text": ""}}),
+                json!({"type": "content_block_start", "index": self.next, "content_block": block}),
             ));
-            self.text_open = true;
+            self.open = Some(kind);
             self.next += 1;
         }
         out.push((
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": self.next - 1,
-                   "delta": {"type": "text_delta", "text": t}}),
+            json!({"type": "content_block_delta", "index": self.next - 1, "delta": delta}),
         ));
         out
     }
@@ -372,11 +385,11 @@ impl Blocks {
         out
     }
 
+    /// Closes the open text or thinking block, if any.
     pub fn close_text(&mut self) -> Vec<(&'static str, Value)> {
-        if !self.text_open {
+        if self.open.take().is_none() {
             return Vec::new();
         }
-        self.text_open = false;
         vec![(
             "content_block_stop",
             json!({"type": "content_block_stop", "index": self.next - 1}),

@@ -5,6 +5,7 @@
 
 use super::api::{ApiError, Prompt};
 use crate::engine::Engine;
+use crate::reasoning;
 use crate::sched::Ticket;
 use crate::template::ChatTemplate;
 use crate::toolcall::{self, Format, Tool};
@@ -23,12 +24,15 @@ pub struct Prepared {
     pub ticket: Ticket,
     /// How the model writes tool calls, where the request offers tools.
     pub tool_format: Option<&'static Format>,
+    /// A thinking model's reasoning markers, and whether the prompt opened its reasoning.
+    pub thinking: Option<(&'static reasoning::Markers, bool)>,
 }
 
 /// A prompt to prepare, its place in the queue, and where its answer goes.
 pub struct Order {
     pub prompt: Prompt,
     pub tools: Vec<Tool>,
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     pub max_tokens: Option<usize>,
     pub ticket: Ticket,
     pub reply: tokio::sync::oneshot::Sender<Result<Prepared, ApiError>>,
@@ -57,7 +61,12 @@ impl Preparer<'_> {
             }
             // A fault in preparing one request (a template's, say) answers that request alone.
             let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.prepare(&order.prompt, &order.tools, order.max_tokens)
+                self.prepare(
+                    &order.prompt,
+                    &order.tools,
+                    &order.template_kwargs,
+                    order.max_tokens,
+                )
             }))
             .unwrap_or_else(|_| {
                 Err(ApiError::new(
@@ -66,11 +75,12 @@ impl Preparer<'_> {
                     "preparing this request's prompt failed inside kvchat",
                 ))
             });
-            let answer = prepared.map(|(ids, max_tokens, tool_format)| Prepared {
+            let answer = prepared.map(|(ids, max_tokens, tool_format, thinking)| Prepared {
                 ids,
                 max_tokens,
                 ticket: order.ticket,
                 tool_format,
+                thinking,
             });
             let _ = order.reply.send(answer);
         }
@@ -78,12 +88,22 @@ impl Preparer<'_> {
 
     /// The prompt's token ids, how many tokens the answer may take, and (where `tools` are
     /// offered) how the model writes its calls.
+    #[allow(clippy::type_complexity)]
     pub fn prepare(
         &self,
         prompt: &Prompt,
         tools: &[Tool],
+        template_kwargs: &serde_json::Map<String, serde_json::Value>,
         max_tokens: Option<usize>,
-    ) -> Result<(Vec<u32>, usize, Option<&'static Format>), ApiError> {
+    ) -> Result<
+        (
+            Vec<u32>,
+            usize,
+            Option<&'static Format>,
+            Option<(&'static reasoning::Markers, bool)>,
+        ),
+        ApiError,
+    > {
         let ctx = self.engine.ctx();
         let tools: Vec<serde_json::Value> = tools.iter().map(Tool::for_template).collect();
         let tools_len: usize = tools.iter().map(|t| t.to_string().len()).sum();
@@ -102,7 +122,7 @@ impl Preparer<'_> {
         if self.engine.tokenizer().min_tokens(text_len) >= ctx {
             return Err(too_long(&format!("{text_len} bytes")));
         }
-        let mut tool_format = None;
+        let (mut tool_format, mut thinking) = (None, None);
         let ids = match prompt {
             Prompt::Text(t) => self
                 .engine
@@ -116,8 +136,9 @@ impl Preparer<'_> {
                 if !tools.is_empty() {
                     tool_format = Some(self.tool_format(template, &tools, messages)?);
                 }
+                thinking = reasoning::for_template(template.source()).map(|m| (m, false));
                 self.engine
-                    .chat_prompt_with_tools(template, messages, &tools)
+                    .chat_prompt_with_tools(template, messages, &tools, template_kwargs)
                     .map_err(|e| {
                         ApiError::bad(format!(
                             "the chat template cannot render these messages: {}",
@@ -136,7 +157,17 @@ impl Preparer<'_> {
         }
         let room = ctx - ids.len();
         let max_tokens = max_tokens.unwrap_or(self.default_max_tokens).min(room);
-        Ok((ids, max_tokens, tool_format))
+        // A template that opens the reasoning for the model: its answer begins inside it.
+        if let Some((markers, inside)) = &mut thinking {
+            let tail = &ids[ids.len().saturating_sub(4)..];
+            let tail = self
+                .engine
+                .tokenizer()
+                .decode(tail, false)
+                .unwrap_or_default();
+            *inside = tail.trim_end().ends_with(markers.open);
+        }
+        Ok((ids, max_tokens, tool_format, thinking))
     }
 
     /// The format this model writes tool calls in; refused where its template does not show the

@@ -343,6 +343,12 @@ pub fn message_item(id: &str, text: &str, status: &str) -> Value {
            "content": [{"type": "output_text", "text": text, "annotations": []}]})
 }
 
+/// An output reasoning item (a thinking model's reasoning, never in the message).
+pub fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": "completed", "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]})
+}
+
 /// An output function-call item.
 pub fn call_item(id: &str, call_id: &str, call: &Call) -> Value {
     json!({"type": "function_call", "id": id, "call_id": call_id, "name": call.name,
