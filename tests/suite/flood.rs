@@ -245,8 +245,9 @@ fn bodies_trickled_a_byte_at_a_time_hold_one_clients_share_not_the_server() {
     let mut flood = Vec::new();
     for i in 0..PAST_THE_CAP {
         if i == 256 {
-            // The server has read the first 256 heads: those sockets are busy now.
-            std::thread::sleep(Duration::from_millis(300));
+            // Once the server has read the first 256 heads, those sockets are busy (the count
+            // includes the /metrics request asking).
+            server.wait_until("kvchat_connections_busy", 257.0, 30, "the heads read");
         }
         let mut conn = connect_from("127.0.0.2", &server);
         let _ = conn.write_all(

@@ -152,6 +152,15 @@ impl Conns {
     pub fn open(&self) -> usize {
         self.table().open.len()
     }
+
+    /// Connections with a request in flight now.
+    pub fn busy(&self) -> usize {
+        self.table()
+            .open
+            .values()
+            .filter(|r| r.in_flight > 0)
+            .count()
+    }
 }
 
 impl Table {

@@ -2,10 +2,11 @@
 //! (`sched::counters`), published before a step's last events reach their clients, and the HTTP
 //! side's count of what it refused as invalid before a request reached the scheduler.
 
+use super::conns::Conns;
 use crate::sched::counters::{self, Counters, TTFT_BUCKETS};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// What `/metrics` reads: the scheduler's counts, and the front end's own (requests refused
 /// as invalid before they reached the scheduler).
@@ -13,13 +14,19 @@ use std::sync::Arc;
 pub struct Metrics {
     pub sched: Arc<counters::Shared>,
     pub rejected_bad: AtomicU64,
+    /// The connection table, once the server listens.
+    pub conns: OnceLock<Arc<Conns>>,
 }
 
 impl Metrics {
     pub fn render(&self) -> String {
+        let (connections_open, connections_busy) =
+            self.conns.get().map_or((0, 0), |c| (c.open(), c.busy()));
         Figures {
             counts: self.sched.snapshot(),
             rejected_bad: self.rejected_bad.load(Ordering::Relaxed),
+            connections_open,
+            connections_busy,
         }
         .render()
     }
@@ -30,6 +37,9 @@ impl Metrics {
 pub struct Figures {
     pub counts: Counters,
     pub rejected_bad: u64,
+    pub connections_open: usize,
+    /// Connections with a request in flight.
+    pub connections_busy: usize,
 }
 
 impl std::ops::Deref for Figures {
@@ -49,6 +59,16 @@ impl Figures {
                 "# HELP kvchat_{name} {help}\n# TYPE kvchat_{name} gauge\nkvchat_{name} {v}"
             );
         };
+        gauge(
+            "connections_open",
+            "HTTP connections open (at most 512; 256 from one address).",
+            self.connections_open as f64,
+        );
+        gauge(
+            "connections_busy",
+            "HTTP connections with a request in flight (the others are idle, and closed first).",
+            self.connections_busy as f64,
+        );
         gauge(
             "kv_pool_bytes",
             "The KV pool's bound (--kv-pool).",
@@ -230,7 +250,7 @@ mod tests {
                 cached_tokens: 300,
                 ..Default::default()
             },
-            rejected_bad: 0,
+            ..Default::default()
         };
         assert!(f.render().contains("kvchat_prefix_hit_rate 0.75\n"));
     }

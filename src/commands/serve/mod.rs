@@ -190,7 +190,8 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         for _ in 0..prepare::THREADS {
             s.spawn(|| preparer.serve(&to_prepare));
         }
-        let served = runtime.block_on(serve(listener, http::router(app), opts.exit_after));
+        let router = http::router(app);
+        let served = runtime.block_on(serve(listener, router, opts.exit_after, &metrics));
         // Dropping the runtime closes every connection; the engine thread then sees each
         // request's channel closed and the job channel gone, and returns.
         drop(runtime);
@@ -204,9 +205,11 @@ async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     exit_after: Option<Duration>,
+    metrics: &metrics::Metrics,
 ) -> Result<()> {
     raise_open_files();
     let conns = conns::Conns::new(CONNECTIONS);
+    let _ = metrics.conns.set(conns.clone());
     let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSING));
     let stop = stop_signal(exit_after);
     tokio::pin!(stop);
