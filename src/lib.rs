@@ -121,6 +121,21 @@ pub fn human_bytes(n: u64) -> String {
     indicatif::BinaryBytes(n).to_string()
 }
 
+/// The longest end of `text` (shorter than `marker`) that `marker` starts with: text held back
+/// while it may still become `marker` (a stop text, a tool call's opening, a reasoning marker),
+/// never splitting a character.
+pub fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n)
+                && marker
+                    .as_bytes()
+                    .starts_with(&text.as_bytes()[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
 /// The first line of an error's text: candle appends a captured backtrace to its messages.
 pub fn first_line(e: impl std::fmt::Display) -> String {
     e.to_string()

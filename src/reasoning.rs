@@ -66,7 +66,7 @@ impl Splitter {
                     self.after_close = true;
                     continue;
                 }
-                let keep = longest_marker_suffix(&self.held, m.close);
+                let keep = crate::partial_suffix(&self.held, m.close);
                 let give: String = self.held.drain(..self.held.len() - keep).collect();
                 emit(&mut out, Part::Reasoning(give));
                 break;
@@ -119,16 +119,6 @@ fn emit(out: &mut Vec<Part>, part: Part) {
         Part::Reasoning(t) | Part::Answer(t) if t.is_empty() => {}
         _ => out.push(part),
     }
-}
-
-/// The length of the longest end of `text` that `marker` starts with.
-fn longest_marker_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])
-        })
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ impl Text {
         }
         let keep = stop
             .iter()
-            .map(|s| partial_suffix(&self.held, s))
+            .map(|s| crate::partial_suffix(&self.held, s))
             .max()
             .unwrap_or(0);
         let send = self.held.len() - keep;
@@ -53,19 +53,6 @@ impl Text {
         }
         false
     }
-}
-
-/// The longest suffix of `text` that `stop` starts with (a stop text that may be completing).
-fn partial_suffix(text: &str, stop: &str) -> usize {
-    (1..stop.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n)
-                && stop
-                    .as_bytes()
-                    .starts_with(&text.as_bytes()[text.len() - n..])
-        })
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -124,7 +111,7 @@ mod tests {
 
     #[test]
     fn the_partial_suffix_never_splits_a_character() {
-        assert_eq!(partial_suffix("caf\u{e9}", "\u{e9}t\u{e9}"), 2);
-        assert_eq!(partial_suffix("abc", "xyz"), 0);
+        assert_eq!(crate::partial_suffix("caf\u{e9}", "\u{e9}t\u{e9}"), 2);
+        assert_eq!(crate::partial_suffix("abc", "xyz"), 0);
     }
 }

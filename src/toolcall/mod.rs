@@ -153,7 +153,7 @@ impl Scanner {
             let keep = if f.at_start && f.open.starts_with(self.held.trim_start()) {
                 self.held.len()
             } else {
-                longest_opening_suffix(&self.held, f.open)
+                crate::partial_suffix(&self.held, f.open)
             };
             let give: String = self.held.drain(..self.held.len() - keep).collect();
             self.text(&give, &mut out);
@@ -233,16 +233,6 @@ impl Scanner {
 
 /// The Markdown fence small models put bare calls in.
 const FENCE: &str = "```json";
-
-/// The length of the longest end of `text` that `open` starts with (shorter than `open`).
-fn longest_opening_suffix(text: &str, open: &str) -> usize {
-    (1..open.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n) && open.starts_with(&text[text.len() - n..])
-        })
-        .unwrap_or(0)
-}
 
 #[cfg(test)]
 mod tests {

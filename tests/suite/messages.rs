@@ -4,9 +4,9 @@
 //! answer built on its `tool_result`, `stop_sequence` with the text that stopped it, and errors in
 //! Anthropic's shape. The real Qwen2.5-Coder-0.5B, greedy.
 
-use crate::common::server::{greedy_chat, python, Server};
+use crate::common::server::{greedy_chat, python_json, Server};
 use crate::qwen_coder::qwen_path;
-use serde_json::{json, Value};
+use serde_json::json;
 
 const ANTHROPIC_CLIENT: &str = r#"
 import json, sys, anthropic
@@ -53,16 +53,7 @@ print(json.dumps(out))
 #[test]
 fn the_anthropic_client_gets_the_chat_answer_tool_use_stop_sequences_and_errors() {
     let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
-    let out = std::process::Command::new(python())
-        .args(["-c", ANTHROPIC_CLIENT, &server.base])
-        .output()
-        .expect("target/pyenv/bin/python with the anthropic package (scripts/test.sh makes it)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_json(&["-c", ANTHROPIC_CLIENT, &server.base]);
     // The same greedy answer a chat completion gives.
     let chat = server.chat(greedy_chat("What is the capital of France?", 24));
     let text = chat["choices"][0]["message"]["content"].as_str().unwrap();

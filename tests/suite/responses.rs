@@ -5,23 +5,13 @@
 //! `function_call` items and come back as `function_call_output`; a response it never stored is a
 //! 404.
 
-use crate::common::server::{python, Server};
+use crate::common::server::{python_json, Server};
 use crate::qwen_coder::qwen_path;
 use serde_json::{json, Value};
 
 fn script(args: &[&str]) -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/responses-turns.py");
-    let out = std::process::Command::new(python())
-        .arg(path)
-        .args(args)
-        .output()
-        .expect("target/pyenv/bin/python with the openai package (scripts/test.sh makes it)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    python_json(&[&[path], args].concat())
 }
 
 #[test]
@@ -66,16 +56,7 @@ print(json.dumps(out))
 #[test]
 fn function_calls_go_out_as_items_and_their_output_comes_back_and_unstored_responses_are_404s() {
     let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
-    let out = std::process::Command::new(python())
-        .args(["-c", TOOLS, &server.base])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_json(&["-c", TOOLS, &server.base]);
     assert_eq!(
         v["calls"],
         json!([["get_weather", {"city": "Paris"}]]),

@@ -3,7 +3,7 @@
 //! the call back as `message.tool_calls` and as streamed `delta.tool_calls`, sends the tool's
 //! answer back, and gets a text answer built on it. Bad tool requests get a 400 naming the fault.
 
-use crate::common::server::{python, Server};
+use crate::common::server::{python_json, Server};
 use crate::qwen_coder::qwen_path;
 use serde_json::{json, Value};
 
@@ -51,16 +51,7 @@ print(json.dumps(out))
 #[test]
 fn the_openai_client_gets_a_call_whole_and_streamed_and_an_answer_from_the_tools_result() {
     let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
-    let out = std::process::Command::new(python())
-        .args(["-c", OPENAI_TOOLS, &server.base])
-        .output()
-        .expect("target/pyenv/bin/python with the openai package (scripts/test.sh makes it)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_json(&["-c", OPENAI_TOOLS, &server.base]);
     let call = json!([["get_weather", {"city": "Paris"}]]);
     assert_eq!(v["finish"], "tool_calls", "{v}");
     assert_eq!(v["content"], Value::Null, "{v}");

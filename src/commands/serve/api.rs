@@ -126,30 +126,21 @@ pub struct Request {
 /// Reads a `/v1/chat/completions` body.
 pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     let obj = object(body)?;
-    let messages = match obj.get("messages") {
-        Some(Value::Array(a)) if a.len() > MAX_MESSAGES => {
-            return Err(ApiError::field(
-                "messages",
-                format!(
-                    "'messages' holds {} messages, more than the {MAX_MESSAGES} kvchat serve takes in one request",
-                    a.len()
-                ),
-            ))
-        }
-        Some(Value::Array(a)) if !a.is_empty() => a
-            .iter()
-            .enumerate()
-            .map(|(i, m)| message(i, m))
-            .collect::<Result<Vec<_>, _>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::field("messages", "'messages' is empty")),
-        Some(_) => {
-            return Err(ApiError::field(
-                "messages",
-                "'messages' must be an array of messages",
-            ))
-        }
-        None => return Err(ApiError::field("messages", "'messages' is required")),
-    };
+    let messages = items(&obj, "messages", "an array of messages")?;
+    if messages.len() > MAX_MESSAGES {
+        return Err(ApiError::field(
+            "messages",
+            format!(
+                "'messages' holds {} messages, more than the {MAX_MESSAGES} kvchat serve takes in one request",
+                messages.len()
+            ),
+        ));
+    }
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect::<Result<Vec<_>, _>>()?;
     let offered = tools::read(&obj)?;
     tools::check_answers(&messages)?;
     if let Some(rf) = obj.get("response_format").filter(|v| !v.is_null()) {
@@ -177,6 +168,21 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
         }
     };
     Ok(request)
+}
+
+/// A field that must hold a non-empty array (`what` says what it must be otherwise): its items,
+/// or the 400 that names it.
+pub fn items<'a>(
+    obj: &'a Map<String, Value>,
+    key: &str,
+    what: &str,
+) -> Result<&'a [Value], ApiError> {
+    match obj.get(key) {
+        Some(Value::Array(a)) if !a.is_empty() => Ok(a),
+        Some(Value::Array(_)) => Err(ApiError::field(key, format!("'{key}' is empty"))),
+        Some(_) => Err(ApiError::field(key, format!("'{key}' must be {what}"))),
+        None => Err(ApiError::field(key, format!("'{key}' is required"))),
+    }
 }
 
 /// Reads a `/v1/completions` body.

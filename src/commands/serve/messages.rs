@@ -67,20 +67,11 @@ pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
             }
         }
     }
-    match obj.get("messages") {
-        Some(Value::Array(a)) if !a.is_empty() => {
-            for (i, m) in a.iter().enumerate() {
-                messages.extend(message(i, m)?);
-            }
-        }
-        Some(Value::Array(_)) => return Err(ApiError::field("messages", "'messages' is empty")),
-        Some(_) => {
-            return Err(ApiError::field(
-                "messages",
-                "'messages' must be an array of messages",
-            ))
-        }
-        None => return Err(ApiError::field("messages", "'messages' is required")),
+    for (i, m) in api::items(&obj, "messages", "an array of messages")?
+        .iter()
+        .enumerate()
+    {
+        messages.extend(message(i, m)?);
     }
     tools::check_answers(&messages)?;
     // The rest as a chat completion reads it, under OpenAI's names.

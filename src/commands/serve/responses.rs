@@ -136,21 +136,13 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Parsed, ApiError> {
             ))
         }
     };
-    match obj.get("input") {
-        Some(Value::String(s)) => messages.push(Message::new("user", s)),
-        Some(Value::Array(items)) if !items.is_empty() => {
-            for (i, item) in items.iter().enumerate() {
-                add_item(&mut messages, i, item)?;
-            }
+    if let Some(Value::String(s)) = obj.get("input") {
+        messages.push(Message::new("user", s));
+    } else {
+        let input = api::items(&obj, "input", "a string or an array of items")?;
+        for (i, item) in input.iter().enumerate() {
+            add_item(&mut messages, i, item)?;
         }
-        Some(Value::Array(_)) => return Err(ApiError::field("input", "'input' is empty")),
-        Some(_) => {
-            return Err(ApiError::field(
-                "input",
-                "'input' must be a string or an array of items",
-            ))
-        }
-        None => return Err(ApiError::field("input", "'input' is required")),
     }
     tools::check_answers(&messages)?;
     if let Some(f) = obj.get("text").and_then(|t| t.get("format")) {

@@ -230,3 +230,17 @@ pub fn python() -> String {
     std::env::var("KVCHAT_TEST_PYTHON")
         .unwrap_or_else(|_| format!("{}/target/pyenv/bin/python", env!("CARGO_MANIFEST_DIR")))
 }
+
+/// Runs the tests' Python (`python()`) with `args` (a script path, or `-c` and code, then its
+/// arguments) and reads the one JSON report it prints; its stderr is the failure's message.
+pub fn python_json(args: &[&str]) -> Value {
+    let out = Command::new(python()).args(args).output().expect(
+        "target/pyenv/bin/python with the openai and anthropic packages (scripts/test.sh makes it)",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
