@@ -314,6 +314,25 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
 }
 
 #[test]
+fn anthropics_key_header_is_read_as_the_api_key_and_a_wrong_one_is_refused() {
+    let server = Server::start(&["--api-key", "sk-right"]);
+    let body =
+        json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let send = |key: &str| match ureq::post(&server.url("/v1/messages"))
+        .set("x-api-key", key)
+        .send_string(&body)
+    {
+        Ok(r) => (r.status(), String::new()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(send("sk-right").0, 200);
+    let (code, text) = send("sk-wrong");
+    assert_eq!(code, 401, "{text}");
+    assert!(text.contains("authentication_error"), "{text}");
+}
+
+#[test]
 fn an_api_key_is_required_when_set() {
     let server = Server::start(&["--api-key", "sk-right"]);
     let body = greedy_chat("hi", 2).to_string();
