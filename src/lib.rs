@@ -7,6 +7,7 @@ pub mod commands;
 pub mod engine;
 pub mod eval;
 pub mod fsx;
+pub mod grammar;
 pub mod guard;
 pub mod interrupt;
 pub mod kv;

@@ -21,6 +21,7 @@ use crate::eval::bench::Runs;
 use crate::eval::kv_size::{DimsFrom, KvSizeQuery};
 use crate::eval::needle::NeedleGrid;
 use crate::eval::quiz::QuizPlan;
+use crate::grammar::Grammar;
 use crate::kv::size::KvDims;
 use crate::kv::{CacheMode, Retention};
 use anyhow::{bail, Context, Result};
@@ -209,11 +210,49 @@ fn bar_after() -> Duration {
     )
 }
 
+/// `--json-schema FILE|JSON` or `--grammar FILE`, read: the grammar and the flag that gave it.
+fn grammar_flags(
+    schema: Option<&str>,
+    lark: Option<&std::path::Path>,
+) -> Result<Option<(&'static str, Grammar)>> {
+    use crate::grammar::MAX_GRAMMAR_BYTES;
+    let read = |flag: &str, path: &std::path::Path| -> Result<String> {
+        let size = std::fs::metadata(path)
+            .with_context(|| format!("{flag}: cannot read {}", path.display()))?
+            .len();
+        if size > MAX_GRAMMAR_BYTES as u64 {
+            bail!(
+                "{flag}: {} is {size} bytes, more than the {MAX_GRAMMAR_BYTES} a grammar may have",
+                path.display()
+            );
+        }
+        std::fs::read_to_string(path)
+            .with_context(|| format!("{flag}: cannot read {}", path.display()))
+    };
+    if let Some(s) = schema {
+        // Inline JSON starts with `{` (or is `true`); anything else names a file.
+        let text = if s.trim_start().starts_with('{') || s.trim() == "true" {
+            s.to_string()
+        } else {
+            read("--json-schema", std::path::Path::new(s))?
+        };
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("--json-schema: not JSON: {e}"))?;
+        return Ok(Some(("--json-schema", Grammar::JsonSchema(v))));
+    }
+    if let Some(p) = lark {
+        return Ok(Some(("--grammar", Grammar::Lark(read("--grammar", p)?))));
+    }
+    Ok(None)
+}
+
 impl RunArgs {
     pub fn resolve(self) -> Result<RunOptions> {
+        let grammar = grammar_flags(self.json_schema.as_deref(), self.grammar.as_deref())?;
         let generate = generate_flags!(self).resolve()?;
         Ok(RunOptions {
             generate,
+            grammar,
             prompt: self.prompt,
             raw: self.raw,
             ignore_eos: self.ignore_eos,

@@ -46,6 +46,14 @@ pub struct RunArgs {
     /// this prompt's state there
     #[arg(long, value_name = "FILE")]
     pub prompt_cache: Option<PathBuf>,
+    /// The answer is JSON valid under this JSON Schema (a file, or the schema's text): every
+    /// token is picked among those the schema allows (docs/structured.md)
+    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["grammar", "draft"])]
+    pub json_schema: Option<String>,
+    /// The answer is a sentence of this Lark grammar (llguidance's dialect; `%json {…}` embeds a
+    /// schema): docs/structured.md
+    #[arg(long, value_name = "FILE", conflicts_with = "draft")]
+    pub grammar: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

@@ -20,6 +20,8 @@ const MAX_PROMPT_BYTES: u64 = 64 << 20;
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     pub generate: Generate,
+    /// The grammar the answer keeps to, with the flag that gave it (for its errors).
+    pub grammar: Option<(&'static str, crate::grammar::Grammar)>,
     /// The prompt; None: read from stdin (which must not be a terminal).
     pub prompt: Option<String>,
     /// Complete the text as-is, without the chat template.
@@ -136,6 +138,13 @@ pub fn run(opts: RunOptions) -> Result<()> {
     let mut sampler = Sampler::new(sampling.params.clone());
     if opts.trace_picks {
         sampler.trace();
+    }
+    if let Some((flag, grammar)) = &opts.grammar {
+        let constraint = engine
+            .grammars()
+            .and_then(|g| g.compile(grammar))
+            .map_err(|e| anyhow::anyhow!("{flag}: {}", crate::error_line(&e)))?;
+        sampler.constrain(constraint);
     }
     let mut stream = TextStream::new();
     let mut stdout = std::io::stdout().lock();

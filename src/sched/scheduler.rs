@@ -469,7 +469,10 @@ impl<'e> Scheduler<'e> {
                 let sampling = self
                     .engine
                     .sampling_over(&[("request", &r.job.sampling), ("flag", &self.sampling)]);
-                let sampler = Sampler::new(sampling.params);
+                let mut sampler = Sampler::new(sampling.params);
+                if let Some(c) = r.job.constraint.take() {
+                    sampler.constrain(c);
+                }
                 self.next_id += 1;
                 let stop_ids = match r.job.ignore_eos {
                     true => &[][..],

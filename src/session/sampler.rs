@@ -3,6 +3,7 @@
 //! registry's recommendation, else the model file's, else the built-in default; a random seed unless
 //! one is given).
 
+use crate::grammar::Constraint;
 use crate::model::sampling::{SamplingPrefs, Setting, SETTINGS};
 use anyhow::Result;
 use candle_core::Tensor;
@@ -133,6 +134,8 @@ pub struct Sampler {
     rng: StdRng,
     /// Each pick with the runner-up's logit, when traced ([`Sampler::trace`]).
     picks: Option<Vec<Pick>>,
+    /// The grammar the answer keeps to, if any ([`Sampler::constrain`]).
+    constraint: Option<Constraint>,
 }
 
 /// One sampled token beside the next most likely one, by the logits it was picked from (after
@@ -152,7 +155,19 @@ impl Sampler {
             p,
             rng,
             picks: None,
+            constraint: None,
         }
+    }
+
+    /// From now on every pick keeps to `constraint`'s grammar: the tokens it does not allow are
+    /// never picked, and each pick moves it on.
+    pub fn constrain(&mut self, constraint: Constraint) {
+        self.constraint = Some(constraint);
+    }
+
+    /// Whether picks keep to a grammar.
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     /// Records every pick from now on (read by [`Sampler::picks`]): where two devices' greedy
@@ -213,7 +228,13 @@ impl Sampler {
                 }
             }
         }
+        if let Some(c) = &mut self.constraint {
+            c.apply(&mut logits)?;
+        }
         let token = self.choose(&logits);
+        if let Some(c) = &mut self.constraint {
+            c.commit(token)?;
+        }
         if let Some(picks) = &mut self.picks {
             let runner_up = argmax_except(&logits, token);
             picks.push(Pick {

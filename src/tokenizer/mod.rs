@@ -6,7 +6,10 @@
 //! run by our own encoder (`spm.rs`, llama.cpp's algorithm over the vocabulary's scores: a 262k
 //! vocabulary is ready in milliseconds, where deriving BPE merges from it took 0.6 s).
 
+mod bytes;
 mod spm;
+
+pub use bytes::CONTROL_MARK;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};

@@ -2,6 +2,7 @@
 //! how its chat template shows it is one. A new family is one row here (and its reader, if no
 //! existing one fits).
 
+use super::grammar::{lark_json, parameters, Parts, Rules};
 use super::Call;
 use serde_json::Value;
 
@@ -22,6 +23,8 @@ pub struct Format {
     pub bare_json: bool,
     /// Reads the calls between `open` and `close`.
     pub read: fn(&str) -> Result<Vec<Call>, String>,
+    /// Its calls as a grammar (`grammar.rs`), for constrained decoding.
+    pub grammar: fn(&Parts) -> Option<Rules>,
 }
 
 /// The table. Qwen3-Coder's XML before Hermes (both open with `<tool_call>`).
@@ -34,6 +37,7 @@ pub const FORMATS: &[Format] = &[
         at_start: false,
         bare_json: false,
         read: read_xml_function,
+        grammar: xml_rules,
     },
     Format {
         name: "hermes",
@@ -43,6 +47,7 @@ pub const FORMATS: &[Format] = &[
         at_start: false,
         bare_json: true,
         read: read_json_calls,
+        grammar: hermes_rules,
     },
     Format {
         name: "mistral",
@@ -52,6 +57,7 @@ pub const FORMATS: &[Format] = &[
         at_start: false,
         bare_json: false,
         read: read_json_calls,
+        grammar: mistral_rules,
     },
     Format {
         name: "llama3-json",
@@ -61,8 +67,84 @@ pub const FORMATS: &[Format] = &[
         at_start: true,
         bare_json: false,
         read: read_brace_json_calls,
+        grammar: llama3_rules,
     },
 ];
+
+/// `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, one per call, a newline between.
+fn hermes_rules(p: &Parts) -> Option<Rules> {
+    let after = format!(
+        "\"\\n\" {} \"\\n\" {}",
+        p.call_json(),
+        (p.term)("</tool_call>")
+    );
+    let one = format!("{} {after}", (p.term)("<tool_call>"));
+    Some(Rules {
+        calls: p.repeated(&one, "\"\\n\""),
+        after_open: Some(after),
+    })
+}
+
+/// `[TOOL_CALLS]` then a JSON list of call objects.
+fn mistral_rules(p: &Parts) -> Option<Rules> {
+    let after = p.call_list_json();
+    Some(Rules {
+        calls: format!("{} {after}", (p.term)("[TOOL_CALLS]")),
+        after_open: Some(after),
+    })
+}
+
+/// The answer is one call object (its brace is the opening: no lazy grammar).
+fn llama3_rules(p: &Parts) -> Option<Rules> {
+    Some(Rules {
+        calls: p.call_json(),
+        after_open: None,
+    })
+}
+
+/// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…</function>\n</tool_call>`:
+/// the parameters in the schema's order, the required ones always; a string value is text
+/// without `<`, any other a JSON value of its schema.
+fn xml_rules(p: &Parts) -> Option<Rules> {
+    let t = p.term;
+    let function = |tool: &&crate::toolcall::Tool| -> Option<String> {
+        let schema = parameters(tool);
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut body = format!("{} ", t(&format!("<function={}>\n", tool.name)));
+        if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+            for (key, s) in props {
+                let value = match s.get("type").and_then(Value::as_str) {
+                    Some("string") if s.get("enum").is_none() => "/[^<]+/".to_string(),
+                    _ => lark_json(s),
+                };
+                let param = format!(
+                    "({} {value} {})",
+                    t(&format!("<parameter={key}>\n")),
+                    t("\n</parameter>\n")
+                );
+                body.push_str(&param);
+                body.push_str(if required.contains(&key.as_str()) {
+                    " "
+                } else {
+                    "? "
+                });
+            }
+        }
+        body.push_str(&t("</function>\n"));
+        Some(format!("({body})"))
+    };
+    let functions = p.tools.iter().map(function).collect::<Option<Vec<_>>>()?;
+    let after = format!("\"\\n\" ({}) {}", functions.join(" | "), t("</tool_call>"));
+    let one = format!("{} {after}", t("<tool_call>"));
+    Some(Rules {
+        calls: p.repeated(&one, "\"\\n\""),
+        after_open: Some(after),
+    })
+}
 
 /// The format a chat template's model writes calls in, if kvchat knows it.
 pub fn for_template(source: &str) -> Option<&'static Format> {

@@ -3,6 +3,7 @@
 //! it streams, so that a call reaches the client as a call and never as text.
 
 pub mod formats;
+pub mod grammar;
 
 pub use formats::{for_template, Format, FORMATS};
 use serde_json::Value;

@@ -66,6 +66,7 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 fn job(queue: &Queue, prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedReceiver<Event>) {
     let (events, rx) = tokio::sync::mpsc::unbounded_channel();
     let job = Job {
+        constraint: None,
         prompt,
         max_tokens,
         sampling: greedy(),

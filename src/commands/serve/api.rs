@@ -6,6 +6,7 @@
 
 use super::fields::{counted, known};
 use super::tools::{self, Offered};
+use crate::grammar::{Grammar, MAX_GRAMMAR_BYTES};
 use crate::model::sampling::SamplingPrefs;
 use crate::template::Message;
 use serde_json::{json, Map, Value};
@@ -121,6 +122,41 @@ pub struct Request {
     pub offered: Offered,
     /// Variables for the chat template (`chat_template_kwargs`: Qwen3's `enable_thinking`, …).
     pub template_kwargs: Map<String, Value>,
+    /// What a text answer must be (`response_format`): None, any text.
+    pub answer: Option<Grammar>,
+}
+
+/// OpenAI's `response_format` (the Responses API's `text.format` is the same without the
+/// `json_schema` wrapper: `flat`): `text`, `json_object`, or `json_schema` with its `schema`.
+pub fn response_format(v: Option<&Value>, param: &str) -> Result<Option<Grammar>, ApiError> {
+    let Some(rf) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |why: String| ApiError::field(param, format!("'{param}' {why}"));
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            // Chat completions wrap it (`json_schema: {name, schema, strict}`); Responses do not.
+            let holder = rf.get("json_schema").unwrap_or(rf);
+            let schema = holder
+                .get("schema")
+                .ok_or_else(|| bad("of type json_schema needs a 'schema'".into()))?;
+            if !schema.is_object() && !schema.is_boolean() {
+                return Err(bad("has a 'schema' that is not a JSON object".into()));
+            }
+            let size = schema.to_string().len();
+            if size > MAX_GRAMMAR_BYTES {
+                return Err(bad(format!(
+                    "has a schema of {size} bytes, more than the {MAX_GRAMMAR_BYTES} kvchat serve takes"
+                )));
+            }
+            Ok(Some(Grammar::JsonSchema(schema.clone())))
+        }
+        _ => Err(bad(
+            "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}".into(),
+        )),
+    }
 }
 
 /// Reads a `/v1/chat/completions` body.
@@ -143,20 +179,14 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
         .collect::<Result<Vec<_>, _>>()?;
     let offered = tools::read(&obj)?;
     tools::check_answers(&messages)?;
-    if let Some(rf) = obj.get("response_format").filter(|v| !v.is_null()) {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::field(
-                "response_format",
-                "only response_format {\"type\": \"text\"} is supported",
-            ));
-        }
-    }
+    let answer = response_format(obj.get("response_format"), "response_format")?;
     let max_tokens = match positive(&obj, "max_completion_tokens")? {
         Some(n) => Some(n),
         None => positive(&obj, "max_tokens")?,
     };
     let mut request = common(&obj, Endpoint::Chat, Prompt::Chat(messages), max_tokens)?;
     request.offered = offered;
+    request.answer = answer;
     request.template_kwargs = match obj.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(m)) if m.len() <= MAX_TEMPLATE_KWARGS => m.clone(),
@@ -480,6 +510,7 @@ pub fn common(
         include_usage,
         offered: Offered::default(),
         template_kwargs: Map::new(),
+        answer: None,
     })
 }
 

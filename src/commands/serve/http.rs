@@ -313,7 +313,8 @@ async fn start(
     let offered = request.offered;
     let order = Order {
         prompt: request.prompt,
-        tools: offered.tools.clone(),
+        offered: offered.clone(),
+        answer: request.answer,
         template_kwargs: request.template_kwargs,
         max_tokens: request.max_tokens,
         ticket,
@@ -326,6 +327,7 @@ async fn start(
         ticket,
         tool_format,
         thinking,
+        constraint,
     } = prepared.await.map_err(|_| stopped())??;
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
@@ -340,6 +342,7 @@ async fn start(
         sampling: request.sampling,
         stop: request.stop,
         ignore_eos: false,
+        constraint,
         events: tx,
         arrived,
         ticket,

@@ -4,11 +4,14 @@
 //! tokens: the scheduler's thread only ever sees token ids.
 
 use super::api::{ApiError, Prompt};
+use super::tools::Offered;
 use crate::engine::Engine;
+use crate::grammar::{Constraint, Grammar};
 use crate::reasoning;
 use crate::sched::Ticket;
 use crate::template::ChatTemplate;
-use crate::toolcall::{self, Format, Tool};
+use crate::toolcall::grammar::Plan;
+use crate::toolcall::{self, Choice, Format, Tool};
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
 
@@ -26,12 +29,16 @@ pub struct Prepared {
     pub tool_format: Option<&'static Format>,
     /// A thinking model's reasoning markers, and whether the prompt opened its reasoning.
     pub thinking: Option<(&'static reasoning::Markers, bool)>,
+    /// The grammar its answer keeps to (`response_format`, `tool_choice`), compiled.
+    pub constraint: Option<Constraint>,
 }
 
 /// A prompt to prepare, its place in the queue, and where its answer goes.
 pub struct Order {
     pub prompt: Prompt,
-    pub tools: Vec<Tool>,
+    pub offered: Offered,
+    /// What a text answer must be (`response_format`).
+    pub answer: Option<Grammar>,
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     pub max_tokens: Option<usize>,
     pub ticket: Ticket,
@@ -61,12 +68,15 @@ impl Preparer<'_> {
             }
             // A fault in preparing one request (a template's, say) answers that request alone.
             let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.prepare(
+                let prepared = self.prepare(
                     &order.prompt,
-                    &order.tools,
+                    &order.offered.tools,
                     &order.template_kwargs,
                     order.max_tokens,
-                )
+                )?;
+                let constraint =
+                    self.constrain(&order.offered, order.answer.as_ref(), prepared.2)?;
+                Ok((prepared, constraint))
             }))
             .unwrap_or_else(|_| {
                 Err(ApiError::new(
@@ -75,14 +85,66 @@ impl Preparer<'_> {
                     "preparing this request's prompt failed inside kvchat",
                 ))
             });
-            let answer = prepared.map(|(ids, max_tokens, tool_format, thinking)| Prepared {
-                ids,
-                max_tokens,
-                ticket: order.ticket,
-                tool_format,
-                thinking,
-            });
+            let answer =
+                prepared.map(
+                    |((ids, max_tokens, tool_format, thinking), constraint)| Prepared {
+                        ids,
+                        max_tokens,
+                        ticket: order.ticket,
+                        tool_format,
+                        thinking,
+                        constraint,
+                    },
+                );
             let _ = order.reply.send(answer);
+        }
+    }
+
+    /// The grammar an answer keeps to: the calls `tool_choice` asks for in the model's format
+    /// (`tool_format`), the text `response_format` asks for, both, or none. An error names the
+    /// part of the request that cannot be honoured.
+    fn constrain(
+        &self,
+        offered: &Offered,
+        answer: Option<&Grammar>,
+        tool_format: Option<&'static Format>,
+    ) -> Result<Option<Constraint>, ApiError> {
+        let calls = !offered.tools.is_empty() && offered.choice != Choice::None;
+        if !calls && answer.is_none() {
+            return Ok(None);
+        }
+        let param = if calls { "tools" } else { "response_format" };
+        let grammars = self
+            .engine
+            .grammars()
+            .map_err(|e| ApiError::field(param, crate::first_line(e)))?;
+        let term = |text: &str| grammars.term(text);
+        let plan = toolcall::grammar::plan(
+            tool_format,
+            &offered.tools,
+            &offered.choice,
+            offered.parallel,
+            answer,
+            &term,
+        )
+        .map_err(|e| ApiError::field("tool_choice", e))?;
+        let refused = |e: anyhow::Error| {
+            ApiError::field(
+                param,
+                format!("'{param}' cannot be honoured: {}", crate::first_line(e)),
+            )
+        };
+        match plan {
+            Plan::Free => Ok(None),
+            Plan::Whole(g) => grammars.compile(&g).map(Some).map_err(refused),
+            Plan::Lazy { grammar, trigger } => match grammars.token_of(&trigger) {
+                Some(token) => grammars
+                    .compile_lazy(&grammar, token)
+                    .map(Some)
+                    .map_err(refused),
+                // The opening is no single token: calls are read and checked after the fact.
+                None => Ok(None),
+            },
         }
     }
 

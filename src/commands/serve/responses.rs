@@ -145,14 +145,8 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Parsed, ApiError> {
         }
     }
     tools::check_answers(&messages)?;
-    if let Some(f) = obj.get("text").and_then(|t| t.get("format")) {
-        if f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::field(
-                "text",
-                "'text.format' other than text needs constrained decoding, which kvchat serve does not do yet",
-            ));
-        }
-    }
+    let answer =
+        api::response_format(obj.get("text").and_then(|t| t.get("format")), "text.format")?;
     let keep = match obj.get("store") {
         None | Some(Value::Null) | Some(Value::Bool(true)) => Some(messages.clone()),
         Some(Value::Bool(false)) => None,
@@ -202,6 +196,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Parsed, ApiError> {
     let mut request =
         api::common(&same, Endpoint::Chat, Prompt::Chat(messages), max_tokens).map_err(renamed)?;
     request.offered = offered;
+    request.answer = answer;
     Ok(Parsed { request, keep })
 }
 

@@ -160,12 +160,6 @@ pub fn read(obj: &Map<String, Value>) -> Result<Offered, ApiError> {
             "'tool_choice' asks for a call, but the request offers no tools",
         ));
     }
-    if matches!(offered.choice, Choice::Required | Choice::Named(_)) {
-        return Err(ApiError::field(
-            "tool_choice",
-            "'tool_choice' required or a named function needs constrained decoding, which kvchat serve does not do yet: use auto (the model decides, and its calls are read)",
-        ));
-    }
     offered.parallel = match obj.get("parallel_tool_calls") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,

@@ -1,0 +1,273 @@
+//! Constrained decoding: the tokens a grammar allows next, so that an answer is always JSON of a
+//! schema, a Lark grammar's sentence, or a tool call that parses. The grammar engine is
+//! llguidance (what llama.cpp and mistral.rs use): it compiles JSON schemas and Lark grammars and
+//! computes a token mask per step over a trie of the vocabulary's bytes.
+//!
+//! One [`Grammars`] per model (its vocabulary's trie, built on first use); one [`Constraint`] per
+//! answer. A constraint computes the mask for the next token on its own thread as soon as a token
+//! is committed, so the mask is ready while the model's forward pass for that token runs.
+
+use crate::tokenizer::Tokenizer;
+use anyhow::{anyhow, bail, Result};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// The most bytes a schema or grammar's text may have (a 50-field schema is ~5 KB).
+pub const MAX_GRAMMAR_BYTES: usize = 256 * 1024;
+
+/// What an answer must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grammar {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid under this schema.
+    JsonSchema(Value),
+    /// A Lark grammar as llguidance reads it (`%json {…}` embeds a schema; `<[ID]>` is a token).
+    Lark(String),
+}
+
+impl Grammar {
+    /// The JSON written the way models write it: ", " and ": " between items, no other
+    /// whitespace (a grammar that allows any whitespace lets a small model loop on newlines).
+    fn json_options() -> Value {
+        json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+    }
+
+    fn top_level(&self) -> Result<TopLevelGrammar> {
+        let text_len = match self {
+            Grammar::JsonObject => 0,
+            Grammar::JsonSchema(s) => serde_json::to_string(s)?.len(),
+            Grammar::Lark(g) => g.len(),
+        };
+        if text_len > MAX_GRAMMAR_BYTES {
+            bail!("it has {text_len} bytes, more than the {MAX_GRAMMAR_BYTES} allowed");
+        }
+        Ok(match self {
+            Grammar::JsonObject => {
+                TopLevelGrammar::from_json_schema(with_options(json!({"type": "object"})))
+            }
+            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(with_options(s.clone())),
+            Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        })
+    }
+}
+
+/// The schema with kvchat's JSON layout, unless it sets its own (`x-guidance`).
+fn with_options(schema: Value) -> Value {
+    match schema {
+        Value::Object(mut m) => {
+            m.entry("x-guidance").or_insert_with(Grammar::json_options);
+            Value::Object(m)
+        }
+        // `true`, `false`: the JSON compiler reads them as schemas too.
+        other => other,
+    }
+}
+
+/// A model's vocabulary as the grammar engine reads it.
+pub struct Grammars {
+    factory: ParserFactory,
+    end: u32,
+}
+
+impl Grammars {
+    /// The vocabulary of `tokenizer`, padded to the `logits` rows the model computes (rows past
+    /// the vocabulary are never allowed); `end` is the token that ends an answer.
+    pub fn new(tokenizer: &Tokenizer, logits: usize, end: u32) -> Result<Self> {
+        let mut words = tokenizer.token_bytes();
+        words.resize(words.len().max(logits), Vec::new());
+        let info = TokRxInfo::new(words.len() as u32, end);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| anyhow!("the grammar engine could not read the vocabulary: {e}"))?;
+        factory.quiet();
+        Ok(Self { factory, end })
+    }
+
+    /// The token that ends a constrained answer.
+    pub fn end_token(&self) -> u32 {
+        self.end
+    }
+
+    /// The one token whose text is `text` (a control token's too), if there is one.
+    pub fn token_of(&self, text: &str) -> Option<u32> {
+        let trie = self.factory.tok_env().tok_trie();
+        let mut marked = vec![crate::tokenizer::CONTROL_MARK];
+        marked.extend_from_slice(text.as_bytes());
+        trie.token_id_at_bytes(text.as_bytes())
+            .or_else(|| trie.token_id_at_bytes(&marked))
+    }
+
+    /// `text` as a Lark term: the control token it is (`<[ID]>`, which no string literal
+    /// matches), else a string literal.
+    pub fn term(&self, text: &str) -> String {
+        let trie = self.factory.tok_env().tok_trie();
+        let mut marked = vec![crate::tokenizer::CONTROL_MARK];
+        marked.extend_from_slice(text.as_bytes());
+        match trie.token_id_at_bytes(&marked) {
+            Some(id) => format!("<[{id}]>"),
+            None => serde_json::to_string(text).unwrap_or_default(),
+        }
+    }
+
+    /// A constraint that starts at once; an error says what in the grammar cannot be honoured
+    /// (a keyword, a size, a syntax error), for the user.
+    pub fn compile(&self, grammar: &Grammar) -> Result<Constraint> {
+        let matcher = self.matcher(grammar)?;
+        Constraint::started(matcher, self.end)
+    }
+
+    /// A constraint that starts only when the model writes `trigger` (a tool call's opening
+    /// token), constrains what follows up to the grammar's end, then waits for the next one.
+    pub fn compile_lazy(&self, grammar: &Grammar, trigger: u32) -> Result<Constraint> {
+        let matcher = self.matcher(grammar)?;
+        // Compiled and checked now, so that a bad grammar is refused before the answer starts.
+        let mut first = matcher.clone();
+        mask_of(&mut first)?;
+        Ok(Constraint {
+            state: State::Waiting,
+            end: self.end,
+            lazy: Some((trigger, Box::new(matcher))),
+        })
+    }
+
+    fn matcher(&self, grammar: &Grammar) -> Result<Matcher> {
+        let top = grammar.top_level()?;
+        let parser = self
+            .factory
+            .create_parser(top)
+            .map_err(|e| anyhow!("{e}"))?;
+        Ok(Matcher::new(Ok(parser)))
+    }
+}
+
+fn mask_of(m: &mut Matcher) -> Result<SimpleVob> {
+    let mask = m.compute_mask_or_eos().map_err(|e| anyhow!("{e}"))?;
+    if let Some(e) = m.get_error() {
+        bail!("{e}");
+    }
+    Ok(mask)
+}
+
+/// Which tokens an answer may take next, step by step.
+pub struct Constraint {
+    state: State,
+    /// The token that ends the answer: allowed where the grammar is complete, never consumed.
+    end: u32,
+    /// For a lazy constraint: the token that starts it, and its grammar unstarted.
+    lazy: Option<(u32, Box<Matcher>)>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            State::Ready(..) => "ready",
+            State::Computing(_) => "computing",
+            State::Waiting => "waiting for its trigger",
+            State::Empty => "failed",
+        };
+        write!(f, "Constraint({state})")
+    }
+}
+
+enum State {
+    /// The mask for the next token is known.
+    Ready(Box<Matcher>, SimpleVob),
+    /// It is being computed on its own thread.
+    Computing(JoinHandle<(Box<Matcher>, Result<SimpleVob>)>),
+    /// A lazy constraint before its trigger: every token is allowed.
+    Waiting,
+    /// Taken while it changes.
+    Empty,
+}
+
+impl Constraint {
+    fn started(mut matcher: Matcher, end: u32) -> Result<Self> {
+        let mask = mask_of(&mut matcher)?;
+        Ok(Self {
+            state: State::Ready(Box::new(matcher), mask),
+            end,
+            lazy: None,
+        })
+    }
+
+    /// Sets the logit of every token the grammar does not allow next to −∞. An error: the
+    /// grammar allows no token (a dead end) or its engine failed.
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        let mask = match self.ready()? {
+            Some(mask) => mask,
+            None => return Ok(()),
+        };
+        let mut any = false;
+        for (i, l) in logits.iter_mut().enumerate() {
+            if mask.is_allowed(i as u32) {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if !any {
+            bail!("the grammar allows no token here");
+        }
+        Ok(())
+    }
+
+    /// The mask for the next token, waiting for its thread if it is still at work; None while a
+    /// lazy constraint waits for its trigger.
+    fn ready(&mut self) -> Result<Option<&SimpleVob>> {
+        if let State::Computing(_) = self.state {
+            let State::Computing(handle) = std::mem::replace(&mut self.state, State::Empty) else {
+                unreachable!("matched above")
+            };
+            let (matcher, mask) = handle
+                .join()
+                .map_err(|_| anyhow!("the grammar engine failed"))?;
+            self.state = State::Ready(matcher, mask?);
+        }
+        match &self.state {
+            State::Ready(_, mask) => Ok(Some(mask)),
+            State::Waiting => Ok(None),
+            State::Computing(_) | State::Empty => bail!("the grammar engine failed earlier"),
+        }
+    }
+
+    /// `token` was picked: the grammar moves past it, and the next mask starts computing.
+    pub fn commit(&mut self, token: u32) -> Result<()> {
+        self.ready()?;
+        if token == self.end {
+            // The answer ends here (the grammar allowed it: it is complete, or not started).
+            return Ok(());
+        }
+        let matcher = match std::mem::replace(&mut self.state, State::Empty) {
+            State::Ready(mut m, _) => {
+                m.consume_token(token)
+                    .map_err(|e| anyhow!("the answer left its grammar: {e}"))?;
+                if self.lazy.is_some() && m.is_stopped() {
+                    // The call is complete: free text again until the next trigger.
+                    self.state = State::Waiting;
+                    return Ok(());
+                }
+                m
+            }
+            // A lazy constraint's trigger is not the grammar's: the grammar starts after it.
+            State::Waiting => match &self.lazy {
+                Some((trigger, unstarted)) if *trigger == token => unstarted.clone(),
+                _ => {
+                    self.state = State::Waiting;
+                    return Ok(());
+                }
+            },
+            State::Computing(_) | State::Empty => bail!("the grammar engine failed earlier"),
+        };
+        let mut matcher = matcher;
+        self.state = State::Computing(std::thread::spawn(move || {
+            let mask = mask_of(&mut matcher);
+            (matcher, mask)
+        }));
+        Ok(())
+    }
+}
