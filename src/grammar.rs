@@ -46,6 +46,11 @@ impl Grammar {
         if text_len > MAX_GRAMMAR_BYTES {
             bail!("it has {text_len} bytes, more than the {MAX_GRAMMAR_BYTES} allowed");
         }
+        if let Grammar::JsonSchema(s) = self {
+            if let Some(r) = endless_ref(s) {
+                bail!("the schema has no finite value: every value of it nests another through '$ref': '{r}' without end");
+            }
+        }
         Ok(match self {
             Grammar::JsonObject => {
                 TopLevelGrammar::from_json_schema(with_options(json!({"type": "object"})))
@@ -53,6 +58,105 @@ impl Grammar {
             Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(with_options(s.clone())),
             Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         })
+    }
+}
+
+/// A `$ref` through which every value of `schema` must nest again without end (a required
+/// property that refers back to its own object, say), if there is one: such a schema has no
+/// finite value, and an answer held to it could only end by running out of tokens. Only local
+/// references (`#/…`) are followed; a schema too large to walk within a budget of steps is left
+/// to the grammar engine's own limits.
+pub fn endless_ref(schema: &Value) -> Option<String> {
+    let mut walk = Walk {
+        root: schema,
+        stack: Vec::new(),
+        steps: 100_000,
+        culprit: None,
+    };
+    if walk.finite(schema) {
+        None
+    } else {
+        walk.culprit
+    }
+}
+
+struct Walk<'a> {
+    root: &'a Value,
+    /// The references being followed, outermost first.
+    stack: Vec<&'a str>,
+    steps: usize,
+    culprit: Option<String>,
+}
+
+impl<'a> Walk<'a> {
+    /// Whether `s` has a finite value (true where unsure).
+    fn finite(&mut self, s: &'a Value) -> bool {
+        if self.steps == 0 {
+            return true;
+        }
+        self.steps -= 1;
+        let m = match s {
+            Value::Bool(b) => return *b,
+            Value::Object(m) => m,
+            _ => return true,
+        };
+        if let Some(r) = m.get("$ref").and_then(Value::as_str) {
+            if self.stack.contains(&r) {
+                self.culprit.get_or_insert_with(|| r.to_string());
+                return false;
+            }
+            if let Some(target) = r.strip_prefix('#').and_then(|p| self.root.pointer(p)) {
+                self.stack.push(r);
+                let ok = self.finite(target);
+                self.stack.pop();
+                if !ok {
+                    return false;
+                }
+            }
+        }
+        for key in ["anyOf", "oneOf"] {
+            if let Some(Value::Array(alts)) = m.get(key) {
+                if !alts.iter().any(|a| self.finite(a)) {
+                    return false;
+                }
+            }
+        }
+        if let Some(Value::Array(all)) = m.get("allOf") {
+            if !all.iter().all(|a| self.finite(a)) {
+                return false;
+            }
+        }
+        // A type list with a scalar in it ("null", "string") always has a finite value.
+        let types: Vec<&str> = match m.get("type") {
+            Some(Value::String(t)) => vec![t],
+            Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+            _ => Vec::new(),
+        };
+        if types.iter().any(|t| *t != "object" && *t != "array") {
+            return true;
+        }
+        let props = m.get("properties").and_then(Value::as_object);
+        if let Some(Value::Array(required)) = m.get("required") {
+            for name in required.iter().filter_map(Value::as_str) {
+                let p = props
+                    .and_then(|p| p.get(name))
+                    .or_else(|| m.get("additionalProperties"));
+                if let Some(p) = p {
+                    if !self.finite(p) {
+                        return false;
+                    }
+                }
+            }
+        }
+        let least = m.get("minItems").and_then(Value::as_u64).unwrap_or(0);
+        if least > 0 {
+            if let Some(items) = m.get("items") {
+                if !self.finite(items) {
+                    return false;
+                }
+            }
+        }
+        true
     }
 }
 
@@ -80,8 +184,15 @@ impl Grammars {
     pub fn new(tokenizer: &Tokenizer, logits: usize, end: u32) -> Result<Self> {
         let mut words = tokenizer.token_bytes();
         words.resize(words.len().max(logits), Vec::new());
+        Self::from_words(&words, end)
+    }
+
+    /// A vocabulary given as each token's bytes (a control token's after [`CONTROL_MARK`]).
+    ///
+    /// [`CONTROL_MARK`]: crate::tokenizer::CONTROL_MARK
+    pub fn from_words(words: &[Vec<u8>], end: u32) -> Result<Self> {
         let info = TokRxInfo::new(words.len() as u32, end);
-        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, words)));
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| anyhow!("the grammar engine could not read the vocabulary: {e}"))?;
         factory.quiet();
@@ -269,5 +380,155 @@ impl Constraint {
             (matcher, mask)
         }));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vocabulary of whole JSON pieces, two control tokens (a call's opening and the end) and
+    /// some words.
+    const WORDS: &[&[u8]] = &[
+        b"{",
+        b"}",
+        b"\"",
+        b"a",
+        b"b",
+        b": ",
+        b", ",
+        b"1",
+        b"hello",
+        b" ",
+        b"\xff<call>",
+        b"\xff<end>",
+        b"[",
+        b"]",
+    ];
+    const CALL: u32 = 10;
+    const END: u32 = 11;
+
+    fn grammars() -> Grammars {
+        let words: Vec<Vec<u8>> = WORDS.iter().map(|w| w.to_vec()).collect();
+        Grammars::from_words(&words, END).unwrap()
+    }
+
+    /// The tokens a constraint allows next.
+    fn allowed(c: &mut Constraint) -> Vec<&'static str> {
+        let mut logits = vec![0.0; WORDS.len()];
+        c.apply(&mut logits).unwrap();
+        (0..WORDS.len())
+            .filter(|&i| logits[i] == 0.0)
+            .map(|i| std::str::from_utf8(WORDS[i]).unwrap_or("<ctl>"))
+            .collect()
+    }
+
+    fn feed(c: &mut Constraint, tokens: &[u32]) {
+        for &t in tokens {
+            c.commit(t).unwrap();
+        }
+    }
+
+    fn schema(s: Value) -> Grammar {
+        Grammar::JsonSchema(s)
+    }
+
+    #[test]
+    fn a_schema_allows_only_what_can_start_its_value() {
+        let mut c = grammars()
+            .compile(&schema(json!({"type": "array"})))
+            .unwrap();
+        assert_eq!(allowed(&mut c), vec!["["]);
+    }
+
+    #[test]
+    fn the_end_token_is_allowed_only_once_the_value_is_complete() {
+        let g = schema(
+            json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                               "required": ["a"], "additionalProperties": false}),
+        );
+        let mut c = grammars().compile(&g).unwrap();
+        // {"a": 1}
+        feed(&mut c, &[0, 2, 3, 2, 5, 7]);
+        assert!(!allowed(&mut c).contains(&"<ctl>"));
+        feed(&mut c, &[1]);
+        assert_eq!(allowed(&mut c), vec!["<ctl>"], "only the end token");
+        // The end is taken without complaint: the answer stops there.
+        c.commit(END).unwrap();
+    }
+
+    #[test]
+    fn a_lazy_constraint_is_free_until_its_trigger_then_holds_the_call_then_is_free_again() {
+        let g = Grammar::Lark(r#"start: "{" "}""#.into());
+        let mut c = grammars().compile_lazy(&g, CALL).unwrap();
+        assert_eq!(
+            allowed(&mut c).len(),
+            WORDS.len(),
+            "free before the trigger"
+        );
+        feed(&mut c, &[8, 9, CALL]);
+        assert_eq!(allowed(&mut c), vec!["{"]);
+        feed(&mut c, &[0, 1]);
+        assert_eq!(allowed(&mut c).len(), WORDS.len(), "free after the call");
+        feed(&mut c, &[CALL]);
+        assert_eq!(allowed(&mut c), vec!["{"], "the next call is held too");
+    }
+
+    #[test]
+    fn a_control_token_is_a_term_of_its_id_and_plain_text_a_literal() {
+        let g = grammars();
+        assert_eq!(g.term("<call>"), "<[10]>");
+        assert_eq!(g.term("hello"), "\"hello\"");
+        assert_eq!(g.token_of("<call>"), Some(CALL));
+        assert_eq!(g.token_of("hello"), Some(8));
+        assert_eq!(g.token_of("nope"), None);
+    }
+
+    #[test]
+    fn a_schema_that_must_nest_without_end_is_refused_naming_its_ref() {
+        let endless = json!({"type": "object", "properties": {"next": {"$ref": "#"}},
+                             "required": ["next"]});
+        let e = grammars()
+            .compile(&schema(endless))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no finite value") && e.contains("'#'"), "{e}");
+        // Through $defs, and through a list that must hold one.
+        let list = json!({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"},
+                                          "minItems": 1}}, "$ref": "#/$defs/n"});
+        assert_eq!(endless_ref(&list).as_deref(), Some("#/$defs/n"));
+    }
+
+    #[test]
+    fn a_recursive_schema_with_a_way_out_is_accepted() {
+        let tree = json!({"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["a"]});
+        assert_eq!(endless_ref(&tree), None);
+        let optional = json!({"anyOf": [{"type": "null"},
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}]});
+        assert_eq!(endless_ref(&optional), None);
+        grammars().compile(&schema(tree)).unwrap();
+    }
+
+    #[test]
+    fn a_schema_the_engine_cannot_honour_is_an_error_naming_the_part() {
+        let e = grammars()
+            .compile(&schema(json!({"type": "strin"})))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("strin"), "{e}");
+        let e = grammars()
+            .compile(&schema(json!({"$ref": "#/$defs/missing"})))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/$defs/missing"), "{e}");
+    }
+
+    #[test]
+    fn a_grammar_over_the_size_cap_is_refused_before_it_is_compiled() {
+        let big = Grammar::Lark(format!("start: \"{}\"", "a".repeat(MAX_GRAMMAR_BYTES)));
+        let e = grammars().compile(&big).unwrap_err().to_string();
+        assert!(e.contains("more than the"), "{e}");
     }
 }

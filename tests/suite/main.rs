@@ -28,6 +28,7 @@ mod serve;
 mod sources;
 mod store;
 mod strategies;
+mod structured;
 mod tiny;
 mod tools;
 mod weights;

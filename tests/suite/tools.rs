@@ -86,10 +86,6 @@ fn bad_tool_requests_get_a_400_naming_the_fault() {
             "a second tool named 'f'",
         ),
         (
-            json!({"messages": [user], "tools": [tool], "tool_choice": "required"}),
-            "constrained decoding",
-        ),
-        (
             json!({"messages": [user, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]}),
             "answers no call",
         ),

@@ -803,7 +803,7 @@ mod tests {
                 "max_completion_tokens",
             ),
             (
-                format!("{{{user},\"response_format\":{{\"type\":\"json_object\"}}}}"),
+                format!("{{{user},\"response_format\":{{\"type\":\"yaml\"}}}}"),
                 "response_format",
             ),
             (

@@ -469,9 +469,9 @@ mod tests {
             ),
             (
                 json!({"max_tokens": 8, "messages": user, "tools": [{"name": "f"}],
-                       "tool_choice": {"type": "any"}}),
+                       "tool_choice": {"type": "tool", "name": "g"}}),
                 "tool_choice",
-                "constrained decoding",
+                "'g', which is not among the tools",
             ),
         ] {
             let e = parsed(body.clone()).unwrap_err();

@@ -428,7 +428,7 @@ mod tests {
             ),
             (
                 json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
-                "constrained decoding",
+                "'text.format' of type json_schema needs a 'schema'",
             ),
             (
                 json!({"input": "x", "max_output_tokens": 0}),
