@@ -139,11 +139,16 @@ pub fn run(opts: RunOptions) -> Result<()> {
     if opts.trace_picks {
         sampler.trace();
     }
+    // How long the grammar took: the vocabulary's trie (once per model), then this grammar
+    // compiled with its first mask.
+    let mut grammar_times = None;
     if let Some((flag, grammar)) = &opts.grammar {
-        let constraint = engine
-            .grammars()
-            .and_then(|g| g.compile(grammar))
-            .map_err(|e| anyhow::anyhow!("{flag}: {}", crate::error_line(&e)))?;
+        let failed = |e: anyhow::Error| anyhow::anyhow!("{flag}: {}", crate::error_line(&e));
+        let t = Instant::now();
+        let grammars = engine.grammars().map_err(failed)?;
+        let vocabulary = t.elapsed();
+        let constraint = grammars.compile(grammar).map_err(failed)?;
+        grammar_times = Some((vocabulary, t.elapsed() - vocabulary));
         sampler.constrain(constraint);
     }
     let mut stream = TextStream::new();
@@ -284,6 +289,13 @@ pub fn run(opts: RunOptions) -> Result<()> {
             first_token.unwrap_or(prefill).as_secs_f64() * 1e3
         );
         eprintln!("[stats] sampling: {}", sampling.describe());
+        if let Some((vocabulary, compile)) = grammar_times {
+            eprintln!(
+                "[stats] grammar: vocabulary read in {:.1} ms (once per model), grammar compiled with its first mask in {:.1} ms",
+                vocabulary.as_secs_f64() * 1e3,
+                compile.as_secs_f64() * 1e3
+            );
+        }
         if g.draft.is_some() {
             let line = stats
                 .describe_drafts()
