@@ -247,3 +247,27 @@ fn run_with_a_bad_schema_or_grammar_fails_in_one_line_naming_the_flag() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+const ANTHROPIC_ANY: &str = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="sk-test", max_retries=0, timeout=300)
+tools = [{"name": "add", "description": "Add two integers",
+          "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"], "additionalProperties": False}}]
+out = {}
+for name, choice in [("any", {"type": "any"}), ("tool", {"type": "tool", "name": "add"})]:
+    m = c.messages.create(model="m", max_tokens=80, extra_body={"temperature": 0}, tools=tools,
+        tool_choice=choice, messages=[{"role": "user", "content": "What is 40 plus 2?"}])
+    out[name] = [m.stop_reason, [[b.name, b.input] for b in m.content if b.type == "tool_use"]]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_anthropic_clients_tool_choice_any_or_tool_gets_a_call_that_matches_its_schema() {
+    let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
+    let v = python_json(&["-c", ANTHROPIC_ANY, &server.base]);
+    let want = json!(["tool_use", [["add", {"a": 40, "b": 2}]]]);
+    assert_eq!(v["any"], want, "{v}");
+    assert_eq!(v["tool"], want, "{v}");
+    server.assert_settles();
+}
