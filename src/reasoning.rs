@@ -20,6 +20,14 @@ pub fn for_template(source: &str) -> Option<&'static Markers> {
     source.contains(THINK.close).then_some(&THINK)
 }
 
+/// Whether `prompt` ends by opening the reasoning (templates that open it for the model: the
+/// answer then begins inside it).
+pub fn prompt_opens(tokenizer: &crate::tokenizer::Tokenizer, prompt: &[u32], m: &Markers) -> bool {
+    let tail = &prompt[prompt.len().saturating_sub(4)..];
+    let text = tokenizer.decode(tail, false).unwrap_or_default();
+    text.trim_end().ends_with(m.open)
+}
+
 /// A piece of an answer: reasoning, or the answer itself.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Part {

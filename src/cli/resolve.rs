@@ -40,6 +40,7 @@ struct GenerateFlags<'a> {
     stats: bool,
     prompt_cache: Option<PathBuf>,
     draft: &'a DraftArgs,
+    hide_reasoning: bool,
 }
 
 /// The shared flags of `run`'s or `chat`'s args (the same fields in both).
@@ -56,6 +57,7 @@ macro_rules! generate_flags {
             stats: $args.stats,
             prompt_cache: $args.prompt_cache.clone(),
             draft: &$args.draft,
+            hide_reasoning: $args.hide_reasoning,
         }
     };
 }
@@ -90,6 +92,7 @@ impl GenerateFlags<'_> {
             stats: self.stats,
             prompt_cache: self.prompt_cache,
             draft,
+            hide_reasoning: self.hide_reasoning,
             advice: super::report::advice,
         })
     }

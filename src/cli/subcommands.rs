@@ -46,6 +46,10 @@ pub struct RunArgs {
     /// this prompt's state there
     #[arg(long, value_name = "FILE")]
     pub prompt_cache: Option<PathBuf>,
+    /// A thinking model's reasoning (<think> … </think>) is not shown; without it, reasoning is
+    /// shown dimmed on a terminal and as the model wrote it into a pipe
+    #[arg(long)]
+    pub hide_reasoning: bool,
     /// The answer is JSON valid under this JSON Schema (a file, or the schema's text): every
     /// token is picked among those the schema allows (docs/structured.md)
     #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["grammar", "draft"])]
@@ -132,6 +136,10 @@ pub struct ChatArgs {
     /// Load the conversation's KV state from FILE when it matches, and save it there after each turn
     #[arg(long, value_name = "FILE")]
     pub prompt_cache: Option<PathBuf>,
+    /// A thinking model's reasoning (<think> … </think>) is not shown; without it, reasoning is
+    /// shown dimmed on a terminal and as the model wrote it into a pipe
+    #[arg(long)]
+    pub hide_reasoning: bool,
     /// History file [default: the platform's data dir, kvchat/history.txt]
     #[arg(long)]
     pub history: Option<PathBuf>,

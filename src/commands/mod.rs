@@ -13,6 +13,7 @@ pub mod quiz;
 pub mod run;
 pub mod serve;
 pub mod style;
+pub mod thinking;
 pub mod tokenize;
 
 use crate::engine::{Engine, LoadOptions};
@@ -98,6 +99,8 @@ pub struct Generate {
     /// Speculative decoding (the cache checked able to verify drafts:
     /// `Session::can_verify_drafts`).
     pub draft: Option<DraftChoice>,
+    /// Leave a thinking model's reasoning out of what is shown.
+    pub hide_reasoning: bool,
     /// The front end's words for each fix.
     pub advice: crate::Advice,
 }

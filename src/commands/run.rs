@@ -1,5 +1,6 @@
 //! `kvchat run`: one prompt in (argument or stdin), one streamed answer out.
 
+use super::thinking::Shown;
 use super::{DraftChoice, Generate, StoreChoice};
 use crate::engine::Engine;
 use crate::kv::KvCache;
@@ -90,6 +91,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
     }
     // Where the system message ends: the prefix store may end a block there.
     let mut boundaries = Vec::new();
+    let mut template_source = None;
     let ids = if opts.raw {
         engine.raw_prompt(&prompt)?
     } else {
@@ -103,6 +105,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
         fits("the prompt in the chat template", &text)?;
         let ids = engine.encode_rendered(&text, &messages)?;
         boundaries = engine.message_boundaries(&template, &messages, &ids);
+        template_source = Some(template.source().to_string());
         ids
     };
     if ids.len() >= engine.ctx() && spec.bounded_by_context() {
@@ -152,6 +155,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
         sampler.constrain(constraint);
     }
     let mut stream = TextStream::new();
+    let dim = super::style::enabled(std::io::stdout().is_terminal());
+    let opens = |m: &_| crate::reasoning::prompt_opens(engine.tokenizer(), &ids, m);
+    let mut shown = Shown::new(template_source.as_deref(), opens, dim, g.hide_reasoning);
     let mut stdout = std::io::stdout().lock();
     let mut store = open_store(&g.store, &engine, &session);
     let t0 = Instant::now();
@@ -224,7 +230,7 @@ pub fn run(opts: RunOptions) -> Result<()> {
                 b.set_position(generated);
             }
             if let Some(text) = stream.push(engine.tokenizer(), id)? {
-                stdout.write_all(text.as_bytes())?;
+                stdout.write_all(shown.text(&text).as_bytes())?;
                 stdout.flush()?;
             }
             Ok(true)
@@ -243,8 +249,9 @@ pub fn run(opts: RunOptions) -> Result<()> {
     stats.prompt_tokens = ids.len() - reused;
     stats.prefill = prefill;
     if let Some(text) = stream.finish(engine.tokenizer())? {
-        stdout.write_all(text.as_bytes())?;
+        stdout.write_all(shown.text(&text).as_bytes())?;
     }
+    stdout.write_all(shown.finish().as_bytes())?;
     writeln!(stdout)?;
     stdout.flush()?;
     if opts.trace_picks {

@@ -2,7 +2,8 @@
 //! `chat.completions.parse` with a pydantic model, `response_format` json_object and a streamed
 //! json_schema, the Responses API's `text.format`, and `tool_choice` required or named — each
 //! answer parses and matches its schema, on the real Qwen2.5-Coder-0.5B; schemas that cannot be
-//! honoured are a 400 naming the part; `kvchat run --json-schema` and `--grammar` on the CLI.
+//! honoured are a 400 naming the part; `kvchat run --json-schema` and `--grammar` on the CLI, and
+//! its `--hide-reasoning`.
 
 use crate::common::kvchat;
 use crate::common::server::{python_json, Server};
@@ -270,4 +271,24 @@ fn the_anthropic_clients_tool_choice_any_or_tool_gets_a_call_that_matches_its_sc
     assert_eq!(v["any"], want, "{v}");
     assert_eq!(v["tool"], want, "{v}");
     server.assert_settles();
+}
+
+/// A template that opens the reasoning for the model (Qwen3's way): the tests' model never closes
+/// it, so all it says is reasoning.
+const THINKING_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}";
+
+#[test]
+fn run_hide_reasoning_leaves_a_thinking_models_reasoning_out() {
+    let ask = |hide: bool| {
+        let mut args = vec!["run", "-n", "12", "--chat-template", THINKING_TEMPLATE];
+        if hide {
+            args.push("--hide-reasoning");
+        }
+        args.push("What is 2 + 2?");
+        let out = kvchat(&args, "");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert!(!ask(false).is_empty(), "shown into a pipe as written");
+    assert_eq!(ask(true), "");
 }

@@ -14,6 +14,7 @@ use input::*;
 use slash::*;
 
 use super::style;
+use super::thinking::Shown;
 use super::Generate;
 use crate::commands::run::{open_store, report_store_problems};
 use crate::engine::Engine;
@@ -268,6 +269,16 @@ pub fn run(opts: ChatOptions) -> Result<()> {
     let engine = Engine::load(&g.load)?;
     let spec = engine.cache_spec(&g.mode, engine.ctx())?;
     let template = engine.chat_template(g.template.as_ref().map(|t| t.spec.as_str()))?;
+    // Every turn's prompt ends as a one-message conversation's does: whether it opens the
+    // reasoning is the template's.
+    let source = template.source().to_string();
+    let opens = |m: &crate::reasoning::Markers| {
+        template
+            .render(&[crate::template::Message::new("user", "x")], true)
+            .is_ok_and(|t| t.trim_end().ends_with(m.open))
+    };
+    let dim = style::enabled(std::io::stdout().is_terminal());
+    let opened = crate::reasoning::for_template(&source).is_some_and(opens);
     let sampling = engine.sampling_for(&g.sampling);
     let draft_engine = super::run::load_draft(g.draft.as_ref(), &engine)?;
     let mut chat = Chat {
@@ -394,17 +405,19 @@ pub fn run(opts: ChatOptions) -> Result<()> {
         }
         interrupt.generating.store(true, Ordering::SeqCst);
         let quiet = QuietTerminal::new(tty);
+        let mut shown = Shown::new(Some(&source), |_| opened, dim, g.hide_reasoning);
         let result = chat.conv.ask(
             input,
             &mut chat.sampler,
             chat.max_tokens,
             &interrupt.stop,
             |t| {
-                stdout.write_all(t.as_bytes())?;
+                stdout.write_all(shown.text(t).as_bytes())?;
                 stdout.flush()?;
                 Ok(())
             },
         );
+        stdout.write_all(shown.finish().as_bytes())?;
         drop(quiet);
         interrupt.generating.store(false, Ordering::SeqCst);
         writeln!(stdout)?;

@@ -221,13 +221,7 @@ impl Preparer<'_> {
         let max_tokens = max_tokens.unwrap_or(self.default_max_tokens).min(room);
         // A template that opens the reasoning for the model: its answer begins inside it.
         if let Some((markers, inside)) = &mut thinking {
-            let tail = &ids[ids.len().saturating_sub(4)..];
-            let tail = self
-                .engine
-                .tokenizer()
-                .decode(tail, false)
-                .unwrap_or_default();
-            *inside = tail.trim_end().ends_with(markers.open);
+            *inside = reasoning::prompt_opens(self.engine.tokenizer(), &ids, markers);
         }
         Ok((ids, max_tokens, tool_format, thinking))
     }
