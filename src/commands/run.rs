@@ -154,10 +154,13 @@ pub fn run(opts: RunOptions) -> Result<()> {
         grammar_times = Some((vocabulary, t.elapsed() - vocabulary));
         sampler.constrain(constraint);
     }
-    let mut stream = TextStream::new();
     let dim = super::style::enabled(std::io::stdout().is_terminal());
     let opens = |m: &_| crate::reasoning::prompt_opens(engine.tokenizer(), &ids, m);
     let mut shown = Shown::new(template_source.as_deref(), opens, dim, g.hide_reasoning);
+    let mut stream = match shown.keeps_special() {
+        true => TextStream::keeping_special(),
+        false => TextStream::new(),
+    };
     let mut stdout = std::io::stdout().lock();
     let mut store = open_store(&g.store, &engine, &session);
     let t0 = Instant::now();

@@ -1,14 +1,21 @@
 //! A thinking model's reasoning as `run` and `chat` show it: dimmed on a terminal (without its
 //! markers), left out with `--hide-reasoning`, and as the model wrote it — between its markers —
-//! into a pipe. The split is `crate::reasoning`'s, the same the server's is.
+//! into a pipe. The split is `crate::reasoning`'s, the same the server's is. A Harmony model's
+//! (gpt-oss) answer is read by its channels (`toolcall::harmony`), whose markers are control
+//! tokens: its text must keep them ([`Shown::keeps_special`]), and its reasoning is shown before
+//! its answer, dimmed on a terminal.
 
 use super::style;
 use crate::reasoning::{self, Markers, Part, Splitter};
+use crate::toolcall::harmony::{self, is_harmony, Channels};
+use crate::toolcall::Piece;
 
 /// What of an answer's text is shown, piece by piece.
 pub struct Shown {
     /// None: the text is shown as it comes (no reasoning markers, or a pipe without hiding).
     splitter: Option<Splitter>,
+    /// A Harmony model's channels (then `splitter` is None).
+    channels: Option<Channels>,
     hide: bool,
     dim: bool,
     /// Reasoning was shown and the answer has not begun.
@@ -29,16 +36,27 @@ impl Shown {
         let splitter = markers
             .filter(|_| dim || hide)
             .map(|m| Splitter::new(m, opens(m)));
+        let channels = source.filter(|s| is_harmony(s)).map(|_| Channels::new());
         Self {
             splitter,
+            channels,
             hide,
             dim,
             in_reasoning: false,
         }
     }
 
+    /// Whether the answer's text must keep control tokens' text (a Harmony model's).
+    pub fn keeps_special(&self) -> bool {
+        self.channels.is_some()
+    }
+
     /// The text to show for `text`, the answer's next piece.
     pub fn text(&mut self, text: &str) -> String {
+        if let Some(c) = &mut self.channels {
+            let parts = c.push(text);
+            return self.show_channels(parts);
+        }
         match &mut self.splitter {
             None => text.to_string(),
             Some(s) => {
@@ -50,6 +68,10 @@ impl Shown {
 
     /// What is still held when the answer ends.
     pub fn finish(&mut self) -> String {
+        if let Some(c) = &mut self.channels {
+            let parts = c.finish();
+            return self.show_channels(parts);
+        }
         match &mut self.splitter {
             None => String::new(),
             Some(s) => {
@@ -57,6 +79,22 @@ impl Shown {
                 self.show(parts)
             }
         }
+    }
+
+    /// Harmony's parts as the others: reasoning, and text (a call, which `run` never asks for,
+    /// as its JSON).
+    fn show_channels(&mut self, parts: Vec<harmony::Part>) -> String {
+        let parts = parts
+            .into_iter()
+            .map(|p| match p {
+                harmony::Part::Reasoning(r) => Part::Reasoning(r),
+                harmony::Part::Piece(Piece::Text(t)) => Part::Answer(t),
+                harmony::Part::Piece(Piece::Call(c)) => {
+                    Part::Answer(format!("{}({})", c.name, c.arguments))
+                }
+            })
+            .collect();
+        self.show(parts)
     }
 
     fn show(&mut self, parts: Vec<Part>) -> String {
@@ -115,6 +153,17 @@ mod tests {
             shown(false, false),
             "<think>Two and two make four.</think>\n\n4"
         );
+    }
+
+    #[test]
+    fn a_harmony_answer_shows_its_reasoning_then_its_answer_and_keeps_control_tokens() {
+        let harmony = "<|start|>assistant<|channel|>final<|message|>";
+        let text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4";
+        let mut s = Shown::new(Some(harmony), |_| false, false, false);
+        assert!(s.keeps_special());
+        assert_eq!(s.text(text) + &s.finish(), "Easy.\n\n4");
+        let mut hidden = Shown::new(Some(harmony), |_| false, false, true);
+        assert_eq!(hidden.text(text) + &hidden.finish(), "4");
     }
 
     #[test]

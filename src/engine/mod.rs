@@ -547,16 +547,7 @@ impl Engine {
             }
             None => (None, None),
         };
-        let mut stop_ids: Vec<u32> = tokenizer.eos_id.into_iter().collect();
-        if let Some(t) = &template {
-            for tok in t.end_of_turn_tokens() {
-                if let Some(id) = tokenizer.token_id(tok) {
-                    if !stop_ids.contains(&id) {
-                        stop_ids.push(id);
-                    }
-                }
-            }
-        }
+        let stop_ids = stop_ids(&tokenizer, template.as_ref());
         let numerics = format!(
             "device {:?}, simd {:?}, kernels {:?}",
             device.location(),
@@ -736,4 +727,32 @@ impl Engine {
         ids.extend(self.tokenizer.encode(text)?);
         Ok(ids)
     }
+}
+
+/// Ids that end generation: EOS and the template's end-of-turn tokens, the one a constrained
+/// answer ends with last. A Harmony model (gpt-oss) ends its answer with `<|return|>` or a call
+/// with `<|call|>`; its `<|end|>` only ends a message (its reasoning) and the answer goes on.
+fn stop_ids(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) -> Vec<u32> {
+    let harmony = template.is_some_and(|t| crate::toolcall::harmony::is_harmony(t.source()));
+    let turn_ends = match (harmony, template) {
+        (true, _) => vec!["<|call|>", "<|return|>"],
+        (false, Some(t)) => t.end_of_turn_tokens(),
+        (false, None) => Vec::new(),
+    };
+    let message_end = tokenizer.token_id("<|end|>").filter(|_| harmony);
+    let mut ids: Vec<u32> = tokenizer
+        .eos_id
+        .filter(|&e| Some(e) != message_end)
+        .into_iter()
+        .collect();
+    for id in turn_ends.iter().filter_map(|t| tokenizer.token_id(t)) {
+        if harmony {
+            // `<|return|>` last: the token a constrained answer ends with.
+            ids.retain(|&i| i != id);
+        }
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
 }

@@ -38,6 +38,8 @@ pub struct Job {
     /// Generate `max_tokens` tokens whatever the model's end-of-text tokens say (llama.cpp
     /// server's and vLLM's `ignore_eos`: load tests and tests that need answers of a length).
     pub ignore_eos: bool,
+    /// Its text keeps control tokens' text (a Harmony answer's markers, read by the front end).
+    pub keep_special: bool,
     /// The grammar its answer keeps to, compiled (`crate::grammar`).
     pub constraint: Option<crate::grammar::Constraint>,
     pub events: UnboundedSender<Event>,

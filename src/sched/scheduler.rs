@@ -584,11 +584,12 @@ impl<'e> Scheduler<'e> {
             }
             self.report_store_problems();
         }
+        let keep_special = r.job.keep_special;
         self.live.insert(
             id,
             Live {
                 job: r.job,
-                text: text.unwrap_or_else(Text::new),
+                text: text.unwrap_or_else(|| Text::new(keep_special)),
                 shared: cached,
             },
         );

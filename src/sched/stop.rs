@@ -16,10 +16,14 @@ pub(super) struct Text {
 }
 
 impl Text {
-    pub fn new() -> Self {
+    /// `keep_special`: control tokens' text is part of it ([`TextStream::keeping_special`]).
+    pub fn new(keep_special: bool) -> Self {
         Self {
             first_token: false,
-            stream: TextStream::new(),
+            stream: match keep_special {
+                true => TextStream::keeping_special(),
+                false => TextStream::new(),
+            },
             held: String::new(),
             stopped_by: None,
         }
@@ -76,7 +80,7 @@ mod tests {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         (
             Client {
-                text: Text::new(),
+                text: Text::new(false),
                 stop: stop.iter().map(|s| s.to_string()).collect(),
                 events: tx,
             },

@@ -561,6 +561,8 @@ pub struct TextStream {
     prev: usize,
     /// End of the ids whose text has been released.
     cur: usize,
+    /// Control tokens' text is kept (a Harmony answer's markers), not left out.
+    keep_special: bool,
 }
 
 impl TextStream {
@@ -569,6 +571,16 @@ impl TextStream {
             ids: Vec::new(),
             prev: 0,
             cur: 0,
+            keep_special: false,
+        }
+    }
+
+    /// A stream that keeps control tokens' text (`<|channel|>`): for answers whose structure
+    /// is written in them (gpt-oss's Harmony).
+    pub fn keeping_special() -> Self {
+        Self {
+            keep_special: true,
+            ..Self::new()
         }
     }
 
@@ -576,8 +588,8 @@ impl TextStream {
     pub fn push(&mut self, tk: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let first = self.prev == 0;
-        let released = tk.decode_part(&self.ids[self.prev..self.cur], true, first)?;
-        let text = tk.decode_part(&self.ids[self.prev..], true, first)?;
+        let released = tk.decode_part(&self.ids[self.prev..self.cur], !self.keep_special, first)?;
+        let text = tk.decode_part(&self.ids[self.prev..], !self.keep_special, first)?;
         if text.len() > released.len()
             && !text.ends_with('\u{FFFD}')
             && text.is_char_boundary(released.len())
@@ -594,8 +606,8 @@ impl TextStream {
     /// What is left at the end (an incomplete tail is released as-is).
     pub fn finish(&mut self, tk: &Tokenizer) -> Result<Option<String>> {
         let first = self.prev == 0;
-        let released = tk.decode_part(&self.ids[self.prev..self.cur], true, first)?;
-        let text = tk.decode_part(&self.ids[self.prev..], true, first)?;
+        let released = tk.decode_part(&self.ids[self.prev..self.cur], !self.keep_special, first)?;
+        let text = tk.decode_part(&self.ids[self.prev..], !self.keep_special, first)?;
         self.prev = self.cur;
         self.cur = self.ids.len();
         if text.len() > released.len() && text.is_char_boundary(released.len()) {

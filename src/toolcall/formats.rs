@@ -29,6 +29,17 @@ pub struct Format {
 
 /// The table. Qwen3-Coder's XML before Hermes (both open with `<tool_call>`).
 pub const FORMATS: &[Format] = &[
+    // gpt-oss: its answers are read by channels (`harmony::Channels`), calls among them.
+    Format {
+        name: "harmony",
+        detect: super::harmony::is_harmony,
+        open: "to=functions.",
+        close: "",
+        at_start: false,
+        bare_json: false,
+        read: super::harmony::read,
+        grammar: harmony_rules,
+    },
     Format {
         name: "qwen3-coder-xml",
         detect: |t| t.contains("<tool_call>") && t.contains("<function="),
@@ -82,6 +93,35 @@ fn hermes_rules(p: &Parts) -> Option<Rules> {
     Some(Rules {
         calls: p.repeated(&one, "\"\\n\""),
         after_open: Some(after),
+    })
+}
+
+/// Harmony's: an optional analysis message, then one call on the commentary channel, ended by
+/// `<|call|>` (which ends the answer).
+fn harmony_rules(p: &Parts) -> Option<Rules> {
+    let t = p.term;
+    let call = |tool: &&crate::toolcall::Tool| {
+        format!(
+            "{} \"commentary to=functions.{} \" {} \"json\" {} {} {}",
+            t("<|channel|>"),
+            tool.name,
+            t("<|constrain|>"),
+            t("<|message|>"),
+            lark_json(&parameters(tool)),
+            t("<|call|>")
+        )
+    };
+    let analysis = format!(
+        "({} \"analysis\" {} /[^<]*/ {} {} \"assistant\")?",
+        t("<|channel|>"),
+        t("<|message|>"),
+        t("<|end|>"),
+        t("<|start|>")
+    );
+    let calls: Vec<String> = p.tools.iter().map(call).collect();
+    Some(Rules {
+        calls: format!("{analysis} ({})", calls.join(" | ")),
+        after_open: None,
     })
 }
 
@@ -271,6 +311,8 @@ mod tests {
         assert_eq!(for_template(coder).unwrap().name, "qwen3-coder-xml");
         assert_eq!(for_template(mistral).unwrap().name, "mistral");
         assert_eq!(for_template(llama).unwrap().name, "llama3-json");
+        let gpt_oss = "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>";
+        assert_eq!(for_template(gpt_oss).unwrap().name, "harmony");
         assert!(for_template("{{ messages[0].content }}").is_none());
     }
 

@@ -4,6 +4,7 @@
 
 pub mod formats;
 pub mod grammar;
+pub mod harmony;
 
 pub use formats::{for_template, Format, FORMATS};
 use serde_json::Value;

@@ -67,6 +67,7 @@ fn job(queue: &Queue, prompt: Vec<u32>, max_tokens: usize) -> (Job, UnboundedRec
     let (events, rx) = tokio::sync::mpsc::unbounded_channel();
     let job = Job {
         constraint: None,
+        keep_special: false,
         prompt,
         max_tokens,
         sampling: greedy(),

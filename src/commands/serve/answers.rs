@@ -9,6 +9,15 @@ use super::messages;
 use super::responses;
 use super::tools::{self, Calls};
 use crate::reasoning::{Part, Splitter};
+use crate::toolcall::harmony::{self, Channels};
+
+/// How an answer's reasoning is told from the rest: a thinking model's markers, or Harmony's
+/// channels (which also carry its calls).
+#[derive(Debug)]
+pub enum Reader {
+    Think(Splitter),
+    Harmony(Channels),
+}
 use crate::sched::{Done, Event};
 use crate::toolcall::Piece;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -39,12 +48,29 @@ enum Bit {
 /// What the answer's next text adds (`None`: the answer ended): a thinking model's reasoning
 /// apart first (`reasoning::Splitter`), then calls read out of the rest (`tools::Calls`); all
 /// text where the request offers no tools and the model does not think.
-fn read(
-    reasoning: &mut Option<Splitter>,
-    calls: &mut Option<Calls>,
-    text: Option<&str>,
-) -> Vec<Bit> {
-    let parts = match (reasoning.as_mut(), text) {
+fn read(reasoning: &mut Option<Reader>, calls: &mut Option<Calls>, text: Option<&str>) -> Vec<Bit> {
+    if let Some(Reader::Harmony(h)) = reasoning.as_mut() {
+        let parts = match text {
+            Some(t) => h.push(t),
+            None => h.finish(),
+        };
+        return parts
+            .into_iter()
+            .map(|p| match p {
+                harmony::Part::Reasoning(r) => Bit::Reasoning(r),
+                // A call where the request reads none (tool_choice none): its arguments as text.
+                harmony::Part::Piece(Piece::Call(c)) if calls.is_none() => {
+                    Bit::Piece(Piece::Text(c.arguments.to_string()))
+                }
+                harmony::Part::Piece(p) => Bit::Piece(p),
+            })
+            .collect();
+    }
+    let splitter = match reasoning.as_mut() {
+        Some(Reader::Think(s)) => Some(s),
+        _ => None,
+    };
+    let parts = match (splitter, text) {
         (Some(r), Some(t)) => r.push(t),
         (Some(r), None) => r.finish(),
         (None, Some(t)) => vec![Part::Answer(t.to_string())],

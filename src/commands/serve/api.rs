@@ -126,6 +126,27 @@ pub struct Request {
     pub answer: Option<Grammar>,
 }
 
+/// `reasoning_effort` (`low`, `medium`, `high`) as the template variable gpt-oss's template reads,
+/// unless `chat_template_kwargs` sets it; templates that do not read it ignore it, as vLLM does.
+pub fn reasoning_effort(
+    obj: &Map<String, Value>,
+    kwargs: &mut Map<String, Value>,
+) -> Result<(), ApiError> {
+    match obj.get("reasoning_effort") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(e)) if ["low", "medium", "high"].contains(&e.as_str()) => {
+            kwargs
+                .entry("reasoning_effort")
+                .or_insert_with(|| Value::String(e.clone()));
+            Ok(())
+        }
+        Some(_) => Err(ApiError::field(
+            "reasoning_effort",
+            "'reasoning_effort' must be \"low\", \"medium\" or \"high\"",
+        )),
+    }
+}
+
 /// OpenAI's `response_format` (the Responses API's `text.format` is the same without the
 /// `json_schema` wrapper: `flat`): `text`, `json_object`, or `json_schema` with its `schema`.
 pub fn response_format(v: Option<&Value>, param: &str) -> Result<Option<Grammar>, ApiError> {
@@ -197,6 +218,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
             ))
         }
     };
+    reasoning_effort(&obj, &mut request.template_kwargs)?;
     Ok(request)
 }
 
@@ -824,6 +846,10 @@ mod tests {
                 "chat_template_kwargs",
             ),
             (
+                format!("{{{user},\"reasoning_effort\":\"max\"}}"),
+                "reasoning_effort",
+            ),
+            (
                 format!("{{{user},\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}}"),
                 "stop",
             ),
@@ -861,6 +887,18 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn reasoning_effort_reaches_the_template_unless_its_kwargs_set_it() {
+        let user = r#"{"messages":[{"role":"user","content":"hi"}]"#;
+        let r = parse_chat(format!(r#"{user},"reasoning_effort":"high"}}"#).as_bytes()).unwrap();
+        assert_eq!(r.template_kwargs["reasoning_effort"], "high");
+        let both = format!(
+            r#"{user},"reasoning_effort":"high","chat_template_kwargs":{{"reasoning_effort":"low"}}}}"#
+        );
+        let r = parse_chat(both.as_bytes()).unwrap();
+        assert_eq!(r.template_kwargs["reasoning_effort"], "low");
     }
 
     #[test]

@@ -176,6 +176,7 @@ pub mod known {
         ("suffix", &ANY),
         ("best_of", &ANY),
         ("chat_template_kwargs", &ANY),
+        ("reasoning_effort", &ANY),
     ]);
 
     /// The most JSON values (objects, arrays, strings, numbers, …) a request may hold in the

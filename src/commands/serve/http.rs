@@ -4,6 +4,7 @@
 //! tokenizer), then to the scheduler as token ids; tokens come back over a channel per request.
 
 use super::answers;
+use super::answers::Reader;
 use super::api::{self, ApiError, Endpoint};
 use super::body::{read_body, too_large, BODY_BUDGET, LARGE_PARSES, MAX_BODY, PARSE_WAIT};
 use super::messages;
@@ -246,7 +247,7 @@ pub(super) struct Started {
     /// The conversation a stored response keeps (Responses with `store`).
     pub keep: Option<Vec<Message>>,
     /// A thinking model's reasoning, split from its answer before calls are read.
-    pub reasoning: Option<Splitter>,
+    pub reasoning: Option<Reader>,
 }
 
 /// Reads, prepares and admits a request, and waits until the scheduler starts it.
@@ -328,6 +329,7 @@ async fn start(
         tool_format,
         thinking,
         constraint,
+        harmony,
     } = prepared.await.map_err(|_| stopped())??;
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
@@ -342,6 +344,7 @@ async fn start(
         sampling: request.sampling,
         stop: request.stop,
         ignore_eos: false,
+        keep_special: harmony,
         constraint,
         events: tx,
         arrived,
@@ -365,7 +368,12 @@ async fn start(
         include_usage: request.include_usage,
         n: app.next.fetch_add(1, Ordering::Relaxed),
         keep,
-        reasoning: thinking.map(|(markers, inside)| Splitter::new(markers, inside)),
+        reasoning: match harmony {
+            true => Some(Reader::Harmony(Default::default())),
+            false => {
+                thinking.map(|(markers, inside)| Reader::Think(Splitter::new(markers, inside)))
+            }
+        },
     })
 }
 

@@ -31,6 +31,8 @@ pub struct Prepared {
     pub thinking: Option<(&'static reasoning::Markers, bool)>,
     /// The grammar its answer keeps to (`response_format`, `tool_choice`), compiled.
     pub constraint: Option<Constraint>,
+    /// The model speaks Harmony (gpt-oss): its answer is read by channels, markers kept.
+    pub harmony: bool,
 }
 
 /// A prompt to prepare, its place in the queue, and where its answer goes.
@@ -85,6 +87,10 @@ impl Preparer<'_> {
                     "preparing this request's prompt failed inside kvchat",
                 ))
             });
+            let harmony = self
+                .template
+                .as_ref()
+                .is_ok_and(|t| toolcall::harmony::is_harmony(t.source()));
             let answer =
                 prepared.map(
                     |((ids, max_tokens, tool_format, thinking), constraint)| Prepared {
@@ -94,6 +100,7 @@ impl Preparer<'_> {
                         tool_format,
                         thinking,
                         constraint,
+                        harmony,
                     },
                 );
             let _ = order.reply.send(answer);

@@ -48,6 +48,7 @@ static REQUEST: known::Shape = known::Shape::Object(&[
     ("tool_choice", &known::ANY),
     ("parallel_tool_calls", &known::ANY),
     ("text", &known::ANY),
+    ("reasoning", &known::ANY),
 ]);
 
 /// Stored responses: each one's conversation, its answer included.
@@ -164,6 +165,9 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Parsed, ApiError> {
     }
     // The rest as a chat completion reads it, under its names.
     let mut same = Map::new();
+    if let Some(effort) = obj.get("reasoning").and_then(|r| r.get("effort")) {
+        same.insert("reasoning_effort".into(), effort.clone());
+    }
     for (ours, theirs) in [
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
@@ -197,6 +201,10 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Parsed, ApiError> {
         api::common(&same, Endpoint::Chat, Prompt::Chat(messages), max_tokens).map_err(renamed)?;
     request.offered = offered;
     request.answer = answer;
+    api::reasoning_effort(&same, &mut request.template_kwargs).map_err(|mut e| {
+        e.param = Some("reasoning.effort".into());
+        e
+    })?;
     Ok(Parsed { request, keep })
 }
 
