@@ -41,6 +41,26 @@ pub const FORMATS: &[Format] = &[
         grammar: harmony_rules,
     },
     Format {
+        name: "functiongemma",
+        detect: |t| t.contains("<start_function_call>"),
+        open: "<start_function_call>",
+        close: "<end_function_call>",
+        at_start: false,
+        bare_json: false,
+        read: |t| super::gemma::read(t, super::gemma::ESCAPE),
+        grammar: no_grammar,
+    },
+    Format {
+        name: "gemma4",
+        detect: |t| t.contains("<|tool_call>"),
+        open: "<|tool_call>",
+        close: "<tool_call|>",
+        at_start: false,
+        bare_json: false,
+        read: |t| super::gemma::read(t, super::gemma::QUOTE),
+        grammar: no_grammar,
+    },
+    Format {
         name: "qwen3-coder-xml",
         detect: |t| t.contains("<tool_call>") && t.contains("<function="),
         open: "<tool_call>",
@@ -94,6 +114,12 @@ fn hermes_rules(p: &Parts) -> Option<Rules> {
         calls: p.repeated(&one, "\"\\n\""),
         after_open: Some(after),
     })
+}
+
+/// A format kvchat reads but does not constrain (Gemma's call syntax is not JSON: its grammar
+/// would be a schema translated to it): `tool_choice` `required` or named is refused for it.
+fn no_grammar(_: &Parts) -> Option<Rules> {
+    None
 }
 
 /// Harmony's: an optional analysis message, then one call on the commentary channel, ended by
@@ -313,6 +339,10 @@ mod tests {
         assert_eq!(for_template(llama).unwrap().name, "llama3-json");
         let gpt_oss = "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>";
         assert_eq!(for_template(gpt_oss).unwrap().name, "harmony");
+        let function_gemma = "{{ '<start_function_call>call:' + name }}";
+        assert_eq!(for_template(function_gemma).unwrap().name, "functiongemma");
+        let gemma4 = "{{ '<|tool_call>call:' + name }}{{ '<tool_call|>' }}";
+        assert_eq!(for_template(gemma4).unwrap().name, "gemma4");
         assert!(for_template("{{ messages[0].content }}").is_none());
     }
 

@@ -3,6 +3,7 @@
 //! it streams, so that a call reaches the client as a call and never as text.
 
 pub mod formats;
+pub mod gemma;
 pub mod grammar;
 pub mod harmony;
 
