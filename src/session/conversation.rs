@@ -378,7 +378,13 @@ impl<'e> Conversation<'e> {
         }
         let new = ids.len() - reused;
         let engine = self.engine;
-        let mut stream = TextStream::new();
+        // A Harmony model's (gpt-oss) channels are written in control tokens: its text keeps them
+        // for the reader, and its turn keeps only its answer.
+        let harmony = crate::toolcall::harmony::is_harmony(self.template.source());
+        let mut stream = match harmony {
+            true => TextStream::keeping_special(),
+            false => TextStream::new(),
+        };
         interrupt.store(false, Ordering::SeqCst);
         // The answer may take what is left of the context, if that is less than max_tokens.
         let room = limit.saturating_sub(ids.len());
@@ -424,7 +430,10 @@ impl<'e> Conversation<'e> {
         if reason == StopReason::MaxTokens && room < max_tokens {
             reason = StopReason::ContextFull;
         }
-        let answer = engine.tokenizer().decode(&out, true)?;
+        let answer = match harmony {
+            true => crate::toolcall::harmony::final_text(&engine.tokenizer().decode(&out, false)?),
+            false => engine.tokenizer().decode(&out, true)?,
+        };
         self.turns.push((question.to_string(), answer));
         let stats = TurnStats {
             number: self.shifted_out + self.turns.len(),

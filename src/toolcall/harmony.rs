@@ -181,6 +181,22 @@ fn body_of(header: &str) -> Body {
     }
 }
 
+/// A whole Harmony answer's text for the client's side of a conversation: its answer (final
+/// channel, or text without a header), not its reasoning or its calls — what a chat keeps as the
+/// assistant's turn (the template writes the turn's channels back itself).
+pub fn final_text(answer: &str) -> String {
+    let mut c = Channels::new();
+    let mut parts = c.push(answer);
+    parts.extend(c.finish());
+    parts
+        .into_iter()
+        .filter_map(|p| match p {
+            Part::Piece(Piece::Text(t)) => Some(t),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The Harmony row's reader, for calls met outside a Harmony stream (not used by the server,
 /// which reads Harmony answers whole with [`Channels`]).
 pub fn read(text: &str) -> Result<Vec<Call>, String> {
@@ -265,6 +281,12 @@ mod tests {
             read_all(&[bad]),
             vec![Part::Piece(Piece::Text("{oops".into()))]
         );
+    }
+
+    #[test]
+    fn a_chat_keeps_only_the_final_answer_of_a_turn() {
+        let whole = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Paris.";
+        assert_eq!(final_text(whole), "Paris.");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! which no longer sends sampling settings: greedy goes as `extra_body`) gets
 //! the answer a chat completion gets, streamed and whole, a `tool_use` block for a call and an
 //! answer built on its `tool_result`, `stop_sequence` with the text that stopped it, and errors in
-//! Anthropic's shape. The real Qwen2.5-Coder-0.5B, greedy.
+//! Anthropic's shape; `count_tokens` counts what the same request prefills. The real
+//! Qwen2.5-Coder-0.5B, greedy.
 
 use crate::common::server::{greedy_chat, python_json, Server};
 use crate::qwen_coder::qwen_path;
@@ -122,5 +123,27 @@ fn a_messages_request_without_max_tokens_or_with_a_bad_block_gets_anthropics_err
             "{body}: {v}"
         );
     }
+    server.assert_settles();
+}
+
+const COUNT_TOKENS: &str = r#"
+import json, sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="sk-test", max_retries=0, timeout=300)
+q = [{"role": "user", "content": "What is the capital of France?"}]
+tools = [{"name": "lookup", "description": "Look a fact up",
+          "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}]
+n = c.messages.count_tokens(model="m", system="Be brief.", messages=q, tools=tools).input_tokens
+m = c.messages.create(model="m", max_tokens=1, system="Be brief.", messages=q, tools=tools,
+                      extra_body={"temperature": 0})
+used = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+print(json.dumps({"counted": n, "used": used}))
+"#;
+
+#[test]
+fn count_tokens_counts_the_prompt_a_message_request_would_prefill() {
+    let server = Server::start_model(&qwen_path(), &["--ctx", "2048"]);
+    let v = python_json(&["-c", COUNT_TOKENS, &server.base]);
+    assert!(v["counted"].as_u64().unwrap_or(0) > 50, "{v}");
+    assert_eq!(v["counted"], v["used"], "{v}");
     server.assert_settles();
 }

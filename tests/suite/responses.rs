@@ -3,7 +3,7 @@
 //! /v1/chat/completions does, and prefills only what is new (scripts/responses-turns.py, the
 //! official openai client, the real Qwen2.5-Coder-0.5B, greedy); function tools go out as
 //! `function_call` items and come back as `function_call_output`; a response it never stored is a
-//! 404.
+//! 404; a stored one is retrieved as it was sent, and once deleted is a 404 too.
 
 use crate::common::server::{python_json, Server};
 use crate::qwen_coder::qwen_path;
@@ -68,5 +68,36 @@ fn function_calls_go_out_as_items_and_their_output_comes_back_and_unstored_respo
     );
     assert_eq!(v["unknown"], json!([404, "previous_response_id"]), "{v}");
     assert_eq!(v["unstored"], 404, "{v}");
+    server.assert_settles();
+}
+
+const RETRIEVE_DELETE: &str = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="sk-test", max_retries=0, timeout=300)
+r = c.responses.create(model="m", input="Say hi.", temperature=0, max_output_tokens=8)
+out = {"id": r.id, "text": r.output_text}
+got = c.responses.retrieve(r.id)
+out["retrieved"] = [got.id, got.output_text, got.usage.output_tokens == r.usage.output_tokens]
+out["deleted"] = c.responses.delete(r.id) is None
+def status(f):
+    try:
+        f()
+        return 200
+    except openai.APIStatusError as e:
+        return e.status_code
+out["after"] = [status(lambda: c.responses.retrieve(r.id)),
+                status(lambda: c.responses.delete(r.id)),
+                status(lambda: c.responses.create(model="m", input="More.", previous_response_id=r.id,
+                                                  max_output_tokens=4))]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn a_stored_response_is_retrieved_as_it_was_sent_and_once_deleted_is_a_404() {
+    let server = Server::start(&["--ctx", "512"]);
+    let v = python_json(&["-c", RETRIEVE_DELETE, &server.base]);
+    assert_eq!(v["retrieved"], json!([v["id"], v["text"], true]), "{v}");
+    assert_eq!(v["deleted"], true, "{v}");
+    assert_eq!(v["after"], json!([404, 404, 404]), "{v}");
     server.assert_settles();
 }

@@ -373,13 +373,13 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
                 c,
             ));
         }
-        if let Some(keep) = s.keep {
-            let conversation = responses::answered(keep, &content, &made);
-            app.responses.put(id.clone(), conversation);
-        }
         let incomplete = done.reason != crate::session::StopReason::EndOfText;
         let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
         let body = responses::response(&id, &app.model, created, output, incomplete, Some(usage));
+        if let Some(keep) = s.keep {
+            let conversation = responses::answered(keep, &content, &made);
+            app.responses.put(id.clone(), conversation, body.clone());
+        }
         return Ok(axum::Json(body).into_response());
     }
     let model = app.model.clone();
@@ -563,10 +563,6 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
             if output.is_empty() {
                 output.push(responses::message_item(&msg_id, "", "completed"));
             }
-            if let Some(keep) = keep.take() {
-                let conversation = responses::answered(keep, &text, &made);
-                store.put(id.clone(), conversation);
-            }
             let incomplete = done.reason != crate::session::StopReason::EndOfText;
             let usage = (prompt_tokens, cached_tokens, done.completion_tokens);
             let body = responses::response(
@@ -577,6 +573,10 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
                 incomplete,
                 Some(usage),
             );
+            if let Some(keep) = keep.take() {
+                let conversation = responses::answered(keep, &text, &made);
+                store.put(id.clone(), conversation, body.clone());
+            }
             out.push(event(
                 &mut seq,
                 "response.completed",

@@ -16,7 +16,7 @@ use crate::reasoning::Splitter;
 use crate::sched::{Event, Failure, Job, Queue};
 use crate::template::Message;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -88,6 +88,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages_endpoint))
         .route("/v1/responses", post(responses_endpoint))
+        .route(
+            "/v1/responses/{id}",
+            get(stored_response).delete(delete_response),
+        )
+        .route("/v1/messages/count_tokens", post(count_tokens_endpoint))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(app)
@@ -185,6 +190,58 @@ async fn responses_endpoint(
     handle(app, headers, body, Api::Responses).await
 }
 
+async fn count_tokens_endpoint(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(app, headers, body, Api::CountTokens).await
+}
+
+/// A stored response as it was sent (`store`), or a 404.
+async fn stored_response(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    match app.responses.response(&id) {
+        Some(r) => axum::Json(r.as_ref().clone()).into_response(),
+        None => no_response(&id).into_response(),
+    }
+}
+
+/// Forgets a stored response: its conversation can no longer be continued.
+async fn delete_response(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    match app.responses.delete(&id) {
+        true => {
+            axum::Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+        }
+        false => no_response(&id).into_response(),
+    }
+}
+
+fn no_response(id: &str) -> ApiError {
+    ApiError::new(
+        404,
+        "invalid_request_error",
+        format!(
+            "no stored response '{}' (unknown, deleted, stored with store: false, or past the {} kept)",
+            crate::template::one_line(id, 40),
+            responses::MAX_STORED
+        ),
+    )
+}
+
 async fn messages_endpoint(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -199,13 +256,24 @@ enum Api {
     OpenAi(Endpoint),
     Messages,
     Responses,
+    /// Anthropic's `/v1/messages/count_tokens`: prepared, counted, never generated.
+    CountTokens,
+}
+
+/// A request prepared: started by the scheduler, or (count_tokens) only counted. (One per
+/// request, moved once: the variants' sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
+enum Begun {
+    Started(Started),
+    Counted(usize),
 }
 
 async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Response {
     let answered = match start(&app, &headers, body, api).await {
-        Ok(started) => match api {
+        Ok(Begun::Counted(n)) => Ok(axum::Json(json!({"input_tokens": n})).into_response()),
+        Ok(Begun::Started(started)) => match api {
             Api::OpenAi(endpoint) => answers::openai(&app, started, endpoint).await,
-            Api::Messages => answers::messages(&app, started).await,
+            Api::Messages | Api::CountTokens => answers::messages(&app, started).await,
             Api::Responses => answers::responses(&app, started).await,
         },
         Err(e) => Err(e),
@@ -220,7 +288,7 @@ async fn handle(app: Arc<App>, headers: HeaderMap, body: Body, api: Api) -> Resp
     let retry = e.status == 429 || e.status == 503;
     let mut r = match api {
         Api::OpenAi(_) | Api::Responses => e.into_response(),
-        Api::Messages => {
+        Api::Messages | Api::CountTokens => {
             let status =
                 StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             (status, axum::Json(messages::error_body(&e))).into_response()
@@ -256,7 +324,7 @@ async fn start(
     headers: &HeaderMap,
     body: Body,
     api: Api,
-) -> Result<Started, ApiError> {
+) -> Result<Begun, ApiError> {
     authorize(app, headers)?;
     // A body announced larger than the limit is refused before a byte of it is read.
     let announced = headers
@@ -272,6 +340,7 @@ async fn start(
         Api::OpenAi(Endpoint::Chat) => api::parse_chat(&body).map(|r| (r, None)),
         Api::OpenAi(Endpoint::Completions) => api::parse_completion(&body).map(|r| (r, None)),
         Api::Messages => messages::parse(&body).map(|r| (r, None)),
+        Api::CountTokens => messages::parse_count(&body).map(|r| (r, None)),
         Api::Responses => responses::parse(&body, &store).map(|p| (p.request, p.keep)),
     };
     // A large body's JSON takes the runtime's one thread for tens of milliseconds (an 8 MiB
@@ -333,6 +402,10 @@ async fn start(
     } = prepared.await.map_err(|_| stopped())??;
     // The request is token ids now: its body's share of the budget goes back.
     drop(share);
+    if api == Api::CountTokens {
+        // Its place in the queue goes back with its ticket.
+        return Ok(Begun::Counted(ids.len()));
+    }
     // Where the request offers tools, the model's calls are read out of its answer.
     let calls = tool_format
         .filter(|_| offered.reads_calls())
@@ -359,7 +432,7 @@ async fn start(
         Some(Event::Failed(f)) => return Err(failure(f)),
         _ => return Err(dropped()),
     };
-    Ok(Started {
+    Ok(Begun::Started(Started {
         rx,
         prompt_tokens,
         cached_tokens,
@@ -374,7 +447,7 @@ async fn start(
                 thinking.map(|(markers, inside)| Reader::Think(Splitter::new(markers, inside)))
             }
         },
-    })
+    }))
 }
 
 pub(super) fn dropped() -> ApiError {

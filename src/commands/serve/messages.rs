@@ -42,6 +42,15 @@ static REQUEST: known::Shape = known::Shape::Object(&[
 
 /// Reads a `/v1/messages` body into the request a chat completion would be.
 pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
+    read(body, true)
+}
+
+/// Reads a `/v1/messages/count_tokens` body: a Messages request without `max_tokens`.
+pub fn parse_count(body: &[u8]) -> Result<Request, ApiError> {
+    read(body, false)
+}
+
+fn read(body: &[u8], answered: bool) -> Result<Request, ApiError> {
     let obj = api::object_with(body, &REQUEST)?;
     if obj
         .get("thinking")
@@ -54,8 +63,10 @@ pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
             "'thinking' is not supported by kvchat serve (send it disabled or not at all)",
         ));
     }
-    let Some(max_tokens) = obj.get("max_tokens").filter(|v| !v.is_null()) else {
-        return Err(ApiError::field("max_tokens", "'max_tokens' is required"));
+    let max_tokens = match obj.get("max_tokens").filter(|v| !v.is_null()) {
+        Some(n) => Some(n),
+        None if answered => return Err(ApiError::field("max_tokens", "'max_tokens' is required")),
+        None => None,
     };
     let mut messages = Vec::new();
     match obj.get("system") {
@@ -76,7 +87,9 @@ pub fn parse(body: &[u8]) -> Result<Request, ApiError> {
     tools::check_answers(&messages)?;
     // The rest as a chat completion reads it, under OpenAI's names.
     let mut same = Map::new();
-    same.insert("max_tokens".into(), max_tokens.clone());
+    if let Some(n) = max_tokens {
+        same.insert("max_tokens".into(), n.clone());
+    }
     for (ours, theirs) in [
         ("temperature", "temperature"),
         ("top_p", "top_p"),

@@ -59,9 +59,16 @@ pub struct Store {
 
 #[derive(Default)]
 struct Stored {
-    by_id: HashMap<String, Arc<Vec<Message>>>,
+    by_id: HashMap<String, Kept>,
     order: VecDeque<(String, usize)>,
     bytes: usize,
+}
+
+/// One stored response: its conversation (its answer included) and the response as it was sent.
+#[derive(Clone)]
+struct Kept {
+    conversation: Arc<Vec<Message>>,
+    response: Arc<Value>,
 }
 
 fn bytes_of(messages: &[Message]) -> usize {
@@ -78,13 +85,36 @@ fn bytes_of(messages: &[Message]) -> usize {
 }
 
 impl Store {
+    /// Response `id`'s conversation.
     pub fn get(&self, id: &str) -> Option<Arc<Vec<Message>>> {
-        self.inner.lock().ok()?.by_id.get(id).cloned()
+        Some(self.inner.lock().ok()?.by_id.get(id)?.conversation.clone())
     }
 
-    /// Keeps `messages` as response `id`'s conversation, the oldest going past the bounds.
-    pub fn put(&self, id: String, messages: Vec<Message>) {
-        let size = bytes_of(&messages);
+    /// Response `id` as it was sent (`GET /v1/responses/{id}`).
+    pub fn response(&self, id: &str) -> Option<Arc<Value>> {
+        Some(self.inner.lock().ok()?.by_id.get(id)?.response.clone())
+    }
+
+    /// Forgets response `id` (`DELETE /v1/responses/{id}`); whether it was kept.
+    pub fn delete(&self, id: &str) -> bool {
+        let Ok(mut s) = self.inner.lock() else {
+            return false;
+        };
+        if s.by_id.remove(id).is_none() {
+            return false;
+        }
+        if let Some(i) = s.order.iter().position(|(k, _)| k == id) {
+            if let Some((_, n)) = s.order.remove(i) {
+                s.bytes -= n;
+            }
+        }
+        true
+    }
+
+    /// Keeps `messages` as response `id`'s conversation, and `response` as it was sent, the
+    /// oldest going past the bounds.
+    pub fn put(&self, id: String, messages: Vec<Message>, response: Value) {
+        let size = bytes_of(&messages) + response.to_string().len();
         let Ok(mut s) = self.inner.lock() else {
             return;
         };
@@ -100,7 +130,13 @@ impl Store {
         }
         s.bytes += size;
         s.order.push_back((id.clone(), size));
-        s.by_id.insert(id, Arc::new(messages));
+        s.by_id.insert(
+            id,
+            Kept {
+                conversation: Arc::new(messages),
+                response: Arc::new(response),
+            },
+        );
     }
 }
 
@@ -391,7 +427,7 @@ mod tests {
         assert_eq!(m.len(), 2);
         let kept = first.keep.unwrap();
         assert_eq!(kept.len(), 1, "instructions are not stored");
-        store.put("resp_1".into(), answered(kept, "Hello!", &[]));
+        store.put("resp_1".into(), answered(kept, "Hello!", &[]), json!({}));
         let next = parsed(
             json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
                    "previous_response_id": "resp_1"}),
@@ -476,7 +512,11 @@ mod tests {
     fn the_store_drops_its_oldest_responses_past_its_bound() {
         let store = Store::default();
         for i in 0..=MAX_STORED {
-            store.put(format!("resp_{i}"), vec![Message::new("user", "x")]);
+            store.put(
+                format!("resp_{i}"),
+                vec![Message::new("user", "x")],
+                json!({}),
+            );
         }
         assert!(store.get("resp_0").is_none());
         assert!(store.get(&format!("resp_{MAX_STORED}")).is_some());
