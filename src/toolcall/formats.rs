@@ -48,7 +48,14 @@ pub const FORMATS: &[Format] = &[
         at_start: false,
         bare_json: false,
         read: |t| super::gemma::read(t, super::gemma::ESCAPE),
-        grammar: no_grammar,
+        grammar: |p| {
+            super::gemma::rules(
+                p,
+                "<start_function_call>",
+                "<end_function_call>",
+                super::gemma::ESCAPE,
+            )
+        },
     },
     Format {
         name: "gemma4",
@@ -58,7 +65,7 @@ pub const FORMATS: &[Format] = &[
         at_start: false,
         bare_json: false,
         read: |t| super::gemma::read(t, super::gemma::QUOTE),
-        grammar: no_grammar,
+        grammar: |p| super::gemma::rules(p, "<|tool_call>", "<tool_call|>", super::gemma::QUOTE),
     },
     Format {
         name: "qwen3-coder-xml",
@@ -114,12 +121,6 @@ fn hermes_rules(p: &Parts) -> Option<Rules> {
         calls: p.repeated(&one, "\"\\n\""),
         after_open: Some(after),
     })
-}
-
-/// A format kvchat reads but does not constrain (Gemma's call syntax is not JSON: its grammar
-/// would be a schema translated to it): `tool_choice` `required` or named is refused for it.
-fn no_grammar(_: &Parts) -> Option<Rules> {
-    None
 }
 
 /// Harmony's: an optional analysis message, then one call on the commentary channel, ended by

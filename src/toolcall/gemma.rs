@@ -3,6 +3,7 @@
 //! arguments as an object whose keys are bare and whose strings sit between a quote token
 //! (`<escape>`, `<|"|>`) — `{location:<escape>Tokyo<escape>,days:3}` — read here into JSON.
 
+use super::grammar::{parameters, Parts, Rules};
 use super::Call;
 use serde_json::{Map, Number, Value};
 
@@ -10,6 +11,134 @@ use serde_json::{Map, Number, Value};
 pub const ESCAPE: &str = "<escape>";
 /// Gemma 4's.
 pub const QUOTE: &str = "<|\"|>";
+
+/// A JSON schema as a Lark expression of Gemma's syntax for its values: objects with bare keys
+/// (the required properties in the schema's order, then the optional ones, each optional), strings
+/// between the quote token (`quote`: its Lark term) holding no `<`, numbers, booleans, `null`,
+/// enums and consts of them, arrays, `anyOf`. None: a schema it cannot express (a `$ref`, a
+/// pattern, nesting past 16), for which a call is read but not constrained.
+pub fn lark_value(schema: &Value, quote: &str, depth: usize) -> Option<String> {
+    if depth > 16 {
+        return None;
+    }
+    let m = match schema {
+        Value::Bool(true) => return Some(any_value(quote)),
+        Value::Object(m) => m,
+        _ => return None,
+    };
+    let literal = |v: &Value| -> Option<String> {
+        match v {
+            Value::String(s) if !s.contains('<') => Some(format!(
+                "{quote} {} {quote}",
+                serde_json::to_string(s).ok()?
+            )),
+            Value::Number(_) | Value::Bool(_) | Value::Null => {
+                Some(serde_json::to_string(&v.to_string()).ok()?)
+            }
+            _ => None,
+        }
+    };
+    if let Some(c) = m.get("const") {
+        return literal(c);
+    }
+    if let Some(Value::Array(options)) = m.get("enum") {
+        let alts = options.iter().map(literal).collect::<Option<Vec<_>>>()?;
+        return Some(format!("({})", alts.join(" | ")));
+    }
+    if let Some(Value::Array(alts)) = m.get("anyOf").or_else(|| m.get("oneOf")) {
+        let alts = alts
+            .iter()
+            .map(|a| lark_value(a, quote, depth + 1))
+            .collect::<Option<Vec<_>>>()?;
+        return Some(format!("({})", alts.join(" | ")));
+    }
+    if m.contains_key("$ref") || m.contains_key("pattern") || m.contains_key("allOf") {
+        return None;
+    }
+    let number = r#"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"#;
+    match m.get("type").and_then(Value::as_str) {
+        Some("string") => Some(format!("{quote} /[^<]*/ {quote}")),
+        Some("integer") => Some(r#"/-?(0|[1-9][0-9]*)/"#.to_string()),
+        Some("number") => Some(number.to_string()),
+        Some("boolean") => Some(r#"("true" | "false")"#.to_string()),
+        Some("null") => Some(r#""null""#.to_string()),
+        Some("array") => {
+            let item = match m.get("items") {
+                Some(i) => lark_value(i, quote, depth + 1)?,
+                None => any_value(quote),
+            };
+            Some(format!(r#""[" ({item} ("," {item})*)? "]""#))
+        }
+        Some("object") | None if m.contains_key("properties") || m.get("type").is_some() => {
+            let props = m.get("properties").and_then(Value::as_object);
+            let required: Vec<&str> = m
+                .get("required")
+                .and_then(Value::as_array)
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let mut fields = Vec::new();
+            for (key, s) in props.into_iter().flatten() {
+                if !key.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                    return None;
+                }
+                let v = lark_value(s, quote, depth + 1)?;
+                fields.push((required.contains(&key.as_str()), format!(r#""{key}:" {v}"#)));
+            }
+            let (req, opt): (Vec<_>, Vec<_>) = fields.into_iter().partition(|(r, _)| *r);
+            let body = if req.is_empty() {
+                // No field is required: any of them, in any order (a repeated key is read as
+                // its last value).
+                let any: Vec<String> = opt.into_iter().map(|(_, f)| f).collect();
+                if any.is_empty() {
+                    String::new()
+                } else {
+                    let one = format!("({})", any.join(" | "));
+                    format!(r#"({one} ("," {one})*)?"#)
+                }
+            } else {
+                // The required ones in order, then each optional one after a comma.
+                let mut parts: Vec<String> = req.into_iter().map(|(_, f)| f).collect();
+                let first = parts.remove(0);
+                let mut body = first;
+                for f in parts {
+                    body.push_str(&format!(r#" "," {f}"#));
+                }
+                for (_, f) in opt {
+                    body.push_str(&format!(r#" ("," {f})?"#));
+                }
+                body
+            };
+            Some(format!(r#""{{" {body} "}}""#))
+        }
+        _ => None,
+    }
+}
+
+/// Any value: a string, a number, a boolean or null (no nesting).
+fn any_value(quote: &str) -> String {
+    format!(r#"({quote} /[^<]*/ {quote} | /-?[0-9][0-9.eE+-]*/ | "true" | "false" | "null")"#)
+}
+
+/// A Gemma row's calls as Lark: `open` `call:NAME{…}` `close`, the arguments held to the
+/// function's parameters in Gemma's syntax ([`lark_value`]); consecutive calls where parallel.
+pub fn rules(p: &Parts, open: &str, close: &str, quote: &str) -> Option<Rules> {
+    let t = p.term;
+    let q = t(quote);
+    let calls = p
+        .tools
+        .iter()
+        .map(|tool| {
+            let args = lark_value(&parameters(tool), &q, 0)?;
+            Some(format!("{} {args}", t(&format!("call:{}", tool.name))))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let after = format!("({}) {}", calls.join(" | "), t(close));
+    let one = format!("{} {after}", t(open));
+    Some(Rules {
+        calls: p.repeated(&one, ""),
+        after_open: Some(after),
+    })
+}
 
 /// The calls between one opening and its closing: `call:NAME{…}` (one or more).
 pub fn read(text: &str, quote: &str) -> Result<Vec<Call>, String> {
@@ -191,6 +320,108 @@ mod tests {
                 arguments: json!({"location": "Paris"})
             })]
         );
+    }
+
+    /// An answer the grammar allows, over a toy vocabulary, reads back by [`read`] as a call
+    /// whose arguments match the schema.
+    #[test]
+    fn a_functiongemma_grammar_holds_a_call_to_its_schema_and_reads_back() {
+        use crate::grammar::{Grammar, Grammars};
+        use crate::toolcall::grammar::Parts;
+        use crate::toolcall::Tool;
+        let words: Vec<Vec<u8>> = [
+            &b"\xff<start_function_call>"[..],
+            b"\xff<end_function_call>",
+            b"\xff<escape>",
+            b"call:get_weather",
+            b"{",
+            b"}",
+            b"city:",
+            b"days:",
+            b",",
+            b"Paris",
+            b"3",
+            b"x",
+            b"\xff<eos>",
+        ]
+        .iter()
+        .map(|w| w.to_vec())
+        .collect();
+        let g = Grammars::from_words(&words, 12).unwrap();
+        let term = |t: &str| g.term(t);
+        let tool = Tool {
+            name: "get_weather".into(),
+            description: None,
+            parameters: json!({"type": "object", "required": ["city"],
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}),
+        };
+        let parts = Parts {
+            tools: &[&tool],
+            parallel: false,
+            term: &term,
+        };
+        let r = rules(
+            &parts,
+            "<start_function_call>",
+            "<end_function_call>",
+            ESCAPE,
+        )
+        .unwrap();
+        let lark = format!("start: {}\n", r.calls);
+        let mut c = g.compile(&Grammar::Lark(lark)).unwrap();
+        // Walk: the lowest-numbered allowed token, but "Paris" (a string's text) once.
+        let mut out = Vec::new();
+        for _ in 0..20 {
+            let mut logits = vec![0.0f32; words.len()];
+            c.apply(&mut logits).unwrap();
+            let allowed: Vec<usize> = (0..words.len()).filter(|&i| logits[i] == 0.0).collect();
+            let pick = if allowed.contains(&9) && !out.contains(&9) {
+                9
+            } else {
+                allowed[0]
+            };
+            if pick == 12 {
+                break;
+            }
+            out.push(pick);
+            c.commit(pick as u32).unwrap();
+        }
+        let text: String = out
+            .iter()
+            .map(|&i| {
+                String::from_utf8_lossy(words[i].strip_prefix(b"\xff").unwrap_or(&words[i]))
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(
+            text,
+            "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>"
+        );
+        let inner = text
+            .strip_prefix("<start_function_call>")
+            .and_then(|t| t.strip_suffix("<end_function_call>"))
+            .unwrap();
+        assert_eq!(
+            read(inner, ESCAPE).unwrap()[0].arguments,
+            json!({"city": "Paris"})
+        );
+    }
+
+    #[test]
+    fn a_schema_gemmas_syntax_cannot_say_is_left_unconstrained() {
+        let q = "<[7]>";
+        assert_eq!(lark_value(&json!({"$ref": "#/$defs/x"}), q, 0), None);
+        assert_eq!(
+            lark_value(&json!({"type": "string", "pattern": "a+"}), q, 0),
+            None
+        );
+        assert_eq!(
+            lark_value(&json!({"enum": ["a", 2]}), q, 0).as_deref(),
+            Some(r#"(<[7]> "a" <[7]> | "2")"#)
+        );
+        let none_required = json!({"type": "object", "properties": {"a": {"type": "boolean"}}});
+        let g = lark_value(&none_required, q, 0).unwrap();
+        assert!(g.starts_with(r#""{" (("a:" ("true" | "false"))"#), "{g}");
     }
 
     #[test]
