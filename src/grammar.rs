@@ -264,6 +264,26 @@ fn mask_of(m: &mut Matcher) -> Result<SimpleVob> {
     Ok(mask)
 }
 
+/// A grammar that failed while its answer was generated (its engine's limits, a dead end): the
+/// request's grammar is at fault, not the model; a server fails that answer alone, as a 4xx.
+#[derive(Debug)]
+pub struct GrammarFailed(pub String);
+
+impl std::fmt::Display for GrammarFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the answer's grammar failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for GrammarFailed {}
+
+fn failed(e: anyhow::Error) -> anyhow::Error {
+    match e.downcast::<GrammarFailed>() {
+        Ok(g) => g.into(),
+        Err(e) => GrammarFailed(crate::first_line(e)).into(),
+    }
+}
+
 /// Which tokens an answer may take next, step by step.
 pub struct Constraint {
     state: State,
@@ -306,9 +326,13 @@ impl Constraint {
         })
     }
 
-    /// Sets the logit of every token the grammar does not allow next to −∞. An error: the
-    /// grammar allows no token (a dead end) or its engine failed.
+    /// Sets the logit of every token the grammar does not allow next to −∞. An error (a
+    /// [`GrammarFailed`]): the grammar allows no token (a dead end) or its engine failed.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        self.apply_inner(logits).map_err(failed)
+    }
+
+    fn apply_inner(&mut self, logits: &mut [f32]) -> Result<()> {
         let mask = match self.ready()? {
             Some(mask) => mask,
             None => return Ok(()),
@@ -346,8 +370,13 @@ impl Constraint {
         }
     }
 
-    /// `token` was picked: the grammar moves past it, and the next mask starts computing.
+    /// `token` was picked: the grammar moves past it, and the next mask starts computing. An
+    /// error is a [`GrammarFailed`].
     pub fn commit(&mut self, token: u32) -> Result<()> {
+        self.commit_inner(token).map_err(failed)
+    }
+
+    fn commit_inner(&mut self, token: u32) -> Result<()> {
         self.ready()?;
         if token == self.end {
             // The answer ends here (the grammar allowed it: it is complete, or not started).

@@ -681,6 +681,12 @@ impl<'e> Scheduler<'e> {
                     f.decode_seconds += elapsed;
                 });
                 for mut f in done {
+                    if let Some((why, grammar)) = f.error.take() {
+                        // Its sampler failed: it alone ends, with why (a request's grammar is
+                        // refused as the request's fault).
+                        self.fail_as(f.id, &why, grammar);
+                        continue;
+                    }
                     // A stop text completed by the token that also ended it otherwise: a stop.
                     let by_stop = stopped.contains(&f.id);
                     if by_stop {
@@ -715,10 +721,18 @@ impl<'e> Scheduler<'e> {
 
     /// Ends sequence `id` with an engine failure saying `why`.
     fn fail(&mut self, id: u64, why: &str) {
+        self.fail_as(id, why, false);
+    }
+
+    /// Ends sequence `id` saying `why`: refused (the request's fault) or an engine failure.
+    fn fail_as(&mut self, id: u64, why: &str, refused: bool) {
         self.batch.leave(id, StopReason::Interrupted);
         self.left += 1;
         if let Some(l) = self.live.remove(&id) {
-            let failed = Event::Failed(Failure::Engine(why.to_string()));
+            let failed = Event::Failed(match refused {
+                true => Failure::Refused(why.to_string()),
+                false => Failure::Engine(why.to_string()),
+            });
             self.last_events.push((l.job.events, failed));
         }
         self.counts.update(|f| f.failed += 1);

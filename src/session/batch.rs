@@ -55,6 +55,10 @@ pub struct Finished<'m> {
     pub tokens: Vec<u32>,
     pub reason: StopReason,
     pub session: Session<'m>,
+    /// Why it could not pick its next token, and whether the request's grammar was at fault
+    /// (`grammar::GrammarFailed`) rather than the model (non-finite logits): it alone ends, the
+    /// others go on.
+    pub error: Option<(String, bool)>,
 }
 
 /// The sequences decoding together.
@@ -161,12 +165,13 @@ impl<'m> Batch<'m> {
             tokens: r.out,
             reason,
             session: r.session,
+            error: None,
         })
     }
 
     /// One step: every sequence samples its next token (`on_token(id, token)` for each kept
-    /// one); those that end leave and are returned; the others are fed their token together, in
-    /// one forward. After an error the running sequences' sessions are as before the forward
+    /// one); those that end leave and are returned — one whose sampler failed with its `error`;
+    /// the others are fed their token together, in one forward. After an error the running sequences' sessions are as before the forward
     /// (`Session::feed_each`) but their answers hold the token sampled for it: end them.
     pub fn step(&mut self, mut on_token: impl FnMut(u64, u32)) -> Result<Vec<Finished<'m>>> {
         let mut done = Vec::new();
@@ -181,7 +186,24 @@ impl<'m> Batch<'m> {
                 i += 1;
                 continue;
             }
-            let token = r.sampler.sample(&r.logits, r.session.tokens())?;
+            let token = match r.sampler.sample(&r.logits, r.session.tokens()) {
+                Ok(t) => t,
+                Err(e) => {
+                    // Nothing was fed or told for it: it leaves, and only it fails.
+                    let r = self.running.remove(i);
+                    done.push(Finished {
+                        id: r.id,
+                        tokens: r.out,
+                        reason: StopReason::Interrupted,
+                        session: r.session,
+                        error: Some((
+                            crate::first_line(&e),
+                            e.is::<crate::grammar::GrammarFailed>(),
+                        )),
+                    });
+                    continue;
+                }
+            };
             // As `Session::decode` takes a token: a stop id is not kept.
             let reason = if r.stop_ids.contains(&token) {
                 Some(StopReason::EndOfText)
@@ -203,6 +225,7 @@ impl<'m> Batch<'m> {
                         tokens: r.out,
                         reason,
                         session: r.session,
+                        error: None,
                     });
                 }
                 None => {

@@ -330,3 +330,27 @@ fn an_empty_prompt_or_one_past_the_context_is_refused_not_run() {
     }
     assert_eq!(q.waiting(), 0);
 }
+
+#[test]
+fn a_grammar_that_fails_mid_answer_ends_its_own_job_as_refused_and_the_others_go_on() {
+    use kvchat::grammar::{Grammar, Grammars};
+    // A vocabulary one word longer than the model's logits: the grammar asks for that word
+    // after one token, which no logit can give, so its job fails on its second step.
+    let vocab = engine().model().cfg.vocab;
+    let mut words: Vec<Vec<u8>> = (0..vocab).map(|i| format!("w{i}|").into_bytes()).collect();
+    words.push(b"unreachable".to_vec());
+    let grammars = Grammars::from_words(&words, 0).unwrap();
+    let grammar = Grammar::Lark("start: /w[0-9]+\\|/ \"unreachable\"\n".into());
+    let (mut s, _, q) = scheduler(2, 1 << 30);
+    let (mut doomed, mut doomed_rx) = job(&q, prompt(1, 20), 8);
+    doomed.constraint = Some(grammars.compile(&grammar).unwrap());
+    let (fine, mut fine_rx) = job(&q, prompt(2, 20), 8);
+    s.submit(doomed);
+    s.submit(fine);
+    run_until_idle(&mut s);
+    match answer(&mut doomed_rx) {
+        Answer::Failed(Failure::Refused(why)) => assert!(why.contains("grammar"), "{why}"),
+        a => panic!("{a:?}"),
+    }
+    assert_eq!(answer(&mut fine_rx), alone(prompt(2, 20), 8));
+}
