@@ -199,27 +199,24 @@ impl Grammars {
         Ok(Self { factory, end })
     }
 
-    /// The token that ends a constrained answer.
-    pub fn end_token(&self) -> u32 {
-        self.end
-    }
-
     /// The one token whose text is `text` (a control token's too), if there is one.
     pub fn token_of(&self, text: &str) -> Option<u32> {
         let trie = self.factory.tok_env().tok_trie();
+        trie.token_id_at_bytes(text.as_bytes())
+            .or_else(|| self.control_token(text))
+    }
+
+    /// The control token whose text is `text` (its bytes after the mark), if there is one.
+    fn control_token(&self, text: &str) -> Option<u32> {
         let mut marked = vec![crate::tokenizer::CONTROL_MARK];
         marked.extend_from_slice(text.as_bytes());
-        trie.token_id_at_bytes(text.as_bytes())
-            .or_else(|| trie.token_id_at_bytes(&marked))
+        self.factory.tok_env().tok_trie().token_id_at_bytes(&marked)
     }
 
     /// `text` as a Lark term: the control token it is (`<[ID]>`, which no string literal
     /// matches), else a string literal.
     pub fn term(&self, text: &str) -> String {
-        let trie = self.factory.tok_env().tok_trie();
-        let mut marked = vec![crate::tokenizer::CONTROL_MARK];
-        marked.extend_from_slice(text.as_bytes());
-        match trie.token_id_at_bytes(&marked) {
+        match self.control_token(text) {
             Some(id) => format!("<[{id}]>"),
             None => serde_json::to_string(text).unwrap_or_default(),
         }

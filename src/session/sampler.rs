@@ -165,11 +165,6 @@ impl Sampler {
         self.constraint = Some(constraint);
     }
 
-    /// Whether picks keep to a grammar.
-    pub fn is_constrained(&self) -> bool {
-        self.constraint.is_some()
-    }
-
     /// Records every pick from now on (read by [`Sampler::picks`]): where two devices' greedy
     /// answers part, the logits say whether it was a near-tie.
     pub fn trace(&mut self) {

@@ -94,6 +94,15 @@ fn read(reasoning: &mut Option<Reader>, calls: &mut Option<Calls>, text: Option<
     out
 }
 
+/// What an engine event adds to the answer: its text's bits, or (done) what was held.
+fn read_event(reasoning: &mut Option<Reader>, calls: &mut Option<Calls>, ev: &Event) -> Vec<Bit> {
+    match ev {
+        Event::Text(t) => read(reasoning, calls, Some(t)),
+        Event::Done(_) => read(reasoning, calls, None),
+        _ => Vec::new(),
+    }
+}
+
 /// The whole answer read: its bits in order.
 fn read_whole(s: &mut Started, text: &str) -> Vec<Bit> {
     let mut bits = read(&mut s.reasoning, &mut s.calls, Some(text));
@@ -181,16 +190,12 @@ pub(super) async fn openai(
             }
             first = false;
         };
+        for bit in read_event(&mut reasoning, &mut calls, &ev) {
+            chunk(&mut out, bit, &mut calls);
+        }
         match ev {
-            Event::Text(t) => {
-                for bit in read(&mut reasoning, &mut calls, Some(&t)) {
-                    chunk(&mut out, bit, &mut calls);
-                }
-            }
+            Event::Text(_) => {}
             Event::Done(done) => {
-                for bit in read(&mut reasoning, &mut calls, None) {
-                    chunk(&mut out, bit, &mut calls);
-                }
                 let finish = match &calls {
                     Some(c) => c.finish_reason(done.reason),
                     None => api::finish_reason(done.reason),
@@ -303,16 +308,12 @@ pub(super) async fn messages(app: &Arc<App>, mut s: Started) -> Result<Response,
                     }
                 }
             };
+        for bit in read_event(&mut reasoning, &mut calls, &ev) {
+            add(&mut out, bit, &mut calls);
+        }
         match ev {
-            Event::Text(t) => {
-                for bit in read(&mut reasoning, &mut calls, Some(&t)) {
-                    add(&mut out, bit, &mut calls);
-                }
-            }
+            Event::Text(_) => {}
             Event::Done(done) => {
-                for bit in read(&mut reasoning, &mut calls, None) {
-                    add(&mut out, bit, &mut calls);
-                }
                 out.extend(blocks.close_text());
                 let called = calls.as_ref().is_some_and(|c| c.given > 0);
                 let reason = messages::stop_reason(done.reason, called, done.stop_text.as_deref());
@@ -444,8 +445,7 @@ pub(super) async fn responses(app: &Arc<App>, mut s: Started) -> Result<Response
             _ => None,
         };
         let bits = match ev {
-            Event::Text(t) => read(&mut reasoning, &mut calls, Some(&t)),
-            Event::Done(_) => read(&mut reasoning, &mut calls, None),
+            Event::Text(_) | Event::Done(_) => read_event(&mut reasoning, &mut calls, &ev),
             Event::Failed(f) => {
                 let e = failure(f);
                 return vec![event(

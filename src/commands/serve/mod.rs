@@ -171,10 +171,14 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         pool,
         sampling: opts.sampling.clone(),
     };
+    let harmony = template
+        .as_ref()
+        .is_ok_and(|t| crate::toolcall::harmony::is_harmony(t.source()));
     let preparer = prepare::Preparer {
         engine: &engine,
         template,
         default_max_tokens: opts.max_tokens,
+        harmony,
     };
     let to_prepare = Mutex::new(to_prepare);
     std::thread::scope(|s| {

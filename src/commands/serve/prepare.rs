@@ -53,6 +53,8 @@ pub struct Preparer<'e> {
     pub engine: &'e Engine,
     pub template: Result<ChatTemplate, String>,
     pub default_max_tokens: usize,
+    /// The template is a Harmony model's (gpt-oss): its answers are read by channels.
+    pub harmony: bool,
 }
 
 impl Preparer<'_> {
@@ -87,10 +89,7 @@ impl Preparer<'_> {
                     "preparing this request's prompt failed inside kvchat",
                 ))
             });
-            let harmony = self
-                .template
-                .as_ref()
-                .is_ok_and(|t| toolcall::harmony::is_harmony(t.source()));
+            let harmony = self.harmony;
             let answer =
                 prepared.map(
                     |((ids, max_tokens, tool_format, thinking), constraint)| Prepared {
