@@ -94,24 +94,35 @@ fn the_anthropic_client_gets_the_chat_answer_tool_use_stop_sequences_and_errors(
 }
 
 #[test]
-fn a_messages_request_without_max_tokens_or_with_a_bad_block_gets_anthropics_error_shape() {
+fn a_messages_or_count_tokens_request_with_a_fault_gets_anthropics_error_shape() {
     let server = Server::start(&["--ctx", "512"]);
-    for (body, says) in [
+    let count = "/v1/messages/count_tokens";
+    for (path, body, says) in [
+        // count_tokens reads the same body, without max_tokens, and refuses the same faults.
+        (count, json!({"system": "x"}), "'messages'"),
         (
+            count,
+            json!({"messages": [{"role": "user", "content": [{"type": "document"}]}]}),
+            "block type 'document'",
+        ),
+        (
+            "/v1/messages",
             json!({"messages": [{"role": "user", "content": "hi"}]}),
             "'max_tokens' is required",
         ),
         (
+            "/v1/messages",
             json!({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "document"}]}]}),
             "block type 'document'",
         ),
         (
+            "/v1/messages",
             json!({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
                    "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
             "does not show tools",
         ),
     ] {
-        let (code, v, _) = server.post("/v1/messages", &body.to_string(), None);
+        let (code, v, _) = server.post(path, &body.to_string(), None);
         assert_eq!(code, 400, "{body}: {v}");
         assert_eq!(v["type"], "error", "{v}");
         assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");

@@ -101,3 +101,24 @@ fn a_stored_response_is_retrieved_as_it_was_sent_and_once_deleted_is_a_404() {
     assert_eq!(v["after"], json!([404, 404, 404]), "{v}");
     server.assert_settles();
 }
+
+#[test]
+fn retrieving_or_deleting_a_hostile_id_is_a_404_in_one_line() {
+    let server = Server::start(&["--ctx", "512"]);
+    let agent = ureq::AgentBuilder::new().build();
+    let id = format!("resp_{}%0Aforged%20line{}", "x".repeat(2000), "%E2%80%AE");
+    for method in ["GET", "DELETE"] {
+        let url = server.url(&format!("/v1/responses/{id}"));
+        let (code, text) = match agent.request(method, &url).call() {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+            Err(e) => panic!("{method}: {e}"),
+        };
+        assert_eq!(code, 404, "{method}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.starts_with("no stored response"), "{msg}");
+        assert!(!msg.contains('\n') && msg.len() < 300, "{method}: {msg}");
+    }
+    server.assert_settles();
+}

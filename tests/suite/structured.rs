@@ -225,6 +225,13 @@ fn run_with_a_bad_schema_or_grammar_fails_in_one_line_naming_the_flag() {
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.lark");
     std::fs::write(&bad, "start: foo(\n").unwrap();
+    // Over the size cap: refused by its size, before it is read or a model is loaded.
+    let huge = dir.join("huge.json");
+    std::fs::write(
+        &huge,
+        format!("{{\"description\": \"{}\"}}", "x".repeat(300 << 10)),
+    )
+    .unwrap();
     for (args, says) in [
         (
             vec!["--json-schema", "{\"type\": \"strin\"}"],
@@ -236,6 +243,10 @@ fn run_with_a_bad_schema_or_grammar_fails_in_one_line_naming_the_flag() {
             "--json-schema: cannot read",
         ),
         (vec!["--grammar", bad.to_str().unwrap()], "--grammar: "),
+        (
+            vec!["--json-schema", huge.to_str().unwrap()],
+            "more than the 262144",
+        ),
     ] {
         let mut all = vec!["run", "-n", "5"];
         all.extend(args);
